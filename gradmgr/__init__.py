@@ -1,0 +1,36 @@
+"""gradmgr: one gradient-manager API (MegEngine's GradManager semantics) across frameworks.
+
+Example:
+    >>> from gradmgr import GradManager
+    >>> # gm = GradManager().attach(model.parameters())
+    >>> # with gm:
+    >>> #     gm.backward(loss_fn(model(x), y))
+
+Importing gradmgr imports no framework; a backend is loaded on the first tensor of its kind.
+"""
+
+from ._state import get_backwarding_grad_manager
+from .backend import Backend, Capabilities, Tape
+from .errors import BackendNotFoundError, GradMgrWarning
+from .future import Future, is_future
+from .manager import AttachSpec, GradManager, GradManagerGroup
+from .registry import backend_for, get_backend, register_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttachSpec",
+    "Backend",
+    "BackendNotFoundError",
+    "Capabilities",
+    "Future",
+    "GradManager",
+    "GradManagerGroup",
+    "GradMgrWarning",
+    "Tape",
+    "backend_for",
+    "get_backend",
+    "get_backwarding_grad_manager",
+    "is_future",
+    "register_backend",
+]

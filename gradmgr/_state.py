@@ -1,0 +1,41 @@
+"""Per-thread bookkeeping: which managers are recording and which one is backwarding.
+
+Managers in different threads are independent (S12), so this state is thread-local. Engines may
+run gradient callbacks on their own worker threads (PyTorch does on CUDA); the manager pushes
+itself as the backwarding manager in whatever thread runs its callbacks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from .manager import GradManager
+
+record_counter = itertools.count()
+"""Global start order of recordings: earlier-started managers record later backwards."""
+
+
+class ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.recording: List[GradManager] = []
+        self.backwarding: List[GradManager] = []
+
+
+state = ThreadState()
+
+
+def get_backwarding_grad_manager() -> Optional[GradManager]:
+    """The manager whose ``backward()`` is running in this thread, else None.
+
+    Inside a gradient callback it is the manager that called the callback; after the backward
+    it is whatever it was before (an outer manager's backward, or None).
+
+    Example:
+        >>> get_backwarding_grad_manager() is None
+        True
+    """
+    stack = state.backwarding
+    return stack[-1] if stack else None

@@ -1,0 +1,114 @@
+"""The contract between the framework-neutral core and one framework's adapter.
+
+A backend answers questions about tensors (is this a tensor of mine? may it be attached?) and
+creates one :class:`Tape` per :class:`~gradmgr.GradManager`. The core never imports a framework;
+everything framework-specific goes through these two classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, List, Optional, Sequence
+
+GradSink = Callable[[Any], None]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports; tests skip by capability with a reason."""
+
+    higher_order: bool = False
+    """Nested managers give second derivatives (S10)."""
+    cuda: bool = False
+    """Tensors on CUDA devices work (S13)."""
+    exact_pre_record_semantics: bool = False
+    """Operations done before ``record()`` never contribute gradient (S9). When False the backend
+    detects the case and warns instead."""
+    requires_grad_flag: bool = False
+    """Tensors carry a ``requires_grad`` flag that attach/release manage."""
+
+
+class Tape(ABC):
+    """Records computation for one manager; started and stopped once per recording.
+
+    One tape belongs to one manager for the manager's whole life, so a backend can keep
+    per-tensor state (hooks, flags) across recordings instead of rebuilding it every step.
+    """
+
+    @abstractmethod
+    def start(self) -> None:
+        """Begin recording (``GradManager.record()``)."""
+
+    @abstractmethod
+    def watch(self, tensor: Any, sink: GradSink, eager: bool) -> None:
+        """Snapshot ``tensor`` now; differentiate the next backward with respect to it.
+
+        ``sink(grad)`` must be called once with the tensor's gradient if the backward reaches
+        it, and not at all otherwise. With ``eager`` it must be called as soon as that gradient
+        is ready, while the engine is still running (callbacks overlap computation); without
+        it the backend may deliver after the engine finishes. Watching an already watched
+        tensor updates ``sink``/``eager`` and keeps the first snapshot.
+        """
+
+    @abstractmethod
+    def backward(
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
+    ) -> None:
+        """Run reverse mode from ``ys`` seeded with ``dys``, feeding the sinks.
+
+        ``create_graph``: a manager that started recording earlier (and is not in this
+        manager's group) is recording, so the backward itself must be differentiable.
+        ``retain_graph``: another manager that may have recorded the same computation is still
+        recording, so the graph must survive this backward.
+        """
+
+    @abstractmethod
+    def stop(self) -> None:
+        """End recording and free what it kept. Idempotent."""
+
+
+class Backend(ABC):
+    """A framework adapter. Subclasses are registered by name in :mod:`gradmgr.registry`."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    tensor_modules: ClassVar[Sequence[str]]
+    """Top-level module names whose tensor types this backend owns (used for detection)."""
+
+    @abstractmethod
+    def is_tensor(self, obj: Any) -> bool:
+        """True if ``obj`` is a tensor of this framework."""
+
+    @abstractmethod
+    def check_attachable(self, tensor: Any) -> None:
+        """Raise ``TypeError`` naming dtype and shape if ``tensor`` cannot get a gradient."""
+
+    @abstractmethod
+    def shape(self, tensor: Any) -> tuple:
+        """The tensor's shape as a tuple of ints."""
+
+    @abstractmethod
+    def ones_like(self, tensor: Any) -> Any:
+        """The default ``dy`` for ``tensor``."""
+
+    @abstractmethod
+    def accumulate(self, tensor: Any, grad: Any) -> None:
+        """Set ``tensor.grad = grad``, or add ``grad`` into an existing ``tensor.grad``."""
+
+    @abstractmethod
+    def new_tape(self) -> Tape:
+        """A tape for one new manager."""
+
+    def recording_group(self) -> ContextManager[None]:
+        """Context in which the members of a group ``gm1 | gm2`` start recording together."""
+        return contextlib.nullcontext()
+
+    def reachable(self, ys: Iterable[Any], tensors: Iterable[Any]) -> List[Any]:
+        """Those of ``tensors`` that a backward from ``ys`` would give a gradient."""
+        raise NotImplementedError(f"backend {self.name!r} cannot inspect its graph")
+
+    def device_of(self, tensor: Any) -> Optional[str]:
+        """A printable device name, for messages."""
+        return None

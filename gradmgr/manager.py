@@ -1,0 +1,442 @@
+"""GradManager and GradManagerGroup: MegEngine's gradient-manager semantics on any backend."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+from . import _state
+from .backend import Backend, Tape
+from .future import is_future
+from .registry import backend_for, resolve_backend
+
+Callback = Callable[[Any, Any], Any]
+"""``cb(tensor, grad) -> grad`` (or a Future of a grad)."""
+
+
+class AttachSpec:
+    """One attached tensor: a weak reference to it and its callback chain."""
+
+    __slots__ = ("tensor", "callbacks", "__weakref__")
+
+    def __init__(self, tensor: weakref.ref, callbacks: List[Callback]) -> None:
+        self.tensor = tensor
+        self.callbacks = callbacks
+
+
+def _as_list(value: Any) -> List[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+class GradManager:
+    """Computes gradients of attached tensors by reverse-mode autodiff, MegEngine-style.
+
+    Attach tensors once; each recording (``with gm:`` or ``record()``) tracks the operations on
+    them, and ``backward(y, dy)`` accumulates ``dy``-weighted gradients into ``tensor.grad`` of
+    the attached tensors only, running each tensor's callbacks as its gradient becomes ready.
+
+    Example (PyTorch; MegEngine tensors work the same way):
+        >>> import torch
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> gm = GradManager().attach(w)
+        >>> with gm:
+        ...     loss = (w * torch.tensor([1.0, 2.0, 3.0])).sum()
+        ...     gm.backward(loss)
+        >>> w.grad
+        tensor([1., 2., 3.])
+
+    Args:
+        backend: ``"torch"``, ``"megengine"``, a registered name or a Backend instance. By
+            default the backend is detected from the first attached tensor.
+    """
+
+    def __init__(self, backend: Union[str, Backend, None] = None) -> None:
+        self._backend: Optional[Backend] = resolve_backend(backend)
+        self._specs: Dict[int, AttachSpec] = {}
+        self._tape: Optional[Tape] = None
+        self._recording = False
+        self._taping = False  # the tape has started (the backend may be unknown at record())
+        self._record_order = -1
+        self._group: Optional[GradManagerGroup] = None
+        self._thread_state: Optional[_state.ThreadState] = None
+        self._gradients: Dict[int, Any] = {}
+        self._after_backward_callbacks: List[Callable[[], None]] = []
+
+    # ----------------------------------------------------------------- attaching
+    @property
+    def backend(self) -> Optional[Backend]:
+        """The backend in use, or None until the first tensor is attached."""
+        return self._backend
+
+    def attached_tensors(self) -> List[Any]:
+        """Live attached tensors, in first-attach order."""
+        alive = (spec.tensor() for spec in self._specs.values())
+        return [t for t in alive if t is not None]
+
+    def attach(
+        self,
+        tensors: Union[Any, Iterable[Any]],
+        callbacks: Union[Callback, Sequence[Callback], None] = None,
+    ) -> GradManager:
+        """Track ``tensors`` so that later backwards compute their gradients.
+
+        ``callbacks`` (a callable or a list) are appended to each tensor's chain and called as
+        ``grad = cb(tensor, grad)`` during backward. Attaching while recording snapshots the
+        tensor: only operations after this call are differentiated.
+
+        Example:
+            >>> import torch
+            >>> x = torch.tensor([2.0])
+            >>> gm = GradManager().attach(x, callbacks=lambda t, g: g * 10)
+            >>> with gm:
+            ...     gm.backward(x * x)
+            >>> x.grad
+            tensor([40.])
+
+        Raises:
+            TypeError: an object is not a tensor, a tensor's dtype is not floating point, a
+                callback is not callable, or tensors of two frameworks meet in one manager.
+        """
+        callback_list = self._check_callbacks(callbacks)
+        tensor_list = self._check_tensors(tensors)
+        for tensor in tensor_list:
+            key = id(tensor)
+            spec = self._specs.get(key)
+            if spec is None:
+                spec = AttachSpec(self._weak(tensor, key), list(callback_list))
+                self._specs[key] = spec
+                if self._recording:
+                    self._ensure_tape()
+                    self._watch(spec)
+            else:
+                had_callbacks = bool(spec.callbacks)
+                spec.callbacks.extend(callback_list)
+                if self._taping and callback_list and not had_callbacks:
+                    self._watch(spec)  # now eager: callbacks must run while backward runs
+        return self
+
+    def _weak(self, tensor: Any, key: int) -> weakref.ref:
+        manager = weakref.ref(self)
+
+        def forget(ref: weakref.ref) -> None:
+            owner = manager()
+            if owner is not None:
+                spec = owner._specs.get(key)
+                if spec is not None and spec.tensor is ref:
+                    del owner._specs[key]
+
+        return weakref.ref(tensor, forget)
+
+    @staticmethod
+    def _check_callbacks(callbacks: Any) -> List[Callback]:
+        if callbacks is None:
+            return []
+        if callable(callbacks):
+            return [callbacks]
+        try:
+            callback_list = list(callbacks)
+        except TypeError:
+            raise TypeError(
+                f"callbacks must be a callable or a list of callables, "
+                f"not {type(callbacks).__name__}"
+            ) from None
+        for cb in callback_list:
+            if not callable(cb):
+                raise TypeError(
+                    f"each callback must be callable as cb(tensor, grad) -> grad; "
+                    f"got {type(cb).__name__}"
+                )
+        return callback_list
+
+    def _check_tensors(self, tensors: Any) -> List[Any]:
+        """Validate everything before changing anything, so a bad call leaves no trace."""
+        if backend_for(tensors) is not None:
+            tensor_list = [tensors]
+        else:
+            try:
+                tensor_list = list(tensors)
+            except TypeError:
+                raise TypeError(
+                    f"attach() expects a tensor or an iterable of tensors, "
+                    f"got {type(tensors).__module__}.{type(tensors).__qualname__}"
+                ) from None
+        backend = self._backend
+        for tensor in tensor_list:
+            found = backend_for(tensor)
+            if found is None:
+                raise TypeError(
+                    f"only tensors can be attached; got {type(tensor).__module__}."
+                    f"{type(tensor).__qualname__} (is its framework's backend installed?)"
+                )
+            if backend is not None and found is not backend:
+                raise TypeError(
+                    f"one GradManager cannot mix frameworks: it holds {backend.name} tensors "
+                    f"and was given a {found.name} tensor; use one manager per framework"
+                )
+            found.check_attachable(tensor)
+            backend = found
+        self._backend = backend
+        return tensor_list
+
+    # ----------------------------------------------------------------- recording
+    def record(self) -> None:
+        """Start recording operations; ``backward()`` is legal until ``release()``.
+
+        Raises:
+            RuntimeError: already recording.
+        """
+        self._begin_record(group=None)
+
+    def _begin_record(self, group: Optional[GradManagerGroup]) -> None:
+        if self._recording:
+            raise RuntimeError(
+                "already recording: call backward() or release() before record() again"
+            )
+        self._recording = True
+        self._group = group
+        self._record_order = next(_state.record_counter)
+        self._thread_state = _state.state
+        self._thread_state.recording.append(self)
+        try:
+            if self._backend is not None:
+                self._ensure_tape()
+        except BaseException:
+            self.release()
+            raise
+
+    def _ensure_tape(self) -> None:
+        if self._taping:
+            return
+        if self._tape is None:
+            self._tape = self._backend.new_tape()
+        self._tape.start()
+        self._taping = True
+        for spec in list(self._specs.values()):
+            self._watch(spec)
+
+    def _watch(self, spec: AttachSpec) -> None:
+        tensor = spec.tensor()
+        if tensor is not None:
+            self._tape.watch(tensor, self._make_sink(spec, id(tensor)), bool(spec.callbacks))
+
+    def _make_sink(self, spec: AttachSpec, key: int) -> Callable[[Any], None]:
+        def sink(grad: Any) -> None:
+            tensor = spec.tensor()
+            if tensor is None:
+                return
+            if spec.callbacks:
+                grad = self._run_callbacks(spec.callbacks, tensor, grad)
+            self._gradients[key] = grad
+
+        return sink
+
+    def _run_callbacks(self, callbacks: List[Callback], tensor: Any, grad: Any) -> Any:
+        # The engine may call us from one of its worker threads: make this manager the
+        # backwarding one there too, so callbacks can find it.
+        stack = _state.state.backwarding
+        pushed = not stack or stack[-1] is not self
+        if pushed:
+            stack.append(self)
+        try:
+            for cb in callbacks:
+                grad = cb(tensor, grad)
+            return grad
+        finally:
+            if pushed:
+                stack.pop()
+
+    def release(self) -> None:
+        """Stop recording and free what was kept for differentiation. Idempotent."""
+        tape, taping = self._tape, self._taping
+        self._recording = False
+        self._taping = False
+        self._group = None
+        self._gradients = {}
+        if self._thread_state is not None:
+            with contextlib.suppress(ValueError):
+                self._thread_state.recording.remove(self)
+            self._thread_state = None
+        if taping and tape is not None:
+            tape.stop()
+
+    def __enter__(self) -> GradManager:
+        self.record()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.release()
+
+    # ----------------------------------------------------------------- backward
+    def register_after_backward_callback(self, callback: Callable[[], None]) -> GradManager:
+        """Call ``callback()`` after every backward's gradients are computed, before Futures
+        resolve and before anything is accumulated into ``.grad``. Registrations persist."""
+        if not callable(callback):
+            raise TypeError(f"after-backward callback must be callable, not {type(callback)}")
+        self._after_backward_callbacks.append(callback)
+        return self
+
+    _register_after_backward_callback = register_after_backward_callback  # MegEngine's name
+
+    def backward(self, y: Any = None, dy: Any = None) -> None:
+        """Accumulate the vector-Jacobian product ``dy · ∂y/∂x`` into ``x.grad`` for every
+        attached ``x``, then release the recording (also when an error is raised).
+
+        Args:
+            y: a tensor, a list/tuple of tensors, or None (nothing to differentiate: a rank
+                that only takes part through communication callbacks).
+            dy: like ``y``; defaults to ones shaped like each ``y``.
+
+        Raises:
+            RuntimeError: not recording.
+            ValueError: ``y`` and ``dy`` differ in length or in a shape.
+        """
+        if not self._recording:
+            raise RuntimeError(
+                "no computation history to differentiate: call record() (or use `with gm:`) "
+                "before computing y, then backward(y) inside the recording"
+            )
+        stack = self._thread_state.backwarding
+        stack.append(self)
+        try:
+            ys, dys = self._check_outputs(y, dy)
+            if ys and self._taping:
+                recording = [m for m in self._thread_state.recording if m is not self]
+                create_graph = any(
+                    m._record_order < self._record_order
+                    and (self._group is None or m._group is not self._group)
+                    for m in recording
+                )
+                self._tape.backward(
+                    ys, dys, create_graph=create_graph, retain_graph=bool(recording)
+                )
+            for callback in self._after_backward_callbacks:
+                callback()
+            backend = self._backend
+            for key, grad in self._gradients.items():
+                if is_future(grad) and not backend.is_tensor(grad):
+                    grad = grad.get()
+                spec = self._specs.get(key)
+                tensor = spec.tensor() if spec is not None else None
+                if tensor is not None and grad is not None:
+                    backend.accumulate(tensor, grad)
+        finally:
+            self.release()
+            stack.pop()
+
+    def _check_outputs(self, y: Any, dy: Any) -> tuple:
+        ys = _as_list(y)
+        if not ys:
+            if dy is not None and _as_list(dy):
+                raise ValueError("dy was given but y is empty")
+            return [], []
+        backend = self._backend
+        for t in ys:
+            found = backend_for(t)
+            if found is None:
+                raise TypeError(f"backward() expects tensors as y, got {type(t).__name__}")
+            if backend is not None and found is not backend:
+                raise TypeError(
+                    f"y is a {found.name} tensor but this manager holds {backend.name} tensors"
+                )
+            backend = found
+        if self._backend is None:
+            self._backend = backend
+        if dy is None:
+            return ys, [backend.ones_like(t) for t in ys]
+        dys = _as_list(dy)
+        if len(dys) != len(ys):
+            raise ValueError(f"got {len(ys)} tensors as y but {len(dys)} as dy; give one dy per y")
+        for i, (t, d) in enumerate(zip(ys, dys)):
+            if backend_for(d) is not backend:
+                raise TypeError(f"dy[{i}] must be a {backend.name} tensor, got {type(d).__name__}")
+            if backend.shape(t) != backend.shape(d):
+                raise ValueError(
+                    f"dy[{i}] has shape {backend.shape(d)} but y[{i}] has shape "
+                    f"{backend.shape(t)}; each dy must match its y"
+                )
+        return ys, dys
+
+    # ----------------------------------------------------------------- graph helper
+    def reachable(self, y: Any) -> List[Any]:
+        """Attached tensors that ``backward(y)`` would give a gradient, in attach order."""
+        ys = _as_list(y)
+        if not ys or self._backend is None:
+            return []
+        return self._backend.reachable(ys, self.attached_tensors())
+
+    # ----------------------------------------------------------------- groups
+    def __or__(self, other: Any) -> GradManagerGroup:
+        if isinstance(other, GradManager):
+            return GradManagerGroup([self, other])
+        if isinstance(other, GradManagerGroup):
+            return GradManagerGroup([self, *other._gms])
+        return NotImplemented
+
+    __ror__ = __or__
+
+    def __repr__(self) -> str:
+        name = self._backend.name if self._backend else "no backend yet"
+        state = "recording" if self._recording else "idle"
+        return f"<GradManager {name}, {len(self._specs)} attached, {state}>"
+
+
+class GradManagerGroup:
+    """Managers that record together and do not see each other's backward.
+
+    Example:
+        >>> gm1, gm2 = GradManager(), GradManager()
+        >>> group = gm1 | gm2
+        >>> with group:
+        ...     pass  # both record; gm1.backward(...) is not recorded by gm2, nor vice versa
+    """
+
+    def __init__(self, gms: Iterable[GradManager]) -> None:
+        self._gms = list(gms)
+        for gm in self._gms:
+            if not isinstance(gm, GradManager):
+                raise TypeError(f"a group holds GradManagers, not {type(gm).__name__}")
+
+    def merge_with(self, other: Any) -> GradManagerGroup:
+        if isinstance(other, GradManager):
+            return GradManagerGroup([*self._gms, other])
+        if isinstance(other, GradManagerGroup):
+            return GradManagerGroup([*self._gms, *other._gms])
+        return NotImplemented
+
+    __or__ = merge_with
+    __ror__ = merge_with
+
+    def record(self) -> None:
+        backends = {gm._backend for gm in self._gms if gm._backend is not None}
+        if len(backends) > 1:
+            names = sorted(b.name for b in backends)
+            raise TypeError(f"a group cannot mix frameworks: its managers use {names}")
+        backend = next(iter(backends), None)
+        context = backend.recording_group() if backend is not None else contextlib.nullcontext()
+        started: List[GradManager] = []
+        try:
+            with context:
+                for gm in self._gms:
+                    gm._begin_record(group=self)
+                    started.append(gm)
+        except BaseException:
+            for gm in reversed(started):
+                gm.release()
+            raise
+
+    def release(self) -> None:
+        for gm in reversed(self._gms):
+            gm.release()
+
+    def __enter__(self) -> GradManagerGroup:
+        self.record()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.release()
+

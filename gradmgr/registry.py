@@ -1,0 +1,126 @@
+"""Find the backend that owns a tensor, without importing any framework.
+
+Detection looks at the module that defines the tensor's type (and its base classes): a
+``torch.Tensor`` can only exist once ``torch`` was imported, so the backend module is imported
+lazily on the first tensor of that framework and the answer is cached per type. Third-party
+backends register through the entry-point group ``gradmgr.backends`` or :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+from typing import Any, Dict, Optional, Type, Union
+
+from .backend import Backend
+from .errors import BackendNotFoundError
+
+ENTRY_POINT_GROUP = "gradmgr.backends"
+
+# name -> "module:Class" (loaded on first use) or a Backend subclass
+_specs: Dict[str, Union[str, Type[Backend]]] = {
+    "torch": "gradmgr.backends.torch:TorchBackend",
+    "megengine": "gradmgr.backends.megengine:MegEngineBackend",
+}
+# top-level module name of a tensor type -> backend name
+_owners: Dict[str, str] = {"torch": "torch", "megengine": "megengine"}
+_instances: Dict[str, Backend] = {}
+_by_type: Dict[type, Optional[Backend]] = {}
+_entry_points_loaded = False
+_lock = threading.RLock()
+
+
+def register_backend(name: str, backend: Union[str, Type[Backend]], tensor_modules=()) -> None:
+    """Register a backend class (or ``"module:Class"``) under ``name``.
+
+    Example:
+        >>> register_backend("mine", "my_pkg.gradmgr_backend:MyBackend", tensor_modules=["my_pkg"])
+    """
+    with _lock:
+        _specs[name] = backend
+        _instances.pop(name, None)
+        modules = tensor_modules or getattr(backend, "tensor_modules", ())
+        for module in modules:
+            _owners[module] = name
+        _by_type.clear()
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    eps = entry_points()
+    group = eps.select(group=ENTRY_POINT_GROUP) if hasattr(eps, "select") else eps.get(
+        ENTRY_POINT_GROUP, []
+    )
+    for ep in group:
+        if ep.name in _specs:
+            continue
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a broken third-party plugin must not break detection
+            import warnings
+
+            warnings.warn(f"gradmgr: backend entry point {ep.name!r} failed to load: {exc}",
+                          stacklevel=2)
+            continue
+        register_backend(ep.name, cls)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend instance registered under ``name`` (``"torch"``, ``"megengine"``, ...)."""
+    with _lock:
+        if name in _instances:
+            return _instances[name]
+        if name not in _specs:
+            _load_entry_points()
+        if name not in _specs:
+            raise BackendNotFoundError(
+                f"no gradmgr backend named {name!r}; known: {sorted(_specs)}"
+            )
+        spec = _specs[name]
+        if isinstance(spec, str):
+            module_name, _, attr = spec.partition(":")
+            spec = getattr(importlib.import_module(module_name), attr)
+        instance = spec()
+        _instances[name] = instance
+        return instance
+
+
+def backend_for(obj: Any) -> Optional[Backend]:
+    """The backend owning ``obj``'s type, or None if ``obj`` is no known tensor."""
+    cls = type(obj)
+    try:
+        return _by_type[cls]
+    except KeyError:
+        pass
+    with _lock:
+        found = _detect(cls, obj)
+        if found is None and not _entry_points_loaded:
+            _load_entry_points()
+            found = _detect(cls, obj)
+        _by_type[cls] = found
+        return found
+
+
+def _detect(cls: type, obj: Any) -> Optional[Backend]:
+    for klass in cls.__mro__:
+        top = (klass.__module__ or "").partition(".")[0]
+        name = _owners.get(top)
+        if name is not None and top in sys.modules:
+            backend = get_backend(name)
+            if backend.is_tensor(obj):
+                return backend
+    return None
+
+
+def resolve_backend(backend: Union[str, Backend, None]) -> Optional[Backend]:
+    if backend is None or isinstance(backend, Backend):
+        return backend
+    if isinstance(backend, str):
+        return get_backend(backend)
+    raise TypeError(f"backend must be a name or a Backend instance, not {type(backend).__name__}")

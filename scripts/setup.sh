@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Sets up gradmgr's two development environments; safe to run again (it then only checks).
+#   .venv         CPython 3.8-3.10 with torch 2.8.0 + megengine 1.13.0 (MegEngine has no newer wheels)
+#   .venv-latest  the machine's python3 with the newest cheap PyTorch (torch 2.13.0, CPU build)
+# Environment: GRADMGR_PYTHON names a CPython 3.8-3.10 to use for .venv;
+#              GRADMGR_LATEST_PYTHON the interpreter for .venv-latest (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+LEGACY_TORCH="torch==2.8.0"
+LATEST_TORCH="${GRADMGR_LATEST_TORCH:-torch==2.13.0}"
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+is_legacy_python() {  # true if "$1" runs and is CPython 3.8-3.10
+  "$1" -c 'import sys, platform; sys.exit(not (platform.python_implementation() == "CPython" and (3, 8) <= sys.version_info[:2] <= (3, 10)))' >/dev/null 2>&1
+}
+
+find_legacy_python() {
+  local c
+  if [ -n "${GRADMGR_PYTHON:-}" ]; then
+    is_legacy_python "$GRADMGR_PYTHON" || die "GRADMGR_PYTHON=$GRADMGR_PYTHON is not a working CPython 3.8-3.10"
+    echo "$GRADMGR_PYTHON"; return
+  fi
+  for c in python3.10 python3.9 python3.8; do
+    if command -v "$c" >/dev/null 2>&1 && is_legacy_python "$c"; then command -v "$c"; return; fi
+  done
+  # Interpreters that exist but are not on PATH (pyenv installs, Debian's /usr/bin).
+  local pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+  for c in "$pyenv_root"/versions/3.10*/bin/python3.10 "$pyenv_root"/versions/3.9*/bin/python3.9 \
+           "$pyenv_root"/versions/3.8*/bin/python3.8 /usr/bin/python3.10 /usr/bin/python3.9 /usr/bin/python3.8; do
+    if [ -x "$c" ] && is_legacy_python "$c"; then echo "$c"; return; fi
+  done
+  return 1
+}
+
+install_bullseye_python39() {
+  # Debian bookworm has no python3.8-3.10; bullseye's python3.9 installs cleanly beside it.
+  local sources=/etc/apt/sources.list.d/gradmgr-bullseye.sources
+  local pin=/etc/apt/preferences.d/gradmgr-bullseye
+  local uri keyring
+  uri=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+  keyring=$(awk '/^Signed-By:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+  uri=${uri:-http://deb.debian.org/debian}
+  keyring=${keyring:-/usr/share/keyrings/debian-archive-keyring.gpg}
+  say "No CPython 3.8-3.10 found. CHANGING THIS MACHINE: adding Debian's bullseye suite ($sources),"
+  say "pinned at priority 100 ($pin) so it never wins for other packages, to install python3.9."
+  printf 'Types: deb\nURIs: %s\nSuites: bullseye\nComponents: main\nSigned-By: %s\n' "$uri" "$keyring" >"$sources"
+  printf 'Package: *\nPin: release n=bullseye\nPin-Priority: 100\n' >"$pin"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q -t bullseye python3.9
+  # bullseye's python3-distutils would replace bookworm's package of the same name; unpack its files only.
+  local tmp; tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -q python3-distutils/bullseye && dpkg-deb -x python3-distutils_*.deb /)
+  rm -rf "$tmp"
+  say "Installed /usr/bin/python3.9 from bullseye (plus its libssl1.1, libffi7, libmpdec3); nothing removed."
+}
+
+ensure_legacy_python() {
+  local py
+  if py=$(find_legacy_python); then echo "$py"; return; fi
+  if [ -r /etc/debian_version ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    install_bullseye_python39 >&2
+    py=$(find_legacy_python) || die "python3.9 from bullseye did not install as expected"
+    echo "$py"; return
+  fi
+  die "MegEngine needs CPython 3.8, 3.9 or 3.10 and none was found. Install one (e.g. 'pyenv install 3.9'), then run again, or set GRADMGR_PYTHON=/path/to/python3.9."
+}
+
+make_venv() {  # make_venv DIR PYTHON
+  local dir=$1 py=$2
+  if [ -x "$dir/bin/python" ] && "$dir/bin/python" -m pip --version >/dev/null 2>&1; then return; fi
+  rm -rf "$dir"
+  say "creating $dir with $py ($("$py" --version 2>&1))"
+  if "$py" -c 'import ensurepip, venv' >/dev/null 2>&1 && "$py" -m venv "$dir"; then return; fi
+  rm -rf "$dir"
+  # Debian's python3.9 from bullseye has no ensurepip; virtualenv seeds pip itself.
+  python3 -m virtualenv --version >/dev/null 2>&1 || python3 -m pip install -q virtualenv
+  python3 -m virtualenv -q -p "$py" "$dir"
+}
+
+stamp_of() {  # what the environment was built from: a change re-runs the install
+  cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16
+}
+
+setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
+  local dir=$1 py=$2 check=$3; shift 3
+  local stamp; stamp="$(stamp_of) $*"
+  if [ -f "$dir/.gradmgr-stamp" ] && [ "$(cat "$dir/.gradmgr-stamp")" = "$stamp" ] \
+     && "$dir/bin/python" -c "import $check" >/dev/null 2>&1; then
+    say "$dir is up to date"; return
+  fi
+  make_venv "$dir" "$py"
+  say "installing into $dir: $*"
+  "$dir/bin/python" -m pip install -q --upgrade pip
+  "$dir/bin/python" -m pip install -q "$@"
+  "$dir/bin/python" -c "import $check"
+  echo "$stamp" >"$dir/.gradmgr-stamp"
+  say "$dir ready"
+}
+
+LEGACY_PY=$(ensure_legacy_python)
+setup_env .venv "$LEGACY_PY" "torch, megengine, gradmgr" \
+  "$LEGACY_TORCH" -e ".[megengine,test,demo]"
+setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr" \
+  "$LATEST_TORCH" -e ".[test]"
+say "done: .venv ($(.venv/bin/python -c 'import sys,torch,megengine;print("python",sys.version.split()[0],"torch",torch.__version__,"megengine",megengine.__version__)' 2>/dev/null | tail -1)), .venv-latest ($(.venv-latest/bin/python -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__)'))"

@@ -1,0 +1,199 @@
+"""A thin per-framework op table, so one test program runs on every backend.
+
+Each test receives a :class:`Framework` from the ``fw`` fixture (see conftest.py) and builds
+tensors and programs only through it; gradients come back as numpy arrays for comparison.
+The parity suite uses the same table to run one program on both frameworks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+
+class Framework:
+    """The op table. Tensors are float32 unless a dtype is given."""
+
+    name: str  # the gradmgr backend name
+    supports_cuda = False
+
+    # tensors -------------------------------------------------------------
+    def tensor(self, data: Any, requires_grad: bool = False, dtype: str = "float32") -> Any:
+        raise NotImplementedError
+
+    def parameter(self, data: Any) -> Any:
+        """A trainable leaf (torch: requires_grad=True; megengine: Parameter)."""
+        raise NotImplementedError
+
+    def int_tensor(self, data: Any) -> Any:
+        return self.tensor(data, dtype="int32")
+
+    def numpy(self, t: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def grad(self, t: Any) -> Optional[np.ndarray]:
+        """``t.grad`` as numpy, or None."""
+        g = t.grad
+        return None if g is None else self.numpy(g)
+
+    def set_grad(self, t: Any, value: Optional[Any]) -> None:
+        t.grad = value
+
+    def detach(self, t: Any) -> Any:
+        raise NotImplementedError
+
+    def ones_like(self, t: Any) -> Any:
+        raise NotImplementedError
+
+    def zeros_like(self, t: Any) -> Any:
+        raise NotImplementedError
+
+    # ops -----------------------------------------------------------------
+    def matmul(self, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def relu(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def exp(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def sin(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def cos(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def sum(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def mean(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def greater(self, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def linear(self, x: Any, w: Any, b: Any) -> Any:
+        """``x @ w.T + b`` with ``w`` of shape (out, in)."""
+        raise NotImplementedError
+
+    def conv2d(self, x: Any, w: Any, b: Any, stride: int = 1, padding: int = 0) -> Any:
+        raise NotImplementedError
+
+    def batch_norm(self, x: Any, weight: Any, bias: Any, eps: float = 1e-5) -> Any:
+        """Training-mode batch norm over (N, H, W) per channel, no running stats."""
+        raise NotImplementedError
+
+    def softmax_cross_entropy(self, logits: Any, labels: Any) -> Any:
+        """Mean cross-entropy of integer ``labels`` under ``softmax(logits)``."""
+        raise NotImplementedError
+
+    def flatten(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def reference_grads(self, fn, inputs: list) -> list:
+        """Gradients of scalar ``fn(*inputs)`` with respect to ``inputs`` by the framework's
+        own autodiff (the reference gradmgr is compared against), as numpy arrays."""
+        raise NotImplementedError
+
+
+class TorchFramework(Framework):
+    name = "torch"
+
+    def __init__(self, device: str = "cpu") -> None:
+        import torch
+
+        self.torch = torch
+        self.device = device
+
+    def tensor(self, data, requires_grad=False, dtype="float32"):
+        t = self.torch.as_tensor(np.asarray(data, dtype=dtype), device=self.device)
+        return t.requires_grad_(requires_grad) if requires_grad else t
+
+    def parameter(self, data):
+        return self.torch.nn.Parameter(self.tensor(data))
+
+    def numpy(self, t):
+        return t.detach().cpu().numpy()
+
+    def grad(self, t):
+        g = t.grad if t.is_leaf or t.retains_grad else _nonleaf_grad(t)
+        return None if g is None else self.numpy(g)
+
+    def detach(self, t):
+        return t.detach()
+
+    def ones_like(self, t):
+        return self.torch.ones_like(t)
+
+    def zeros_like(self, t):
+        return self.torch.zeros_like(t)
+
+    def matmul(self, a, b):
+        return a @ b
+
+    def relu(self, x):
+        return self.torch.relu(x)
+
+    def exp(self, x):
+        return self.torch.exp(x)
+
+    def sin(self, x):
+        return self.torch.sin(x)
+
+    def cos(self, x):
+        return self.torch.cos(x)
+
+    def sum(self, x):
+        return x.sum()
+
+    def mean(self, x):
+        return x.mean()
+
+    def where(self, cond, a, b):
+        return self.torch.where(cond, a, b)
+
+    def greater(self, a, b):
+        return a > b
+
+    def linear(self, x, w, b):
+        return self.torch.nn.functional.linear(x, w, b)
+
+    def conv2d(self, x, w, b, stride=1, padding=0):
+        return self.torch.nn.functional.conv2d(x, w, b, stride=stride, padding=padding)
+
+    def batch_norm(self, x, weight, bias, eps=1e-5):
+        return self.torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.1, eps)
+
+    def softmax_cross_entropy(self, logits, labels):
+        return self.torch.nn.functional.cross_entropy(logits, labels.long())
+
+    def flatten(self, x):
+        return x.flatten(1)
+
+    def reference_grads(self, fn, inputs):
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+        grads = self.torch.autograd.grad(fn(*leaves), leaves, allow_unused=True)
+        return [None if g is None else self.numpy(g) for g in grads]
+
+
+def _nonleaf_grad(t):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return t.grad
+
+
+def make_framework(name: str, device: str = "cpu") -> Framework:
+    if name == "torch":
+        return TorchFramework(device)
+    if name == "megengine":
+        from fw_megengine import MegEngineFramework
+
+        return MegEngineFramework(device)
+    raise ValueError(name)
