@@ -73,10 +73,36 @@ class GradManager:
         """The backend in use, or None until the first tensor is attached."""
         return self._backend
 
-    def attached_tensors(self) -> List[Any]:
-        """Live attached tensors, in first-attach order."""
-        alive = (spec.tensor() for spec in self._specs.values())
+    def attached_tensors(self, with_callback: Optional[Callback] = None) -> List[Any]:
+        """Live attached tensors, in first-attach order.
+
+        With ``with_callback``, only the tensors whose chain contains that callback (an
+        allreduce callback uses this to plan buckets the same way on every rank).
+        """
+        specs = self._specs.values()
+        if with_callback is not None:
+            specs = [s for s in specs if any(cb is with_callback for cb in s.callbacks)]
+        alive = (spec.tensor() for spec in specs)
         return [t for t in alive if t is not None]
+
+    def add_gradient(self, tensor: Any, grad: Any) -> None:
+        """Deliver ``grad`` (a tensor or a Future) for attached ``tensor`` during a backward.
+
+        For callbacks and after-backward callbacks that produce a gradient the engine did not:
+        an allreduce gives a tensor that no local output reached the other ranks' gradient.
+        It is accumulated into ``tensor.grad`` with the others; a gradient already delivered
+        for the tensor in this backward is replaced.
+
+        Raises:
+            RuntimeError: no backward of this manager is running.
+            ValueError: ``tensor`` is not attached.
+        """
+        if not self._recording:
+            raise RuntimeError("add_gradient() is only valid while this manager is backwarding")
+        spec = self._specs.get(id(tensor))
+        if spec is None or spec.tensor() is not tensor:
+            raise ValueError("add_gradient(): the tensor is not attached to this manager")
+        self._gradients[id(tensor)] = grad
 
     def attach(
         self,
