@@ -1,0 +1,192 @@
+"""MegEngine backend: gradmgr on MegEngine's own autodiff engine.
+
+The native ``megengine.autodiff.GradManager`` is a thin layer over
+``megengine.core.autodiff.grad.Grad``; this backend drives the same engine the same way (one
+``Grad`` per recording, ``wrt(tensor, callback=...)`` per attached tensor, ``grad(ys, dys)`` to
+run reverse mode), so gradients are bit-identical to the native manager's.
+
+Example:
+    >>> import megengine as mge
+    >>> from gradmgr import GradManager
+    >>> w = mge.Parameter([1.0, 2.0])
+    >>> gm = GradManager().attach(w)
+    >>> with gm:
+    ...     gm.backward((w * w).sum())
+    >>> w.grad.numpy().tolist()
+    [2.0, 4.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Dict, Iterator, Optional, Sequence
+
+import megengine
+import megengine.functional as F
+from megengine.core._imperative_rt.core2 import pop_scope, push_scope, set_option
+from megengine.core.autodiff.grad import Grad
+from megengine.core.tensor.dtype import is_differentible_dtype
+
+from gradmgr.backend import Backend, Capabilities, GradSink, Tape
+
+# ``Grad.stack`` and ``Grad.grouping`` are process-wide class attributes. Holding this lock
+# while a Grad enters or leaves them keeps a group being formed in one thread from adopting a
+# Grad started at the same moment in another thread.
+_grad_stack_lock = threading.RLock()
+
+
+class _Slot:
+    """The current sink of one watched tensor; re-watching swaps the sink, not the snapshot."""
+
+    __slots__ = ("tensor", "sink")
+
+    def __init__(self, tensor: Any, sink: GradSink) -> None:
+        self.tensor = weakref.ref(tensor)
+        self.sink: Optional[GradSink] = sink
+
+    def __call__(self, grad: Any) -> None:
+        sink = self.sink
+        if sink is not None:
+            sink(grad)
+
+
+class MegEngineTape(Tape):
+    """One ``Grad`` per recording, exactly as the native manager's ``record()`` makes it."""
+
+    def __init__(self) -> None:
+        self._grad: Optional[Grad] = None
+        self._slots: Dict[int, _Slot] = {}
+
+    def start(self) -> None:
+        grad = Grad()
+        with _grad_stack_lock:
+            grad.__enter__()
+        self._grad = grad
+        self._slots = {}
+
+    def watch(self, tensor: Any, sink: GradSink, eager: bool) -> None:
+        # MegEngine calls wrt callbacks as each gradient becomes ready, so ``eager`` needs
+        # nothing extra.
+        if self._grad is None:
+            raise RuntimeError("MegEngineTape.watch() called while the tape is not started")
+        key = id(tensor)
+        slot = self._slots.get(key)
+        if slot is not None and slot.tensor() is tensor:
+            slot.sink = sink  # a second wrt() would add a second snapshot; keep the first
+            return
+        if slot is not None:
+            slot.sink = None  # a dead tensor's id was reused: silence its old attachment
+        slot = _Slot(tensor, sink)
+        self._slots[key] = slot
+        self._grad.wrt(tensor, callback=slot)
+
+    def backward(
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
+    ) -> None:
+        # ``create_graph`` and ``retain_graph`` are not needed: MegEngine's Grad stack records
+        # a backward in every Grad entered earlier (higher order), suppresses the other members
+        # of this Grad's group, and keeps each Grad's tape until that Grad exits.
+        grad = self._grad
+        if grad is None:
+            raise RuntimeError("MegEngineTape.backward() called while the tape is not started")
+        # As the native backward does: a profiler scope, and no computing-path recording.
+        push_scope("backward")
+        set_option("record_computing_path", 0)
+        try:
+            try:
+                grad(list(ys), list(dys))
+            except BaseException:
+                # Grad.__call__ suppresses the other group members around the engine call and
+                # resumes them only on success; resume them here so an exception (say, in a
+                # callback) leaves them recording. resume() on an active key would break it,
+                # so only the ones that are currently suppressed by this call are touched.
+                _resume_group_after_failure(grad)
+                raise
+        finally:
+            set_option("record_computing_path", 1)
+            pop_scope("backward")
+
+    def stop(self) -> None:
+        grad, self._grad = self._grad, None
+        for slot in self._slots.values():
+            slot.sink = None
+        self._slots = {}
+        if grad is not None:
+            with _grad_stack_lock:
+                grad.__exit__(None, None, None)
+
+
+def _resume_group_after_failure(grad: Grad) -> None:
+    # The engine call is the only step of Grad.__call__ that can raise once suppression has
+    # started, so after a failure every other live member is suppressed.
+    for ref in list(grad._group):
+        member = ref()
+        if member is not None and member is not grad:
+            member.resume()
+
+
+class MegEngineBackend(Backend):
+    """Adapter for ``megengine.Tensor`` (``megengine.Parameter`` included)."""
+
+    name = "megengine"
+    tensor_modules = ("megengine",)
+    capabilities = Capabilities(
+        higher_order=True,
+        cuda=True,
+        exact_pre_record_semantics=True,
+        requires_grad_flag=False,
+    )
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, megengine.Tensor)
+
+    def check_attachable(self, tensor: Any) -> None:
+        if not is_differentible_dtype(tensor.dtype):
+            raise TypeError(
+                f"only floating-point tensors can be attached to get gradients; got a "
+                f"megengine tensor of dtype {tensor.dtype} and shape {tuple(tensor.shape)} "
+                f"(cast it with .astype('float32') first)"
+            )
+
+    def shape(self, tensor: Any) -> tuple:
+        return tuple(int(d) for d in tensor.shape)
+
+    def ones_like(self, tensor: Any) -> Any:
+        return F.ones_like(tensor)
+
+    def accumulate(self, tensor: Any, grad: Any) -> None:
+        if tensor.grad is None:
+            tensor.grad = grad
+        else:
+            tensor.grad += grad
+
+    def new_tape(self) -> Tape:
+        return MegEngineTape()
+
+    @contextlib.contextmanager
+    def recording_group(self) -> Iterator[None]:
+        """Grad objects started inside join one group, as ``GradManagerGroup.__enter__`` does.
+
+        If a member fails to start, the group is closed and, when nobody joined it, removed
+        from ``Grad.stack``, so MegEngine's global state is as before.
+        """
+        with _grad_stack_lock:
+            if Grad.grouping:
+                raise RuntimeError("a MegEngine GradManager group is already being formed")
+            group: list = []
+            Grad.stack.append(group)
+            Grad.begin_group()
+            try:
+                yield
+            finally:
+                Grad.grouping = False
+                if not group:
+                    for i in range(len(Grad.stack) - 1, -1, -1):
+                        if Grad.stack[i] is group:
+                            del Grad.stack[i]
+                            break
+
+    def device_of(self, tensor: Any) -> Optional[str]:
+        return str(tensor.device)
