@@ -52,6 +52,11 @@ class Tape(ABC):
         tensor updates ``sink``/``eager`` and keeps the first snapshot.
         """
 
+    def watch_late(self, tensor: Any, sink: GradSink, eager: bool) -> None:
+        """Like :meth:`watch`, for a tensor attached while already recording (S8): its
+        snapshot is taken now rather than at :meth:`start`."""
+        self.watch(tensor, sink, eager)
+
     @abstractmethod
     def backward(
         self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool

@@ -136,9 +136,10 @@ class GradManager:
             if spec is None:
                 spec = AttachSpec(self._weak(tensor, key), list(callback_list))
                 self._specs[key] = spec
-                if self._recording:
+                if self._taping:
+                    self._watch(spec, late=True)
+                elif self._recording:
                     self._ensure_tape()
-                    self._watch(spec)
             else:
                 had_callbacks = bool(spec.callbacks)
                 spec.callbacks.extend(callback_list)
@@ -245,10 +246,11 @@ class GradManager:
         for spec in list(self._specs.values()):
             self._watch(spec)
 
-    def _watch(self, spec: AttachSpec) -> None:
+    def _watch(self, spec: AttachSpec, late: bool = False) -> None:
         tensor = spec.tensor()
         if tensor is not None:
-            self._tape.watch(tensor, self._make_sink(spec, id(tensor)), bool(spec.callbacks))
+            watch = self._tape.watch_late if late else self._tape.watch
+            watch(tensor, self._make_sink(spec, id(tensor)), bool(spec.callbacks))
 
     def _make_sink(self, spec: AttachSpec, key: int) -> Callable[[Any], None]:
         def sink(grad: Any) -> None:

@@ -1,0 +1,388 @@
+"""PyTorch backend: GradManager semantics on top of PyTorch's autograd engine.
+
+How the contract maps onto autograd:
+
+* ``backward`` runs ``torch.autograd.grad(ys, inputs=<attached tensors>, allow_unused=True)``, so
+  the engine only computes what attached tensors need, never touches ``.grad`` of anything else,
+  and reports unreached tensors as ``None`` (their ``.grad`` stays ``None``).
+* A tensor with callbacks gets one tensor hook for the manager's whole life (not one per step):
+  autograd fires it the moment that tensor's gradient is ready, and the hook feeds the callback
+  chain while the engine goes on with earlier layers. Tensors without callbacks get no hook; their
+  gradients are taken from the engine's result.
+* Attaching a leaf with ``requires_grad=False`` (an input) turns the flag on while recording and
+  restores it when the last manager recording it releases.
+* Nesting: the backward is recorded (``create_graph``) only while a manager that started
+  recording earlier is still recording; the graph is kept (``retain_graph``) while any other
+  manager is recording.
+
+What PyTorch cannot do exactly (see README "PyTorch notes"): autograd records operations on a
+``requires_grad`` tensor whether or not a manager is recording, so gradient can flow through
+operations done before ``record()`` (or before a mid-recording ``attach``). The backend detects
+this from node sequence numbers and warns once per manager (:class:`PreRecordGradientWarning`).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from gradmgr.backend import Backend, Capabilities, GradSink, Tape
+from gradmgr.errors import GradMgrWarning
+
+__all__ = [
+    "PreRecordGradientWarning",
+    "TorchBackend",
+    "TorchTape",
+    "reachable_leaves",
+    "set_pre_record_check",
+]
+
+
+class PreRecordGradientWarning(GradMgrWarning):
+    """Gradient reached an attached tensor through operations done before it was recorded."""
+
+
+_PRE_RECORD_CHECK = "always"
+_CHECK_MODES = ("always", "first", "off")
+
+
+def set_pre_record_check(mode: str) -> None:
+    """How often backward checks for gradient paths through pre-``record()`` operations.
+
+    ``"always"`` (default) walks the graph of every backward; ``"first"`` only each manager's
+    first backward; ``"off"`` never. The walk is cheap next to the backward itself (see
+    bench/), but ``"first"`` removes it for fixed training loops.
+
+    Example:
+        >>> set_pre_record_check("first")
+        >>> set_pre_record_check("always")
+    """
+    global _PRE_RECORD_CHECK
+    if mode not in _CHECK_MODES:
+        raise ValueError(f"pre-record check mode must be one of {_CHECK_MODES}, not {mode!r}")
+    _PRE_RECORD_CHECK = mode
+
+
+# ----------------------------------------------------------------------------- graph helpers
+def _current_sequence_nr() -> int:
+    """The sequence number the next autograd node created in this thread will get."""
+    with torch.enable_grad():
+        probe = _PROBE.view_as(_PROBE)
+    return probe.grad_fn._sequence_nr() + 1
+
+
+_PROBE = torch.zeros((), requires_grad=True)
+
+
+def _grad_node(t: torch.Tensor) -> Any:
+    """The node whose output is ``t``'s gradient: ``grad_fn`` or the leaf's AccumulateGrad."""
+    node = t.grad_fn
+    if node is None:
+        node = torch.autograd.graph.get_gradient_edge(t).node
+    return node
+
+
+def _walk(roots: Iterable[Any]) -> Dict[Any, List[Any]]:
+    """Every node reachable from ``roots``, mapped to its parents (nodes that feed it)."""
+    parents: Dict[Any, List[Any]] = {}
+    stack = [(r, None) for r in roots if r is not None]
+    while stack:
+        node, parent = stack.pop()
+        seen = node in parents
+        entry = parents.setdefault(node, [])
+        if parent is not None:
+            entry.append(parent)
+        if seen:
+            continue
+        for child, _ in node.next_functions:
+            if child is not None:
+                stack.append((child, node))
+    return parents
+
+
+def reachable_leaves(
+    ys: Sequence[torch.Tensor], tensors: Optional[Iterable[Any]] = None
+) -> List[Any]:
+    """Tensors that a backward from ``ys`` would give a gradient.
+
+    With ``tensors``, those of them (leaves or not) on a gradient path from ``ys``, in the given
+    order. Without, every leaf that requires grad and is reachable (parameters a loss touches).
+
+    Example:
+        >>> a = torch.ones(2, requires_grad=True); b = torch.ones(2, requires_grad=True)
+        >>> [t is a for t in reachable_leaves([(a * 2).sum()], [a, b])]
+        [True]
+    """
+    parents = _walk(y.grad_fn for y in ys)
+    if tensors is None:
+        return [n.variable for n in parents if hasattr(n, "variable")]
+    found = []
+    for t in tensors:
+        if not t.requires_grad:
+            continue
+        if (t.grad_fn is None and _grad_node(t) in parents) or (
+            t.grad_fn is not None and t.grad_fn in parents
+        ):
+            found.append(t)
+    return found
+
+
+def _hook(tape_ref: weakref.ref, key: int, grad: torch.Tensor) -> None:
+    tape = tape_ref()
+    if tape is not None and tape._running:
+        sink = tape._eager.get(key)
+        if sink is not None:
+            tape._fired.add(key)
+            sink(grad)
+
+
+# ----------------------------------------------------------------------------- requires_grad
+class _FlagLedger:
+    """Who turned ``requires_grad`` on for which leaf, so that several managers recording the
+    same input do not undo each other's change on release."""
+
+    def __init__(self) -> None:
+        self._holders: Dict[int, list] = {}  # id -> [weakref, count]
+
+    def acquire(self, t: torch.Tensor) -> bool:
+        entry = self._holders.get(id(t))
+        if entry is not None and entry[0]() is t:
+            entry[1] += 1
+            return True
+        if t.requires_grad:
+            return False  # the user's own flag: nothing to restore
+        t.requires_grad_(True)
+        self._holders[id(t)] = [weakref.ref(t), 1]
+        return True
+
+    def release(self, t: torch.Tensor) -> None:
+        entry = self._holders.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._holders[id(t)]
+            t.requires_grad_(False)
+
+
+_FLAGS = _FlagLedger()
+
+
+# ----------------------------------------------------------------------------- tape
+class TorchTape(Tape):
+    """One manager's recording state on PyTorch, reused across recordings."""
+
+    def __init__(self) -> None:
+        self._inputs: List[torch.Tensor] = []
+        self._sinks: List[GradSink] = []
+        self._index: Dict[int, int] = {}
+        self._watch_seq: List[int] = []
+        self._eager: Dict[int, GradSink] = {}
+        self._fired: set = set()
+        self._flagged: List[torch.Tensor] = []
+        self._hooked: Dict[int, weakref.ref] = {}
+        self._handles: Dict[int, Any] = {}
+        self._running = False
+        self._recording = False
+        self._record_seq = 0
+        self._checked = False
+        self._warned = False
+        weakref.finalize(self, _remove_handles, self._handles)
+
+    def start(self) -> None:
+        self._recording = True
+        if _PRE_RECORD_CHECK != "off":
+            self._record_seq = _current_sequence_nr()
+
+    def watch(self, tensor: torch.Tensor, sink: GradSink, eager: bool) -> None:
+        self._watch(tensor, sink, eager, self._record_seq)
+
+    def watch_late(self, tensor: torch.Tensor, sink: GradSink, eager: bool) -> None:
+        late = _current_sequence_nr() if _PRE_RECORD_CHECK != "off" else self._record_seq
+        self._watch(tensor, sink, eager, late)
+
+    def _watch(self, tensor: torch.Tensor, sink: GradSink, eager: bool, since: int) -> None:
+        key = id(tensor)
+        index = self._index.get(key)
+        if index is None:
+            if tensor.is_leaf and _FLAGS.acquire(tensor):
+                self._flagged.append(tensor)
+            self._index[key] = len(self._inputs)
+            self._inputs.append(tensor)
+            self._sinks.append(sink)
+            self._watch_seq.append(since)
+        else:
+            self._sinks[index] = sink
+        if eager:
+            self._eager[key] = sink
+            self._ensure_hook(tensor, key)
+        else:
+            self._eager.pop(key, None)
+
+    def _ensure_hook(self, tensor: torch.Tensor, key: int) -> None:
+        ref = self._hooked.get(key)
+        if ref is not None and ref() is tensor:
+            return
+        hooked, handles = self._hooked, self._handles
+
+        def forget(dead: weakref.ref, key: int = key) -> None:
+            if hooked.get(key) is dead:
+                del hooked[key]
+                handles.pop(key, None)
+
+        self._hooked[key] = weakref.ref(tensor, forget)
+        self._handles[key] = tensor.register_hook(
+            functools.partial(_hook, weakref.ref(self), key)
+        )
+
+    def backward(
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
+    ) -> None:
+        pairs = [(y, dy) for y, dy in zip(ys, dys) if y.requires_grad]
+        if not pairs or not self._inputs:
+            return
+        outputs = [y for y, _ in pairs]
+        self._check_pre_record(outputs)
+        self._running = True
+        self._fired.clear()
+        try:
+            grads = torch.autograd.grad(
+                outputs,
+                self._inputs,
+                grad_outputs=[dy for _, dy in pairs],
+                retain_graph=retain_graph or create_graph,
+                create_graph=create_graph,
+                allow_unused=True,
+            )
+        finally:
+            self._running = False
+        eager, fired = self._eager, self._fired
+        for tensor, sink, grad in zip(self._inputs, self._sinks, grads):
+            if grad is None:
+                continue
+            key = id(tensor)
+            if key in eager:
+                if key in fired:
+                    continue
+                sink = eager[key]  # the engine captured it without running hooks
+            sink(grad)
+
+    def _check_pre_record(self, outputs: List[torch.Tensor]) -> None:
+        mode = _PRE_RECORD_CHECK
+        if mode == "off" or self._warned or (mode == "first" and self._checked):
+            return
+        self._checked = True
+        stale = _pre_record_paths(outputs, self._inputs, self._watch_seq)
+        if stale:
+            self._warned = True
+            shapes = ", ".join(str(tuple(t.shape)) for t in stale[:4])
+            warnings.warn(
+                f"gradmgr: gradient reaches {len(stale)} attached tensor(s) (shapes {shapes}) "
+                "through operations done before record() or before attach(); MegEngine ignores "
+                "those, PyTorch cannot, so they contribute here. Compute them inside the "
+                "recording, or .detach() their results if they should be constants. "
+                "(warned once per manager)",
+                PreRecordGradientWarning,
+                stacklevel=4,
+            )
+
+    def stop(self) -> None:
+        if not self._recording:
+            return
+        self._recording = False
+        self._running = False
+        for tensor in self._flagged:
+            _FLAGS.release(tensor)
+        self._flagged = []
+        self._inputs = []
+        self._sinks = []
+        self._index = {}
+        self._watch_seq = []
+        self._eager = {}
+        self._fired = set()
+
+
+def _remove_handles(handles: Dict[int, Any]) -> None:
+    for handle in list(handles.values()):
+        handle.remove()
+    handles.clear()
+
+
+def _pre_record_paths(
+    outputs: List[torch.Tensor], inputs: List[torch.Tensor], watch_seq: List[int]
+) -> List[torch.Tensor]:
+    """Attached tensors whose gradient passes through a node created before their snapshot.
+
+    ``low[n]`` is the smallest sequence number among the nodes on any path from the outputs
+    down to ``n`` (``n`` excluded). Children are always created before their parents, so
+    visiting nodes by decreasing sequence number sees every parent first; AccumulateGrad nodes
+    (the leaves) have no children and go last.
+    """
+    parents = _walk(y.grad_fn for y in outputs)
+    seq = {n: n._sequence_nr() for n in parents}
+    never = float("inf")
+    low: Dict[Any, float] = {}
+    for node in sorted(parents, key=lambda n: -1 if hasattr(n, "variable") else seq[n],
+                       reverse=True):
+        low[node] = min((min(seq[p], low[p]) for p in parents[node]), default=never)
+    stale = []
+    for t, since in zip(inputs, watch_seq):
+        node = t.grad_fn if t.grad_fn is not None else _grad_node(t)
+        if low.get(node, never) < since:
+            stale.append(t)
+    return stale
+
+
+# ----------------------------------------------------------------------------- backend
+class TorchBackend(Backend):
+    """The PyTorch adapter (CPU and CUDA)."""
+
+    name = "torch"
+    tensor_modules = ("torch",)
+    capabilities = Capabilities(
+        higher_order=True, cuda=True, exact_pre_record_semantics=False, requires_grad_flag=True
+    )
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def check_attachable(self, tensor: Any) -> None:
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(
+                f"only floating-point tensors can be attached to get gradients; got dtype "
+                f"{tensor.dtype} and shape {tuple(tensor.shape)} (convert it with .float() first)"
+            )
+
+    def shape(self, tensor: Any) -> tuple:
+        return tuple(tensor.shape)
+
+    def ones_like(self, tensor: Any) -> Any:
+        return torch.ones_like(tensor)
+
+    def accumulate(self, tensor: Any, grad: Any) -> None:
+        if tensor.is_leaf:
+            existing = tensor.grad
+        else:
+            with warnings.catch_warnings():  # reading .grad of a non-leaf warns
+                warnings.simplefilter("ignore")
+                existing = tensor.grad
+        if existing is None:
+            tensor.grad = grad
+        elif grad.requires_grad or existing.requires_grad:
+            tensor.grad = existing + grad
+        else:
+            existing.add_(grad)
+
+    def new_tape(self) -> Tape:
+        return TorchTape()
+
+    def reachable(self, ys: Iterable[Any], tensors: Iterable[Any]) -> List[Any]:
+        return reachable_leaves([y for y in ys if y.requires_grad], tensors)
+
+    def device_of(self, tensor: Any) -> Optional[str]:
+        return str(tensor.device)
+
