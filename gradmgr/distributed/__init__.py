@@ -1,0 +1,31 @@
+"""Data-parallel training with gradmgr: allreduce callbacks over existing collective engines.
+
+Importing this package imports no framework; torch / megengine are imported on first use.
+
+Example:
+    >>> from gradmgr.distributed import make_allreduce_cb
+    >>> cb = make_allreduce_cb("mean")
+    >>> # gm = GradManager().attach(model.parameters(), callbacks=[cb])
+"""
+
+from .allreduce import AllreduceCallback, make_allreduce_cb
+from .bucket import Bucket, BucketPlan
+from .transport import (
+    Handle,
+    MegEngineTransport,
+    MegEngineViaTorchTransport,
+    TorchTransport,
+    Transport,
+)
+
+__all__ = [
+    "AllreduceCallback",
+    "Bucket",
+    "BucketPlan",
+    "Handle",
+    "MegEngineTransport",
+    "MegEngineViaTorchTransport",
+    "TorchTransport",
+    "Transport",
+    "make_allreduce_cb",
+]
