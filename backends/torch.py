@@ -46,16 +46,17 @@ class PreRecordGradientWarning(GradMgrWarning):
     """Gradient reached an attached tensor through operations done before it was recorded."""
 
 
-_PRE_RECORD_CHECK = "always"
+_PRE_RECORD_CHECK = "first"
 _CHECK_MODES = ("always", "first", "off")
 
 
 def set_pre_record_check(mode: str) -> None:
     """How often backward checks for gradient paths through pre-``record()`` operations.
 
-    ``"always"`` (default) walks the graph of every backward; ``"first"`` only each manager's
-    first backward; ``"off"`` never. The walk is cheap next to the backward itself (see
-    bench/), but ``"first"`` removes it for fixed training loops.
+    ``"first"`` (default) walks the graph of each manager's first backward, which catches the
+    usual cause (a value computed from parameters once, outside the loop) at no cost to later
+    steps; ``"always"`` walks every backward (a Python walk over the graph: about 1 us per
+    node); ``"off"`` never checks.
 
     Example:
         >>> set_pre_record_check("first")
@@ -173,18 +174,35 @@ _FLAGS = _FlagLedger()
 
 
 # ----------------------------------------------------------------------------- tape
+class _Entry:
+    """One watched tensor: weakly held, with its sink and snapshot sequence number."""
+
+    __slots__ = ("ref", "sink", "eager", "since")
+
+    def __init__(self, ref: weakref.ref, sink: GradSink, eager: bool, since: Optional[int]):
+        self.ref = ref
+        self.sink = sink
+        self.eager = eager
+        self.since = since  # None: snapshot at record() time
+
+
 class TorchTape(Tape):
-    """One manager's recording state on PyTorch, reused across recordings."""
+    """One manager's watched tensors and recording state on PyTorch.
+
+    Watches persist across recordings (``persistent_watch``), so a training step costs a few
+    list operations per attached tensor rather than a Python call each.
+    """
+
+    persistent_watch = True
 
     def __init__(self) -> None:
-        self._inputs: List[torch.Tensor] = []
-        self._sinks: List[GradSink] = []
-        self._index: Dict[int, int] = {}
-        self._watch_seq: List[int] = []
+        self._entries: Dict[int, _Entry] = {}
+        self._eager_count = 0
+        self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._eager: Dict[int, GradSink] = {}
         self._fired: set = set()
         self._flagged: List[torch.Tensor] = []
-        self._hooked: Dict[int, weakref.ref] = {}
+        self._needs_flag: Dict[int, weakref.ref] = {}
         self._handles: Dict[int, Any] = {}
         self._running = False
         self._recording = False
@@ -193,90 +211,110 @@ class TorchTape(Tape):
         self._warned = False
         weakref.finalize(self, _remove_handles, self._handles)
 
-    def start(self) -> None:
-        self._recording = True
-        if _PRE_RECORD_CHECK != "off":
-            self._record_seq = _current_sequence_nr()
-
+    # -- watching ---------------------------------------------------------------------
     def watch(self, tensor: torch.Tensor, sink: GradSink, eager: bool) -> None:
-        self._watch(tensor, sink, eager, self._record_seq)
-
-    def watch_late(self, tensor: torch.Tensor, sink: GradSink, eager: bool) -> None:
-        late = _current_sequence_nr() if _PRE_RECORD_CHECK != "off" else self._record_seq
-        self._watch(tensor, sink, eager, late)
-
-    def _watch(self, tensor: torch.Tensor, sink: GradSink, eager: bool, since: int) -> None:
         key = id(tensor)
-        index = self._index.get(key)
-        if index is None:
-            if tensor.is_leaf and _FLAGS.acquire(tensor):
-                self._flagged.append(tensor)
-            self._index[key] = len(self._inputs)
-            self._inputs.append(tensor)
-            self._sinks.append(sink)
-            self._watch_seq.append(since)
-        else:
-            self._sinks[index] = sink
+        entry = self._entries.get(key)
+        if entry is None or entry.ref() is not tensor:
+            since = None
+            if self._recording:
+                self._late = True
+                since = _current_sequence_nr() if _PRE_RECORD_CHECK != "off" else 0
+            entry = _Entry(weakref.ref(tensor, self._forget_for(key)), sink, eager, since)
+            self._entries[key] = entry
+            if tensor.is_leaf and not tensor.requires_grad:
+                self._needs_flag[key] = entry.ref
+                if self._recording:
+                    self._acquire_flag(tensor)
+        entry.sink = sink
+        entry.eager = eager
         if eager:
             self._eager[key] = sink
-            self._ensure_hook(tensor, key)
+            if key not in self._handles:
+                self._handles[key] = tensor.register_hook(
+                    functools.partial(_hook, weakref.ref(self), key)
+                )
         else:
             self._eager.pop(key, None)
 
-    def _ensure_hook(self, tensor: torch.Tensor, key: int) -> None:
-        ref = self._hooked.get(key)
-        if ref is not None and ref() is tensor:
-            return
-        hooked, handles = self._hooked, self._handles
-
-        def forget(dead: weakref.ref, key: int = key) -> None:
-            if hooked.get(key) is dead:
-                del hooked[key]
-                handles.pop(key, None)
-
-        self._hooked[key] = weakref.ref(tensor, forget)
-        self._handles[key] = tensor.register_hook(
-            functools.partial(_hook, weakref.ref(self), key)
+    def _forget_for(self, key: int):
+        entries, eager, handles, needs_flag = (
+            self._entries, self._eager, self._handles, self._needs_flag
         )
+
+        def forget(dead: weakref.ref) -> None:
+            entry = entries.get(key)
+            if entry is not None and entry.ref is dead:
+                del entries[key]
+                eager.pop(key, None)
+                handles.pop(key, None)  # the hook died with the tensor
+                needs_flag.pop(key, None)
+
+        return forget
+
+    def _acquire_flag(self, tensor: torch.Tensor) -> None:
+        if _FLAGS.acquire(tensor):
+            self._flagged.append(tensor)
+
+    # -- recording --------------------------------------------------------------------
+    def start(self) -> None:
+        self._recording = True
+        if _PRE_RECORD_CHECK != "off" and not (_PRE_RECORD_CHECK == "first" and self._checked):
+            self._record_seq = _current_sequence_nr()
+        for ref in list(self._needs_flag.values()):
+            tensor = ref()
+            if tensor is not None:
+                self._acquire_flag(tensor)
 
     def backward(
         self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
     ) -> None:
-        pairs = [(y, dy) for y, dy in zip(ys, dys) if y.requires_grad]
-        if not pairs or not self._inputs:
+        outputs, seeds = [], []
+        for y, dy in zip(ys, dys):
+            if y.requires_grad:
+                outputs.append(y)
+                seeds.append(dy)
+        if not outputs:
             return
-        outputs = [y for y, _ in pairs]
-        self._check_pre_record(outputs)
+        entries = []
+        inputs = []
+        for entry in self._entries.values():
+            tensor = entry.ref()
+            if tensor is not None and tensor.requires_grad:
+                entries.append(entry)
+                inputs.append(tensor)
+        if not inputs:
+            return
+        self._check_pre_record(outputs, inputs, entries)
+        retain = retain_graph or create_graph
+        if not self._eager and not create_graph:
+            # Nothing to intercept: let the engine accumulate into .grad itself, which is what
+            # a plain loss.backward() costs.
+            torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs)
+            return
         self._running = True
         self._fired.clear()
         try:
             grads = torch.autograd.grad(
-                outputs,
-                self._inputs,
-                grad_outputs=[dy for _, dy in pairs],
-                retain_graph=retain_graph or create_graph,
-                create_graph=create_graph,
-                allow_unused=True,
+                outputs, inputs, grad_outputs=seeds, retain_graph=retain,
+                create_graph=create_graph, allow_unused=True,
             )
         finally:
             self._running = False
-        eager, fired = self._eager, self._fired
-        for tensor, sink, grad in zip(self._inputs, self._sinks, grads):
-            if grad is None:
-                continue
-            key = id(tensor)
-            if key in eager:
-                if key in fired:
-                    continue
-                sink = eager[key]  # the engine captured it without running hooks
-            sink(grad)
+        fired = self._fired
+        for tensor, entry, grad in zip(inputs, entries, grads):
+            if grad is not None and not (entry.eager and id(tensor) in fired):
+                entry.sink(grad)
 
-    def _check_pre_record(self, outputs: List[torch.Tensor]) -> None:
+    def _check_pre_record(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                          entries: List[_Entry]) -> None:
         mode = _PRE_RECORD_CHECK
         if mode == "off" or self._warned or (mode == "first" and self._checked):
             return
         self._checked = True
-        stale = _pre_record_paths(outputs, self._inputs, self._watch_seq)
+        base = self._record_seq
+        since = [base if e.since is None else e.since for e in entries]
+        stale = _pre_record_paths(outputs, inputs, since)
         if stale:
             self._warned = True
             shapes = ", ".join(str(tuple(t.shape)) for t in stale[:4])
@@ -295,15 +333,13 @@ class TorchTape(Tape):
             return
         self._recording = False
         self._running = False
-        for tensor in self._flagged:
+        flagged, self._flagged = self._flagged, []
+        for tensor in flagged:
             _FLAGS.release(tensor)
-        self._flagged = []
-        self._inputs = []
-        self._sinks = []
-        self._index = {}
-        self._watch_seq = []
-        self._eager = {}
-        self._fired = set()
+        if self._late:
+            self._late = False
+            for entry in self._entries.values():
+                entry.since = None
 
 
 def _remove_handles(handles: Dict[int, Any]) -> None:

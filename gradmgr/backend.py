@@ -37,6 +37,12 @@ class Tape(ABC):
     per-tensor state (hooks, flags) across recordings instead of rebuilding it every step.
     """
 
+    persistent_watch: ClassVar[bool] = False
+    """False: the core calls :meth:`watch` for every attached tensor after each :meth:`start`.
+    True: the core calls it once per tensor, when attached (recording or not), and again only
+    when the tensor's ``eager`` changes; the tape keeps watching the tensor in every later
+    recording until the tensor dies, holding it only weakly between recordings."""
+
     @abstractmethod
     def start(self) -> None:
         """Begin recording (``GradManager.record()``)."""

@@ -18,11 +18,16 @@ Callback = Callable[[Any, Any], Any]
 class AttachSpec:
     """One attached tensor: a weak reference to it and its callback chain."""
 
-    __slots__ = ("tensor", "callbacks", "__weakref__")
+    __slots__ = ("tensor", "callbacks", "sink", "__weakref__")
 
     def __init__(self, tensor: weakref.ref, callbacks: List[Callback]) -> None:
         self.tensor = tensor
         self.callbacks = callbacks
+        self.sink: Callable[[Any], None] = _no_sink
+
+
+def _no_sink(grad: Any) -> None:
+    return None
 
 
 def _as_list(value: Any) -> List[Any]:
@@ -135,16 +140,17 @@ class GradManager:
             spec = self._specs.get(key)
             if spec is None:
                 spec = AttachSpec(self._weak(tensor, key), list(callback_list))
+                spec.sink = self._make_sink(spec, key)
                 self._specs[key] = spec
-                if self._taping:
-                    self._watch(spec, late=True)
-                elif self._recording:
-                    self._ensure_tape()
+                self._watch_new(spec, tensor)
             else:
                 had_callbacks = bool(spec.callbacks)
                 spec.callbacks.extend(callback_list)
-                if self._taping and callback_list and not had_callbacks:
-                    self._watch(spec)  # now eager: callbacks must run while backward runs
+                if callback_list and not had_callbacks and (
+                    self._taping or self._get_tape().persistent_watch
+                ):
+                    # now eager: callbacks must run while the backward runs
+                    self._tape.watch(tensor, spec.sink, True)
         return self
 
     def _weak(self, tensor: Any, key: int) -> weakref.ref:
@@ -236,30 +242,45 @@ class GradManager:
             self.release()
             raise
 
+    def _get_tape(self) -> Tape:
+        if self._tape is None:
+            self._tape = self._backend.new_tape()
+        return self._tape
+
     def _ensure_tape(self) -> None:
         if self._taping:
             return
-        if self._tape is None:
-            self._tape = self._backend.new_tape()
-        self._tape.start()
+        tape = self._get_tape()
+        tape.start()
         self._taping = True
-        for spec in list(self._specs.values()):
-            self._watch(spec)
+        if not tape.persistent_watch:
+            for spec in list(self._specs.values()):
+                tensor = spec.tensor()
+                if tensor is not None:
+                    tape.watch(tensor, spec.sink, bool(spec.callbacks))
 
-    def _watch(self, spec: AttachSpec, late: bool = False) -> None:
-        tensor = spec.tensor()
-        if tensor is not None:
-            watch = self._tape.watch_late if late else self._tape.watch
-            watch(tensor, self._make_sink(spec, id(tensor)), bool(spec.callbacks))
+    def _watch_new(self, spec: AttachSpec, tensor: Any) -> None:
+        tape = self._get_tape()
+        if self._recording and not self._taping:
+            self._ensure_tape()  # recording began before the backend was known
+            if not tape.persistent_watch:
+                return  # _ensure_tape watched it
+        if tape.persistent_watch:
+            tape.watch(tensor, spec.sink, bool(spec.callbacks))
+        elif self._taping:
+            tape.watch_late(tensor, spec.sink, bool(spec.callbacks))
 
     def _make_sink(self, spec: AttachSpec, key: int) -> Callable[[Any], None]:
+        manager = weakref.ref(self)  # tapes keep sinks: no reference cycle through them
+
         def sink(grad: Any) -> None:
+            owner = manager()
             tensor = spec.tensor()
-            if tensor is None:
+            if owner is None or tensor is None:
                 return
             if spec.callbacks:
-                grad = self._run_callbacks(spec.callbacks, tensor, grad)
-            self._gradients[key] = grad
+                grad = owner._run_callbacks(spec.callbacks, tensor, grad)
+            owner._gradients[key] = grad
 
         return sink
 
