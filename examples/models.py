@@ -169,13 +169,16 @@ def available_frameworks() -> list:
 
 @dataclass
 class TrainLog:
-    """What a training run reports: the loss of every step and gradients at logging steps."""
+    """What a training run reports: the loss of every step, gradients at logging steps and the
+    final weights."""
 
     framework: str
     model: str
     losses: list = field(default_factory=list)
     grads: Dict[int, Dict[str, np.ndarray]] = field(default_factory=dict)
     seconds: float = 0.0
+    params: Dict[str, np.ndarray] = field(default_factory=dict)
+    """The trained weights."""
 
 
 def check_close(name: str, got: Dict[str, np.ndarray], want: Dict[str, np.ndarray],

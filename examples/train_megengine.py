@@ -75,6 +75,7 @@ def train(
         if progress is not None:
             progress(1)
     log.seconds = time.perf_counter() - start
+    log.params = {k: ops.numpy(p).copy() for k, p in params.items()}
     return log
 
 
