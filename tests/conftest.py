@@ -44,3 +44,80 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------ run policy (run_tests.sh)
+# GRADMGR_FRAMEWORKS=torch,megengine names the frameworks this environment must have (default:
+#   all of BACKENDS). Tests of any other framework are deselected at collection, never skipped:
+#   `fw` params, tests marked or using the fixture of that framework, and the files named for
+#   it in FRAMEWORK_FILES (not even imported, since they import the framework at module level).
+# GRADMGR_STRICT_SKIPS=1 turns every skip whose reason does not start with "CUDA" into a
+#   failure, so a missing or broken expected framework cannot pass as "skipped".
+FRAMEWORK_FIXTURES = {"torch": "torch_fw", "megengine": "mge_fw"}
+FRAMEWORK_FILES = {
+    "test_torch_*.py": {"torch"},
+    "test_megengine_*.py": {"megengine"},
+    "test_parity*.py": {"torch", "megengine"},
+}
+
+
+def _expected_frameworks() -> set:
+    names = {n.strip() for n in os.environ.get("GRADMGR_FRAMEWORKS", "").split(",") if n.strip()}
+    unknown = names - set(BACKENDS)
+    if unknown:
+        raise pytest.UsageError(f"GRADMGR_FRAMEWORKS names unknown frameworks {sorted(unknown)}")
+    return names or set(BACKENDS)
+
+
+def pytest_ignore_collect(collection_path, config):
+    import fnmatch
+
+    for pattern, needs in FRAMEWORK_FILES.items():
+        if fnmatch.fnmatch(collection_path.name, pattern) and not needs <= _expected_frameworks():
+            return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = set(BACKENDS) - _expected_frameworks()
+    if not missing:
+        return
+    keep, drop = [], []
+    for item in items:
+        needs = {m.name for m in item.iter_markers() if m.name in BACKENDS}
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("fw") in BACKENDS:
+            needs.add(callspec.params["fw"])
+        needs |= {n for n, fixture in FRAMEWORK_FIXTURES.items() if fixture in item.fixturenames}
+        (drop if needs & missing else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def _fail_non_cuda_skip(report) -> None:
+    if not (os.environ.get("GRADMGR_STRICT_SKIPS") == "1" and report.skipped):
+        return
+    if hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+    if not reason.startswith("CUDA"):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"GRADMGR_STRICT_SKIPS: skipped for a reason that does not start with 'CUDA' in an "
+            f"environment expecting {sorted(_expected_frameworks())}: {reason}"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_non_cuda_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_non_cuda_skip(outcome.get_result())
