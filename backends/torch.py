@@ -226,16 +226,22 @@ class TorchTape(Tape):
                 self._needs_flag[key] = entry.ref
                 if self._recording:
                     self._acquire_flag(tensor)
+        elif tensor.is_leaf and not tensor.requires_grad and key not in self._needs_flag:
+            self._needs_flag[key] = entry.ref  # the user froze it after attaching
         entry.sink = sink
         entry.eager = eager
         if eager:
             self._eager[key] = sink
-            if key not in self._handles:
-                self._handles[key] = tensor.register_hook(
-                    functools.partial(_hook, weakref.ref(self), key)
-                )
+            self._ensure_hook(tensor, key)
         else:
             self._eager.pop(key, None)
+
+    def _ensure_hook(self, tensor: torch.Tensor, key: int) -> None:
+        # A leaf whose requires_grad is off cannot take a hook yet; start() adds it.
+        if key not in self._handles and tensor.requires_grad:
+            self._handles[key] = tensor.register_hook(
+                functools.partial(_hook, weakref.ref(self), key)
+            )
 
     def _forget_for(self, key: int):
         entries, eager, handles, needs_flag = (
@@ -261,10 +267,12 @@ class TorchTape(Tape):
         self._recording = True
         if _PRE_RECORD_CHECK != "off" and not (_PRE_RECORD_CHECK == "first" and self._checked):
             self._record_seq = _current_sequence_nr()
-        for ref in list(self._needs_flag.values()):
+        for key, ref in list(self._needs_flag.items()):
             tensor = ref()
             if tensor is not None:
                 self._acquire_flag(tensor)
+                if key in self._eager:
+                    self._ensure_hook(tensor, key)
 
     def backward(
         self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
@@ -380,7 +388,12 @@ class TorchBackend(Backend):
     name = "torch"
     tensor_modules = ("torch",)
     capabilities = Capabilities(
-        higher_order=True, cuda=True, exact_pre_record_semantics=False, requires_grad_flag=True
+        higher_order=True,
+        cuda=True,
+        exact_pre_record_semantics=False,
+        requires_grad_flag=True,
+        threads=True,
+        backward_in_callback=True,
     )
 
     def is_tensor(self, obj: Any) -> bool:

@@ -28,6 +28,12 @@ class Capabilities:
     detects the case and warns instead."""
     requires_grad_flag: bool = False
     """Tensors carry a ``requires_grad`` flag that attach/release manage."""
+    threads: bool = False
+    """Managers work in any thread (S12). When False, recording outside the main thread raises
+    a RuntimeError that says so."""
+    backward_in_callback: bool = False
+    """A callback may run another manager's whole record/backward. When False that raises a
+    RuntimeError that says so."""
 
 
 class Tape(ABC):
