@@ -1,0 +1,268 @@
+"""PyTorch-specific behaviour beyond the shared contract (runs on torch 2.8 and 2.13).
+
+Reference gradients come from plain ``torch.autograd.grad``; float32, rtol=1e-5, atol=1e-6.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gradmgr.backends import torch as tb  # noqa: E402
+
+from gradmgr import GradManager  # noqa: E402
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def mlp(width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 3),
+    )
+
+
+def test_requires_grad_false_input_gets_grad_and_flag_is_restored():
+    x = torch.randn(4, 8)
+    model = mlp()
+    gm = GradManager().attach(x)
+    with gm:
+        assert x.requires_grad
+        gm.backward(model(x).sum())
+    assert not x.requires_grad
+    xr = x.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(model(xr).sum(), xr)
+    torch.testing.assert_close(x.grad, expected, **TOL)
+    assert all(p.grad is None for p in model.parameters())  # not attached: untouched
+
+
+def test_flag_survives_other_managers_release():
+    x = torch.ones(3)
+    gm1, gm2 = GradManager().attach(x), GradManager().attach(x)
+    gm1.record()
+    gm2.record()
+    gm2.release()
+    assert x.requires_grad, "gm2's release must not undo what gm1 still needs"
+    gm1.backward((x * 2).sum())
+    assert not x.requires_grad
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+def test_callbacks_fire_last_layer_first_while_engine_runs():
+    model = mlp()
+    layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+    fired = []
+
+    def tag(i):
+        def cb(t, g):
+            # earlier layers' gradients do not exist yet when a later layer's callback runs
+            fired.append((i, [j for j, _ in fired]))
+            return g
+        return cb
+
+    gm = GradManager()
+    for i, layer in enumerate(layers):
+        gm.attach(layer.weight, callbacks=tag(i))
+    with gm:
+        gm.backward(model(torch.randn(4, 8)).square().mean())
+    assert [i for i, _ in fired] == [2, 1, 0]
+    assert fired[0][1] == [] and fired[2][1] == [2, 1]
+
+
+def test_mlp_with_callbacks_matches_autograd():
+    model, x = mlp(), torch.randn(6, 8)
+    params = list(model.parameters())
+    expected = torch.autograd.grad(model(x).square().mean(), params)
+    gm = GradManager().attach(params[:3]).attach(params[3:], callbacks=lambda t, g: g * 0.5)
+    with gm:
+        gm.backward(model(x).square().mean())
+    for i, (p, e) in enumerate(zip(params, expected)):
+        torch.testing.assert_close(p.grad, e if i < 3 else e * 0.5, **TOL)
+
+
+def test_conv_batchnorm_net_matches_autograd():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 3, stride=2), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 7 * 7, 5),
+    )
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    expected = torch.autograd.grad(
+        torch.nn.functional.cross_entropy(net(x), y), list(net.parameters())
+    )
+    net.load_state_dict(state)  # same running stats for the second forward
+    gm = GradManager().attach(net.parameters())
+    with gm:
+        gm.backward(torch.nn.functional.cross_entropy(net(x), y))
+    for p, e in zip(net.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_reuse_with_temporaries_leaks_nothing():
+    model = mlp()
+    gm = GradManager().attach(model.parameters())
+    refs = []
+
+    def step():
+        x = torch.randn(2, 8)
+        gm.attach(x, callbacks=lambda t, g: g)
+        with gm:
+            gm.backward(model(x).sum())
+        refs.append(weakref.ref(x))
+
+    for _ in range(10):
+        step()
+    baseline = _live_tensors()
+    for _ in range(1000):
+        step()
+    gc.collect()
+    assert all(r() is None for r in refs), "a temporary attached tensor is still alive"
+    assert len(gm.attached_tensors()) == len(list(model.parameters()))
+    assert _live_tensors() <= baseline, "live tensors grew over 1000 iterations"
+    tape = gm._tape
+    assert len(tape._entries) == len(list(model.parameters()))
+    assert len(tape._handles) == 0  # only the temporaries had callbacks, and they are gone
+
+
+def test_hooks_ignore_plain_backward_and_die_with_manager():
+    w = torch.ones(2, requires_grad=True)
+    calls = []
+    gm = GradManager().attach(w, callbacks=lambda t, g: (calls.append(1), g)[1])
+    with gm:
+        gm.backward((w * 2).sum())
+    (w * 3).sum().backward()  # not the manager's backward: no callback
+    assert calls == [1]
+    torch.testing.assert_close(w.grad, torch.full((2,), 5.0))
+    del gm
+    gc.collect()
+    w.grad = None
+    (w * 3).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((2,), 3.0))
+
+
+def test_mixing_frameworks_is_a_type_error():
+    mge = pytest.importorskip("megengine")
+    kept = torch.ones(2)
+    gm = GradManager().attach(kept)
+    with pytest.raises(TypeError, match=r"torch.*megengine|megengine.*torch"):
+        gm.attach(mge.tensor([1.0, 2.0]))
+    assert gm.attached_tensors() == [kept]
+
+
+def test_pre_record_check_modes():
+    def run():
+        w = torch.ones(2, requires_grad=True)
+        gm = GradManager().attach(w)
+        caught_all = []
+        for _ in range(2):
+            u = w * 2  # before record: a constant for MegEngine, a path for PyTorch
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with gm:
+                    gm.backward((u * w).sum())
+            caught_all.append([c for c in caught if c.category is tb.PreRecordGradientWarning])
+        return caught_all
+
+    try:
+        tb.set_pre_record_check("always")
+        assert [len(c) for c in run()] == [1, 0]  # warned once per manager
+        tb.set_pre_record_check("off")
+        assert [len(c) for c in run()] == [0, 0]
+        tb.set_pre_record_check("first")
+        assert [len(c) for c in run()] == [1, 0]
+        with pytest.raises(ValueError, match="always"):
+            tb.set_pre_record_check("sometimes")
+    finally:
+        tb.set_pre_record_check("first")
+
+
+def test_no_warning_for_clean_training_loop():
+    model = mlp()
+    gm = GradManager().attach(model.parameters())
+    tb.set_pre_record_check("always")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tb.PreRecordGradientWarning)
+            for _ in range(3):
+                with gm:
+                    gm.backward(model(torch.randn(2, 8)).sum())
+    finally:
+        tb.set_pre_record_check("first")
+
+
+def test_reachable_helper():
+    a, b, c = (torch.ones(2, requires_grad=True) for _ in range(3))
+    h = a * b
+    y = h.sum()
+    assert tb.reachable_leaves([y], [a, b, c, h]) == [a, b, h]
+    assert {id(t) for t in tb.reachable_leaves([y])} == {id(a), id(b)}
+    gm = GradManager().attach([c, b])
+    assert gm.reachable(y) == [b]
+
+
+def test_integer_dtype_error_names_dtype_and_shape():
+    with pytest.raises(TypeError, match=r"torch.int64.*\(2, 3\)"):
+        GradManager().attach(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_dy_dtype_device_mismatch_surfaces_from_torch():
+    x = torch.ones(2)
+    gm = GradManager().attach(x)
+    with gm, pytest.raises(ValueError, match="shape"):
+        gm.backward(x * 2, torch.ones(3))
+    assert not x.requires_grad
+
+
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: no GPU visible to torch on this machine"
+)
+
+
+@cuda
+def test_cuda_gradients_stay_on_device_without_syncs():
+    model = mlp().cuda()
+    x = torch.randn(16, 8, device="cuda")
+    expected = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    seen_devices = []
+    gm = GradManager().attach(
+        model.parameters(), callbacks=lambda t, g: (seen_devices.append(g.device), g)[1]
+    )
+    torch.cuda.synchronize()
+    with gm:
+        loss = model(x).square().mean()
+        torch.cuda.set_sync_debug_mode("error")  # any host-device sync in backward raises
+        try:
+            gm.backward(loss)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for p, e in zip(model.parameters(), expected):
+        assert p.grad.device == p.device
+        torch.testing.assert_close(p.grad, e, **TOL)
+    assert all(d.type == "cuda" for d in seen_devices)
+
+
+@cuda
+def test_cuda_second_order():
+    x = torch.tensor([1.5, -0.5], device="cuda")
+    outer, inner = GradManager().attach(x), GradManager().attach(x)
+    with outer:
+        with inner:
+            inner.backward((x ** 3).sum())
+        g = x.grad
+        x.grad = None
+        outer.backward(g)
+    torch.testing.assert_close(x.grad, 6 * torch.tensor([1.5, -0.5], device="cuda"))
