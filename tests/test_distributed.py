@@ -1,0 +1,205 @@
+"""Data-parallel allreduce callbacks (gradmgr.distributed) on real collectives.
+
+Multi-process tests spawn 2 ranks on 127.0.0.1 (gloo) with bounded timeouts; the ranks save
+their gradients to ``tmp_path`` and every assertion runs here, in the parent. One spawn runs
+many scenarios (see dist_workers/torch_suite.py) to keep the suite short on a small machine.
+
+Tolerances: float32 results against single-process references ``rtol=1e-5, atol=1e-6``;
+against PyTorch DDP ``atol=1e-6``; fp16 wire ``2e-3`` and bf16 wire ``1.6e-2`` times the
+largest reference magnitude.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from dist_workers.data import BATCH, batch, weights  # noqa: E402
+
+from gradmgr import Future, GradManager  # noqa: E402
+from gradmgr.distributed import AllreduceCallback, BucketPlan, make_allreduce_cb  # noqa: E402
+from gradmgr.distributed.ops import ops_for  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REL, ABS = 1e-5, 1e-6
+MLP = range(2, 8)  # Net.parameters(): extra, never, then the MLP's 6 tensors
+
+
+# ---------------------------------------------------------------------- spawning
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: float = 240):
+    """Run ``dist_workers.<suite>`` on ``world`` ranks; return each rank's saved arrays."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    port = free_port()
+    logs = [open(os.path.join(outdir, f"log{r}.txt"), "w") for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dist_workers.run", suite, str(r), str(world), str(port),
+             str(outdir), backend],
+            cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if codes != [0] * world:
+        tails = []
+        for r in range(world):
+            with open(os.path.join(outdir, f"log{r}.txt")) as f:
+                tails.append(f"--- rank {r} (exit {codes[r]}):\n" + f.read()[-3000:])
+        pytest.fail(f"{suite} ranks failed or timed out after {timeout} s:\n" + "\n".join(tails))
+    return [dict(np.load(os.path.join(outdir, f"rank{r}.npz"))) for r in range(world)]
+
+
+def close(actual, expected, rtol=REL, atol=ABS, what=""):
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+# ---------------------------------------------------------------------- references
+def full_batch_grads(step: int = 0, use_extra: bool = False) -> list:
+    """Single-process gradients of the whole batch (2 ranks x half the batch)."""
+    from dist_workers.torch_suite import Net
+
+    net = Net()
+    x, y = batch(step)
+    net(torch.from_numpy(x), torch.from_numpy(y), use_extra).backward()
+    return [None if p.grad is None else p.grad.numpy() for p in net.parameters()]
+
+
+@pytest.fixture(scope="module")
+def torch_ranks(tmp_path_factory):
+    return spawn("torch_suite", tmp_path_factory.mktemp("torch_suite"))
+
+
+# ---------------------------------------------------------------------- torch, 2 ranks
+def test_mean_equals_single_process_on_whole_batch(torch_ranks):
+    ref = full_batch_grads()
+    for rank, out in enumerate(torch_ranks):
+        assert list(out["mean_dtypes"]) == ["torch.float32"] * 8
+        for i in MLP:
+            close(out[f"mean_g{i}"], ref[i], what=f"rank {rank} param {i}")
+        # attached but used by no rank: reduced as zeros on every rank
+        np.testing.assert_array_equal(out["mean_g1"], np.zeros(2, "float32"))
+
+
+def test_mean_equals_ddp_and_training_matches(torch_ranks):
+    for out in torch_ranks:
+        for i in MLP:
+            close(out[f"mean_g{i}"], out[f"ddp_g{i}"], rtol=0, what=f"param {i}")
+            close(out[f"train_gm_p{i}"], out[f"train_ddp_p{i}"], rtol=0, what=f"param {i}")
+        # training moved the parameters (the comparison is not between untouched copies)
+        assert not np.allclose(out["train_gm_p2"], weights()[0])
+    local_only = ("noout_local", "nosync_first")  # gradients before any communication
+    for key in torch_ranks[0]:
+        if torch_ranks[0][key].dtype.kind == "f" and not key.startswith(local_only):
+            close(torch_ranks[1][key], torch_ranks[0][key], rtol=0, what=f"ranks differ: {key}")
+
+
+def test_sum(torch_ranks):
+    ref = full_batch_grads()
+    for out in torch_ranks:
+        for i in MLP:
+            close(out[f"sum_g{i}"], 2 * ref[i], what=f"param {i}")
+
+
+def test_several_buckets_equal_one_bucket(torch_ranks):
+    ref = full_batch_grads()
+    for out in torch_ranks:
+        assert int(out["small_nbuckets"]) >= 3
+        assert int(out["one_nbuckets"]) == 1
+        for i in MLP:
+            close(out[f"small_g{i}"], out[f"one_g{i}"], rtol=0, what=f"param {i}")
+            close(out[f"one_g{i}"], ref[i], what=f"param {i}")
+
+
+def test_bucket_order_independent_of_arrival_order(torch_ranks):
+    r0, r1 = torch_ranks
+    # the ranks really saw their gradients in different orders...
+    assert list(r0["order_arrived"]) != list(r1["order_arrived"])
+    assert sorted(r0["order_arrived"]) == sorted(r1["order_arrived"]) == [3, 5, 7]
+    # ...and still got the mean of k=1 and k=2 terms: sin(a)*k, b^2*k, c*k
+    for out in torch_ranks:
+        a, b, c = out["order_p0"], out["order_p1"], out["order_p2"]
+        close(out["order_g0"], 1.5 * np.cos(a))
+        close(out["order_g1"], 1.5 * 2 * b)
+        close(out["order_g2"], np.full_like(c, 1.5))
+
+
+def test_parameter_unused_on_one_rank(torch_ranks):
+    ref = full_batch_grads()
+    extra = np.linspace(-1.0, 1.0, 4, dtype="float32")
+    for out in torch_ranks:
+        for name in ("unused", "unused_small"):
+            # rank 0's gradient (extra itself) averaged with rank 1's zeros
+            close(out[f"{name}_g0"], extra / 2, what=name)
+            close(out[f"{name}_g0"], out["unused_ddp_g0"], rtol=0, what=name)
+            for i in MLP:
+                close(out[f"{name}_g{i}"], ref[i], what=f"{name} param {i}")
+
+
+def test_rank_without_outputs_still_contributes(torch_ranks):
+    local = [torch_ranks[0][f"noout_local{i}"] for i in range(6)]
+    for out in torch_ranks:
+        for i in range(6):
+            close(out[f"noout_g{i}"], local[i] / 2, what=f"param {i}")
+
+
+def test_no_sync_accumulation_matches_ddp(torch_ranks):
+    extra = np.linspace(-1.0, 1.0, 4, dtype="float32")
+    for rank, out in enumerate(torch_ranks):
+        # inside no_sync nothing is communicated: .grad is the local micro-batch gradient
+        for i in [0, *MLP]:
+            close(out[f"nosync_first_gm{i}"], out[f"nosync_first_ddp{i}"], rtol=0)
+        for rnd in range(2):
+            ref = [full_batch_grads(3 * rnd + m, use_extra=m == 0) for m in range(3)]
+            for i in MLP:
+                close(out[f"nosync_r{rnd}_gm{i}"], out[f"nosync_r{rnd}_ddp{i}"], rtol=0,
+                      what=f"round {rnd} rank {rank} param {i}")
+                close(out[f"nosync_r{rnd}_gm{i}"], sum(r[i] for r in ref),
+                      what=f"round {rnd} rank {rank} param {i}")
+            # used in a no_sync micro-batch only: its local sum is reduced at the synced step
+            close(out[f"nosync_r{rnd}_gm0"], extra)
+
+
+def test_fp16_and_bf16_compression(torch_ranks):
+    ref = full_batch_grads()
+    for out in torch_ranks:
+        for i in MLP:
+            scale = np.abs(ref[i]).max()
+            fp16, bf16 = out[f"fp16_g{i}"], out[f"bf16_g{i}"]
+            close(fp16, ref[i], rtol=0, atol=2e-3 * scale, what=f"fp16 param {i}")
+            close(bf16, ref[i], rtol=0, atol=1.6e-2 * scale, what=f"bf16 param {i}")
+            assert fp16.dtype == bf16.dtype == np.float32
+            # what crossed the wire was fp16 / bf16: the results are exactly representable
+            np.testing.assert_array_equal(fp16.astype(np.float16).astype(np.float32), fp16)
+            assert not (bf16.view(np.uint32) & 0xFFFF).any()
+        assert any(not np.array_equal(out[f"fp16_g{i}"], out[f"mean_g{i}"]) for i in MLP)
