@@ -154,6 +154,7 @@ def test_hooks_ignore_plain_backward_and_die_with_manager():
     torch.testing.assert_close(w.grad, torch.full((2,), 3.0))
 
 
+@pytest.mark.megengine
 def test_mixing_frameworks_is_a_type_error():
     mge = pytest.importorskip("megengine")
     kept = torch.ones(2)
