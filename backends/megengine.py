@@ -36,6 +36,26 @@ from gradmgr.backend import Backend, Capabilities, GradSink, Tape
 # Grad started at the same moment in another thread.
 _grad_stack_lock = threading.RLock()
 
+# How many MegEngine backwards are running (MegEngine runs only in the main thread, so one
+# counter is enough). Its engine cannot start or extend a recording from inside a gradient
+# callback, so that is refused with a clear error instead of an opaque one from the engine.
+_backward_depth = 0
+
+
+def _check_can_record(action: str) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            f"cannot {action} in thread {threading.current_thread().name!r}: MegEngine's "
+            f"autodiff (and MegEngine 1.13 tensors in general) only work in the main thread; "
+            f"run MegEngine GradManagers in the main thread or in separate processes"
+        )
+    if _backward_depth:
+        raise RuntimeError(
+            f"cannot {action} inside a gradient callback: MegEngine cannot start or extend a "
+            f"recording while a backward is running; do that work after backward() returns, "
+            f"for example in an after-backward callback"
+        )
+
 
 class _Slot:
     """The current sink of one watched tensor; re-watching swaps the sink, not the snapshot."""
@@ -60,6 +80,7 @@ class MegEngineTape(Tape):
         self._slots: Dict[int, _Slot] = {}
 
     def start(self) -> None:
+        _check_can_record("start recording a MegEngine GradManager")
         grad = Grad()
         with _grad_stack_lock:
             grad.__enter__()
@@ -76,6 +97,7 @@ class MegEngineTape(Tape):
         if slot is not None and slot.tensor() is tensor:
             slot.sink = sink  # a second wrt() would add a second snapshot; keep the first
             return
+        _check_can_record("attach a MegEngine tensor to a recording manager")
         if slot is not None:
             slot.sink = None  # a dead tensor's id was reused: silence its old attachment
         slot = _Slot(tensor, sink)
@@ -92,8 +114,10 @@ class MegEngineTape(Tape):
         if grad is None:
             raise RuntimeError("MegEngineTape.backward() called while the tape is not started")
         # As the native backward does: a profiler scope, and no computing-path recording.
+        global _backward_depth
         push_scope("backward")
         set_option("record_computing_path", 0)
+        _backward_depth += 1
         try:
             try:
                 grad(list(ys), list(dys))
@@ -105,6 +129,7 @@ class MegEngineTape(Tape):
                 _resume_group_after_failure(grad)
                 raise
         finally:
+            _backward_depth -= 1
             set_option("record_computing_path", 1)
             pop_scope("backward")
 
@@ -137,12 +162,16 @@ class MegEngineBackend(Backend):
         cuda=True,
         exact_pre_record_semantics=True,
         requires_grad_flag=False,
+        threads=False,  # MegEngine 1.13 works only in the main thread
+        backward_in_callback=False,  # its engine cannot record while a backward runs
     )
 
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, megengine.Tensor)
 
     def check_attachable(self, tensor: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            _check_can_record("attach a MegEngine tensor")  # raises: not the main thread
         if not is_differentible_dtype(tensor.dtype):
             raise TypeError(
                 f"only floating-point tensors can be attached to get gradients; got a "

@@ -147,22 +147,55 @@ def test_recording_group_refuses_to_nest():
     assert Grad.stack == [] and not Grad.grouping
 
 
-def test_megengine_cannot_run_outside_the_main_thread():
-    """Why S12 (managers in threads) is not tested on MegEngine: MegEngine 1.13 sets up its
-    dispatch context only in the main thread, so even creating a tensor elsewhere fails. If a
-    MegEngine release lifts this, this test fails and S12 should be enabled for MegEngine."""
+def _in_thread(fn) -> list:
     errors = []
 
     def work() -> None:
         try:
-            mge.Tensor([1.0])
+            fn()
         except RuntimeError as exc:
             errors.append(str(exc))
 
     thread = threading.Thread(target=work)
     thread.start()
     thread.join()
+    return errors
+
+
+def test_megengine_cannot_run_outside_the_main_thread():
+    """Why S12 (managers in threads) cannot hold on MegEngine: MegEngine 1.13 sets up its
+    dispatch context only in the main thread, so even creating a tensor elsewhere fails. If a
+    MegEngine release lifts this, this test fails and S12 should be enabled for MegEngine."""
+    errors = _in_thread(lambda: mge.Tensor([1.0]))
     assert len(errors) == 1 and "transformations" in errors[0], errors
+
+
+def test_attach_outside_the_main_thread_says_so():
+    w = mge.Parameter([1.0])  # made in the main thread
+    errors = _in_thread(lambda: GradManager().attach(w))
+    assert len(errors) == 1 and "main thread" in errors[0], errors
+
+
+def test_recording_inside_a_gradient_callback_says_so():
+    x, y = mge.Parameter([1.0, 2.0]), mge.Parameter([3.0])
+    inner = GradManager().attach(x)
+
+    def cb(tensor, grad):
+        with inner:
+            inner.backward((x * x).sum())
+        return grad
+
+    outer = GradManager().attach(y, callbacks=cb)
+    with pytest.raises(RuntimeError, match="inside a gradient callback"), outer:
+        outer.backward((y * 2).sum())
+    assert x.grad is None and y.grad is None
+    plain = GradManager().attach(y)  # the engine still works afterwards
+    with plain:
+        plain.backward((y * 2).sum())
+    with inner:
+        inner.backward((x * x).sum())
+    np.testing.assert_array_equal(y.grad.numpy(), [2.0])  # exact: d(2y)/dy
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, 4.0])  # exact: 2x
 
 
 def test_detection_does_not_import_torch():
