@@ -70,6 +70,7 @@ class GradManager:
         self._group: Optional[GradManagerGroup] = None
         self._thread_state: Optional[_state.ThreadState] = None
         self._gradients: Dict[int, Any] = {}
+        self._backwarding = False
         self._after_backward_callbacks: List[Callable[[], None]] = []
 
     # ----------------------------------------------------------------- attaching
@@ -86,7 +87,7 @@ class GradManager:
         """
         specs = self._specs.values()
         if with_callback is not None:
-            specs = [s for s in specs if any(cb is with_callback for cb in s.callbacks)]
+            specs = [s for s in specs if any(cb == with_callback for cb in s.callbacks)]
         alive = (spec.tensor() for spec in specs)
         return [t for t in alive if t is not None]
 
@@ -102,7 +103,7 @@ class GradManager:
             RuntimeError: no backward of this manager is running.
             ValueError: ``tensor`` is not attached.
         """
-        if not self._recording:
+        if not self._backwarding:
             raise RuntimeError("add_gradient() is only valid while this manager is backwarding")
         spec = self._specs.get(id(tensor))
         if spec is None or spec.tensor() is not tensor:
@@ -351,6 +352,7 @@ class GradManager:
             )
         stack = self._thread_state.backwarding
         stack.append(self)
+        self._backwarding = True
         try:
             ys, dys = self._check_outputs(y, dy)
             if ys and self._taping:
@@ -374,6 +376,7 @@ class GradManager:
                 if tensor is not None and grad is not None:
                     backend.accumulate(tensor, grad)
         finally:
+            self._backwarding = False
             self.release()
             stack.pop()
 

@@ -277,11 +277,6 @@ def test_attached_tensors_with_callback_filters(fk):
     assert gm.attached_tensors(with_callback=lambda t, g: g) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: attached_tensors(with_callback=) compares with `is`, and a bound method "
-    "is a new object on every attribute access, so a method callback is never found",
-)
 def test_attached_tensors_with_bound_method_callback(fk):
     class Reducer:
         def cb(self, t, g):
@@ -558,12 +553,6 @@ def test_add_gradient_errors(fk):
     gm.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: add_gradient() documents RuntimeError when no backward is running, but "
-    "only checks that the manager is recording, so a call between record() and backward() is "
-    "silently kept (and later overwritten or accumulated)",
-)
 def test_add_gradient_between_record_and_backward_raises(fk):
     a = fk.tensor(1.0)
     gm = GradManager().attach(a)
