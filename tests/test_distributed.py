@@ -11,6 +11,7 @@ largest reference magnitude.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -25,9 +26,9 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from dist_workers.data import BATCH, batch, weights  # noqa: E402
+from dist_workers.data import batch, weights  # noqa: E402
 
-from gradmgr import Future, GradManager  # noqa: E402
+from gradmgr import GradManager  # noqa: E402
 from gradmgr.distributed import AllreduceCallback, BucketPlan, make_allreduce_cb  # noqa: E402
 from gradmgr.distributed.ops import ops_for  # noqa: E402
 
@@ -48,28 +49,28 @@ def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: fl
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     port = free_port()
-    logs = [open(os.path.join(outdir, f"log{r}.txt"), "w") for r in range(world)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "dist_workers.run", suite, str(r), str(world), str(port),
-             str(outdir), backend],
-            cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
+                for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "dist_workers.run", suite, str(r), str(world),
+                 str(port), str(outdir), backend],
+                cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT,
+            )
+            for r in range(world)
+        ]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     codes = [p.returncode for p in procs]
     if codes != [0] * world:
         tails = []
@@ -203,3 +204,109 @@ def test_fp16_and_bf16_compression(torch_ranks):
             np.testing.assert_array_equal(fp16.astype(np.float16).astype(np.float32), fp16)
             assert not (bf16.view(np.uint32) & 0xFFFF).any()
         assert any(not np.array_equal(out[f"fp16_g{i}"], out[f"mean_g{i}"]) for i in MLP)
+
+
+# ---------------------------------------------------------------------- in one process
+class _Handle:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+class FakeTransport:
+    """Test double for a 2-rank world whose other rank's contribution is ``other`` (already
+    divided like ours); logs each launch. The real engines are tested by the spawned ranks."""
+
+    def __init__(self, log: list, other: float) -> None:
+        self.log, self.other = log, other
+
+    def world_size(self) -> int:
+        return 2
+
+    def allreduce_async(self, flat):
+        self.log.append(("launch", flat.numel()))
+        return _Handle(flat + self.other)
+
+
+def test_buckets_launch_during_backward_and_mean_math():
+    torch.manual_seed(0)
+    layers = [torch.randn(4, 4, requires_grad=True) for _ in range(4)]
+    log: list = []
+    cb = make_allreduce_cb("mean", bucket_bytes=2 * 64, transport=FakeTransport(log, 0.5))
+    gm = GradManager().attach(
+        layers, callbacks=[lambda t, g: (log.append(("grad", t.numel())), g)[1], cb]
+    )
+    x = torch.randn(3, 4)
+    with gm:
+        h = x
+        for w in layers:
+            h = torch.tanh(h @ w)
+        gm.backward(h.sum())
+    kinds = [k for k, _ in log]
+    assert kinds.count("launch") == 2 == len(cb.buckets(gm))
+    # the late layers' bucket went out before the early layers' gradients existed
+    assert kinds.index("launch") < len(kinds) - 1 - kinds[::-1].index("grad")
+    assert [b.members for b in cb.buckets(gm)] == [[3, 2], [1, 0]]
+    ref = torch.autograd.grad(_forward(x, layers).sum(), layers)
+    for w, g in zip(layers, ref):
+        # the other rank sent ones: mean = (g + 1) / 2
+        close(w.grad.numpy(), ((g + 1) / 2).numpy(), what="mean with a peer of ones")
+
+
+def _forward(x, layers):
+    h = x
+    for w in layers:
+        h = torch.tanh(h @ w)
+    return h
+
+
+def test_replans_when_attached_tensors_change():
+    log: list = []
+    cb = make_allreduce_cb("sum", bucket_bytes=1, transport=FakeTransport(log, 0.0))
+    a = torch.ones(3, requires_grad=True)
+    gm = GradManager().attach(a, callbacks=[cb])
+    with gm:
+        gm.backward((a * 2).sum())
+    assert [b.members for b in cb.buckets(gm)] == [[0]]
+    b = torch.ones(2, requires_grad=True)
+    gm.attach(b, callbacks=[cb])
+    with gm:
+        gm.backward((a * b.sum()).sum())
+    assert [b.members for b in cb.buckets(gm)] == [[1], [0]]
+    close(a.grad.numpy(), np.full(3, 4.0, "float32"))  # 2 + b.sum()
+    close(b.grad.numpy(), np.full(2, 3.0, "float32"))
+
+
+def test_bucket_plan_separates_dtypes_and_reverses_order():
+    ts = [torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(4), torch.zeros(8)]
+    plan = BucketPlan(ts, ops_for("torch"), bucket_bytes=32)
+    assert [(b.key[0], b.members) for b in plan.buckets] == [
+        ("float32", [3]), ("float32", [2, 0]), ("float64", [1])]
+    assert [b.nbytes for b in plan.buckets] == [32, 32, 32]
+    assert plan.matches(ts) and not plan.matches(ts[:3])
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="reduce"):
+        make_allreduce_cb("max")
+    with pytest.raises(ValueError, match="compression"):
+        make_allreduce_cb(compression="int8")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        make_allreduce_cb(bucket_bytes=0)
+    with pytest.raises(TypeError, match="allreduce_async"):
+        make_allreduce_cb(transport=object())
+    with pytest.raises(ValueError, match="unknown transport"):
+        AllreduceCallback(transport="carrier-pigeon")
+    with pytest.raises(RuntimeError, match="during backward"):
+        make_allreduce_cb()(torch.ones(1), torch.ones(1))
+
+
+def test_without_process_group_backward_says_what_to_do():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    w = torch.ones(2, requires_grad=True)
+    gm = GradManager().attach(w, callbacks=[make_allreduce_cb()])
+    with pytest.raises(RuntimeError, match="init_process_group"), gm:
+        gm.backward((w * 3).sum())

@@ -194,7 +194,12 @@ def _torch_initialised() -> bool:
 
 
 def check_transport(transport: Optional[Any]) -> None:
-    if transport is None or isinstance(transport, str):
+    """Raise early for a transport that cannot work."""
+    if transport is None:
+        return
+    if isinstance(transport, str):
+        if transport not in _NAMED:
+            raise ValueError(f"unknown transport {transport!r}; choose one of {sorted(_NAMED)}")
         return
     for attr in ("world_size", "allreduce_async"):
         if not callable(getattr(transport, attr, None)):

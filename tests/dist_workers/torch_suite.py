@@ -168,9 +168,8 @@ def accumulation(out: dict, rank: int, world: int) -> None:
         for micro in range(3):
             x, y = local_batch(3 * rnd + micro, rank, world)
             sync = micro == 2
-            with cb.no_sync() if not sync else _null():
-                with gm:
-                    gm.backward(net_gm(x, y, use_extra=micro == 0))
+            with cb.no_sync() if not sync else _null(), gm:
+                gm.backward(net_gm(x, y, use_extra=micro == 0))
             with ddp.no_sync() if not sync else _null():
                 ddp(x, y, use_extra=micro == 0).backward()
             if rnd == 0 and micro == 0:
