@@ -212,6 +212,7 @@ def test_detection_does_not_import_torch():
     assert proc.stdout.strip().endswith("ok")
 
 
+@pytest.mark.torch
 def test_mixing_with_torch_is_a_type_error():
     torch = pytest.importorskip("torch")
     gm = GradManager().attach(mge.Tensor([1.0]))

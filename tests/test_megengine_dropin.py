@@ -467,3 +467,18 @@ def test_group_member_still_works_after_partner_callback_fails():
             gm1.backward(y)
         gm2.backward(y)
     np.testing.assert_array_equal(x.grad.numpy(), [2.0, 6.0])  # 2x, exactly
+
+
+def test_backward_without_outputs():
+    def program(impl):
+        x = mge.Tensor([1.0])
+        log = []
+        gm = impl.GradManager().attach(x, callbacks=lambda t, g: log.append("cb") or g)
+        gm._register_after_backward_callback(lambda: log.append("after"))
+        with gm:
+            _ = x * 2
+            gm.backward()  # a rank that only takes part through communication
+        return log, grad_of(x)
+
+    log, gx = both(program)
+    assert log == ["after"] and gx is None
