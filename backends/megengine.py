@@ -31,11 +31,6 @@ from megengine.core.tensor.dtype import is_differentible_dtype
 
 from gradmgr.backend import Backend, Capabilities, GradSink, Tape
 
-# ``Grad.stack`` and ``Grad.grouping`` are process-wide class attributes. Holding this lock
-# while a Grad enters or leaves them keeps a group being formed in one thread from adopting a
-# Grad started at the same moment in another thread.
-_grad_stack_lock = threading.RLock()
-
 # How many MegEngine backwards are running (MegEngine runs only in the main thread, so one
 # counter is enough). Its engine cannot start or extend a recording from inside a gradient
 # callback, so that is refused with a clear error instead of an opaque one from the engine.
@@ -82,8 +77,7 @@ class MegEngineTape(Tape):
     def start(self) -> None:
         _check_can_record("start recording a MegEngine GradManager")
         grad = Grad()
-        with _grad_stack_lock:
-            grad.__enter__()
+        grad.__enter__()
         self._grad = grad
         self._slots = {}
 
@@ -139,8 +133,7 @@ class MegEngineTape(Tape):
             slot.sink = None
         self._slots = {}
         if grad is not None:
-            with _grad_stack_lock:
-                grad.__exit__(None, None, None)
+            grad.__exit__(None, None, None)
 
 
 def _resume_group_after_failure(grad: Grad) -> None:
@@ -201,21 +194,20 @@ class MegEngineBackend(Backend):
         If a member fails to start, the group is closed and, when nobody joined it, removed
         from ``Grad.stack``, so MegEngine's global state is as before.
         """
-        with _grad_stack_lock:
-            if Grad.grouping:
-                raise RuntimeError("a MegEngine GradManager group is already being formed")
-            group: list = []
-            Grad.stack.append(group)
-            Grad.begin_group()
-            try:
-                yield
-            finally:
-                Grad.grouping = False
-                if not group:
-                    for i in range(len(Grad.stack) - 1, -1, -1):
-                        if Grad.stack[i] is group:
-                            del Grad.stack[i]
-                            break
+        if Grad.grouping:
+            raise RuntimeError("a MegEngine GradManager group is already being formed")
+        group: list = []
+        Grad.stack.append(group)
+        Grad.begin_group()
+        try:
+            yield
+        finally:
+            Grad.grouping = False  # Grad.end_group(), minus its bare asserts
+            if not group:  # nobody joined: remove exactly this list (Grad uses ==)
+                for i in range(len(Grad.stack) - 1, -1, -1):
+                    if Grad.stack[i] is group:
+                        del Grad.stack[i]
+                        break
 
     def device_of(self, tensor: Any) -> Optional[str]:
         return str(tensor.device)
