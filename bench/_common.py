@@ -1,0 +1,114 @@
+"""Helpers shared by the benchmarks: machine description, interleaved timing, result lines.
+
+Timing method: the variants being compared run alternately (A B, then B A, ...) so that drift
+in machine load hits them alike; each sample is one step timed with ``perf_counter``; the
+result is the median over all samples. Set-up work (clearing ``.grad``) is outside the timed
+region.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+RESULT_PREFIX = "RESULT"
+"""Lines starting with this are collected by run_all.py into its summary."""
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(frameworks: Optional[List[str]] = None) -> str:
+    """One paragraph: CPU, cores, load, Python and framework versions."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    versions = [f"Python {platform.python_version()}"]
+    for name in frameworks or []:
+        module = sys.modules.get(name)
+        if module is not None:
+            versions.append(f"{name} {getattr(module, '__version__', '?')}")
+    import gradmgr
+
+    versions.append(f"gradmgr {gradmgr.__version__}")
+    return (f"machine: {cpu_model()}, {cores} cores usable, load average {load}\n"
+            f"versions: {', '.join(versions)}")
+
+
+class Timing:
+    """Samples of one variant, in seconds."""
+
+    def __init__(self) -> None:
+        self.samples: List[float] = []
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def best(self) -> float:
+        return min(self.samples)
+
+
+def interleaved(
+    variants: Dict[str, Callable[[], None]],
+    samples: int,
+    setups: Optional[Dict[str, Callable[[], None]]] = None,
+    warmup: int = 5,
+) -> Dict[str, Timing]:
+    """Time each variant ``samples`` times, alternating the order every round.
+
+    ``setups[name]`` (untimed) runs before every call of ``variants[name]``.
+    """
+    names = list(variants)
+    setups = setups or {}
+    nothing: Callable[[], None] = lambda: None  # noqa: E731
+    for name in names:
+        for _ in range(warmup):
+            setups.get(name, nothing)()
+            variants[name]()
+    timings = {name: Timing() for name in names}
+    clock = time.perf_counter
+    for i in range(samples):
+        for name in names if i % 2 == 0 else names[::-1]:
+            setups.get(name, nothing)()
+            fn = variants[name]
+            start = clock()
+            fn()
+            timings[name].samples.append(clock() - start)
+    return timings
+
+
+def samples_for(fn: Callable[[], None], budget_s: float, lo: int = 30, hi: int = 2000,
+                setup: Optional[Callable[[], None]] = None) -> int:
+    """How many samples of ``fn`` fit in ``budget_s`` seconds, clamped to ``[lo, hi]``."""
+    runs = 3
+    start = time.perf_counter()
+    for _ in range(runs):
+        if setup is not None:
+            setup()
+        fn()
+    per_call = (time.perf_counter() - start) / runs
+    return max(lo, min(hi, int(budget_s / max(per_call, 1e-9))))
+
+
+def result(name: str, value: float, target: Optional[float] = None, unit: str = "x") -> str:
+    """Print and return one machine-readable result line (``RESULT name value [target]``)."""
+    if target is None:
+        line = f"{RESULT_PREFIX} {name}: {value:.3f}{unit}"
+    else:
+        verdict = "OK" if value <= target else "MISS"
+        line = f"{RESULT_PREFIX} {name}: {value:.3f}{unit} (target <= {target:.2f}) {verdict}"
+    print(line, flush=True)
+    return line
