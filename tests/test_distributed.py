@@ -310,3 +310,59 @@ def test_without_process_group_backward_says_what_to_do():
     gm = GradManager().attach(w, callbacks=[make_allreduce_cb()])
     with pytest.raises(RuntimeError, match="init_process_group"), gm:
         gm.backward((w * 3).sum())
+
+
+# ---------------------------------------------------------------------- MegEngine, 2 ranks
+@pytest.fixture(scope="module")
+def megengine_ranks(tmp_path_factory):
+    pytest.importorskip("megengine", reason="megengine is not installed in this environment")
+    return spawn("megengine_suite", tmp_path_factory.mktemp("megengine_suite"))
+
+
+def test_megengine_tensors_through_gloo(megengine_ranks):
+    ref = full_batch_grads()
+    extra = np.linspace(-1.0, 1.0, 4, dtype="float32")
+    nosync_ref = [full_batch_grads(m, use_extra=m == 0) for m in range(3)]
+    for rank, out in enumerate(megengine_ranks):
+        assert str(out["transport"]) == "MegEngineViaTorchTransport"
+        assert int(out["small_nbuckets"]) >= 3
+        for i in MLP:
+            what = f"rank {rank} param {i}"
+            assert str(out[f"mean_g_type{i}"]).startswith("megengine")
+            assert out[f"mean_g{i}"].dtype == np.float32
+            close(out[f"mean_g{i}"], ref[i], what=what)
+            close(out[f"sum_g{i}"], 2 * ref[i], what=what)
+            close(out[f"small_g{i}"], ref[i], what=what)
+            close(out[f"unused_g{i}"], ref[i], what=what)
+            close(out[f"fp16_g{i}"], ref[i], rtol=0, atol=2e-3 * np.abs(ref[i]).max(),
+                  what=what)
+            close(out[f"nosync_g{i}"], sum(r[i] for r in nosync_ref), what=what)
+        close(out["unused_g0"], extra / 2)  # used on rank 0 only
+        close(out["nosync_g0"], extra)  # used in a no_sync micro-batch only
+        np.testing.assert_array_equal(out["mean_g1"], np.zeros(2, "float32"))
+    for key, value in megengine_ranks[0].items():
+        if value.dtype.kind == "f":
+            close(megengine_ranks[1][key], value, rtol=0, what=f"ranks differ: {key}")
+
+
+# ---------------------------------------------------------------------- CUDA / nccl
+def test_cuda_tensors_over_nccl(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA: no CUDA device visible")
+    if not dist.is_nccl_available():
+        pytest.skip("CUDA: this torch build has no nccl")
+    world = min(2, torch.cuda.device_count())
+    ranks = spawn("cuda_suite", tmp_path, world=world, backend="nccl")
+    x, y = batch(0)
+    half = len(x) // world * world  # world 1 or 2: the whole batch
+    from dist_workers.torch_suite import Net
+
+    net = Net()
+    net(torch.from_numpy(x[:half]), torch.from_numpy(y[:half])).backward()
+    ref = [p.grad.numpy() for p in net.parameters() if p.grad is not None]
+    for rank, out in enumerate(ranks):
+        for j, i in enumerate(MLP):
+            assert str(out[f"mean_dev{i}"]) == f"cuda:{rank}"
+            close(out[f"mean_g{i}"], ref[j], rtol=1e-4, atol=1e-5, what=f"param {i}")
+            close(out[f"small_g{i}"], out[f"mean_g{i}"], rtol=0, what=f"param {i}")
+            close(out[f"fp16_g{i}"], ref[j], rtol=0, atol=2e-3 * np.abs(ref[j]).max())
