@@ -49,11 +49,13 @@ def cuda_available() -> bool:
 # ------------------------------------------------------------------ run policy (run_tests.sh)
 # GRADMGR_FRAMEWORKS=torch,megengine names the frameworks this environment must have (default:
 #   all of BACKENDS). Tests of any other framework are deselected at collection, never skipped:
-#   `fw` params, tests marked or using the fixture of that framework, and the files named for
-#   it in FRAMEWORK_FILES (not even imported, since they import the framework at module level).
+#   params named in FRAMEWORK_PARAMS whose value is that framework's name (`fw[megengine]`),
+#   tests marked `@pytest.mark.megengine` (or torch) or using that framework's fixture, and the
+#   files named for it in FRAMEWORK_FILES (not even imported: they import it at module level).
 # GRADMGR_STRICT_SKIPS=1 turns every skip whose reason does not start with "CUDA" into a
 #   failure, so a missing or broken expected framework cannot pass as "skipped".
 FRAMEWORK_FIXTURES = {"torch": "torch_fw", "megengine": "mge_fw"}
+FRAMEWORK_PARAMS = ("fw", "framework", "backend")
 FRAMEWORK_FILES = {
     "test_torch_*.py": {"torch"},
     "test_megengine_*.py": {"megengine"},
@@ -85,11 +87,11 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         needs = {m.name for m in item.iter_markers() if m.name in BACKENDS}
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("fw") in BACKENDS:
-            needs.add(callspec.params["fw"])
+        params = getattr(item, "callspec", None)
+        params = params.params if params is not None else {}
+        needs |= {v for k, v in params.items() if k in FRAMEWORK_PARAMS and isinstance(v, str)}
         needs |= {n for n, fixture in FRAMEWORK_FIXTURES.items() if fixture in item.fixturenames}
-        (drop if needs & missing else keep).append(item)
+        (drop if needs & missing else keep).append(item)  # needs may hold other strings
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
