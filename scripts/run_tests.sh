@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Runs lint and the whole test suite in both environments made by scripts/setup.sh:
+#   .venv         torch 2.8 + megengine 1.13: every test
+#   .venv-latest  torch 2.13: core and torch tests; MegEngine tests are deselected there
+# In each environment a test skipped for a reason not starting with "CUDA" counts as a failure
+# (GRADMGR_STRICT_SKIPS, see tests/conftest.py). Exits non-zero if lint or either run failed.
+# Extra arguments go to both pytest runs, e.g. scripts/run_tests.sh -k backward -x
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+bold() { printf '\n\033[1m%s\033[0m\n' "$*"; }
+status=0
+summaries=()
+
+bold "== lint: ruff check ."
+if .venv-latest/bin/ruff check .; then
+  summaries+=("lint: ruff check passed")
+else
+  status=1; summaries+=("lint: ruff check FAILED")
+fi
+
+run_env() {  # run_env VENV FRAMEWORKS [PYTEST-ARGS...]
+  local venv=$1 frameworks=$2 log rc line; shift 2
+  if [ ! -x "$venv/bin/python" ]; then
+    status=1; summaries+=("$venv: MISSING (run make setup)"); return
+  fi
+  bold "== $venv (frameworks expected: $frameworks)"
+  "$venv/bin/python" - <<'PY' 2>/dev/null
+import importlib, sys
+print("python   ", sys.version.split()[0], sys.executable)
+for name in ("torch", "megengine"):
+    try:
+        print(f"{name:<9}", importlib.import_module(name).__version__)
+    except ImportError:
+        print(f"{name:<9}", "not installed")
+PY
+  log=$(mktemp)
+  GRADMGR_FRAMEWORKS=$frameworks GRADMGR_STRICT_SKIPS=1 PYTHONDONTWRITEBYTECODE=1 \
+    "$venv/bin/python" -m pytest -p no:cacheprovider -q -ra tests "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  line=$(grep -E '^(=+ )?(no tests ran|[0-9]+ [a-z]+).* in [0-9.]+s' "$log" | tail -1)
+  summaries+=("$venv ($frameworks): ${line:-no pytest summary line} [exit $rc]")
+  rm -f "$log"
+  [ "$rc" = 0 ] || status=1
+}
+
+run_env .venv torch,megengine "$@"
+run_env .venv-latest torch "$@"
+
+bold "== summary"
+printf '%s\n' "${summaries[@]}"
+if [ "$status" = 0 ]; then bold "ALL PASSED"; else bold "FAILED"; fi
+exit "$status"
