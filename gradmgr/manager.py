@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import _state
 from .backend import Backend, Tape
+from .errors import GradMgrWarning
 from .future import is_future
-from .registry import backend_for, resolve_backend
+from .registry import backend_for, resolve_backend, sole_imported_backend
 
 Callback = Callable[[Any, Any], Any]
 """``cb(tensor, grad) -> grad`` (or a Future of a grad)."""
@@ -237,6 +239,8 @@ class GradManager:
         self._thread_state = _state.state
         self._thread_state.recording.append(self)
         try:
+            if self._backend is None:
+                self._backend = sole_imported_backend()
             if self._backend is not None:
                 self._ensure_tape()
         except BaseException:
@@ -263,6 +267,7 @@ class GradManager:
     def _watch_new(self, spec: AttachSpec, tensor: Any) -> None:
         tape = self._get_tape()
         if self._recording and not self._taping:
+            self._warn_if_started_late()
             self._ensure_tape()  # recording began before the backend was known
             if not tape.persistent_watch:
                 return  # _ensure_tape watched it
@@ -270,6 +275,19 @@ class GradManager:
             tape.watch(tensor, spec.sink, bool(spec.callbacks))
         elif self._taping:
             tape.watch_late(tensor, spec.sink, bool(spec.callbacks))
+
+    def _warn_if_started_late(self) -> None:
+        later = [m for m in self._thread_state.recording
+                 if m is not self and m._record_order > self._record_order and m._taping]
+        if later:
+            warnings.warn(
+                "gradmgr: this manager started recording before its framework was known (two "
+                "frameworks are imported and nothing was attached before record()), and a "
+                "manager that started later is already recording: it may not record that "
+                "manager's backward. Pass GradManager(backend=...) to fix the order.",
+                GradMgrWarning,
+                stacklevel=4,
+            )
 
     def _make_sink(self, spec: AttachSpec, key: int) -> Callable[[Any], None]:
         manager = weakref.ref(self)  # tapes keep sinks: no reference cycle through them

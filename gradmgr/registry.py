@@ -118,6 +118,16 @@ def _detect(cls: type, obj: Any) -> Optional[Backend]:
     return None
 
 
+def sole_imported_backend() -> Optional[Backend]:
+    """The backend of the only registered framework imported so far, else None.
+
+    Lets ``record()`` on a manager with nothing attached yet start its tape at once, so that
+    its place in the recording order (which manager records which backward) is the right one.
+    """
+    names = {name for module, name in _owners.items() if module in sys.modules}
+    return get_backend(names.pop()) if len(names) == 1 else None
+
+
 def resolve_backend(backend: Union[str, Backend, None]) -> Optional[Backend]:
     if backend is None or isinstance(backend, Backend):
         return backend

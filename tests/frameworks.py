@@ -118,7 +118,7 @@ class TorchFramework(Framework):
         return self.torch.nn.Parameter(self.tensor(data))
 
     def numpy(self, t):
-        return t.detach().cpu().numpy()
+        return t.detach().cpu().numpy().copy()  # a view would change with later in-place adds
 
     def grad(self, t):
         g = t.grad if t.is_leaf or t.retains_grad else _nonleaf_grad(t)

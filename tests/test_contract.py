@@ -414,9 +414,11 @@ def test_s11_after_backward_and_backwarding_manager(fw):
 def test_s12_managers_in_threads_are_independent(fw):
     results, errors = {}, []
 
+    weights = {k: fw.parameter([k]) for k in (1.0, 2.0, 3.0)}
+
     def work(k: float) -> None:
         try:
-            w = fw.parameter([k])
+            w = weights[k]
             gm = GradManager().attach(w)
             for _ in range(20):
                 with gm:
