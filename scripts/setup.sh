@@ -75,8 +75,14 @@ make_venv() {  # make_venv DIR PYTHON
   if "$py" -c 'import ensurepip, venv' >/dev/null 2>&1 && "$py" -m venv "$dir"; then return; fi
   rm -rf "$dir"
   # Debian's python3.9 from bullseye has no ensurepip; virtualenv seeds pip itself.
-  python3 -m virtualenv --version >/dev/null 2>&1 || python3 -m pip install -q virtualenv
-  python3 -m virtualenv -q -p "$py" "$dir"
+  if python3 -m virtualenv --version >/dev/null 2>&1; then
+    python3 -m virtualenv -q -p "$py" "$dir"; return
+  fi
+  # Into a scratch directory: --target also works where python3 is "externally managed" (PEP 668).
+  local tools; tools=$(mktemp -d)
+  python3 -m pip install -q --target "$tools" virtualenv
+  PYTHONPATH="$tools" python3 -m virtualenv -q -p "$py" "$dir"
+  rm -rf "$tools"
 }
 
 stamp_of() {  # what the environment was built from: a change re-runs the install
