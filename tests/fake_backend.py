@@ -280,7 +280,9 @@ class FakeBackend(Backend):
     name = "fake"
     tensor_type: type = FakeTensor
     tensor_modules = (__name__.partition(".")[0],)
-    capabilities = Capabilities(higher_order=True, exact_pre_record_semantics=True)
+    capabilities = Capabilities(
+        higher_order=True, exact_pre_record_semantics=True, threads=True, backward_in_callback=True
+    )
 
     def __init__(self) -> None:
         self.tapes: List[FakeTape] = []  # every tape made, so tests can inspect them
