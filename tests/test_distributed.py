@@ -28,7 +28,7 @@ if not dist.is_available():
 
 from dist_workers.data import batch, weights  # noqa: E402
 
-from gradmgr import GradManager  # noqa: E402
+from gradmgr import Future, GradManager  # noqa: E402
 from gradmgr.distributed import AllreduceCallback, BucketPlan, make_allreduce_cb  # noqa: E402
 from gradmgr.distributed.ops import ops_for  # noqa: E402
 
@@ -235,8 +235,10 @@ def test_buckets_launch_during_backward_and_mean_math():
     layers = [torch.randn(4, 4, requires_grad=True) for _ in range(4)]
     log: list = []
     cb = make_allreduce_cb("mean", bucket_bytes=2 * 64, transport=FakeTransport(log, 0.5))
+    returned: list = []
     gm = GradManager().attach(
-        layers, callbacks=[lambda t, g: (log.append(("grad", t.numel())), g)[1], cb]
+        layers, callbacks=[lambda t, g: (log.append(("grad", t.numel())), g)[1], cb,
+                           lambda t, g: (returned.append(g), g)[1]],
     )
     x = torch.randn(3, 4)
     with gm:
@@ -244,6 +246,7 @@ def test_buckets_launch_during_backward_and_mean_math():
         for w in layers:
             h = torch.tanh(h @ w)
         gm.backward(h.sum())
+    assert len(returned) == 4 and all(isinstance(f, Future) for f in returned)
     kinds = [k for k, _ in log]
     assert kinds.count("launch") == 2 == len(cb.buckets(gm))
     # the late layers' bucket went out before the early layers' gradients existed

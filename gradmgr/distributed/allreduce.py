@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Iterator, List, Optional, Sequence, Set
+from typing import Any, Iterator, List, Optional, Set
 
 from .._state import get_backwarding_grad_manager
 from ..future import Future
@@ -15,6 +15,7 @@ from .transport import Handle, Transport, TransportSpec, check_transport, resolv
 
 _REDUCE = ("mean", "sum")
 _COMPRESSION = (None, "fp16", "bf16")
+_FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigger buckets
 
 
 class _Reduction:
@@ -75,9 +76,10 @@ class AllreduceCallback:
 
     Use one instance for all parameters of a model: ``gm.attach(params, callbacks=[cb])``.
     Called as ``cb(tensor, grad)`` while the backward runs, it copies the gradient into a
-    bucket and returns a :class:`gradmgr.Future` of the reduced gradient (same shape, dtype and
-    device). Buckets are planned from ``gm.attached_tensors(with_callback=cb)`` in reverse
-    attach order, by dtype and device, about ``bucket_bytes`` each; every rank plans the same
+    bucket and returns a :class:`gradmgr.Future` of the reduced gradient (same shape, dtype
+    and device). Buckets are planned from ``gm.attached_tensors(with_callback=cb)`` in reverse
+    attach order, by dtype and device, about ``bucket_bytes`` each (the first one at most
+    1 MiB, as in DDP, so communication starts early); every rank plans the same
     buckets and launches them in the same order, each as soon as all its members are ready,
     so communication overlaps the rest of the backward. The remaining buckets are launched by
     an after-backward callback that ``cb`` registers once per manager.
@@ -172,8 +174,7 @@ class AllreduceCallback:
             step.parts[b][slot] = grad
             step.count[b] += 1
             self._launch_ready(state, step)
-            reduction_of = step.launched  # the list is filled in place when the bucket launches
-            return Future(lambda: _result(reduction_of, b, slot))
+            return _Pending(step.launched, b, slot)
 
     def bind(self, gm: Any) -> None:
         """Register this callback's flush with ``gm`` (done automatically on first use)."""
@@ -224,7 +225,8 @@ class AllreduceCallback:
             if gm.backend is None:
                 raise RuntimeError("allreduce callback: the manager has no backend yet")
             state.ops = ops_for(gm.backend.name)
-            state.plan = BucketPlan(tensors, state.ops, self.bucket_bytes)
+            first = min(self.bucket_bytes, _FIRST_BUCKET_BYTES)
+            state.plan = BucketPlan(tensors, state.ops, self.bucket_bytes, first)
             state.unsynced &= {id(t) for t in tensors}
         state.step = _Step(record_id, state.plan, self._sync)
         return state.step
@@ -268,7 +270,7 @@ class AllreduceCallback:
                 self._launch(state, step, b)
             state.unsynced.clear()
         for tensor, b, slot in missing:
-            gm.add_gradient(tensor, Future(lambda b=b, slot=slot: step.launched[b].result(slot)))
+            gm.add_gradient(tensor, _Pending(step.launched, b, slot))
 
     def _fill_missing(self, state: _ManagerState, step: _Step) -> List[tuple]:
         """Members with no gradient this step on this rank: contribute zeros (or what their
@@ -292,13 +294,28 @@ class AllreduceCallback:
         return missing
 
 
-def _result(launched: Sequence[Optional[_Reduction]], b: int, slot: int) -> Any:
-    reduction = launched[b]
-    if reduction is None:
-        raise RuntimeError(
-            "allreduce bucket never launched: the manager's after-backward flush did not run"
-        )
-    return reduction.result(slot)
+class _Pending(Future):
+    """The reduced gradient of one bucket member: a Future without the cost of an event per
+    tensor (the manager only asks for it after the flush has launched every bucket)."""
+
+    __slots__ = ("_launched", "_bucket", "_slot")
+
+    def __init__(self, launched: List[Optional[_Reduction]], bucket: int, slot: int) -> None:
+        self._launched, self._bucket, self._slot = launched, bucket, slot
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        reduction = self._launched[self._bucket]  # filled in place when the bucket launches
+        if reduction is None:
+            raise RuntimeError(
+                "allreduce bucket never launched: the manager's after-backward flush did not run"
+            )
+        return reduction.result(self._slot)
+
+    def done(self) -> bool:
+        return self._launched[self._bucket] is not None
+
+    def set(self, value: Any) -> None:
+        raise TypeError("an allreduce result is set by its collective, not by set()")
 
 
 def make_allreduce_cb(

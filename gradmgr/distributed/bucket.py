@@ -9,7 +9,7 @@ buffers.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .ops import TensorOps
 
@@ -33,7 +33,8 @@ class Bucket:
 class BucketPlan:
     """Buckets over ``tensors`` filled in reverse attach order (late layers first, as their
     gradients are ready first), one open bucket per (dtype, device), each closed once it holds
-    at least ``bucket_bytes``.
+    at least ``bucket_bytes``; the very first bucket closes at ``first_bucket_bytes`` already
+    (as in DDP), so that communication starts early in the backward.
 
     Example:
         >>> import torch
@@ -43,7 +44,9 @@ class BucketPlan:
         [[2, 1], [0]]
     """
 
-    def __init__(self, tensors: Sequence[Any], ops: TensorOps, bucket_bytes: int) -> None:
+    def __init__(self, tensors: Sequence[Any], ops: TensorOps, bucket_bytes: int,
+                 first_bucket_bytes: Optional[int] = None) -> None:
+        first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
         self._refs = [weakref.ref(t) for t in tensors]
         self.buckets: List[Bucket] = []
         self.where: Dict[int, Tuple[int, int]] = {}  # id(tensor) -> (bucket, slot)
@@ -60,7 +63,7 @@ class BucketPlan:
             bucket.members.append(position)
             bucket.shapes.append(ops.shape(tensor))
             bucket.nbytes += ops.nbytes(tensor)
-            if bucket.nbytes >= bucket_bytes:
+            if bucket.nbytes >= (first if bucket.index == 0 else bucket_bytes):
                 del open_by_key[key]
 
     def tensors(self) -> List[Any]:
