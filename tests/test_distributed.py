@@ -369,3 +369,11 @@ def test_cuda_tensors_over_nccl(tmp_path):
             close(out[f"mean_g{i}"], ref[j], rtol=1e-4, atol=1e-5, what=f"param {i}")
             close(out[f"small_g{i}"], out[f"mean_g{i}"], rtol=0, what=f"param {i}")
             close(out[f"fp16_g{i}"], ref[j], rtol=0, atol=2e-3 * np.abs(ref[j]).max())
+
+
+def test_importing_distributed_imports_no_framework():
+    code = ("import sys, gradmgr.distributed; "
+            "print(sorted(m for m in ('torch', 'megengine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
