@@ -50,11 +50,12 @@ def cuda_available() -> bool:
 # GRADMGR_FRAMEWORKS=torch,megengine names the frameworks this environment must have (default:
 #   all of BACKENDS). Tests of any other framework are deselected at collection, never skipped:
 #   params named in FRAMEWORK_PARAMS whose value is that framework's name (`fw[megengine]`),
-#   tests marked `@pytest.mark.megengine` (or torch) or using that framework's fixture, and the
-#   files named for it in FRAMEWORK_FILES (not even imported: they import it at module level).
+#   tests marked `@pytest.mark.megengine` (or torch), tests using a fixture whose name starts
+#   with a prefix in FRAMEWORK_FIXTURES (mge_fw, megengine_ranks), and the files named for it
+#   in FRAMEWORK_FILES (not even imported: they import the framework at module level).
 # GRADMGR_STRICT_SKIPS=1 turns every skip whose reason does not start with "CUDA" into a
 #   failure, so a missing or broken expected framework cannot pass as "skipped".
-FRAMEWORK_FIXTURES = {"torch": "torch_fw", "megengine": "mge_fw"}
+FRAMEWORK_FIXTURES = {"torch": ("torch_",), "megengine": ("megengine_", "mge_")}
 FRAMEWORK_PARAMS = ("fw", "framework", "backend")
 FRAMEWORK_FILES = {
     "test_torch_*.py": {"torch"},
@@ -90,8 +91,9 @@ def pytest_collection_modifyitems(config, items):
         params = getattr(item, "callspec", None)
         params = params.params if params is not None else {}
         needs |= {v for k, v in params.items() if k in FRAMEWORK_PARAMS and isinstance(v, str)}
-        needs |= {n for n, fixture in FRAMEWORK_FIXTURES.items() if fixture in item.fixturenames}
-        (drop if needs & missing else keep).append(item)  # needs may hold other strings
+        needs |= {n for n, prefixes in FRAMEWORK_FIXTURES.items()
+                  if any(f.startswith(prefixes) for f in item.fixturenames)}
+        (drop if needs & missing else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
