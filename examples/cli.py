@@ -47,6 +47,13 @@ def run(description: str, runners: Dict[str, Callable[[], None]],
     return 1 if failures else 0
 
 
+def expect(condition: bool, message: str) -> None:
+    """Raise AssertionError with ``message`` unless ``condition`` (unlike ``assert``, this also
+    checks under ``python -O``)."""
+    if not condition:
+        raise AssertionError(message)
+
+
 def assert_close(name: str, got, want, rtol: float = 1e-5, atol: float = 1e-6) -> float:
     """Assert two array-likes agree within ``atol + rtol*|want|``; print and return max |diff|."""
     import numpy as np

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import sys
 from types import SimpleNamespace
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
-from cli import assert_close, run
+from cli import assert_close, expect, run
 from models import init_mlp, make_dataset, mlp_forward
 
 from gradmgr import GradManager, get_backwarding_grad_manager
@@ -28,13 +28,13 @@ MAX_NORM = 0.05
 
 
 def make_callbacks(names: Dict[int, str], norm: Callable, finite: Callable,
-                   arrivals: List[str]) -> list:
-    """``[check_finite, clip]`` callbacks; ``arrivals`` records the order gradients arrive."""
+                   arrivals: List[Tuple[str, Any]]) -> list:
+    """``[check_finite, clip]`` callbacks; ``arrivals`` records, in the order gradients
+    arrive, (parameter name, the backwarding manager at that moment)."""
 
     def check_finite(tensor, grad):
         name = names[id(tensor)]
-        arrivals.append(name)
-        assert get_backwarding_grad_manager() is not None, "callback ran outside backward"
+        arrivals.append((name, get_backwarding_grad_manager()))
         if not finite(grad):
             raise FloatingPointError(f"non-finite gradient for {name}")
         return grad
@@ -56,7 +56,7 @@ def demo(fw: SimpleNamespace) -> None:
     weights = init_mlp()
     params = {k: fw.ops.parameter(v) for k, v in weights.items()}
     names = {id(p): k for k, p in params.items()}
-    arrivals: List[str] = []
+    arrivals: List[Tuple[str, Any]] = []
     gm = GradManager().attach(
         list(params.values()), callbacks=make_callbacks(names, fw.norm, fw.finite, arrivals)
     )
@@ -70,16 +70,17 @@ def demo(fw: SimpleNamespace) -> None:
     for name, p in params.items():
         got = fw.ops.numpy(p.grad)
         print(f"  {name:11s} |grad| {np.linalg.norm(raw[name]):.4f} -> {np.linalg.norm(got):.4f}")
-        assert np.linalg.norm(got) <= MAX_NORM * (1 + 1e-5), f"{name} was not clipped"
+        expect(np.linalg.norm(got) <= MAX_NORM * (1 + 1e-5), f"{name} was not clipped")
         assert_close(f"clipped {name}", got, clipped(raw[name]))
 
     # 2. callbacks run during backward, output layer first
-    print(f"  gradients arrived in the order: {', '.join(arrivals)}")
+    order = [name for name, _ in arrivals]
+    print(f"  gradients arrived in the order: {', '.join(order)}")
+    expect(all(m is gm for _, m in arrivals), "a callback ran outside gm's backward")
+    expect(sorted(order) == sorted(weights), "each parameter's chain must run exactly once")
     last = len(weights) // 2 - 1
-    assert sorted(arrivals) == sorted(weights), "each parameter's chain must run exactly once"
-    assert arrivals.index(f"fc{last}.weight") < arrivals.index("fc0.weight"), (
-        "the output layer's gradient should be ready before the input layer's"
-    )
+    expect(order.index(f"fc{last}.weight") < order.index("fc0.weight"),
+           "the output layer's gradient should be ready before the input layer's")
     print("  check: the chains ran inside backward, the output layer's first")
 
     # 3. a NaN in the batch
@@ -95,9 +96,9 @@ def demo(fw: SimpleNamespace) -> None:
         print(f"  a NaN batch raised FloatingPointError: {exc}")
     else:
         raise AssertionError("the NaN batch was not caught by check_finite")
-    assert get_backwarding_grad_manager() is None, "global state left changed after the error"
+    expect(get_backwarding_grad_manager() is None, "global state left changed after the error")
     for name, p in params.items():
-        assert np.array_equal(fw.ops.numpy(p.grad), before[name]), f"{name}.grad was modified"
+        expect(np.array_equal(fw.ops.numpy(p.grad), before[name]), f"{name}.grad was modified")
     print("  check: the failed backward left every .grad untouched")
 
     with gm:  # the manager was released by the failed backward and records again
