@@ -7,7 +7,7 @@ gm.backward(loss)`` (and the gradmgr step with a no-op callback on every tensor)
 alternately on separate copies; overhead = median gradmgr step - median plain step. The
 per-tensor cost is the slope of a least-squares line through (N, overhead); the growth is called
 linear when the marginal cost per tensor from 1,000 to 10,000 is within 2x of that from
-100 to 1,000.
+100 to 1,000 (super-linear above, sub-linear below).
 
     python bench/bench_scaling.py [--quick]
 """
@@ -77,6 +77,17 @@ def slope_and_linearity(counts: List[int], overhead_us: List[float]):
     return slope, low, high
 
 
+def growth(low: float, high: float) -> str:
+    """A verdict on how the overhead grows, from the two marginal per-tensor costs."""
+    if low <= 0 or high <= 0:
+        return "too noisy to tell (a marginal cost is not positive)"
+    if high / low > 2.0:
+        return "SUPER-linear (per-tensor cost rises with N)"
+    if high / low < 0.5:
+        return "sub-linear (per-tensor cost falls with N: fixed costs dominate small N)"
+    return "linear"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="gradmgr overhead vs attached tensors")
     parser.add_argument("--quick", action="store_true", help="fewer samples (noisier)")
@@ -102,10 +113,9 @@ def main(argv=None) -> int:
     print()
     for k, label in (("gradmgr", "gradmgr"), ("+noop", "gradmgr + no-op callback")):
         slope, low, high = slope_and_linearity(list(COUNTS), overheads[k])
-        linear = low > 0 and 0.5 <= high / low <= 2.0
         print(f"{label}: {slope:.3f} us per attached tensor (least squares); marginal "
               f"{low:.3f} us/tensor for 100->1000, {high:.3f} for 1000->10000: "
-              f"{'linear' if linear else 'NOT linear (or too noisy to tell)'}")
+              f"{growth(low, high)}")
         result(f"scaling {label} per-tensor overhead", slope, unit=" us")
     return 0
 
