@@ -5,6 +5,8 @@ For each model, three copies with identical weights are stepped alternately on t
 * plain:   ``loss = loss_fn(model(x), y); loss.backward()``
 * gradmgr: ``with gm: loss = loss_fn(model(x), y); gm.backward(loss)``
 * +noop:   the same with a no-op callback ``lambda t, g: g`` attached to every parameter
+* engine:  ``torch.autograd.backward([loss], inputs=params)``, the engine call gradmgr makes when
+  no tensor has callbacks: the floor for gradmgr; gradmgr/engine is the manager's own cost
 
 ``.grad`` is cleared (untimed) before every step. Ratios are medians of per-step times; torch
 runs on one thread. Targets: <= 1.05 for the MLPs and the CNN, <= 1.20 for the model with
@@ -68,11 +70,17 @@ def cases() -> Dict[str, Case]:
 def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     """The three variants' step functions and their untimed .grad-clearing set-ups."""
     loss_fn = nn.functional.cross_entropy
-    models = {name: copy.deepcopy(model) for name in ("plain", "gradmgr", "+noop")}
+    models = {name: copy.deepcopy(model) for name in ("plain", "gradmgr", "+noop", "engine")}
 
     def plain() -> None:
         loss = loss_fn(models["plain"](x), y)
         loss.backward()
+
+    engine_params = list(models["engine"].parameters())
+
+    def engine() -> None:
+        loss = loss_fn(models["engine"](x), y)
+        torch.autograd.backward([loss], inputs=engine_params)
 
     def with_manager(name: str, gm: GradManager) -> Callable[[], None]:
         m = models[name]
@@ -87,7 +95,7 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     gm = GradManager().attach(models["gradmgr"].parameters())
     gm_cb = GradManager().attach(models["+noop"].parameters(), callbacks=lambda t, g: g)
     variants = {"plain": plain, "gradmgr": with_manager("gradmgr", gm),
-                "+noop": with_manager("+noop", gm_cb)}
+                "+noop": with_manager("+noop", gm_cb), "engine": engine}
     params: Dict[str, List[torch.Tensor]] = {k: list(m.parameters()) for k, m in models.items()}
 
     def clear(name: str) -> Callable[[], None]:
@@ -111,7 +119,8 @@ def main(argv=None) -> int:
     print(__doc__.split("\n\n")[0])
     print(machine_info(["torch"]) + ", torch threads: 1")
     header = (f"{'model':>13} {'tensors':>7} {'samples':>7} {'plain us':>9} {'gradmgr us':>10} "
-              f"{'ratio':>6} {'+noop us':>9} {'ratio':>6} {'best-of ratio':>13}")
+              f"{'ratio':>6} {'+noop us':>9} {'ratio':>6} {'best-of ratio':>13} "
+              f"{'engine/plain':>12} {'gradmgr/engine':>14}")
     print(header)
     rows = []
     for name, (model, x, y, target) in cases().items():
@@ -121,10 +130,12 @@ def main(argv=None) -> int:
         ratio = t["gradmgr"].median / t["plain"].median
         noop = t["+noop"].median / t["plain"].median
         best = t["gradmgr"].best / t["plain"].best
+        floor = t["engine"].median / t["plain"].median
+        own = t["gradmgr"].median / t["engine"].median
         tensors = len(list(model.parameters()))
         print(f"{name:>13} {tensors:7d} {n:7d} {t['plain'].median * 1e6:9.1f} "
               f"{t['gradmgr'].median * 1e6:10.1f} {ratio:6.3f} {t['+noop'].median * 1e6:9.1f} "
-              f"{noop:6.3f} {best:13.3f}", flush=True)
+              f"{noop:6.3f} {best:13.3f} {floor:12.3f} {own:14.3f}", flush=True)
         rows.append((name, ratio, noop, target))
     print()
     for name, ratio, noop, target in rows:
