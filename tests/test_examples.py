@@ -89,6 +89,7 @@ def test_training_script(framework: str) -> None:
     assert out.count("step-0 grads match") == 2
 
 
+@pytest.mark.megengine
 def test_demo(tmp_path) -> None:
     require("torch", "megengine", "matplotlib", "tqdm")
     out = run_example("demo.py", "--steps", "12", "--log-every", "4", "--out", str(tmp_path))
