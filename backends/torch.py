@@ -68,6 +68,40 @@ def set_pre_record_check(mode: str) -> None:
     _PRE_RECORD_CHECK = mode
 
 
+# ----------------------------------------------------------------------------- engine entry
+def _public_engine(outputs, seeds, retain, create_graph, inputs, accumulate):
+    if accumulate:
+        torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs)
+        return ()
+    return torch.autograd.grad(outputs, inputs, grad_outputs=seeds, retain_graph=retain,
+                               create_graph=create_graph, allow_unused=True)
+
+
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _run_engine(
+    outputs: List[torch.Tensor], seeds: List[torch.Tensor], retain: bool, create_graph: bool,
+    inputs: List[torch.Tensor], accumulate: bool,
+) -> Sequence[Optional[torch.Tensor]]:
+    """Run the autograd engine: accumulate into ``.grad`` of ``inputs``, or return their grads.
+
+    ``torch.autograd.backward``/``grad`` spend most of their Python time normalizing arguments
+    and re-checking seeds, which the manager has already done (every seed is a tensor of its
+    output's shape), and that is measurable on small models. So this goes straight to the
+    function both of them end in, ``torch.autograd.graph._engine_run_backward``, which keeps
+    PyTorch's own per-call set-up (debug-logging hooks, compiled-autograd context). Where that
+    private function is missing, or inside a functorch transform (where the public functions
+    raise their own error), the public functions are used.
+    """
+    if _engine_run_backward is None or torch._C._are_functorch_transforms_active():
+        return _public_engine(outputs, seeds, retain, create_graph, inputs, accumulate)
+    return _engine_run_backward(
+        tuple(outputs), tuple(seeds), retain, create_graph, tuple(inputs),
+        allow_unreachable=True, accumulate_grad=accumulate,
+    )
+
+
 # ----------------------------------------------------------------------------- graph helpers
 def _current_sequence_nr() -> int:
     """The sequence number the next autograd node created in this thread will get."""
@@ -265,8 +299,10 @@ class TorchTape(Tape):
     # -- recording --------------------------------------------------------------------
     def start(self) -> None:
         self._recording = True
-        if _PRE_RECORD_CHECK != "off" and not (_PRE_RECORD_CHECK == "first" and self._checked):
+        if self._entries and self._wants_check():  # a later attach() takes its own snapshot
             self._record_seq = _current_sequence_nr()
+        if not self._needs_flag:
+            return
         for key, ref in list(self._needs_flag.items()):
             tensor = ref()
             if tensor is not None:
@@ -277,13 +313,15 @@ class TorchTape(Tape):
     def backward(
         self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
     ) -> None:
-        outputs, seeds = [], []
-        for y, dy in zip(ys, dys):
-            if y.requires_grad:
-                outputs.append(y)
-                seeds.append(dy)
-        if not outputs:
-            return
+        if len(ys) == 1:
+            if not ys[0].requires_grad:
+                return
+            outputs, seeds = ys, dys
+        else:
+            outputs = [y for y in ys if y.requires_grad]
+            seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
+            if not outputs:
+                return
         entries = []
         inputs = []
         for entry in self._entries.values():
@@ -293,20 +331,18 @@ class TorchTape(Tape):
                 inputs.append(tensor)
         if not inputs:
             return
-        self._check_pre_record(outputs, inputs, entries)
+        if self._wants_check():
+            self._check_pre_record(outputs, inputs, entries)
         retain = retain_graph or create_graph
         if not self._eager and not create_graph:
             # Nothing to intercept: let the engine accumulate into .grad itself, which is what
             # a plain loss.backward() costs.
-            torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs)
+            _run_engine(outputs, seeds, retain, False, inputs, accumulate=True)
             return
         self._running = True
         self._fired.clear()
         try:
-            grads = torch.autograd.grad(
-                outputs, inputs, grad_outputs=seeds, retain_graph=retain,
-                create_graph=create_graph, allow_unused=True,
-            )
+            grads = _run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
         finally:
             self._running = False
         fired = self._fired
@@ -314,11 +350,12 @@ class TorchTape(Tape):
             if grad is not None and not (entry.eager and id(tensor) in fired):
                 entry.sink(grad)
 
+    def _wants_check(self) -> bool:
+        mode = _PRE_RECORD_CHECK
+        return mode != "off" and not self._warned and (mode == "always" or not self._checked)
+
     def _check_pre_record(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                           entries: List[_Entry]) -> None:
-        mode = _PRE_RECORD_CHECK
-        if mode == "off" or self._warned or (mode == "first" and self._checked):
-            return
         self._checked = True
         base = self._record_seq
         since = [base if e.since is None else e.since for e in entries]
@@ -341,9 +378,10 @@ class TorchTape(Tape):
             return
         self._recording = False
         self._running = False
-        flagged, self._flagged = self._flagged, []
-        for tensor in flagged:
-            _FLAGS.release(tensor)
+        if self._flagged:
+            flagged, self._flagged = self._flagged, []
+            for tensor in flagged:
+                _FLAGS.release(tensor)
         if self._late:
             self._late = False
             for entry in self._entries.values():
@@ -411,6 +449,16 @@ class TorchBackend(Backend):
 
     def ones_like(self, tensor: Any) -> Any:
         return torch.ones_like(tensor)
+
+    def seed_problem(self, y: Any, dy: Any) -> Optional[str]:
+        # The manager calls the engine directly (see _run_engine), so it checks what
+        # torch.autograd.backward would: the engine itself casts dtypes and rejects devices.
+        if tuple(y.shape) != tuple(dy.shape):
+            return f"has shape {tuple(dy.shape)} but y has shape {tuple(y.shape)}"
+        if y.is_complex() != dy.is_complex():
+            return (f"has dtype {dy.dtype} but y has dtype {y.dtype}: a complex y needs a complex "
+                    "dy and a real y a real one")
+        return None
 
     def accumulate(self, tensor: Any, grad: Any) -> None:
         if tensor.is_leaf:

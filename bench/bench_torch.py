@@ -5,8 +5,9 @@ For each model, three copies with identical weights are stepped alternately on t
 * plain:   ``loss = loss_fn(model(x), y); loss.backward()``
 * gradmgr: ``with gm: loss = loss_fn(model(x), y); gm.backward(loss)``
 * +noop:   the same with a no-op callback ``lambda t, g: g`` attached to every parameter
-* engine:  ``torch.autograd.backward([loss], inputs=params)``, the engine call gradmgr makes when
-  no tensor has callbacks: the floor for gradmgr; gradmgr/engine is the manager's own cost
+* engine:  the engine call gradmgr makes when no tensor has callbacks (``_run_engine``: PyTorch's
+  ``_engine_run_backward`` with ``inputs=params``, without ``torch.autograd.backward``'s
+  argument handling): the floor for gradmgr; gradmgr/engine is the manager's own cost
 
 ``.grad`` is cleared (untimed) before every step. Ratios are medians of per-step times; torch
 runs on one thread. Targets: <= 1.05 for the MLPs and the CNN, <= 1.20 for the model with
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from _common import interleaved, machine_info, result, samples_for  # noqa: E402
+from gradmgr.backends.torch import _run_engine  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
@@ -80,7 +82,7 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
 
     def engine() -> None:
         loss = loss_fn(models["engine"](x), y)
-        torch.autograd.backward([loss], inputs=engine_params)
+        _run_engine([loss], [torch.ones_like(loss)], False, False, engine_params, True)
 
     def with_manager(name: str, gm: GradManager) -> Callable[[], None]:
         m = models[name]

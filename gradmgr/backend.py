@@ -110,6 +110,13 @@ class Backend(ABC):
     def ones_like(self, tensor: Any) -> Any:
         """The default ``dy`` for ``tensor``."""
 
+    def seed_problem(self, y: Any, dy: Any) -> Optional[str]:
+        """Why ``dy`` cannot seed the backward of ``y`` (a phrase such as "has shape (3,) but
+        y has shape (2,)"), or None if it can. The default requires equal shapes."""
+        if self.shape(y) != self.shape(dy):
+            return f"has shape {self.shape(dy)} but y has shape {self.shape(y)}"
+        return None
+
     @abstractmethod
     def accumulate(self, tensor: Any, grad: Any) -> None:
         """Set ``tensor.grad = grad``, or add ``grad`` into an existing ``tensor.grad``."""

@@ -236,8 +236,8 @@ class GradManager:
         self._recording = True
         self._group = group
         self._record_order = next(_state.record_counter)
-        self._thread_state = _state.state
-        self._thread_state.recording.append(self)
+        thread_state = self._thread_state = _state.state
+        thread_state.recording.append(self)
         try:
             if self._backend is None:
                 self._backend = sole_imported_backend()
@@ -246,6 +246,16 @@ class GradManager:
         except BaseException:
             self.release()
             raise
+
+    @property
+    def step(self) -> int:
+        """Identifies the current (or latest) recording; increases with every ``record()``.
+
+        The numbers are global, not per manager, so they are not consecutive; -1 before the
+        first recording. A callback that batches work per backward (an allreduce bucket) can
+        use it to tell one step from the next.
+        """
+        return self._record_order
 
     def _get_tape(self) -> Tape:
         if self._tape is None:
@@ -320,17 +330,21 @@ class GradManager:
 
     def release(self) -> None:
         """Stop recording and free what was kept for differentiation. Idempotent."""
-        tape, taping = self._tape, self._taping
         self._recording = False
-        self._taping = False
         self._group = None
-        self._gradients = {}
-        if self._thread_state is not None:
-            with contextlib.suppress(ValueError):
-                self._thread_state.recording.remove(self)
+        if self._gradients:
+            self._gradients = {}
+        thread_state = self._thread_state
+        if thread_state is not None:
             self._thread_state = None
-        if taping and tape is not None:
-            tape.stop()
+            recording = thread_state.recording
+            if recording and recording[-1] is self:
+                recording.pop()
+            elif self in recording:
+                recording.remove(self)
+        if self._taping:
+            self._taping = False
+            self._tape.stop()
 
     def __enter__(self) -> GradManager:
         self.record()
@@ -368,43 +382,53 @@ class GradManager:
                 "no computation history to differentiate: call record() (or use `with gm:`) "
                 "before computing y, then backward(y) inside the recording"
             )
-        stack = self._thread_state.backwarding
+        thread_state = self._thread_state
+        stack = thread_state.backwarding
         stack.append(self)
         self._backwarding = True
         try:
             ys, dys = self._check_outputs(y, dy)
             if ys and self._taping:
-                recording = [m for m in self._thread_state.recording if m is not self]
-                create_graph = any(
-                    m._record_order < self._record_order
-                    and (self._group is None or m._group is not self._group)
-                    for m in recording
-                )
-                self._tape.backward(
-                    ys, dys, create_graph=create_graph, retain_graph=bool(recording)
-                )
+                recording = thread_state.recording
+                if len(recording) == 1:  # only this manager: nobody records this backward
+                    create_graph = retain_graph = False
+                else:
+                    others = [m for m in recording if m is not self]
+                    create_graph = any(
+                        m._record_order < self._record_order
+                        and (self._group is None or m._group is not self._group)
+                        for m in others
+                    )
+                    retain_graph = bool(others)
+                self._tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph)
             for callback in self._after_backward_callbacks:
                 callback()
-            backend = self._backend
-            for key, grad in self._gradients.items():
-                if is_future(grad) and not backend.is_tensor(grad):
-                    grad = grad.get()
-                spec = self._specs.get(key)
-                tensor = spec.tensor() if spec is not None else None
-                if tensor is not None and grad is not None:
-                    backend.accumulate(tensor, grad)
+            if self._gradients:
+                self._accumulate_gradients()
         finally:
             self._backwarding = False
             self.release()
             stack.pop()
 
+    def _accumulate_gradients(self) -> None:
+        backend = self._backend
+        for key, grad in self._gradients.items():
+            if not backend.is_tensor(grad) and is_future(grad):
+                grad = grad.get()
+            spec = self._specs.get(key)
+            tensor = spec.tensor() if spec is not None else None
+            if tensor is not None and grad is not None:
+                backend.accumulate(tensor, grad)
+
     def _check_outputs(self, y: Any, dy: Any) -> tuple:
+        backend = self._backend
+        if dy is None and backend is not None and backend_for(y) is backend:
+            return [y], [backend.ones_like(y)]  # the common call: backward(loss)
         ys = _as_list(y)
         if not ys:
             if dy is not None and _as_list(dy):
                 raise ValueError("dy was given but y is empty")
             return [], []
-        backend = self._backend
         for t in ys:
             found = backend_for(t)
             if found is None:
@@ -424,11 +448,9 @@ class GradManager:
         for i, (t, d) in enumerate(zip(ys, dys)):
             if backend_for(d) is not backend:
                 raise TypeError(f"dy[{i}] must be a {backend.name} tensor, got {type(d).__name__}")
-            if backend.shape(t) != backend.shape(d):
-                raise ValueError(
-                    f"dy[{i}] has shape {backend.shape(d)} but y[{i}] has shape "
-                    f"{backend.shape(t)}; each dy must match its y"
-                )
+            problem = backend.seed_problem(t, d)
+            if problem is not None:
+                raise ValueError(f"dy[{i}] {problem} (y[{i}]); each dy must match its y")
         return ys, dys
 
     # ----------------------------------------------------------------- graph helper

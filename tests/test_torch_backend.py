@@ -228,6 +228,47 @@ def test_dy_dtype_device_mismatch_surfaces_from_torch():
     assert not x.requires_grad
 
 
+def test_complex_dy_for_real_y_is_rejected_before_the_engine_runs():
+    x = torch.ones(2)
+    gm = GradManager().attach(x)
+    with gm, pytest.raises(ValueError, match="complex"):
+        gm.backward(x * 2, torch.ones(2, dtype=torch.complex64))
+    assert x.grad is None and not x.requires_grad
+
+
+def test_float64_dy_is_cast_like_torch_autograd_backward():
+    x = torch.tensor([1.0, 2.0])
+    gm = GradManager().attach(x)
+    with gm:
+        gm.backward(x * x, torch.tensor([0.5, 3.0], dtype=torch.float64))
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, torch.tensor([1.0, 12.0]), **TOL)
+
+
+@pytest.mark.parametrize("callbacks", [None, lambda t, g: g * 0.5], ids=["plain", "callback"])
+def test_public_engine_fallback_gives_the_same_gradients(monkeypatch, callbacks):
+    """Without torch.autograd.graph._engine_run_backward (a private function the backend calls
+    to skip argument re-checking), the public torch.autograd functions give the same result."""
+    model, x = mlp(), torch.randn(6, 8)
+    params = list(model.parameters())
+    scale = 1.0 if callbacks is None else 0.5
+    expected = [e * scale for e in torch.autograd.grad(model(x).square().mean(), params)]
+    fast = GradManager().attach(params, callbacks=callbacks)
+    with fast:
+        fast.backward(model(x).square().mean())
+    fast_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    monkeypatch.setattr(tb, "_engine_run_backward", None)
+    slow = GradManager().attach(params, callbacks=callbacks)
+    with slow:
+        slow.backward([model(x).square().mean(), model(x).sum()],
+                      [torch.tensor(1.0), torch.tensor(0.0)])
+    for p, g, e in zip(params, fast_grads, expected):
+        torch.testing.assert_close(g, e, **TOL)
+        torch.testing.assert_close(p.grad, e, **TOL)
+
+
 cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA: no GPU visible to torch on this machine"
 )
