@@ -136,6 +136,20 @@ def test_record_twice_raises_and_keeps_recording(fk):
     assert grad_of(x) == approx(4.0)
 
 
+def test_step_identifies_each_recording(fk):
+    x = fk.tensor(1.0)
+    gm, other = GradManager().attach(x), GradManager().attach(x)
+    assert gm.step == -1
+    steps = []
+    for _ in range(3):
+        with gm:
+            steps.append(gm.step)
+            with other:
+                assert other.step > gm.step  # global order: later recordings get larger ids
+        assert gm.step == steps[-1]  # still names the latest recording after release
+    assert steps == sorted(set(steps))
+
+
 def test_backward_without_record_names_record(fk):
     x = fk.tensor(1.0)
     gm = GradManager().attach(x)

@@ -216,7 +216,7 @@ class AllreduceCallback:
 
     # ------------------------------------------------------------------ internals
     def _begin(self, gm: Any, state: _ManagerState) -> _Step:
-        record_id = getattr(gm, "_record_order", None)
+        record_id = gm.step
         step = state.step
         if step is not None and step.record_id == record_id:
             return step
