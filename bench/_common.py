@@ -13,7 +13,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 RESULT_PREFIX = "RESULT"
 """Lines starting with this are collected by run_all.py into its summary."""
@@ -59,6 +59,19 @@ class Timing:
     @property
     def best(self) -> float:
         return min(self.samples)
+
+
+def grad_clearers(params: Dict[str, List[Any]]) -> Dict[str, Callable[[], None]]:
+    """For each variant, an (untimed) set-up that sets ``.grad = None`` on its tensors."""
+
+    def clearer(tensors: List[Any]) -> Callable[[], None]:
+        def clear() -> None:
+            for t in tensors:
+                t.grad = None
+
+        return clear
+
+    return {name: clearer(list(tensors)) for name, tensors in params.items()}
 
 
 def interleaved(

@@ -13,20 +13,18 @@ import argparse
 import datetime
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradmgr
 from gradmgr import GradManager
-from gradmgr.distributed import make_allreduce_cb
+from gradmgr.distributed import make_allreduce_cb, spawn_local
 
 WIDTH, DEPTH, BATCH = 256, 4, 64  # per rank
 
@@ -101,16 +99,7 @@ def main(argv: list = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        mp.spawn(rank_main, args=(2, port, args.steps, args.warmup), nprocs=2, join=True)
-    except mp.ProcessExitedException as exc:
-        print(f"a rank failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return spawn_local(rank_main, 2, args.steps, args.warmup)
 
 
 if __name__ == "__main__":

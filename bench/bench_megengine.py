@@ -24,7 +24,7 @@ import megengine  # noqa: E402
 import megengine.functional as F  # noqa: E402
 import megengine.module as M  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import interleaved, machine_info, result, samples_for  # noqa: E402
+from _common import grad_clearers, interleaved, machine_info, result, samples_for  # noqa: E402
 from megengine.autodiff import GradManager as NativeGradManager  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
@@ -93,16 +93,8 @@ def step_fns(model: M.Module, x, y):
 
         return step
 
-    def clear(name: str) -> Callable[[], None]:
-        params = list(models[name].parameters())
-
-        def run() -> None:
-            for p in params:
-                p.grad = None
-
-        return run
-
-    return {k: make(k) for k in models}, {k: clear(k) for k in models}
+    return {k: make(k) for k in models}, grad_clearers(
+        {k: list(m.parameters()) for k, m in models.items()})
 
 
 def main(argv=None) -> int:

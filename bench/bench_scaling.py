@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import interleaved, machine_info, result, samples_for  # noqa: E402
+from _common import grad_clearers, interleaved, machine_info, result, samples_for  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
 
@@ -54,18 +54,9 @@ def variants_for(n: int):
 
         return step
 
-    def clear(name: str) -> Callable[[], None]:
-        ps = params[name]
-
-        def run() -> None:
-            for p in ps:
-                p.grad = None
-
-        return run
-
     variants = {"plain": plain, "gradmgr": managed("gradmgr", gm),
                 "+noop": managed("+noop", gm_cb)}
-    return variants, {k: clear(k) for k in params}
+    return variants, grad_clearers(params)
 
 
 def slope_and_linearity(counts: List[int], overhead_us: List[float]):

@@ -22,12 +22,12 @@ import argparse
 import copy
 import os
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _common import interleaved, machine_info, result, samples_for  # noqa: E402
+from _common import grad_clearers, interleaved, machine_info, result, samples_for  # noqa: E402
 from gradmgr.backends.torch import _run_engine  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -98,18 +98,7 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     gm_cb = GradManager().attach(models["+noop"].parameters(), callbacks=lambda t, g: g)
     variants = {"plain": plain, "gradmgr": with_manager("gradmgr", gm),
                 "+noop": with_manager("+noop", gm_cb), "engine": engine}
-    params: Dict[str, List[torch.Tensor]] = {k: list(m.parameters()) for k, m in models.items()}
-
-    def clear(name: str) -> Callable[[], None]:
-        ps = params[name]
-
-        def run() -> None:
-            for p in ps:
-                p.grad = None
-
-        return run
-
-    return variants, {name: clear(name) for name in models}
+    return variants, grad_clearers({k: list(m.parameters()) for k, m in models.items()})
 
 
 def main(argv=None) -> int:

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from gradmgr import GradManager
-from gradmgr.distributed import make_allreduce_cb
+from gradmgr.distributed import make_allreduce_cb, spawn_local
 
 STEPS = 30
 BATCH = 64  # global batch, split evenly over the ranks
@@ -82,16 +80,7 @@ def main() -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        mp.spawn(run, args=(2, port), nprocs=2, join=True)
-    except mp.ProcessExitedException as exc:
-        print(f"a rank failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return spawn_local(run, 2)
 
 
 if __name__ == "__main__":

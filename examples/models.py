@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -195,3 +195,33 @@ def check_close(name: str, got: Dict[str, np.ndarray], want: Dict[str, np.ndarra
         if not np.allclose(value, ref, rtol=rtol, atol=atol):
             raise AssertionError(f"{name}: {key} differs from the reference by {diff:.3g}")
     return worst
+
+
+def training_main(framework: str, train: Callable[..., TrainLog],
+                  reference_first_step: Callable[[str], Dict[str, np.ndarray]],
+                  reference_name: str, description: str, argv: Optional[list] = None) -> int:
+    """The command line shared by train_torch.py and train_megengine.py: train the chosen
+    models, check step 0's gradients against ``reference_first_step`` and that the loss
+    dropped (below 70 % of its start when running 100 steps or more). Returns the exit code."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", choices=["mlp", "cnn", "both"], default="both")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=None)
+    args = parser.parse_args(argv)
+    models = ["mlp", "cnn"] if args.model == "both" else [args.model]
+    for model in models:
+        log = train(model, steps=args.steps, lr=args.lr)
+        worst = check_close(f"{model} step 0", log.grads[0], reference_first_step(model))
+        first, last = log.losses[0], float(np.mean(log.losses[-max(1, args.steps // 10):]))
+        print(
+            f"{framework} {model}: loss {first:.4f} -> {last:.4f} in {args.steps} steps "
+            f"({log.seconds:.2f} s); step-0 grads match {reference_name} "
+            f"(max |diff| {worst:.2e})"
+        )
+        if args.steps >= 100 and not last < 0.7 * first:
+            print(f"FAIL: {model} loss did not drop below 70% of its start", file=sys.stderr)
+            return 1
+    return 0

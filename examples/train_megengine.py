@@ -10,7 +10,6 @@ it exits non-zero otherwise.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from typing import Callable, Dict, Optional
@@ -24,9 +23,9 @@ from models import (
     MODELS,
     TrainLog,
     batches,
-    check_close,
     make_dataset,
     megengine_ops,
+    training_main,
 )
 
 from gradmgr import GradManager
@@ -95,25 +94,8 @@ def reference_first_step(model: str, batch_size: int = 64, seed: int = 0) -> Dic
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "cnn", "both"], default="both")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=None)
-    args = parser.parse_args(argv)
-    models = ["mlp", "cnn"] if args.model == "both" else [args.model]
-    for model in models:
-        log = train(model, steps=args.steps, lr=args.lr)
-        worst = check_close(f"{model} step 0", log.grads[0], reference_first_step(model))
-        first, last = log.losses[0], float(np.mean(log.losses[-max(1, args.steps // 10):]))
-        print(
-            f"megengine {model}: loss {first:.4f} -> {last:.4f} in {args.steps} steps "
-            f"({log.seconds:.2f} s); step-0 grads match native GradManager "
-            f"(max |diff| {worst:.2e})"
-        )
-        if args.steps >= 100 and not last < 0.7 * first:
-            print(f"FAIL: {model} loss did not drop below 70% of its start", file=sys.stderr)
-            return 1
-    return 0
+    return training_main("megengine", train, reference_first_step, "native GradManager",
+                         __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

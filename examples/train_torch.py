@@ -10,14 +10,21 @@ Running the script checks that the first step's gradients equal plain ``torch.au
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from typing import Callable, Dict, Optional
 
 import numpy as np
 import torch
-from models import LEARNING_RATES, MODELS, TrainLog, batches, check_close, make_dataset, torch_ops
+from models import (
+    LEARNING_RATES,
+    MODELS,
+    TrainLog,
+    batches,
+    make_dataset,
+    torch_ops,
+    training_main,
+)
 
 from gradmgr import GradManager
 
@@ -87,26 +94,9 @@ def reference_first_step(model: str, batch_size: int = 64, seed: int = 0) -> Dic
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "cnn", "both"], default="both")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=None)
-    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    models = ["mlp", "cnn"] if args.model == "both" else [args.model]
-    for model in models:
-        log = train(model, steps=args.steps, lr=args.lr)
-        worst = check_close(f"{model} step 0", log.grads[0], reference_first_step(model))
-        first, last = log.losses[0], float(np.mean(log.losses[-max(1, args.steps // 10):]))
-        print(
-            f"torch {model}: loss {first:.4f} -> {last:.4f} in {args.steps} steps "
-            f"({log.seconds:.2f} s); step-0 grads match torch.autograd.grad "
-            f"(max |diff| {worst:.2e})"
-        )
-        if args.steps >= 100 and not last < 0.7 * first:
-            print(f"FAIL: {model} loss did not drop below 70% of its start", file=sys.stderr)
-            return 1
-    return 0
+    return training_main("torch", train, reference_first_step, "torch.autograd.grad",
+                         __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,12 @@ if not dist.is_available():
 from dist_workers.data import batch, weights  # noqa: E402
 
 from gradmgr import Future, GradManager  # noqa: E402
-from gradmgr.distributed import AllreduceCallback, BucketPlan, make_allreduce_cb  # noqa: E402
+from gradmgr.distributed import (  # noqa: E402
+    AllreduceCallback,
+    BucketPlan,
+    free_port,
+    make_allreduce_cb,
+)
 from gradmgr.distributed.ops import ops_for  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -38,12 +42,6 @@ MLP = range(2, 8)  # Net.parameters(): extra, never, then the MLP's 6 tensors
 
 
 # ---------------------------------------------------------------------- spawning
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: float = 240):
     """Run ``dist_workers.<suite>`` on ``world`` ranks; return each rank's saved arrays."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",

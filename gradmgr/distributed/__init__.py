@@ -10,6 +10,7 @@ Example:
 
 from .allreduce import AllreduceCallback, make_allreduce_cb
 from .bucket import Bucket, BucketPlan
+from .launch import free_port, spawn_local
 from .transport import (
     Handle,
     MegEngineTransport,
@@ -27,5 +28,7 @@ __all__ = [
     "MegEngineViaTorchTransport",
     "TorchTransport",
     "Transport",
+    "free_port",
     "make_allreduce_cb",
+    "spawn_local",
 ]

@@ -51,13 +51,8 @@ class _TorchWork:
         return self._flat
 
 
-class TorchTransport:
-    """``torch.distributed.all_reduce(async_op=True)`` on torch tensors (gloo, nccl, ...).
-
-    Example:
-        >>> # torch.distributed.init_process_group("gloo", ...)
-        >>> # cb = make_allreduce_cb("mean", transport=TorchTransport())
-    """
+class _TorchCollective:
+    """What the transports over ``torch.distributed`` share: the process group."""
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
@@ -65,10 +60,21 @@ class TorchTransport:
     def world_size(self) -> int:
         return _torch_dist().get_world_size(self.group)
 
-    def allreduce_async(self, flat: Any) -> Handle:
+    def _start_sum(self, buffer: Any) -> Any:
         dist = _torch_dist()
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _TorchWork(work, flat)
+        return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+
+class TorchTransport(_TorchCollective):
+    """``torch.distributed.all_reduce(async_op=True)`` on torch tensors (gloo, nccl, ...).
+
+    Example:
+        >>> # torch.distributed.init_process_group("gloo", ...)
+        >>> # cb = make_allreduce_cb("mean", transport=TorchTransport())
+    """
+
+    def allreduce_async(self, flat: Any) -> Handle:
+        return _TorchWork(self._start_sum(flat), flat)
 
 
 class _NumpyBridgeWork:
@@ -84,27 +90,19 @@ class _NumpyBridgeWork:
         return megengine.Tensor(self._buffer.numpy(), device=self._device)
 
 
-class MegEngineViaTorchTransport:
+class MegEngineViaTorchTransport(_TorchCollective):
     """MegEngine tensors reduced by ``torch.distributed`` (gloo) through host memory.
 
     MegEngine's own collectives need a GPU; this lets CPU-only machines train MegEngine
     models data-parallel: tensor -> numpy -> torch -> allreduce -> back, on the tensor's device.
     """
 
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-
-    def world_size(self) -> int:
-        return _torch_dist().get_world_size(self.group)
-
     def allreduce_async(self, flat: Any) -> Handle:
         import numpy as np
         import torch
 
-        dist = _torch_dist()
         buffer = torch.from_numpy(np.array(flat.numpy(), copy=True))
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _NumpyBridgeWork(work, buffer, flat.device)
+        return _NumpyBridgeWork(self._start_sum(buffer), buffer, flat.device)
 
 
 class _Done:
