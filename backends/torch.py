@@ -2,9 +2,11 @@
 
 How the contract maps onto autograd:
 
-* ``backward`` runs ``torch.autograd.grad(ys, inputs=<attached tensors>, allow_unused=True)``, so
-  the engine only computes what attached tensors need, never touches ``.grad`` of anything else,
-  and reports unreached tensors as ``None`` (their ``.grad`` stays ``None``).
+* ``backward`` runs the engine with ``inputs=<attached tensors>`` (see :func:`_run_engine`), so
+  it only computes what attached tensors need and never touches ``.grad`` of anything else.
+  Without callbacks or nesting the engine accumulates into ``.grad`` itself, like
+  ``loss.backward()``; otherwise it returns the gradients (``None`` for unreached tensors, whose
+  ``.grad`` stays ``None``) and the manager delivers them.
 * A tensor with callbacks gets one tensor hook for the manager's whole life (not one per step):
   autograd fires it the moment that tensor's gradient is ready, and the hook feeds the callback
   chain while the engine goes on with earlier layers. Tensors without callbacks get no hook; their
