@@ -26,6 +26,7 @@ this from node sequence numbers and warns once per manager (:class:`PreRecordGra
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence
@@ -168,6 +169,9 @@ def reachable_leaves(
     return found
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 def _hook(tape_ref: weakref.ref, key: int, grad: torch.Tensor) -> None:
     tape = tape_ref()
     if tape is not None and tape._running:
@@ -233,6 +237,9 @@ class TorchTape(Tape):
 
     def __init__(self) -> None:
         self._entries: Dict[int, _Entry] = {}
+        # [entries, weakrefs] of the watched tensors when all were alive and required grad at
+        # the last backward; emptied whenever a tensor is watched or dies.
+        self._order: List[Any] = []
         self._eager_count = 0
         self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._eager: Dict[int, GradSink] = {}
@@ -258,6 +265,7 @@ class TorchTape(Tape):
                 since = _current_sequence_nr() if _PRE_RECORD_CHECK != "off" else 0
             entry = _Entry(weakref.ref(tensor, self._forget_for(key)), sink, eager, since)
             self._entries[key] = entry
+            self._order.clear()
             if tensor.is_leaf and not tensor.requires_grad:
                 self._needs_flag[key] = entry.ref
                 if self._recording:
@@ -280,14 +288,15 @@ class TorchTape(Tape):
             )
 
     def _forget_for(self, key: int):
-        entries, eager, handles, needs_flag = (
-            self._entries, self._eager, self._handles, self._needs_flag
+        entries, eager, handles, needs_flag, order = (
+            self._entries, self._eager, self._handles, self._needs_flag, self._order
         )
 
         def forget(dead: weakref.ref) -> None:
             entry = entries.get(key)
             if entry is not None and entry.ref is dead:
                 del entries[key]
+                order.clear()
                 eager.pop(key, None)
                 handles.pop(key, None)  # the hook died with the tensor
                 needs_flag.pop(key, None)
@@ -324,13 +333,7 @@ class TorchTape(Tape):
             seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
             if not outputs:
                 return
-        entries = []
-        inputs = []
-        for entry in self._entries.values():
-            tensor = entry.ref()
-            if tensor is not None and tensor.requires_grad:
-                entries.append(entry)
-                inputs.append(tensor)
+        entries, inputs = self._inputs()
         if not inputs:
             return
         if self._wants_check():
@@ -351,6 +354,28 @@ class TorchTape(Tape):
         for tensor, entry, grad in zip(inputs, entries, grads):
             if grad is not None and not (entry.eager and id(tensor) in fired):
                 entry.sink(grad)
+
+    def _inputs(self) -> tuple:
+        """The watched tensors that require grad now, with their entries, in watch order."""
+        if self._order:  # the usual step: the same tensors as last time, all still trainable
+            entries, refs = self._order
+            inputs = [ref() for ref in refs]
+            try:
+                if all(map(_REQUIRES_GRAD, inputs)):
+                    return entries, inputs
+            except AttributeError:  # None: a tensor died since
+                pass
+        entries, inputs = [], []
+        for entry in self._entries.values():
+            tensor = entry.ref()
+            if tensor is not None and tensor.requires_grad:
+                entries.append(entry)
+                inputs.append(tensor)
+        if len(entries) == len(self._entries):
+            self._order[:] = [entries, [entry.ref for entry in entries]]
+        else:
+            self._order.clear()
+        return entries, inputs
 
     def _wants_check(self) -> bool:
         mode = _PRE_RECORD_CHECK

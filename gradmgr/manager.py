@@ -308,25 +308,21 @@ class GradManager:
             if owner is None or tensor is None:
                 return
             if spec.callbacks:
-                grad = owner._run_callbacks(spec.callbacks, tensor, grad)
+                # The engine may call this from one of its worker threads: make the manager
+                # the backwarding one there too, so callbacks can find it.
+                stack = _state.state.backwarding
+                pushed = not stack or stack[-1] is not owner
+                if pushed:
+                    stack.append(owner)
+                try:
+                    for cb in spec.callbacks:
+                        grad = cb(tensor, grad)
+                finally:
+                    if pushed:
+                        stack.pop()
             owner._gradients[key] = grad
 
         return sink
-
-    def _run_callbacks(self, callbacks: List[Callback], tensor: Any, grad: Any) -> Any:
-        # The engine may call us from one of its worker threads: make this manager the
-        # backwarding one there too, so callbacks can find it.
-        stack = _state.state.backwarding
-        pushed = not stack or stack[-1] is not self
-        if pushed:
-            stack.append(self)
-        try:
-            for cb in callbacks:
-                grad = cb(tensor, grad)
-            return grad
-        finally:
-            if pushed:
-                stack.pop()
 
     def release(self) -> None:
         """Stop recording and free what was kept for differentiation. Idempotent."""
@@ -411,14 +407,15 @@ class GradManager:
             stack.pop()
 
     def _accumulate_gradients(self) -> None:
-        backend = self._backend
+        backend, specs = self._backend, self._specs
+        is_tensor, accumulate = backend.is_tensor, backend.accumulate
         for key, grad in self._gradients.items():
-            if not backend.is_tensor(grad) and is_future(grad):
+            if not is_tensor(grad) and is_future(grad):
                 grad = grad.get()
-            spec = self._specs.get(key)
+            spec = specs.get(key)
             tensor = spec.tensor() if spec is not None else None
             if tensor is not None and grad is not None:
-                backend.accumulate(tensor, grad)
+                accumulate(tensor, grad)
 
     def _check_outputs(self, y: Any, dy: Any) -> tuple:
         backend = self._backend

@@ -228,6 +228,42 @@ def test_dy_dtype_device_mismatch_surfaces_from_torch():
     assert not x.requires_grad
 
 
+def test_watched_set_changes_between_steps_are_seen():
+    """The tape reuses last step's list of inputs; freezing, unfreezing, attaching and dropping
+    tensors between steps must each change what gets a gradient."""
+    a, b = torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor([3.0], requires_grad=True)
+    gm = GradManager().attach([a, b])
+
+    def step(*extra):
+        for t in (a, b, *extra):
+            t.grad = None
+        with gm:
+            gm.backward((a * a).sum() + (b * 5).sum() + sum((t * 7).sum() for t in extra))
+
+    step()
+    torch.testing.assert_close(a.grad, torch.tensor([2.0, 4.0]))
+    torch.testing.assert_close(b.grad, torch.tensor([5.0]))
+    b.requires_grad_(False)  # frozen: skipped, and the engine is not asked for it
+    step()
+    assert b.grad is None
+    torch.testing.assert_close(a.grad, torch.tensor([2.0, 4.0]))
+    b.requires_grad_(True)
+    c = torch.tensor([1.0], requires_grad=True)
+    gm.attach(c)
+    step(c)
+    torch.testing.assert_close(b.grad, torch.tensor([5.0]))
+    torch.testing.assert_close(c.grad, torch.tensor([7.0]))
+    c_ref = weakref.ref(c)
+    del c
+    gc.collect()
+    assert c_ref() is None
+    step()
+    torch.testing.assert_close(a.grad, torch.tensor([2.0, 4.0]))
+    torch.testing.assert_close(b.grad, torch.tensor([5.0]))
+    live = gm.attached_tensors()
+    assert len(live) == 2 and live[0] is a and live[1] is b
+
+
 def test_complex_dy_for_real_y_is_rejected_before_the_engine_runs():
     x = torch.ones(2)
     gm = GradManager().attach(x)
