@@ -1,15 +1,16 @@
 """Helpers shared by the benchmarks: machine description, interleaved timing, result lines.
 
-Timing method: the variants being compared run alternately (A B, then B A, ...) so that drift
-in machine load hits them alike; each sample is one step timed with ``perf_counter``; the
-result is the median over all samples. Set-up work (clearing ``.grad``) is outside the timed
-region.
+Timing method: every round runs each variant being compared once, in a new random order, so
+that drift in machine load and the state one step leaves for the next hit them alike; each
+sample is one step timed with ``perf_counter``; the result is the median over all samples.
+Set-up work (clearing ``.grad``) is outside the timed region.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -80,7 +81,12 @@ def interleaved(
     setups: Optional[Dict[str, Callable[[], None]]] = None,
     warmup: int = 5,
 ) -> Dict[str, Timing]:
-    """Time each variant ``samples`` times, alternating the order every round.
+    """Time each variant ``samples`` times, in a new random order every round.
+
+    A step's time depends on what ran just before it (the allocator's free lists, caches): with
+    a fixed or alternating order, a variant that always follows the same neighbour was measured
+    up to 5 % slower or faster for that reason alone (MegEngine mlp-1024). Shuffling every round
+    spreads those effects over all variants.
 
     ``setups[name]`` (untimed) runs before every call of ``variants[name]``.
     """
@@ -93,8 +99,11 @@ def interleaved(
             variants[name]()
     timings = {name: Timing() for name in names}
     clock = time.perf_counter
-    for i in range(samples):
-        for name in names if i % 2 == 0 else names[::-1]:
+    order = list(names)
+    shuffle = random.Random(0).shuffle
+    for _ in range(samples):
+        shuffle(order)
+        for name in order:
             setups.get(name, nothing)()
             fn = variants[name]
             start = clock()

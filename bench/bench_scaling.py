@@ -1,13 +1,13 @@
 """gradmgr on PyTorch: per-step overhead against the number of attached tensors.
 
 ``N`` parameter tensors of 4 elements each feed one ``torch.cat``, so the computation itself
-stays small and what grows with ``N`` is the per-tensor bookkeeping. For each ``N`` in
-10, 100, 1,000, 10,000 the plain step ``loss.backward()`` and the gradmgr step ``with gm: ...;
-gm.backward(loss)`` (and the gradmgr step with a no-op callback on every tensor) run
-alternately on separate copies; overhead = median gradmgr step - median plain step. The
-per-tensor cost is the slope of a least-squares line through (N, overhead); the growth is called
-linear when the marginal cost per tensor from 1,000 to 10,000 is within 2x of that from
-100 to 1,000 (super-linear above, sub-linear below).
+stays small and what grows with ``N`` is the per-tensor bookkeeping. For each ``N`` in 10, 100,
+1,000, 10,000 the plain step ``loss.backward()`` and the gradmgr step ``with gm: ...;
+gm.backward(loss)`` (and the gradmgr step with a no-op callback on every tensor) run in turn
+(order shuffled each round) on separate copies; overhead = median gradmgr step - median plain
+step. The per-tensor cost is the slope of a least-squares line through (N, overhead); the growth
+is called linear when the marginal cost per tensor from 1,000 to 10,000 is within 2x of that
+from 100 to 1,000 (super-linear above, sub-linear below).
 
     python bench/bench_scaling.py [--quick]
 """

@@ -1,6 +1,7 @@
 """gradmgr on PyTorch: step time relative to a plain ``loss.backward()``.
 
-For each model, three copies with identical weights are stepped alternately on the same batch:
+For each model, four copies with identical weights are stepped in turn (order shuffled each
+round) on the same batch:
 
 * plain:   ``loss = loss_fn(model(x), y); loss.backward()``
 * gradmgr: ``with gm: loss = loss_fn(model(x), y); gm.backward(loss)``
@@ -9,9 +10,10 @@ For each model, three copies with identical weights are stepped alternately on t
   ``_engine_run_backward`` with ``inputs=params``, without ``torch.autograd.backward``'s
   argument handling): the floor for gradmgr; gradmgr/engine is the manager's own cost
 
-``.grad`` is cleared (untimed) before every step. Ratios are medians of per-step times; torch
-runs on one thread. Targets: <= 1.05 for the MLPs and the CNN, <= 1.20 for the model with
-1,000 parameter tensors; the no-op-callback variant is reported without a target.
+``.grad`` is cleared (untimed) before every step. Ratios are medians of per-step times (2 s of
+samples per model, at least 200); torch runs on one thread. Targets: <= 1.05 for the MLPs
+and the CNN, <= 1.20 for the model with 1,000 parameter tensors; the no-op-callback variant is
+reported without a target.
 
     python bench/bench_torch.py [--quick]
 """
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
     rows = []
     for name, (model, x, y, target) in cases().items():
         variants, setups = step_fns(model, x, y)
-        n = samples_for(variants["plain"], budget, setup=setups["plain"])
+        n = samples_for(variants["plain"], budget, lo=30 if args.quick else 200,
+                        setup=setups["plain"])
         t = interleaved(variants, n, setups)
         ratio = t["gradmgr"].median / t["plain"].median
         noop = t["+noop"].median / t["plain"].median
