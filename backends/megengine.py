@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import megengine
 import megengine.functional as F
@@ -35,6 +35,7 @@ from gradmgr.backend import Backend, Capabilities, GradSink, Tape
 # counter is enough). Its engine cannot start or extend a recording from inside a gradient
 # callback, so that is refused with a clear error instead of an opaque one from the engine.
 _backward_depth = 0
+_MAIN_THREAD_ID = threading.main_thread().ident
 
 
 def _check_can_record(action: str) -> None:
@@ -91,12 +92,24 @@ class MegEngineTape(Tape):
         if slot is not None and slot.tensor() is tensor:
             slot.sink = sink  # a second wrt() would add a second snapshot; keep the first
             return
-        _check_can_record("attach a MegEngine tensor to a recording manager")
+        if _backward_depth or threading.get_ident() != _MAIN_THREAD_ID:  # cheap test first
+            _check_can_record("attach a MegEngine tensor to a recording manager")
         if slot is not None:
             slot.sink = None  # a dead tensor's id was reused: silence its old attachment
         slot = _Slot(tensor, sink)
         self._slots[key] = slot
         self._grad.wrt(tensor, callback=slot)
+
+    def watch_all(self, items: Sequence[Tuple[Any, GradSink, bool]]) -> None:
+        if self._slots or self._grad is None:
+            super().watch_all(items)
+            return
+        # A fresh recording in the main thread (start() checked): what watch() does, minus
+        # the checks that cannot fail here; this runs for every attached tensor every step.
+        slots, wrt = self._slots, self._grad.wrt
+        for tensor, sink, _ in items:
+            slot = slots[id(tensor)] = _Slot(tensor, sink)
+            wrt(tensor, callback=slot)
 
     def backward(
         self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool

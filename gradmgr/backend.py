@@ -10,7 +10,17 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, ContextManager, Iterable, List, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    ContextManager,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 GradSink = Callable[[Any], None]
 
@@ -63,6 +73,12 @@ class Tape(ABC):
         it the backend may deliver after the engine finishes. Watching an already watched
         tensor updates ``sink``/``eager`` and keeps the first snapshot.
         """
+
+    def watch_all(self, items: Sequence[Tuple[Any, GradSink, bool]]) -> None:
+        """:meth:`watch` each ``(tensor, sink, eager)``; what the core calls after :meth:`start`
+        for a tape without ``persistent_watch``. Override to make that loop cheaper."""
+        for tensor, sink, eager in items:
+            self.watch(tensor, sink, eager)
 
     def watch_late(self, tensor: Any, sink: GradSink, eager: bool) -> None:
         """Like :meth:`watch`, for a tensor attached while already recording (S8): its

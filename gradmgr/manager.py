@@ -269,10 +269,12 @@ class GradManager:
         tape.start()
         self._taping = True
         if not tape.persistent_watch:
-            for spec in list(self._specs.values()):
+            items = []
+            for spec in self._specs.values():
                 tensor = spec.tensor()
                 if tensor is not None:
-                    tape.watch(tensor, spec.sink, bool(spec.callbacks))
+                    items.append((tensor, spec.sink, bool(spec.callbacks)))
+            tape.watch_all(items)
 
     def _watch_new(self, spec: AttachSpec, tensor: Any) -> None:
         tape = self._get_tape()
