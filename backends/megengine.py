@@ -36,6 +36,7 @@ from gradmgr.backend import Backend, Capabilities, GradSink, Tape
 # callback, so that is refused with a clear error instead of an opaque one from the engine.
 _backward_depth = 0
 _MAIN_THREAD_ID = threading.main_thread().ident
+_ONE_ELEMENT = ((), (1,))
 
 
 def _check_can_record(action: str) -> None:
@@ -190,6 +191,15 @@ class MegEngineBackend(Backend):
 
     def ones_like(self, tensor: Any) -> Any:
         return F.ones_like(tensor)
+
+    def seed_problem(self, y: Any, dy: Any) -> Optional[str]:
+        # F.ones_like of a 0-d tensor has shape (1,) in MegEngine, and the native manager takes
+        # that as the seed of a 0-d loss, so () and (1,) match each other. Other differences
+        # would be broadcast by MegEngine's engine, which gives a silently scaled gradient.
+        y_shape, dy_shape = self.shape(y), self.shape(dy)
+        if y_shape == dy_shape or (y_shape in _ONE_ELEMENT and dy_shape in _ONE_ELEMENT):
+            return None
+        return f"has shape {dy_shape} but y has shape {y_shape}"
 
     def accumulate(self, tensor: Any, grad: Any) -> None:
         if tensor.grad is None:

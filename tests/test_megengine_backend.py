@@ -87,6 +87,31 @@ def test_shape_ones_like_device_and_accumulate():
     np.testing.assert_array_equal(x.grad.numpy(), np.full((2, 3), 2.5, "float32"))
 
 
+def test_seed_of_a_scalar_loss_may_be_ones_like_as_with_native():
+    """F.ones_like of a 0-d loss has shape (1,); the native manager accepts it as dy."""
+    grads = []
+    for manager in (NativeGradManager, GradManager):
+        w = mge.Parameter(np.array([1.0, 2.0, 3.0], dtype="float32"))
+        gm = manager().attach(w)
+        with gm:
+            loss = (w * w).sum()
+            assert loss.shape == () and F.ones_like(loss).shape == (1,)
+            gm.backward(loss, F.ones_like(loss) * 3)
+        grads.append(w.grad.numpy())
+    np.testing.assert_array_equal(grads[1], grads[0])
+    np.testing.assert_allclose(grads[1], [6.0, 12.0, 18.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("y_shape,dy_shape", [((2,), (1,)), ((2,), (2, 1)), ((), (2,))])
+def test_seed_that_megengine_would_broadcast_is_rejected(y_shape, dy_shape):
+    w = mge.Parameter(np.ones(2, dtype="float32"))
+    gm = GradManager().attach(w)
+    with gm, pytest.raises(ValueError, match=r"shape"):
+        y = w.sum() * mge.tensor(np.ones(y_shape, dtype="float32")) if y_shape else w.sum()
+        gm.backward(y, mge.tensor(np.ones(dy_shape, dtype="float32")))
+    assert w.grad is None
+
+
 def test_reachable_is_not_supported():
     x = mge.Tensor([1.0])
     gm = GradManager().attach(x)
