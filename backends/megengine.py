@@ -40,6 +40,8 @@ _ONE_ELEMENT = ((), (1,))
 
 
 def _check_can_record(action: str) -> None:
+    if _backward_depth == 0 and threading.get_ident() == _MAIN_THREAD_ID:
+        return  # the usual case, checked cheaply: it runs every step
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
             f"cannot {action} in thread {threading.current_thread().name!r}: MegEngine's "
@@ -93,8 +95,7 @@ class MegEngineTape(Tape):
         if slot is not None and slot.tensor() is tensor:
             slot.sink = sink  # a second wrt() would add a second snapshot; keep the first
             return
-        if _backward_depth or threading.get_ident() != _MAIN_THREAD_ID:  # cheap test first
-            _check_can_record("attach a MegEngine tensor to a recording manager")
+        _check_can_record("attach a MegEngine tensor to a recording manager")
         if slot is not None:
             slot.sink = None  # a dead tensor's id was reused: silence its old attachment
         slot = _Slot(tensor, sink)
