@@ -11,7 +11,7 @@ from . import _state
 from .backend import Backend, Tape
 from .errors import GradMgrWarning
 from .future import is_future
-from .registry import backend_for, resolve_backend, sole_imported_backend
+from .registry import backend_for, imported_backends, resolve_backend
 
 Callback = Callable[[Any, Any], Any]
 """``cb(tensor, grad) -> grad`` (or a Future of a grad)."""
@@ -59,7 +59,9 @@ class GradManager:
 
     Args:
         backend: ``"torch"``, ``"megengine"``, a registered name or a Backend instance. By
-            default the backend is detected from the first attached tensor.
+            default the backend is detected from the first attached tensor (or from ``y``).
+            A recording that starts before that, with several frameworks imported, starts a
+            tape for each and keeps the right one once the framework is known.
     """
 
     def __init__(self, backend: Union[str, Backend, None] = None) -> None:
@@ -68,6 +70,9 @@ class GradManager:
         self._tape: Optional[Tape] = None
         self._recording = False
         self._taping = False  # the tape has started (the backend may be unknown at record())
+        # Backend unknown at record() and several frameworks imported: one started tape per
+        # candidate, so that whichever it turns out to be has its place in the recording order.
+        self._provisional: Dict[Backend, Tape] = {}
         self._record_order = -1
         self._group: Optional[GradManagerGroup] = None
         self._thread_state: Optional[_state.ThreadState] = None
@@ -138,6 +143,8 @@ class GradManager:
         """
         callback_list = self._check_callbacks(callbacks)
         tensor_list = self._check_tensors(tensors)
+        if self._provisional and self._backend is not None:
+            self._settle_backend()
         for tensor in tensor_list:
             key = id(tensor)
             spec = self._specs.get(key)
@@ -240,7 +247,11 @@ class GradManager:
         thread_state.recording.append(self)
         try:
             if self._backend is None:
-                self._backend = sole_imported_backend()
+                candidates = imported_backends()
+                if len(candidates) == 1:
+                    self._backend = candidates[0]
+                elif group is None:  # a group's members start together in one backend context
+                    self._start_provisional(candidates)
             if self._backend is not None:
                 self._ensure_tape()
         except BaseException:
@@ -256,6 +267,26 @@ class GradManager:
         use it to tell one step from the next.
         """
         return self._record_order
+
+    def _start_provisional(self, candidates: List[Backend]) -> None:
+        for backend in candidates:
+            tape = backend.new_tape()
+            try:
+                tape.start()
+            except Exception:
+                # This framework cannot record here (MegEngine outside the main thread). If the
+                # manager turns out to be of it, _ensure_tape() raises the real error then.
+                continue
+            self._provisional[backend] = tape
+
+    def _settle_backend(self) -> None:
+        """The backend just became known: keep its provisional tape, stop the others."""
+        provisional, self._provisional = self._provisional, {}
+        tape = provisional.pop(self._backend, None)
+        for other in provisional.values():
+            other.stop()
+        if tape is not None:
+            self._tape, self._taping = tape, True
 
     def _get_tape(self) -> Tape:
         if self._tape is None:
@@ -293,10 +324,11 @@ class GradManager:
                  if m is not self and m._record_order > self._record_order and m._taping]
         if later:
             warnings.warn(
-                "gradmgr: this manager started recording before its framework was known (two "
-                "frameworks are imported and nothing was attached before record()), and a "
-                "manager that started later is already recording: it may not record that "
-                "manager's backward. Pass GradManager(backend=...) to fix the order.",
+                "gradmgr: this manager started recording before its framework was known "
+                "(nothing was attached before record(), and it recorded as part of a group or "
+                "its framework was imported only after record()), and a manager that started "
+                "later is already recording: it may not record that manager's backward. Pass "
+                "GradManager(backend=...) to fix the order.",
                 GradMgrWarning,
                 stacklevel=4,
             )
@@ -343,6 +375,10 @@ class GradManager:
         if self._taping:
             self._taping = False
             self._tape.stop()
+        if self._provisional:
+            provisional, self._provisional = self._provisional, {}
+            for tape in provisional.values():
+                tape.stop()
 
     def __enter__(self) -> GradManager:
         self.record()
@@ -386,6 +422,8 @@ class GradManager:
         self._backwarding = True
         try:
             ys, dys = self._check_outputs(y, dy)
+            if self._provisional and self._backend is not None:
+                self._settle_backend()
             if ys and self._taping:
                 recording = thread_state.recording
                 if len(recording) == 1:  # only this manager: nobody records this backward

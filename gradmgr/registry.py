@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from typing import Any, Dict, Optional, Type, Union
+from typing import Any, Dict, List, Optional, Type, Union
 
 from .backend import Backend
 from .errors import BackendNotFoundError
@@ -118,14 +118,15 @@ def _detect(cls: type, obj: Any) -> Optional[Backend]:
     return None
 
 
-def sole_imported_backend() -> Optional[Backend]:
-    """The backend of the only registered framework imported so far, else None.
+def imported_backends() -> List[Backend]:
+    """The backends of the registered frameworks imported so far, by name.
 
-    Lets ``record()`` on a manager with nothing attached yet start its tape at once, so that
-    its place in the recording order (which manager records which backward) is the right one.
+    Lets ``record()`` on a manager with nothing attached yet start its tape at once (or one
+    per candidate framework), so that its place in the recording order (which manager records
+    which backward) is the right one.
     """
-    names = {name for module, name in _owners.items() if module in sys.modules}
-    return get_backend(names.pop()) if len(names) == 1 else None
+    names = sorted({name for module, name in _owners.items() if module in sys.modules})
+    return [get_backend(name) for name in names]
 
 
 def resolve_backend(backend: Union[str, Backend, None]) -> Optional[Backend]:

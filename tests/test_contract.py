@@ -351,6 +351,25 @@ def test_s10_forward_mode_through_double_reverse(fw):
     close(fw.grad(u), jvp)
 
 
+def test_s10_outer_manager_bound_only_by_a_late_attach(fw):
+    """The outer manager has nothing attached at record() (with both frameworks imported it
+    cannot know its framework yet) and attaches the cotangent inside the inner recording; it
+    still records the inner backward, without warnings."""
+    xs = np.array([0.3, -1.2, 2.0], dtype=np.float32)
+    v = np.array([1.0, 2.0, -0.5], dtype=np.float32)
+    x, u = fw.parameter(xs), fw.tensor(np.zeros(3))
+    outer = GradManager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradMgrWarning)
+        with outer:
+            with GradManager().attach(x) as inner:
+                y = fw.sin(x) * x
+                outer.attach(u)
+                inner.backward(y, u)
+            outer.backward(x.grad, fw.tensor(v))
+    close(fw.grad(u), (np.cos(xs) * xs + np.sin(xs)) * v)
+
+
 def test_s10_group_members_do_not_see_each_other(fw):
     x = fw.parameter([2.0])
     gm1, gm2 = GradManager().attach(x), GradManager().attach(x)

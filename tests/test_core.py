@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -375,6 +376,41 @@ def test_group_of_two_backends_cannot_record(fk):
     group = GradManager().attach(fk.tensor(1.0)) | GradManager().attach(other.tensor(1.0))
     with pytest.raises(TypeError, match=r"(?=.*\bfake\b)(?=.*fake_other)"):
         group.record()
+
+
+def test_unbound_manager_keeps_its_place_when_two_frameworks_are_imported(fk):
+    """Nothing attached and no backend= at record(), two frameworks imported: the outer manager
+    learns its framework only when it attaches inside the inner recording, yet it must record
+    the inner backward (forward mode through double reverse), as a bound manager would."""
+    register("fake_other")
+    x, u = fk.tensor([0.5, -1.0]), fk.tensor([0.0, 0.0])
+    outer = GradManager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradmgr.GradMgrWarning)
+        with outer:
+            assert live_state()[0] >= 2  # a provisional tape for each fake framework
+            with GradManager().attach(x) as inner:
+                y = sin(x) * x
+                outer.attach(u)
+                assert live_state()[0] == 2  # outer's fake tape and inner's; fake_other stopped
+                inner.backward(y, u)  # x.grad = J^T u, recorded by outer
+            outer.backward(x.grad, fk.tensor([1.0, 2.0]))  # u.grad = J v
+    assert live_state() == (0, 0)
+    jvp = [(math.cos(a) * a + math.sin(a)) * v for a, v in ((0.5, 1.0), (-1.0, 2.0))]
+    assert grad_of(u) == approx(jvp)
+
+
+def test_unbound_manager_that_never_attaches_leaves_no_tapes(fk):
+    register("fake_other")
+    gm = GradManager()
+    with gm:
+        assert live_state()[0] >= 2  # a provisional tape for each fake framework
+        gm.backward(None)
+    assert live_state() == (0, 0) and gm.backend is None
+    with gm:
+        gm.attach([])  # an empty attach names no framework: the provisional tapes stay
+        assert live_state()[0] >= 2
+    assert live_state() == (0, 0)
 
 
 def test_backward_y_not_a_tensor(fk):
