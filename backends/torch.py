@@ -80,7 +80,8 @@ def _public_engine(outputs, seeds, retain, create_graph, inputs, accumulate):
                                create_graph=create_graph, allow_unused=True)
 
 
-_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch>=2.3
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _run_engine(
@@ -97,7 +98,7 @@ def _run_engine(
     private function is missing, or inside a functorch transform (where the public functions
     raise their own error), the public functions are used.
     """
-    if _engine_run_backward is None or torch._C._are_functorch_transforms_active():
+    if _engine_run_backward is None or _functorch_active():
         return _public_engine(outputs, seeds, retain, create_graph, inputs, accumulate)
     return _engine_run_backward(
         tuple(outputs), tuple(seeds), retain, create_graph, tuple(inputs),
@@ -107,10 +108,13 @@ def _run_engine(
 
 # ----------------------------------------------------------------------------- graph helpers
 def _current_sequence_nr() -> int:
-    """The sequence number the next autograd node created in this thread will get."""
+    """The sequence number the next autograd node created in this thread will get, or 0 (which
+    turns the pre-record check off for this snapshot) where no node can be made: inference mode,
+    functorch transforms."""
     with torch.enable_grad():
         probe = _PROBE.view_as(_PROBE)
-    return probe.grad_fn._sequence_nr() + 1
+    node = probe.grad_fn
+    return 0 if node is None else node._sequence_nr() + 1
 
 
 _PROBE = torch.zeros((), requires_grad=True)
@@ -383,9 +387,11 @@ class TorchTape(Tape):
 
     def _check_pre_record(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                           entries: List[_Entry]) -> None:
-        self._checked = True
         base = self._record_seq
         since = [base if e.since is None else e.since for e in entries]
+        if 0 in since:
+            return  # no snapshot could be taken (inference mode, functorch): check a later step
+        self._checked = True
         stale = _pre_record_paths(outputs, inputs, since)
         if stale:
             self._warned = True

@@ -305,6 +305,23 @@ def test_public_engine_fallback_gives_the_same_gradients(monkeypatch, callbacks)
         torch.testing.assert_close(p.grad, e, **TOL)
 
 
+def test_backward_inside_a_functorch_transform_gives_torchs_own_error():
+    w = torch.ones(2, requires_grad=True)
+    gm = GradManager().attach(w)
+
+    def f(t):
+        with gm:
+            gm.backward((w * t).sum())
+        return t.sum()
+
+    with pytest.raises(RuntimeError, match="functorch"):
+        torch.func.grad(f)(torch.ones(2))
+    assert w.grad is None
+    from gradmgr import _state
+
+    assert _state.state.recording == [] and _state.state.backwarding == []
+
+
 cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA: no GPU visible to torch on this machine"
 )
