@@ -244,7 +244,6 @@ class TorchTape(Tape):
         # [entries, weakrefs] of the watched tensors when all were alive and required grad at
         # the last backward; emptied whenever a tensor is watched or dies.
         self._order: List[Any] = []
-        self._eager_count = 0
         self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._eager: Dict[int, GradSink] = {}
         self._fired: set = set()
@@ -486,12 +485,11 @@ class TorchBackend(Backend):
     def seed_problem(self, y: Any, dy: Any) -> Optional[str]:
         # The manager calls the engine directly (see _run_engine), so it checks what
         # torch.autograd.backward would: the engine itself casts dtypes and rejects devices.
-        if tuple(y.shape) != tuple(dy.shape):
-            return f"has shape {tuple(dy.shape)} but y has shape {tuple(y.shape)}"
-        if y.is_complex() != dy.is_complex():
-            return (f"has dtype {dy.dtype} but y has dtype {y.dtype}: a complex y needs a complex "
-                    "dy and a real y a real one")
-        return None
+        problem = super().seed_problem(y, dy)
+        if problem is None and y.is_complex() != dy.is_complex():
+            problem = (f"has dtype {dy.dtype} but y has dtype {y.dtype}: a complex y needs a "
+                       "complex dy and a real y a real one")
+        return problem
 
     def accumulate(self, tensor: Any, grad: Any) -> None:
         if tensor.is_leaf:
