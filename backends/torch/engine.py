@@ -1,0 +1,40 @@
+"""Entering PyTorch's autograd engine."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch>=2.3
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _public_engine(outputs, seeds, retain, create_graph, inputs, accumulate):
+    if accumulate:
+        torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs)
+        return ()
+    return torch.autograd.grad(outputs, inputs, grad_outputs=seeds, retain_graph=retain,
+                               create_graph=create_graph, allow_unused=True)
+
+
+def run_engine(
+    outputs: List[torch.Tensor], seeds: List[torch.Tensor], retain: bool, create_graph: bool,
+    inputs: List[torch.Tensor], accumulate: bool,
+) -> Sequence[Optional[torch.Tensor]]:
+    """Run the autograd engine: accumulate into ``.grad`` of ``inputs``, or return their grads.
+
+    ``torch.autograd.backward``/``grad`` spend most of their Python time normalizing arguments
+    and re-checking seeds, which the manager has already done (every seed is a tensor of its
+    output's shape), and that is measurable on small models. So this goes straight to the
+    function both of them end in, ``torch.autograd.graph._engine_run_backward``, which keeps
+    PyTorch's own per-call set-up (debug-logging hooks, compiled-autograd context). Where that
+    private function is missing, or inside a functorch transform (where the public functions
+    raise their own error), the public functions are used.
+    """
+    if _engine_run_backward is None or _functorch_active():
+        return _public_engine(outputs, seeds, retain, create_graph, inputs, accumulate)
+    return _engine_run_backward(
+        tuple(outputs), tuple(seeds), retain, create_graph, tuple(inputs),
+        allow_unreachable=True, accumulate_grad=accumulate,
+    )

@@ -1,0 +1,225 @@
+"""TorchTape: one manager's watched tensors, hooks and recording state on PyTorch."""
+
+from __future__ import annotations
+
+import functools
+import operator
+import weakref
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from gradmgr.backend import GradSink, Tape
+
+from . import prerecord
+from .engine import run_engine
+from .flags import FLAGS
+from .graph import current_sequence_nr
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _hook(tape_ref: weakref.ref, key: int, grad: torch.Tensor) -> None:
+    tape = tape_ref()
+    if tape is not None and tape._running:
+        sink = tape._eager.get(key)
+        if sink is not None:
+            tape._fired.add(key)
+            sink(grad)
+
+
+class _Entry:
+    """One watched tensor: weakly held, with its sink and snapshot sequence number."""
+
+    __slots__ = ("ref", "sink", "eager", "since")
+
+    def __init__(self, ref: weakref.ref, sink: GradSink, eager: bool, since: Optional[int]):
+        self.ref = ref
+        self.sink = sink
+        self.eager = eager
+        self.since = since  # None: snapshot at record() time
+
+
+class TorchTape(Tape):
+    """One manager's watched tensors and recording state on PyTorch.
+
+    Watches persist across recordings (``persistent_watch``), so a training step costs a few
+    list operations per attached tensor rather than a Python call each.
+    """
+
+    persistent_watch = True
+
+    def __init__(self) -> None:
+        self._entries: Dict[int, _Entry] = {}
+        # [entries, weakrefs] of the watched tensors when all were alive and required grad at
+        # the last backward; emptied whenever a tensor is watched or dies.
+        self._order: List[Any] = []
+        self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
+        self._eager: Dict[int, GradSink] = {}
+        self._fired: set = set()
+        self._flagged: List[torch.Tensor] = []
+        self._needs_flag: Dict[int, weakref.ref] = {}
+        self._handles: Dict[int, Any] = {}
+        self._running = False
+        self._recording = False
+        self._record_seq = 0
+        self._checked = False
+        self._warned = False
+        weakref.finalize(self, _remove_handles, self._handles)
+
+    # -- watching ---------------------------------------------------------------------
+    def watch(self, tensor: torch.Tensor, sink: GradSink, eager: bool) -> None:
+        key = id(tensor)
+        entry = self._entries.get(key)
+        if entry is None or entry.ref() is not tensor:
+            since = None
+            if self._recording:
+                self._late = True
+                since = current_sequence_nr() if prerecord.check_mode() != "off" else 0
+            entry = _Entry(weakref.ref(tensor, self._forget_for(key)), sink, eager, since)
+            self._entries[key] = entry
+            self._order.clear()
+            if tensor.is_leaf and not tensor.requires_grad:
+                self._needs_flag[key] = entry.ref
+                if self._recording:
+                    self._acquire_flag(tensor)
+        elif tensor.is_leaf and not tensor.requires_grad and key not in self._needs_flag:
+            self._needs_flag[key] = entry.ref  # the user froze it after attaching
+        entry.sink = sink
+        entry.eager = eager
+        if eager:
+            self._eager[key] = sink
+            self._ensure_hook(tensor, key)
+        else:
+            self._eager.pop(key, None)
+
+    def _ensure_hook(self, tensor: torch.Tensor, key: int) -> None:
+        # A leaf whose requires_grad is off cannot take a hook yet; start() adds it.
+        if key not in self._handles and tensor.requires_grad:
+            self._handles[key] = tensor.register_hook(
+                functools.partial(_hook, weakref.ref(self), key)
+            )
+
+    def _forget_for(self, key: int):
+        entries, eager, handles, needs_flag, order = (
+            self._entries, self._eager, self._handles, self._needs_flag, self._order
+        )
+
+        def forget(dead: weakref.ref) -> None:
+            entry = entries.get(key)
+            if entry is not None and entry.ref is dead:
+                del entries[key]
+                order.clear()
+                eager.pop(key, None)
+                handles.pop(key, None)  # the hook died with the tensor
+                needs_flag.pop(key, None)
+
+        return forget
+
+    def _acquire_flag(self, tensor: torch.Tensor) -> None:
+        if FLAGS.acquire(tensor):
+            self._flagged.append(tensor)
+
+    # -- recording --------------------------------------------------------------------
+    def start(self) -> None:
+        self._recording = True
+        if self._entries and self._wants_check():  # a later attach() takes its own snapshot
+            self._record_seq = current_sequence_nr()
+        if not self._needs_flag:
+            return
+        for key, ref in list(self._needs_flag.items()):
+            tensor = ref()
+            if tensor is not None:
+                self._acquire_flag(tensor)
+                if key in self._eager:
+                    self._ensure_hook(tensor, key)
+
+    def backward(
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
+    ) -> None:
+        if len(ys) == 1:
+            if not ys[0].requires_grad:
+                return
+            outputs, seeds = ys, dys
+        else:
+            outputs = [y for y in ys if y.requires_grad]
+            seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
+            if not outputs:
+                return
+        entries, inputs = self._inputs()
+        if not inputs:
+            return
+        if self._wants_check():
+            self._check_pre_record(outputs, inputs, entries)
+        retain = retain_graph or create_graph
+        if not self._eager and not create_graph:
+            # Nothing to intercept: let the engine accumulate into .grad itself, which is what
+            # a plain loss.backward() costs.
+            run_engine(outputs, seeds, retain, False, inputs, accumulate=True)
+            return
+        self._running = True
+        self._fired.clear()
+        try:
+            grads = run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
+        finally:
+            self._running = False
+        fired = self._fired
+        for tensor, entry, grad in zip(inputs, entries, grads):
+            if grad is not None and not (entry.eager and id(tensor) in fired):
+                entry.sink(grad)
+
+    def _inputs(self) -> tuple:
+        """The watched tensors that require grad now, with their entries, in watch order."""
+        if self._order:  # the usual step: the same tensors as last time, all still trainable
+            entries, refs = self._order
+            inputs = [ref() for ref in refs]
+            try:
+                if all(map(_REQUIRES_GRAD, inputs)):
+                    return entries, inputs
+            except AttributeError:  # None: a tensor died since
+                pass
+        entries, inputs = [], []
+        for entry in self._entries.values():
+            tensor = entry.ref()
+            if tensor is not None and tensor.requires_grad:
+                entries.append(entry)
+                inputs.append(tensor)
+        if len(entries) == len(self._entries):
+            self._order[:] = [entries, [entry.ref for entry in entries]]
+        else:
+            self._order.clear()
+        return entries, inputs
+
+    def _wants_check(self) -> bool:
+        mode = prerecord.check_mode()
+        return mode != "off" and not self._warned and (mode == "always" or not self._checked)
+
+    def _check_pre_record(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                          entries: List[_Entry]) -> None:
+        base = self._record_seq
+        since = [base if e.since is None else e.since for e in entries]
+        if 0 in since:
+            return  # no snapshot could be taken (inference mode, functorch): check a later step
+        self._checked = True
+        if prerecord.warn_if_pre_record(outputs, inputs, since):
+            self._warned = True
+
+    def stop(self) -> None:
+        if not self._recording:
+            return
+        self._recording = False
+        self._running = False
+        if self._flagged:
+            flagged, self._flagged = self._flagged, []
+            for tensor in flagged:
+                FLAGS.release(tensor)
+        if self._late:
+            self._late = False
+            for entry in self._entries.values():
+                entry.since = None
+
+
+def _remove_handles(handles: Dict[int, Any]) -> None:
+    for handle in list(handles.values()):
+        handle.remove()
+    handles.clear()
