@@ -11,7 +11,12 @@ Importing gradmgr imports no framework; a backend is loaded on the first tensor 
 
 from ._state import get_backwarding_grad_manager
 from .backend import Backend, Capabilities, Tape
-from .errors import BackendNotFoundError, GradMgrWarning
+from .errors import (
+    BackendNotFoundError,
+    CallbackResultError,
+    GradMgrWarning,
+    UnsupportedGraphError,
+)
 from .future import Future, is_future
 from .manager import AttachSpec, GradManager, GradManagerGroup
 from .registry import backend_for, get_backend, register_backend
@@ -22,12 +27,14 @@ __all__ = [
     "AttachSpec",
     "Backend",
     "BackendNotFoundError",
+    "CallbackResultError",
     "Capabilities",
     "Future",
     "GradManager",
     "GradManagerGroup",
     "GradMgrWarning",
     "Tape",
+    "UnsupportedGraphError",
     "backend_for",
     "get_backend",
     "get_backwarding_grad_manager",

@@ -7,3 +7,14 @@ class GradMgrWarning(UserWarning):
 
 class BackendNotFoundError(LookupError):
     """No backend knows the given tensor type, or the named backend does not exist."""
+
+
+class CallbackResultError(ValueError):
+    """A gradient callback returned something that cannot be a gradient of its tensor: not a
+    tensor or Future, or a tensor whose shape, dtype or device differ from the tensor's."""
+
+
+class UnsupportedGraphError(RuntimeError):
+    """The recorded computation uses something the backend cannot differentiate with
+    GradManager semantics (for example reentrant activation checkpointing on PyTorch); the
+    message says what to use instead."""
