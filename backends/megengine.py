@@ -25,6 +25,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import megengine
 import megengine.functional as F
+import numpy as np
 from megengine.core._imperative_rt.core2 import pop_scope, push_scope, set_option
 from megengine.core.autodiff.grad import Grad
 from megengine.core.tensor.dtype import is_differentible_dtype
@@ -114,11 +115,13 @@ class MegEngineTape(Tape):
             wrt(tensor, callback=slot)
 
     def backward(
-        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
+        may_accumulate: bool = False,
     ) -> None:
         # ``create_graph`` and ``retain_graph`` are not needed: MegEngine's Grad stack records
         # a backward in every Grad entered earlier (higher order), suppresses the other members
-        # of this Grad's group, and keeps each Grad's tape until that Grad exits.
+        # of this Grad's group, and keeps each Grad's tape until that Grad exits. Every
+        # gradient goes through its sink (``may_accumulate`` is not used).
         grad = self._grad
         if grad is None:
             raise RuntimeError("MegEngineTape.backward() called while the tape is not started")
@@ -203,10 +206,23 @@ class MegEngineBackend(Backend):
         return f"has shape {dy_shape} but y has shape {y_shape}"
 
     def accumulate(self, tensor: Any, grad: Any) -> None:
+        # As the native manager does. MegEngine tensors are values: ``+=`` rebinds .grad to a
+        # new tensor, so a gradient shared with a callback or another tensor is never changed.
         if tensor.grad is None:
             tensor.grad = grad
         else:
             tensor.grad += grad
+
+    def grad_problem(self, tensor: Any, grad: Any) -> Optional[str]:
+        # MegEngine's += would broadcast a wrong shape and promote a wrong dtype silently.
+        if (grad.shape == tensor.shape and grad.dtype == tensor.dtype
+                and grad.device == tensor.device):
+            return None
+        return f"got {self.describe(grad)}, but the tensor has {self.describe(tensor)}"
+
+    def describe(self, tensor: Any) -> str:
+        return (f"shape {self.shape(tensor)}, dtype {np.dtype(tensor.dtype).name}, "
+                f"device {tensor.device}")
 
     def new_tape(self) -> Tape:
         return MegEngineTape()

@@ -87,7 +87,8 @@ class Tape(ABC):
 
     @abstractmethod
     def backward(
-        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
+        may_accumulate: bool = False,
     ) -> None:
         """Run reverse mode from ``ys`` seeded with ``dys``, feeding the sinks.
 
@@ -95,6 +96,10 @@ class Tape(ABC):
         manager's group) is recording, so the backward itself must be differentiable.
         ``retain_graph``: another manager that may have recorded the same computation is still
         recording, so the graph must survive this backward.
+        ``may_accumulate``: nothing (no after-backward callback) runs between this backward and
+        accumulation, so the tape may accumulate the gradients of tensors watched without
+        ``eager`` into ``.grad`` itself (exactly as :meth:`Backend.accumulate` would) instead
+        of calling their sinks.
         """
 
     @abstractmethod
@@ -135,7 +140,23 @@ class Backend(ABC):
 
     @abstractmethod
     def accumulate(self, tensor: Any, grad: Any) -> None:
-        """Set ``tensor.grad = grad``, or add ``grad`` into an existing ``tensor.grad``."""
+        """Set ``tensor.grad = grad``, or add ``grad`` into an existing ``tensor.grad``.
+
+        Where tensors are mutable, a new ``.grad`` must not share memory with ``grad``: the
+        same gradient object may be delivered for two tensors, or kept by a callback.
+        """
+
+    def grad_problem(self, tensor: Any, grad: Any) -> Optional[str]:
+        """Why the tensor ``grad`` cannot be ``tensor``'s gradient (a phrase such as "got
+        shape (1,), but the tensor has shape (3,)"), or None. Checked for every value a
+        callback returns. The default compares shapes."""
+        if self.shape(grad) != self.shape(tensor):
+            return f"got shape {self.shape(grad)}, but the tensor has shape {self.shape(tensor)}"
+        return None
+
+    def describe(self, tensor: Any) -> str:
+        """A tensor's shape, dtype and device, for messages."""
+        return f"shape {self.shape(tensor)}"
 
     @abstractmethod
     def new_tape(self) -> Tape:

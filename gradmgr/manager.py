@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 
 from . import _state
 from .backend import Backend, Tape
-from .errors import GradMgrWarning
+from .errors import CallbackResultError, GradMgrWarning
 from .future import is_future
 from .registry import backend_for, imported_backends, resolve_backend
 
@@ -30,6 +30,10 @@ class AttachSpec:
 
 def _no_sink(grad: Any) -> None:
     return None
+
+
+def _name(callback: Any) -> str:
+    return getattr(callback, "__qualname__", None) or type(callback).__qualname__
 
 
 def _as_list(value: Any) -> List[Any]:
@@ -77,6 +81,7 @@ class GradManager:
         self._group: Optional[GradManagerGroup] = None
         self._thread_state: Optional[_state.ThreadState] = None
         self._gradients: Dict[int, Any] = {}
+        self._future_sources: Dict[int, str] = {}  # who returned each pending Future
         self._backwarding = False
         self._after_backward_callbacks: List[Callable[[], None]] = []
 
@@ -115,6 +120,7 @@ class GradManager:
         spec = self._specs.get(id(tensor))
         if spec is None or spec.tensor() is not tensor:
             raise ValueError("add_gradient(): the tensor is not attached to this manager")
+        self._check_result(id(tensor), tensor, grad, "add_gradient()")
         self._gradients[id(tensor)] = grad
 
     def attach(
@@ -349,8 +355,12 @@ class GradManager:
                 if pushed:
                     stack.append(owner)
                 try:
+                    backend = owner._backend
+                    is_tensor, grad_problem = backend.is_tensor, backend.grad_problem
                     for cb in spec.callbacks:
                         grad = cb(tensor, grad)
+                        if not is_tensor(grad) or grad_problem(tensor, grad) is not None:
+                            owner._check_result(key, tensor, grad, f"gradient callback {_name(cb)}")
                 finally:
                     if pushed:
                         stack.pop()
@@ -358,12 +368,35 @@ class GradManager:
 
         return sink
 
+    def _check_result(self, key: int, tensor: Any, grad: Any, source: str) -> None:
+        """Raise :class:`CallbackResultError` unless ``grad`` (from ``source``) can be
+        ``tensor``'s gradient; a Future is checked once it resolves."""
+        backend = self._backend
+        if backend.is_tensor(grad):
+            problem = backend.grad_problem(tensor, grad)
+            if problem is None:
+                return
+            raise CallbackResultError(
+                f"{source} returned a gradient that does not fit its tensor: {problem}. A "
+                f"gradient must have its tensor's shape, dtype and device (or be a Future of one)"
+            )
+        if grad is not None and is_future(grad):
+            self._future_sources[key] = source
+            return
+        raise CallbackResultError(
+            f"{source} returned {'None' if grad is None else type(grad).__qualname__} for an "
+            f"attached tensor of {backend.describe(tensor)}: it must return the gradient (pass "
+            f"it on unchanged if there is nothing to change) or a Future of it"
+        )
+
     def release(self) -> None:
         """Stop recording and free what was kept for differentiation. Idempotent."""
         self._recording = False
         self._group = None
         if self._gradients:
             self._gradients = {}
+        if self._future_sources:
+            self._future_sources = {}
         thread_state = self._thread_state
         if thread_state is not None:
             self._thread_state = None
@@ -429,14 +462,17 @@ class GradManager:
                 if len(recording) == 1:  # only this manager: nobody records this backward
                     create_graph = retain_graph = False
                 else:
-                    others = [m for m in recording if m is not self]
+                    # A manager whose own backward is running (this one runs inside its
+                    # callback) can no longer differentiate anything recorded now.
+                    others = [m for m in recording if m is not self and not m._backwarding]
                     create_graph = any(
                         m._record_order < self._record_order
                         and (self._group is None or m._group is not self._group)
                         for m in others
                     )
                     retain_graph = bool(others)
-                self._tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph)
+                self._tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
+                                    may_accumulate=not self._after_backward_callbacks)
             for callback in self._after_backward_callbacks:
                 callback()
             if self._gradients:
@@ -447,15 +483,25 @@ class GradManager:
             stack.pop()
 
     def _accumulate_gradients(self) -> None:
+        """Resolve Futures and check what they give, then accumulate every gradient (so a
+        failure leaves every ``.grad`` as it was)."""
         backend, specs = self._backend, self._specs
-        is_tensor, accumulate = backend.is_tensor, backend.accumulate
+        is_tensor, grad_problem = backend.is_tensor, backend.grad_problem
+        ready = []
         for key, grad in self._gradients.items():
-            if not is_tensor(grad) and is_future(grad):
-                grad = grad.get()
             spec = specs.get(key)
             tensor = spec.tensor() if spec is not None else None
-            if tensor is not None and grad is not None:
-                accumulate(tensor, grad)
+            if tensor is None:
+                continue
+            if not is_tensor(grad):  # a Future: anything else was refused when delivered
+                grad = grad.get()
+                if not is_tensor(grad) or grad_problem(tensor, grad) is not None:
+                    self._check_result(key, tensor, grad,
+                                       f"the Future from {self._future_sources.get(key)}")
+            ready.append((tensor, grad))
+        accumulate = backend.accumulate
+        for tensor, grad in ready:
+            accumulate(tensor, grad)
 
     def _check_outputs(self, y: Any, dy: Any) -> tuple:
         backend = self._backend

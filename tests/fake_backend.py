@@ -221,7 +221,7 @@ class FakeTape(Tape):
             self.known[id(out)] = out
 
     def backward(self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool,
-                 retain_graph: bool) -> None:
+                 retain_graph: bool, may_accumulate: bool = False) -> None:
         grads: Dict[int, FakeTensor] = {}
 
         def deliver(t: FakeTensor, g: FakeTensor) -> None:

@@ -14,7 +14,13 @@ import weakref
 import numpy as np
 import pytest
 
-from gradmgr import Future, GradManager, GradMgrWarning, get_backwarding_grad_manager
+from gradmgr import (
+    CallbackResultError,
+    Future,
+    GradManager,
+    GradMgrWarning,
+    get_backwarding_grad_manager,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -427,6 +433,55 @@ def test_s11_after_backward_and_backwarding_manager(fw):
     with outer:
         outer.backward(fw.sum(y * 1.0))
     assert inner_seen["restored"] is outer
+
+
+def test_s11_grad_is_written_only_after_after_backward_callbacks(fw):
+    """Also where no tensor has a callback (on PyTorch the engine could write .grad itself)."""
+    w = fw.parameter([1.0, 2.0])
+    gm = GradManager().attach(w)
+    seen = []
+    gm.register_after_backward_callback(lambda: seen.append(fw.grad(w)))
+    with gm:
+        gm.backward(fw.sum(w * 2.0))
+    assert seen == [None]
+    close(fw.grad(w), [2.0, 2.0])
+
+    def abort() -> None:
+        raise KeyError("abort this step")
+
+    gm.register_after_backward_callback(abort)
+    with gm, pytest.raises(KeyError, match="abort"):
+        gm.backward(fw.sum(w * 2.0))
+    close(fw.grad(w), [2.0, 2.0])  # the aborted step added nothing
+
+
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        (lambda fw, g: None, "returned None"),
+        (lambda fw, g: fw.sum(g), r"got shape \(\)"),
+        (lambda fw, g: fw.tensor([1.0, 2.0, 3.0]), r"got shape \(3,\)"),
+        (lambda fw, g: fw.tensor([1.0, 2.0], dtype="float16"), "float16"),
+        (lambda fw, g: "not a gradient", "returned str"),
+        (lambda fw, g: Future.resolved(fw.sum(g)), r"Future from gradient callback.*shape \(\)"),
+    ],
+    ids=["none", "scalar", "shape", "dtype", "str", "future"],
+)
+@pytest.mark.parametrize("has_grad", [False, True], ids=["no-grad-yet", "grad-exists"])
+def test_s7_callback_results_that_cannot_be_gradients_raise(fw, result, message, has_grad):
+    w = fw.parameter([1.0, 2.0])
+    if has_grad:
+        fw.set_grad(w, fw.tensor([5.0, 5.0]))
+
+    def bad_callback(t, g):
+        return result(fw, g)
+
+    gm = GradManager().attach(w, callbacks=bad_callback)
+    with gm, pytest.raises(CallbackResultError, match=message) as info:
+        gm.backward(fw.sum(w * 2.0))
+    assert "future" in str(info.value).lower() or "bad_callback" in str(info.value)
+    assert fw.grad(w) is None if not has_grad else np.array_equal(fw.grad(w), [5.0, 5.0])
+    assert get_backwarding_grad_manager() is None
 
 
 # ----------------------------------------------------------------------------- S12
