@@ -23,19 +23,20 @@ operations done before ``record()`` (or before a mid-recording ``attach``). The 
 this from node sequence numbers and warns (:mod:`.prerecord`).
 
 The modules: :mod:`.engine` (entering the engine), :mod:`.graph` (graph walks),
-:mod:`.flags` (requires_grad bookkeeping), :mod:`.prerecord` (the pre-record check),
-:mod:`.tape` (:class:`TorchTape`); this module holds :class:`TorchBackend`.
+:mod:`.flags` (requires_grad and grad-mode bookkeeping), :mod:`.prerecord` (the pre-record
+check), :mod:`.grads` (writing ``.grad``), :mod:`.tape` (:class:`TorchTape`); this module holds
+:class:`TorchBackend`.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Iterable, List, Optional
 
 import torch
 
 from gradmgr.backend import Backend, Capabilities, Tape
 
+from . import grads
 from .graph import reachable_leaves
 from .prerecord import PreRecordGradientWarning, set_pre_record_check
 from .tape import TorchTape
@@ -89,18 +90,13 @@ class TorchBackend(Backend):
         return problem
 
     def accumulate(self, tensor: Any, grad: Any) -> None:
-        if tensor.is_leaf:
-            existing = tensor.grad
-        else:
-            with warnings.catch_warnings():  # reading .grad of a non-leaf warns
-                warnings.simplefilter("ignore")
-                existing = tensor.grad
-        if existing is None:
-            tensor.grad = grad
-        elif grad.requires_grad or existing.requires_grad:
-            tensor.grad = existing + grad
-        else:
-            existing.add_(grad)
+        grads.accumulate(tensor, grad)
+
+    def grad_problem(self, tensor: Any, grad: Any) -> Optional[str]:
+        return grads.grad_problem(tensor, grad)
+
+    def describe(self, tensor: Any) -> str:
+        return grads.describe(tensor)
 
     def new_tape(self) -> Tape:
         return TorchTape()

@@ -1,9 +1,10 @@
-"""``requires_grad`` flags that recordings turn on and must restore."""
+"""State that recordings change and must restore: ``requires_grad`` flags and grad mode."""
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
@@ -37,3 +38,45 @@ class FlagLedger:
 
 
 FLAGS = FlagLedger()
+
+
+class GradModeHolds:
+    """Grad mode is on in a thread while any manager records there.
+
+    Autograd records nothing with grad mode off (under ``torch.no_grad()``, or inside a gradient
+    callback, where the engine turns it off), so a recording started there would silently
+    differentiate nothing. ``start`` turns it on and notes whether it was off; when the
+    recording that found it off stops, it is turned off again, unless a recording started
+    later in the same thread is still running, which then inherits that duty (recordings need
+    not stop in the order they started).
+    """
+
+    def __init__(self) -> None:
+        self._by_thread: Dict[int, List[list]] = {}  # thread id -> [[owner, restore_off], ...]
+
+    def start(self, owner: object) -> int:
+        thread = threading.get_ident()
+        off = not torch.is_grad_enabled()
+        if off:
+            torch.set_grad_enabled(True)
+        self._by_thread.setdefault(thread, []).append([owner, off])
+        return thread
+
+    def stop(self, owner: object, thread: int) -> None:
+        holds = self._by_thread.get(thread)
+        if not holds:
+            return
+        i = next((i for i, hold in enumerate(holds) if hold[0] is owner), None)
+        if i is None:
+            return
+        hold = holds.pop(i)
+        if hold[1]:
+            if i < len(holds):
+                holds[i][1] = True  # a later recording still runs: it turns grad mode off
+            elif thread == threading.get_ident():
+                torch.set_grad_enabled(False)
+        if not holds:
+            del self._by_thread[thread]
+
+
+GRAD_MODE = GradModeHolds()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,26 +73,83 @@ def reachable_leaves(
     return found
 
 
-def pre_record_paths(
-    outputs: List[torch.Tensor], inputs: List[torch.Tensor], watch_seq: List[int]
-) -> List[torch.Tensor]:
-    """Attached tensors whose gradient passes through a node created before their snapshot.
+def graph_root(y: torch.Tensor) -> Any:
+    """The node a backward from ``y`` starts with (``y``'s own AccumulateGrad for a leaf)."""
+    return y.grad_fn if y.grad_fn is not None else grad_node(y)
 
-    ``low[n]`` is the smallest sequence number among the nodes on any path from the outputs
-    down to ``n`` (``n`` excluded). Children are always created before their parents, so
-    visiting nodes by decreasing sequence number sees every parent first; AccumulateGrad nodes
-    (the leaves) have no children and go last.
+
+def topological(parents: Dict[Any, List[Any]]) -> List[Any]:
+    """The nodes of a :func:`walk` with every node after all nodes that feed it.
+
+    (Sorting by sequence number would do within one thread, but sequence numbers are per
+    thread, and a forward may run partly in another thread.)
     """
-    parents = walk(y.grad_fn for y in outputs)
+    waiting = {node: len(feeders) for node, feeders in parents.items()}
+    ready = [node for node, count in waiting.items() if count == 0]
+    order = []
+    while ready:
+        node = ready.pop()
+        order.append(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                waiting[child] -= 1
+                if waiting[child] == 0:
+                    ready.append(child)
+    return order
+
+
+def reentrant_checkpoints(parents: Dict[Any, List[Any]]) -> List[Any]:
+    """Nodes of ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` in a walk."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    kind = CheckpointFunction._backward_cls
+    return [node for node in parents if isinstance(node, kind)]
+
+
+def pre_record_paths(
+    parents: Dict[Any, List[Any]], inputs: List[torch.Tensor], since: List[int]
+) -> List[Tuple[int, List[str]]]:
+    """Attached tensors whose gradient mixes operations recorded after their snapshot with
+    operations done before it: ``(position in inputs, names of the older operations)``.
+
+    A node's sequence number says when this thread created it, so a node numbered below a
+    tensor's snapshot ``since`` predates the recording (or comes from another thread). For each
+    node, ``low`` is the smallest number on any path from the outputs down to it and ``high``
+    the largest, over paths, of the smallest number on the path. A tensor with
+    ``low < since <= high`` gets gradient both through a path recorded entirely after its
+    snapshot and through an older operation: on MegEngine only the first would count. One whose
+    every path goes through older operations (``high < since``: the whole forward ran before
+    ``record()``, or in another thread) gets exactly what ``loss.backward()`` gives, and is not
+    reported.
+    """
     seq = {n: n._sequence_nr() for n in parents}
     never = float("inf")
     low: Dict[Any, float] = {}
-    for node in sorted(parents, key=lambda n: -1 if hasattr(n, "variable") else seq[n],
-                       reverse=True):
-        low[node] = min((min(seq[p], low[p]) for p in parents[node]), default=never)
-    stale = []
-    for t, since in zip(inputs, watch_seq):
-        node = t.grad_fn if t.grad_fn is not None else grad_node(t)
-        if low.get(node, never) < since:
-            stale.append(t)
-    return stale
+    high: Dict[Any, float] = {}
+    for node in topological(parents):
+        feeders = parents[node]
+        if feeders:
+            low[node] = min(min(seq[p], low[p]) for p in feeders)
+            high[node] = max(min(seq[p], high[p]) for p in feeders)
+        else:
+            low[node] = high[node] = never
+    found = []
+    for i, (t, snapshot) in enumerate(zip(inputs, since)):
+        node = grad_node(t)
+        if node in low and low[node] < snapshot <= high[node]:
+            found.append((i, _older_operations(parents, node, seq, snapshot)))
+    return found
+
+
+def _older_operations(parents: Dict[Any, List[Any]], target: Any, seq: Dict[Any, int],
+                      snapshot: int) -> List[str]:
+    """Names of the operations older than ``snapshot`` on paths from the outputs to ``target``."""
+    names, seen, stack = [], {target}, [target]
+    while stack:
+        for feeder in parents[stack.pop()]:
+            if feeder not in seen:
+                seen.add(feeder)
+                stack.append(feeder)
+                if seq[feeder] < snapshot:
+                    names.append(feeder.name())
+    return names

@@ -2,13 +2,14 @@
 
 Autograd records operations on a ``requires_grad`` tensor whether or not a manager is recording,
 so on PyTorch such operations contribute gradient where MegEngine ignores them (S9, and S8 for
-tensors attached mid-recording). The check finds them from node sequence numbers and warns.
+tensors attached mid-recording). The check finds them from node sequence numbers and warns
+where the result differs from MegEngine's while the recording did differentiate something.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import List
+from typing import Any, Dict, List
 
 import torch
 
@@ -28,10 +29,13 @@ _mode = "first"
 def set_pre_record_check(mode: str) -> None:
     """How often backward checks for gradient paths through pre-``record()`` operations.
 
-    ``"first"`` (default) walks the graph of each manager's first backward, which catches the
-    usual cause (a value computed from parameters once, outside the loop) at no cost to later
-    steps; ``"always"`` walks every backward (a Python walk over the graph: about 1 us per
-    node); ``"off"`` never checks.
+    The check warns (:class:`PreRecordGradientWarning`) when an attached tensor's gradient
+    flows both through operations of the recording and through older ones, where MegEngine's
+    result would differ. ``"first"`` (default) checks each manager's first backward, which
+    catches the usual cause (a value computed from parameters once, outside the loop) at no
+    cost to later steps; ``"always"`` checks every backward (a Python walk over the graph:
+    about 1 us per node); ``"off"`` never warns. (Each manager's first backward is walked once
+    in every mode, to refuse reentrant activation checkpointing.)
 
     Example:
         >>> set_pre_record_check("first")
@@ -47,20 +51,26 @@ def check_mode() -> str:
     return _mode
 
 
-def warn_if_pre_record(outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+def warn_if_pre_record(parents: Dict[Any, List[Any]], inputs: List[torch.Tensor],
                        since: List[int]) -> bool:
-    """Warn if gradient reaches one of ``inputs`` through a node older than its ``since``
-    sequence number; return whether it warned."""
-    stale = pre_record_paths(outputs, inputs, since)
-    if not stale:
+    """Warn if an attached tensor's gradient mixes recorded operations with older ones (see
+    :func:`.graph.pre_record_paths`); return whether it warned."""
+    found = pre_record_paths(parents, inputs, since)
+    if not found:
         return False
-    shapes = ", ".join(str(tuple(t.shape)) for t in stale[:4])
+    lines = []
+    for i, older in found[:4]:
+        ops = ", ".join(sorted(set(older))[:4])
+        lines.append(f"  attached tensor #{i} (shape {tuple(inputs[i].shape)}) through {ops}")
+    more = f"\n  ... and {len(found) - 4} more" if len(found) > 4 else ""
     warnings.warn(
-        f"gradmgr: gradient reaches {len(stale)} attached tensor(s) (shapes {shapes}) "
-        "through operations done before record() or before attach(); MegEngine ignores "
-        "those, PyTorch cannot, so they contribute here. Compute them inside the "
-        "recording, or .detach() their results if they should be constants. "
-        "(warned once per manager)",
+        f"gradmgr: the gradient of {len(found)} attached tensor(s) flows both through "
+        "operations recorded in this recording and through operations done before record() "
+        "(or before the tensor was attached):\n" + "\n".join(lines) + more + "\n"
+        "PyTorch differentiates those older operations too (as loss.backward() would); "
+        "MegEngine treats their results as constants, so the gradients differ from "
+        "MegEngine's. Compute those values inside the recording, or .detach() them if they "
+        "should be constants. (Warned once per manager; see set_pre_record_check.)",
         PreRecordGradientWarning,
         stacklevel=5,
     )

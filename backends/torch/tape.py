@@ -10,22 +10,59 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from gradmgr.backend import GradSink, Tape
+from gradmgr.errors import UnsupportedGraphError
 
 from . import prerecord
 from .engine import run_engine
-from .flags import FLAGS
-from .graph import current_sequence_nr
+from .flags import FLAGS, GRAD_MODE
+from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
+_graph_task_id = torch._C._current_graph_task_id
+_current_node = torch._C._current_autograd_node
+
+
 def _hook(tape_ref: weakref.ref, key: int, grad: torch.Tensor) -> None:
+    """A watched tensor's gradient is ready in some backward: deliver it if it is this tape's.
+
+    Tensor hooks fire in every backward that reaches the tensor, also another manager's (in
+    another thread, or one run inside a callback), so the gradient is delivered only in the
+    engine's graph task that this tape's backward started (see :func:`_claim`).
+    """
     tape = tape_ref()
-    if tape is not None and tape._running:
-        sink = tape._eager.get(key)
-        if sink is not None:
-            tape._fired.add(key)
-            sink(grad)
+    if tape is None or not tape._running:
+        return
+    task = _graph_task_id()
+    if task != tape._task:
+        # Not known yet only when this tensor is itself an output of the backward (its
+        # tensor hook runs before the root's pre-hook): claim the task by that node.
+        if tape._task is not None or _current_node() not in tape._roots:
+            return
+        tape._task = task
+    sink = tape._eager.get(key)
+    if sink is not None:
+        tape._fired.add(key)
+        sink(grad)
+
+
+def _claim(tape_ref: weakref.ref, grad_outputs: Any) -> None:
+    """Pre-hook on the backward's root nodes: the first one the engine runs is in this tape's
+    graph task, before any gradient of an attached tensor is ready there."""
+    tape = tape_ref()
+    if tape is not None and tape._running and tape._task is None:
+        tape._task = _graph_task_id()
+
+
+_REENTRANT_CHECKPOINT = (
+    "gradmgr: this backward goes through torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=True) (also what torch 2.x does when use_reentrant is not passed). "
+    "Reentrant checkpointing runs an inner backward of its own that ignores which tensors are "
+    "attached, and PyTorch refuses it whenever the engine is asked for specific inputs, as "
+    "gradmgr always does; its parameters would get no gradient or a wrong one. Pass "
+    "use_reentrant=False (PyTorch's recommended mode), which gradmgr differentiates exactly."
+)
 
 
 class _Entry:
@@ -61,7 +98,10 @@ class TorchTape(Tape):
         self._needs_flag: Dict[int, weakref.ref] = {}
         self._handles: Dict[int, Any] = {}
         self._running = False
+        self._roots: Sequence[Any] = ()  # the running backward's root nodes
+        self._task: Optional[int] = None  # its graph task, once the engine started it
         self._recording = False
+        self._grad_mode_thread = 0
         self._record_seq = 0
         self._checked = False
         self._warned = False
@@ -122,20 +162,26 @@ class TorchTape(Tape):
 
     # -- recording --------------------------------------------------------------------
     def start(self) -> None:
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "cannot record under torch.inference_mode(): autograd records nothing there, "
+                "so backward() would compute no gradient; record outside inference mode"
+            )
         self._recording = True
-        if self._entries and self._wants_check():  # a later attach() takes its own snapshot
-            self._record_seq = current_sequence_nr()
-        if not self._needs_flag:
-            return
-        for key, ref in list(self._needs_flag.items()):
-            tensor = ref()
-            if tensor is not None:
-                self._acquire_flag(tensor)
-                if key in self._eager:
-                    self._ensure_hook(tensor, key)
+        if self._entries and self._wants_pre_record_check():
+            self._record_seq = current_sequence_nr()  # a later attach() takes its own
+        if self._needs_flag:
+            for key, ref in list(self._needs_flag.items()):
+                tensor = ref()
+                if tensor is not None:
+                    self._acquire_flag(tensor)
+                    if key in self._eager:
+                        self._ensure_hook(tensor, key)
+        self._grad_mode_thread = GRAD_MODE.start(self)
 
     def backward(
-        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
+        may_accumulate: bool = False,
     ) -> None:
         if len(ys) == 1:
             if not ys[0].requires_grad:
@@ -149,24 +195,44 @@ class TorchTape(Tape):
         entries, inputs = self._inputs()
         if not inputs:
             return
-        if self._wants_check():
-            self._check_pre_record(outputs, inputs, entries)
+        if not self._checked or prerecord.check_mode() == "always":
+            self._check_graph(outputs, inputs, entries)
         retain = retain_graph or create_graph
-        if not self._eager and not create_graph:
-            # Nothing to intercept: let the engine accumulate into .grad itself, which is what
-            # a plain loss.backward() costs.
-            run_engine(outputs, seeds, retain, False, inputs, accumulate=True)
-            return
-        self._running = True
-        self._fired.clear()
         try:
-            grads = run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
-        finally:
-            self._running = False
+            if may_accumulate and not self._eager and not create_graph:
+                # Nothing runs between computing and accumulating: let the engine accumulate
+                # into .grad itself, which is what a plain loss.backward() costs.
+                run_engine(outputs, seeds, retain, False, inputs, accumulate=True)
+                return
+            grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs)
+        except RuntimeError as error:
+            if "use_reentrant=True" in str(error):
+                raise UnsupportedGraphError(_REENTRANT_CHECKPOINT) from error
+            raise
         fired = self._fired
         for tensor, entry, grad in zip(inputs, entries, grads):
             if grad is not None and not (entry.eager and id(tensor) in fired):
                 entry.sink(grad)
+
+    def _run_capturing(self, outputs: List[torch.Tensor], seeds: List[torch.Tensor],
+                       retain: bool, create_graph: bool,
+                       inputs: List[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
+        """Run the engine returning the gradients; hooks feed the eager sinks meanwhile."""
+        if not self._eager:
+            return run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
+        self._roots = [graph_root(y) for y in outputs]
+        self._task = None
+        claim = functools.partial(_claim, weakref.ref(self))
+        handles = [root.register_prehook(claim) for root in self._roots]
+        self._running = True
+        self._fired.clear()
+        try:
+            return run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
+        finally:
+            self._running = False
+            self._roots = ()
+            for handle in handles:
+                handle.remove()
 
     def _inputs(self) -> tuple:
         """The watched tensors that require grad now, with their entries, in watch order."""
@@ -190,18 +256,27 @@ class TorchTape(Tape):
             self._order.clear()
         return entries, inputs
 
-    def _wants_check(self) -> bool:
+    def _wants_pre_record_check(self) -> bool:
         mode = prerecord.check_mode()
         return mode != "off" and not self._warned and (mode == "always" or not self._checked)
 
-    def _check_pre_record(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
-                          entries: List[_Entry]) -> None:
+    def _check_graph(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                     entries: List[_Entry]) -> None:
+        """One walk of the graph: refuse what gradmgr cannot differentiate, and warn where the
+        result differs from MegEngine's (each manager's first backward; every backward in
+        "always" mode)."""
+        parents = walk(graph_root(y) for y in outputs)
+        if reentrant_checkpoints(parents):
+            raise UnsupportedGraphError(_REENTRANT_CHECKPOINT)
+        if not self._wants_pre_record_check():
+            self._checked = True
+            return
         base = self._record_seq
         since = [base if e.since is None else e.since for e in entries]
         if 0 in since:
             return  # no snapshot could be taken (inference mode, functorch): check a later step
         self._checked = True
-        if prerecord.warn_if_pre_record(outputs, inputs, since):
+        if prerecord.warn_if_pre_record(parents, inputs, since):
             self._warned = True
 
     def stop(self) -> None:
@@ -209,6 +284,9 @@ class TorchTape(Tape):
             return
         self._recording = False
         self._running = False
+        if self._grad_mode_thread:
+            GRAD_MODE.stop(self, self._grad_mode_thread)
+            self._grad_mode_thread = 0
         if self._flagged:
             flagged, self._flagged = self._flagged, []
             for tensor in flagged:

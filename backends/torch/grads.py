@@ -1,0 +1,81 @@
+"""Writing ``.grad``: what PyTorch's AccumulateGrad guarantees, for gradients gradmgr delivers.
+
+Gradients that pass through the manager (callbacks, nesting, after-backward callbacks) are the
+engine's or a callback's tensor objects: the same object may be the gradient of two tensors
+(``a + b``), an expanded view (``w.sum()``), or something user code keeps. So the first
+gradient stored into an empty ``.grad`` is copied into storage of its own, laid out like its
+tensor (PyTorch's gradient layout contract), later ones are added in place, and the tensor's
+post-accumulate-grad hooks run, all as AccumulateGrad does for ``loss.backward()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Optional
+
+import torch
+
+# Managers in different threads may accumulate into one shared tensor; AccumulateGrad holds a
+# lock for the same reason.
+_LOCK = threading.Lock()
+
+
+def owned_copy(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A copy of ``grad`` in new storage with ``like``'s strides where ``like`` is dense
+    (contiguous otherwise). Differentiable, so a higher-order ``.grad`` keeps its graph."""
+    if grad.layout != torch.strided:
+        return grad.clone()
+    if like.is_contiguous():
+        return grad.clone(memory_format=torch.contiguous_format)
+    if like.is_contiguous(memory_format=torch.channels_last):
+        return grad.clone(memory_format=torch.channels_last)
+    if _dense(like):
+        out = torch.empty_strided(like.size(), like.stride(), dtype=grad.dtype,
+                                  device=grad.device)
+        return out.copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: some permutation of the dims is contiguous."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:
+    """``tensor.grad = grad`` (as an owned copy) or ``tensor.grad += grad``."""
+    with _LOCK:
+        if tensor.is_leaf:
+            existing = tensor.grad
+        else:
+            with warnings.catch_warnings():  # reading .grad of a non-leaf warns
+                warnings.simplefilter("ignore")
+                existing = tensor.grad
+        if existing is None:
+            tensor.grad = owned_copy(grad, tensor)
+        elif grad.requires_grad or existing.requires_grad or existing.is_sparse:
+            tensor.grad = existing + grad  # keeps the graph of a higher-order gradient
+        else:
+            existing.add_(grad)
+    if tensor.is_leaf:
+        hooks = tensor._post_accumulate_grad_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(tensor)
+
+
+def grad_problem(tensor: torch.Tensor, grad: torch.Tensor) -> Optional[str]:
+    """Why ``grad`` cannot be ``tensor``'s gradient, or None."""
+    if grad.shape == tensor.shape and grad.dtype == tensor.dtype and grad.device == tensor.device:
+        return None
+    return f"got {describe(grad)}, but the tensor has {describe(tensor)}"
+
+
+def describe(t: Any) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
