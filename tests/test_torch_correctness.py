@@ -360,3 +360,23 @@ def test_wrong_callback_results_raise_also_when_grad_exists(bad, what):
     with gm, pytest.raises(CallbackResultError, match=what):
         gm.backward((w * 2).sum())
     assert torch.equal(w.grad, torch.ones(3))
+
+
+@pytest.mark.parametrize("inplace", [
+    lambda g: g.mul_(0.5),
+    lambda g: g.__imul__(0.5),  # MegEngine-style `g *= 0.5`, in place on PyTorch
+], ids=["mul_", "imul"])
+def test_callback_changing_its_gradient_in_place_is_refused(inplace):
+    """w's gradient object is also the input of tanh's backward (w + tanh(v)): changing it in
+    place in w's callback silently changed v's gradient."""
+    torch.manual_seed(0)
+    w, v = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    gm = GradManager().attach([w, v], callbacks=lambda t, g: inplace(g))
+    with gm, pytest.raises(CallbackResultError, match="in place"):
+        gm.backward(((w + torch.tanh(v)) ** 2).sum())
+    assert w.grad is None and v.grad is None
+    gm2 = GradManager().attach([w, v], callbacks=lambda t, g: g * 0.5)  # the supported way
+    with gm2:
+        gm2.backward(((w + torch.tanh(v)) ** 2).sum())
+    expected = torch.autograd.grad(((w + torch.tanh(v)) ** 2).sum(), [w, v])
+    assert torch.equal(w.grad, expected[0] * 0.5) and torch.equal(v.grad, expected[1] * 0.5)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from gradmgr.backend import GradSink, Tape
-from gradmgr.errors import UnsupportedGraphError
+from gradmgr.errors import CallbackResultError, UnsupportedGraphError
 
 from . import prerecord
 from .engine import run_engine
@@ -44,7 +44,23 @@ def _hook(tape_ref: weakref.ref, key: int, grad: torch.Tensor) -> None:
     sink = tape._eager.get(key)
     if sink is not None:
         tape._fired.add(key)
-        sink(grad)
+        _run_callbacks(sink, grad)
+
+
+def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> None:
+    """Feed a tensor's callback chain, refusing a chain that changed the gradient in place:
+    the engine may still need that tensor for other gradients, and another attached tensor
+    may have been given the same object (``a + b``), so theirs would change silently."""
+    version = grad._version
+    sink(grad)
+    if grad._version != version:
+        raise CallbackResultError(
+            f"a gradient callback modified the gradient it was given in place (shape "
+            f"{tuple(grad.shape)}; for example g *= 0.5, g.mul_(...), dist.all_reduce(g)): "
+            "PyTorch may still need that tensor to compute other gradients, and another "
+            "attached tensor may share it, so their gradients would change silently. Return "
+            "a new tensor instead (g = g * 0.5), or modify a copy (g = g.clone())"
+        )
 
 
 def _claim(tape_ref: weakref.ref, grad_outputs: Any) -> None:
@@ -211,8 +227,12 @@ class TorchTape(Tape):
             raise
         fired = self._fired
         for tensor, entry, grad in zip(inputs, entries, grads):
-            if grad is not None and not (entry.eager and id(tensor) in fired):
+            if grad is None:
+                continue
+            if not entry.eager:
                 entry.sink(grad)
+            elif id(tensor) not in fired:  # its hook could not fire (added mid-backward)
+                _run_callbacks(entry.sink, grad)
 
     def _run_capturing(self, outputs: List[torch.Tensor], seeds: List[torch.Tensor],
                        retain: bool, create_graph: bool,
