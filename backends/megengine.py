@@ -24,6 +24,7 @@ import weakref
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import megengine
+import megengine.autodiff.grad_manager as native_grad_manager
 import megengine.functional as F
 import numpy as np
 from megengine.core._imperative_rt.core2 import pop_scope, push_scope, set_option
@@ -31,6 +32,7 @@ from megengine.core.autodiff.grad import Grad
 from megengine.core.tensor.dtype import is_differentible_dtype
 
 from gradmgr.backend import Backend, Capabilities, GradSink, Tape
+from gradmgr.errors import AttachError
 
 # How many MegEngine backwards are running (MegEngine runs only in the main thread, so one
 # counter is enough). Its engine cannot start or extend a recording from inside a gradient
@@ -163,6 +165,36 @@ def _resume_group_after_failure(grad: Grad) -> None:
             member.resume()
 
 
+class _NativeView(native_grad_manager.GradManager):
+    """What ``megengine.autodiff.grad_manager.get_backwarding_grad_manager()`` returns while a
+    gradmgr manager backwards, so that MegEngine's own helpers work with gradmgr managers:
+    ``megengine.distributed.make_allreduce_cb`` checks ``isinstance`` against MegEngine's class
+    and registers its flush with ``_register_after_backward_callback``."""
+
+    def __init__(self, manager: Any) -> None:  # not MegEngine's __init__: it holds no state
+        self._gradmgr = weakref.ref(manager)
+
+    def _register_after_backward_callback(self, callback: Any) -> _NativeView:
+        self._gradmgr().register_after_backward_callback(callback)
+        return self
+
+
+def _forward_to_gradmgr(name: str) -> Any:
+    def method(self: _NativeView, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._gradmgr(), name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("attached_tensors", "attach", "backward", "record", "release", "__enter__",
+              "__exit__", "__or__"):  # the rest of the native API: the gradmgr manager's
+    setattr(_NativeView, _name, _forward_to_gradmgr(_name))
+
+
+_native_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class MegEngineBackend(Backend):
     """Adapter for ``megengine.Tensor`` (``megengine.Parameter`` included)."""
 
@@ -184,7 +216,7 @@ class MegEngineBackend(Backend):
         if threading.current_thread() is not threading.main_thread():
             _check_can_record("attach a MegEngine tensor")  # raises: not the main thread
         if not is_differentible_dtype(tensor.dtype):
-            raise TypeError(
+            raise AttachError(
                 f"only floating-point tensors can be attached to get gradients; got a "
                 f"megengine tensor of dtype {tensor.dtype} and shape {tuple(tensor.shape)} "
                 f"(cast it with .astype('float32') first)"
@@ -226,6 +258,20 @@ class MegEngineBackend(Backend):
 
     def new_tape(self) -> Tape:
         return MegEngineTape()
+
+    tracks_backwarding = True
+
+    def enter_backward(self, manager: Any) -> Any:
+        # One view per manager: MegEngine's helpers remember the managers they registered with.
+        view = _native_views.get(manager)
+        if view is None:
+            view = _native_views[manager] = _NativeView(manager)
+        previous = native_grad_manager.backwarding_grad_manager
+        native_grad_manager.backwarding_grad_manager = view
+        return previous
+
+    def exit_backward(self, token: Any) -> None:
+        native_grad_manager.backwarding_grad_manager = token
 
     @contextlib.contextmanager
     def recording_group(self) -> Iterator[None]:

@@ -12,6 +12,7 @@ Importing gradmgr imports no framework; a backend is loaded on the first tensor 
 from ._state import get_backwarding_grad_manager
 from .backend import Backend, Capabilities, Tape
 from .errors import (
+    AttachError,
     BackendNotFoundError,
     CallbackResultError,
     GradMgrWarning,
@@ -24,6 +25,7 @@ from .registry import backend_for, get_backend, register_backend
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttachError",
     "AttachSpec",
     "Backend",
     "BackendNotFoundError",

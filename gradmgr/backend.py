@@ -146,6 +146,11 @@ class Backend(ABC):
         same gradient object may be delivered for two tensors, or kept by a callback.
         """
 
+    def set_grad(self, tensor: Any, grad: Any) -> None:
+        """Make ``grad`` the tensor's ``.grad``, replacing what it holds (see
+        ``Future.replaces_grad``: nobody else holds ``grad``, so it is not copied)."""
+        tensor.grad = grad
+
     def grad_problem(self, tensor: Any, grad: Any) -> Optional[str]:
         """Why the tensor ``grad`` cannot be ``tensor``'s gradient (a phrase such as "got
         shape (1,), but the tensor has shape (3,)"), or None. Checked for every value a
@@ -161,6 +166,18 @@ class Backend(ABC):
     @abstractmethod
     def new_tape(self) -> Tape:
         """A tape for one new manager."""
+
+    tracks_backwarding: ClassVar[bool] = False
+    """The framework has its own notion of the backwarding manager: the core calls
+    :meth:`enter_backward` / :meth:`exit_backward` around every backward."""
+
+    def enter_backward(self, manager: Any) -> Any:
+        """A manager's backward starts (only where ``tracks_backwarding``); returns a token."""
+        return None
+
+    def exit_backward(self, token: Any) -> None:
+        """The backward that :meth:`enter_backward` returned ``token`` for has ended."""
+        return None
 
     def recording_group(self) -> ContextManager[None]:
         """Context in which the members of a group ``gm1 | gm2`` start recording together."""

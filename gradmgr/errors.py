@@ -9,6 +9,12 @@ class BackendNotFoundError(LookupError):
     """No backend knows the given tensor type, or the named backend does not exist."""
 
 
+class AttachError(TypeError, AssertionError):
+    """``attach()`` was given something that cannot get a gradient (not a tensor, or not a
+    floating-point dtype). A ``TypeError``, and also an ``AssertionError`` because
+    ``megengine.autodiff.GradManager.attach`` raises that, and code written for it catches it."""
+
+
 class CallbackResultError(ValueError):
     """A gradient callback returned something that cannot be a gradient of its tensor: not a
     tensor or Future, or a tensor whose shape, dtype or device differ from the tensor's."""

@@ -30,6 +30,12 @@ class Future(Generic[T]):
 
     __slots__ = ("_value", "_ready", "_compute", "_lock")
 
+    replaces_grad = False
+    """True for a Future whose value is the tensor's complete new ``.grad`` (it replaces what
+    ``.grad`` holds instead of being added, and gradmgr stores it without copying); a value of
+    None then delivers nothing. Only for gradients a library builds for gradmgr (the
+    data-parallel callback's reduced gradients, which already include what ``.grad`` held)."""
+
     def __init__(self, compute: Optional[Callable[[], T]] = None) -> None:
         self._value: Any = _UNSET
         self._ready = threading.Event()

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 
 from . import _state
 from .backend import Backend, Tape
-from .errors import CallbackResultError, GradMgrWarning
+from .errors import AttachError, CallbackResultError, GradMgrWarning
 from .future import is_future
 from .registry import backend_for, imported_backends, resolve_backend
 
@@ -84,6 +84,7 @@ class GradManager:
         self._future_sources: Dict[int, str] = {}  # who returned each pending Future
         self._backwarding = False
         self._after_backward_callbacks: List[Callable[[], None]] = []
+        self._record_callbacks: List[Callable[[], None]] = []
 
     # ----------------------------------------------------------------- attaching
     @property
@@ -132,7 +133,9 @@ class GradManager:
 
         ``callbacks`` (a callable or a list) are appended to each tensor's chain and called as
         ``grad = cb(tensor, grad)`` during backward. Attaching while recording snapshots the
-        tensor: only operations after this call are differentiated.
+        tensor: only operations after this call are differentiated. A callback object with a
+        ``__gradmgr_bind__(manager)`` method has it called on every attach (the data-parallel
+        callback registers its record and after-backward work there).
 
         Example:
             >>> import torch
@@ -144,11 +147,17 @@ class GradManager:
             tensor([40.])
 
         Raises:
-            TypeError: an object is not a tensor, a tensor's dtype is not floating point, a
-                callback is not callable, or tensors of two frameworks meet in one manager.
+            AttachError: an object is not a tensor, or a tensor's dtype is not floating point
+                (a TypeError, and an AssertionError as MegEngine raises there).
+            TypeError: a callback is not callable, or tensors of two frameworks meet in one
+                manager.
         """
         callback_list = self._check_callbacks(callbacks)
         tensor_list = self._check_tensors(tensors)
+        for cb in callback_list:
+            bind = getattr(cb, "__gradmgr_bind__", None)
+            if bind is not None:
+                bind(self)
         if self._provisional and self._backend is not None:
             self._settle_backend()
         for tensor in tensor_list:
@@ -210,7 +219,7 @@ class GradManager:
             try:
                 tensor_list = list(tensors)
             except TypeError:
-                raise TypeError(
+                raise AttachError(
                     f"attach() expects a tensor or an iterable of tensors, "
                     f"got {type(tensors).__module__}.{type(tensors).__qualname__}"
                 ) from None
@@ -218,7 +227,7 @@ class GradManager:
         for tensor in tensor_list:
             found = backend_for(tensor)
             if found is None:
-                raise TypeError(
+                raise AttachError(
                     f"only tensors can be attached; got {type(tensor).__module__}."
                     f"{type(tensor).__qualname__} (is its framework's backend installed?)"
                 )
@@ -260,6 +269,8 @@ class GradManager:
                     self._start_provisional(candidates)
             if self._backend is not None:
                 self._ensure_tape()
+            for callback in self._record_callbacks:
+                callback()
         except BaseException:
             self.release()
             raise
@@ -431,6 +442,21 @@ class GradManager:
 
     _register_after_backward_callback = register_after_backward_callback  # MegEngine's name
 
+    def register_record_callback(self, callback: Callable[[], None]) -> GradManager:
+        """Call ``callback()`` at the start of every recording (``record()`` / ``with``),
+        before anything is recorded; an exception ends that recording. Registrations persist.
+
+        Example:
+            >>> gm = GradManager().register_record_callback(lambda: print("step starts"))
+            >>> with gm:
+            ...     pass
+            step starts
+        """
+        if not callable(callback):
+            raise TypeError(f"record callback must be callable, not {type(callback)}")
+        self._record_callbacks.append(callback)
+        return self
+
     def backward(self, y: Any = None, dy: Any = None) -> None:
         """Accumulate the vector-Jacobian product ``dy · ∂y/∂x`` into ``x.grad`` for every
         attached ``x``, then release the recording (also when an error is raised).
@@ -453,10 +479,13 @@ class GradManager:
         stack = thread_state.backwarding
         stack.append(self)
         self._backwarding = True
+        scope = None
         try:
             ys, dys = self._check_outputs(y, dy)
             if self._provisional and self._backend is not None:
                 self._settle_backend()
+            if self._backend is not None and self._backend.tracks_backwarding:
+                scope = (self._backend, self._backend.enter_backward(self))
             if ys and self._taping:
                 recording = thread_state.recording
                 if len(recording) == 1:  # only this manager: nobody records this backward
@@ -479,6 +508,8 @@ class GradManager:
                 self._accumulate_gradients()
         finally:
             self._backwarding = False
+            if scope is not None:
+                scope[0].exit_backward(scope[1])
             self.release()
             stack.pop()
 
@@ -493,15 +524,22 @@ class GradManager:
             tensor = spec.tensor() if spec is not None else None
             if tensor is None:
                 continue
+            replace = False
             if not is_tensor(grad):  # a Future: anything else was refused when delivered
+                replace = getattr(grad, "replaces_grad", False)
                 grad = grad.get()
+                if replace and grad is None:
+                    continue  # nothing to deliver (a data-parallel tensor unused everywhere)
                 if not is_tensor(grad) or grad_problem(tensor, grad) is not None:
                     self._check_result(key, tensor, grad,
                                        f"the Future from {self._future_sources.get(key)}")
-            ready.append((tensor, grad))
-        accumulate = backend.accumulate
-        for tensor, grad in ready:
-            accumulate(tensor, grad)
+            ready.append((tensor, grad, replace))
+        accumulate, set_grad = backend.accumulate, backend.set_grad
+        for tensor, grad, replace in ready:
+            if replace:
+                set_grad(tensor, grad)
+            else:
+                accumulate(tensor, grad)
 
     def _check_outputs(self, y: Any, dy: Any) -> tuple:
         backend = self._backend

@@ -748,3 +748,65 @@ def test_repr_mentions_backend_and_state(fk):
     assert "fake" in repr(gm) and "recording" in repr(gm)
     gm.release()
     assert "idle" in repr(gm)
+
+
+# ----------------------------------------------------------------------------- hooks for libraries
+def test_record_callbacks_run_before_each_recording_and_can_abort_it(fk):
+    w = fk.tensor([1.0])
+    gm = GradManager().attach(w)
+    events = []
+    gm.register_record_callback(lambda: events.append("record"))
+    with gm:
+        events.append("body")
+        gm.backward(sum_(w * 2.0))
+    assert events == ["record", "body"]
+
+    def refuse() -> None:
+        raise RuntimeError("not now")
+
+    gm.register_record_callback(refuse)
+    with pytest.raises(RuntimeError, match="not now"):
+        gm.record()
+    assert core_state.state.recording == []  # the failed record() left nothing behind
+    with pytest.raises(TypeError, match="callable"):
+        gm.register_record_callback(3)
+
+
+def test_attach_binds_callbacks_that_ask_for_it(fk):
+    class Binding:
+        def __init__(self) -> None:
+            self.bound = []
+
+        def __gradmgr_bind__(self, manager) -> None:
+            self.bound.append(manager)
+
+        def __call__(self, t, g):
+            return g
+
+    cb = Binding()
+    gm = GradManager().attach(fk.tensor([1.0]), callbacks=[cb, lambda t, g: g])
+    gm.attach(fk.tensor([2.0]), callbacks=cb)
+    assert cb.bound == [gm, gm]  # once per attach call; the callback decides what to keep
+
+
+def test_a_future_that_replaces_grad_sets_it_without_adding(fk):
+    class Final(Future):
+        replaces_grad = True
+
+    w, unused = fk.tensor([1.0, 2.0]), fk.tensor([3.0])
+    w.grad, unused.grad = fk.tensor([100.0, 100.0]), fk.tensor([7.0])
+    final = fk.tensor([5.0, 6.0])
+    nothing = Final.resolved(None)
+    gm = GradManager().attach(w, callbacks=lambda t, g: Final.resolved(final))
+    gm.attach(unused, callbacks=lambda t, g: nothing)
+    with gm:
+        gm.backward(sum_(w * 2.0) + sum_(unused * 1.0))
+    assert w.grad is final and grad_of(w) == approx([5.0, 6.0])
+    assert grad_of(unused) == approx([7.0])  # a replacing None delivers nothing
+
+
+def test_attach_errors_are_type_and_assertion_errors(fk):
+    for bad in ([1.0], ["x"], 3):
+        with pytest.raises(gradmgr.AttachError) as info:
+            GradManager().attach(bad)
+        assert isinstance(info.value, TypeError) and isinstance(info.value, AssertionError)

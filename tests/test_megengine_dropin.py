@@ -480,3 +480,66 @@ def test_backward_without_outputs():
 
     log, gx = both(program)
     assert log == ["after"] and gx is None
+
+
+# ----------------------------------------------------------------------------- MegEngine helpers
+@pytest.fixture
+def one_rank_collectives(monkeypatch):
+    """MegEngine's collectives need GPUs; its allreduce callback is exercised with the
+    collective replaced by what a world of one rank computes (the sum of one gradient)."""
+    import contextlib
+
+    import megengine.distributed.helper as helper
+
+    monkeypatch.setattr(helper, "pack_allreduce_split",
+                        lambda grads, shapes, group, method: [g * 1.0 for g in grads])
+    monkeypatch.setattr(helper, "override_backend", lambda backend: contextlib.nullcontext())
+    return helper
+
+
+def test_megengines_own_allreduce_callback_works_with_gradmgr(one_rank_collectives):
+    def program(impl: Impl):
+        w = mge.Parameter(np.arange(4, dtype="float32"))
+        b = mge.Parameter(np.ones(2, dtype="float32"))
+        cb = one_rank_collectives.AllreduceCallback("mean", backend="nccl")
+        gm = impl.GradManager().attach([w, b], callbacks=[cb])
+        grads = []
+        for _ in range(3):
+            with gm:
+                gm.backward((w * w).sum() + (b * 3).sum())
+            grads.append([grad_of(w), grad_of(b)])
+        return grads
+
+    both(program)
+
+
+def test_native_get_backwarding_grad_manager_sees_gradmgr_managers():
+    w = mge.Parameter([1.0, 2.0])
+    seen = {}
+
+    def cb(t, g):
+        seen["native"] = native_module.get_backwarding_grad_manager()
+        return g
+
+    gm = gradmgr.GradManager().attach(w, callbacks=cb)
+    gm.register_after_backward_callback(
+        lambda: seen.setdefault("after", native_module.get_backwarding_grad_manager()))
+    with gm:
+        gm.backward((w * 2).sum())
+    assert isinstance(seen["native"], NativeGradManager)
+    assert seen["after"] is seen["native"]
+    assert seen["native"].attached_tensors() == [w]  # the rest of the API is gradmgr's
+    assert native_module.get_backwarding_grad_manager() is None
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], "abc"], ids=["list", "str"])
+def test_attach_errors_are_assertion_errors_as_in_megengine(bad):
+    for impl in (NATIVE, OURS):
+        with pytest.raises(AssertionError):
+            impl.GradManager().attach([bad] if isinstance(bad, str) else [bad])
+    with pytest.raises(TypeError):  # and still TypeErrors for gradmgr's own users
+        gradmgr.GradManager().attach([bad])
+    ints = mge.tensor([1, 2], dtype="int32")
+    for impl in (NATIVE, OURS):
+        with pytest.raises(AssertionError):
+            impl.GradManager().attach(ints)

@@ -35,6 +35,7 @@ from typing import Any, Iterable, List, Optional
 import torch
 
 from gradmgr.backend import Backend, Capabilities, Tape
+from gradmgr.errors import AttachError
 
 from . import grads
 from .graph import reachable_leaves
@@ -69,7 +70,7 @@ class TorchBackend(Backend):
 
     def check_attachable(self, tensor: Any) -> None:
         if not (tensor.is_floating_point() or tensor.is_complex()):
-            raise TypeError(
+            raise AttachError(
                 f"only floating-point tensors can be attached to get gradients; got dtype "
                 f"{tensor.dtype} and shape {tuple(tensor.shape)} (convert it with .float() first)"
             )
@@ -91,6 +92,9 @@ class TorchBackend(Backend):
 
     def accumulate(self, tensor: Any, grad: Any) -> None:
         grads.accumulate(tensor, grad)
+
+    def set_grad(self, tensor: Any, grad: Any) -> None:
+        grads.set_grad(tensor, grad)
 
     def grad_problem(self, tensor: Any, grad: Any) -> Optional[str]:
         return grads.grad_problem(tensor, grad)

@@ -63,6 +63,17 @@ def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:
             tensor.grad = existing + grad  # keeps the graph of a higher-order gradient
         else:
             existing.add_(grad)
+    _post_accumulate(tensor)
+
+
+def set_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
+    """``tensor.grad = grad`` for a gradient nobody else holds (``Future.replaces_grad``)."""
+    with _LOCK:
+        tensor.grad = grad
+    _post_accumulate(tensor)
+
+
+def _post_accumulate(tensor: torch.Tensor) -> None:
     if tensor.is_leaf:
         hooks = tensor._post_accumulate_grad_hooks
         if hooks:
