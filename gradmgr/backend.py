@@ -22,7 +22,9 @@ from typing import (
     Tuple,
 )
 
-GradSink = Callable[[Any], None]
+GradSink = Callable[[Any], Any]
+"""``sink(grad)`` delivers a tensor's gradient to its manager (running its callbacks) and
+returns what the manager keeps for it (None if nothing)."""
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ class AttachSpec:
     def __init__(self, tensor: weakref.ref, callbacks: List[Callback]) -> None:
         self.tensor = tensor
         self.callbacks = callbacks
-        self.sink: Callable[[Any], None] = _no_sink
+        self.sink: Callable[[Any], Any] = _no_sink
 
 
-def _no_sink(grad: Any) -> None:
+def _no_sink(grad: Any) -> Any:
     return None
 
 
@@ -350,14 +350,14 @@ class GradManager:
                 stacklevel=4,
             )
 
-    def _make_sink(self, spec: AttachSpec, key: int) -> Callable[[Any], None]:
+    def _make_sink(self, spec: AttachSpec, key: int) -> Callable[[Any], Any]:
         manager = weakref.ref(self)  # tapes keep sinks: no reference cycle through them
 
-        def sink(grad: Any) -> None:
+        def sink(grad: Any) -> Any:
             owner = manager()
             tensor = spec.tensor()
             if owner is None or tensor is None:
-                return
+                return None
             if spec.callbacks:
                 # The engine may call this from one of its worker threads: make the manager
                 # the backwarding one there too, so callbacks can find it.
@@ -376,6 +376,7 @@ class GradManager:
                     if pushed:
                         stack.pop()
             owner._gradients[key] = grad
+            return grad
 
         return sink
 

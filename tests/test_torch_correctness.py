@@ -380,3 +380,43 @@ def test_callback_changing_its_gradient_in_place_is_refused(inplace):
         gm2.backward(((w + torch.tanh(v)) ** 2).sum())
     expected = torch.autograd.grad(((w + torch.tanh(v)) ** 2).sum(), [w, v])
     assert torch.equal(w.grad, expected[0] * 0.5) and torch.equal(v.grad, expected[1] * 0.5)
+
+
+def test_user_hooks_registered_after_attach_run_before_callbacks_as_before_accumulation():
+    """Plain backward accumulates what every tensor hook returned; a callback must see that."""
+    w = torch.ones(3, requires_grad=True)
+    seen = []
+    gm = GradManager().attach(w, callbacks=lambda t, g: (seen.append(g.clone()), g)[1])
+    w.register_hook(lambda g: g * 10)  # registered after gradmgr's own hook
+    with gm:
+        gm.backward((w * 2).sum())
+    assert torch.equal(seen[0], torch.full((3,), 20.0))
+    assert torch.equal(w.grad, torch.full((3,), 20.0))
+    ref = torch.ones(3, requires_grad=True)
+    ref.register_hook(lambda g: g * 10)
+    (ref * 2).sum().backward()
+    assert torch.equal(w.grad, ref.grad)
+
+
+def test_engine_does_not_hold_a_gradient_a_callback_replaced():
+    """A callback that copies a gradient away (a data-parallel bucket) and returns a Future:
+    the engine's gradient is freed right away, not kept until the backward ends."""
+    import gc
+    import weakref
+
+    from gradmgr import Future
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    refs, alive_later = {}, []
+
+    def keep_a_copy(t, g):
+        refs[t] = weakref.ref(g)
+        gc.collect()
+        alive_later.append(sum(r() is not None for p, r in refs.items() if p is not t))
+        return Future.resolved(g.clone())
+
+    gm = GradManager().attach(model.parameters(), callbacks=keep_a_copy)
+    with gm:
+        gm.backward(model(torch.randn(4, 8)).square().sum())
+    assert len(alive_later) == 4 and alive_later[-1] == 0, alive_later

@@ -24,35 +24,55 @@ _graph_task_id = torch._C._current_graph_task_id
 _current_node = torch._C._current_autograd_node
 
 
-def _hook(tape_ref: weakref.ref, key: int, grad: torch.Tensor) -> None:
+def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
+          grad: torch.Tensor) -> Optional[torch.Tensor]:
     """A watched tensor's gradient is ready in some backward: deliver it if it is this tape's.
 
     Tensor hooks fire in every backward that reaches the tensor, also another manager's (in
     another thread, or one run inside a callback), so the gradient is delivered only in the
     engine's graph task that this tape's backward started (see :func:`_claim`).
+
+    For a leaf whose callbacks returned something else (a bucket's Future), the engine is
+    handed back a zero-size stand-in, so that it does not hold the gradient until it returns
+    (it would keep it as the result for ``inputs=``, which the tape ignores for this tensor).
     """
     tape = tape_ref()
     if tape is None or not tape._running:
-        return
+        return None
     task = _graph_task_id()
     if task != tape._task:
         # Not known yet only when this tensor is itself an output of the backward (its
         # tensor hook runs before the root's pre-hook): claim the task by that node.
         if tape._task is not None or _current_node() not in tape._roots:
-            return
+            return None
         tape._task = task
     sink = tape._eager.get(key)
-    if sink is not None:
-        tape._fired.add(key)
-        _run_callbacks(sink, grad)
+    if sink is None:
+        return None
+    tape._fired.add(key)
+    if _run_callbacks(sink, grad) is grad or not leaf:
+        return None
+    return _stand_in(grad)
 
 
-def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> None:
+def _stand_in(grad: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``grad`` in one element of memory."""
+    key = (grad.dtype, grad.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=grad.dtype, device=grad.device)
+    return zero.expand(grad.shape)
+
+
+_ZEROS: Dict[Any, torch.Tensor] = {}
+
+
+def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
     """Feed a tensor's callback chain, refusing a chain that changed the gradient in place:
     the engine may still need that tensor for other gradients, and another attached tensor
     may have been given the same object (``a + b``), so theirs would change silently."""
     version = grad._version
-    sink(grad)
+    result = sink(grad)
     if grad._version != version:
         raise CallbackResultError(
             f"a gradient callback modified the gradient it was given in place (shape "
@@ -61,6 +81,7 @@ def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> None:
             "attached tensor may share it, so their gradients would change silently. Return "
             "a new tensor instead (g = g * 0.5), or modify a copy (g = g.clone())"
         )
+    return result
 
 
 def _claim(tape_ref: weakref.ref, grad_outputs: Any) -> None:
@@ -153,7 +174,7 @@ class TorchTape(Tape):
         # A leaf whose requires_grad is off cannot take a hook yet; start() adds it.
         if key not in self._handles and tensor.requires_grad:
             self._handles[key] = tensor.register_hook(
-                functools.partial(_hook, weakref.ref(self), key)
+                functools.partial(_hook, weakref.ref(self), key, tensor.is_leaf)
             )
 
     def _forget_for(self, key: int):
@@ -240,6 +261,7 @@ class TorchTape(Tape):
         """Run the engine returning the gradients; hooks feed the eager sinks meanwhile."""
         if not self._eager:
             return run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
+        self._hooks_last(inputs)
         self._roots = [graph_root(y) for y in outputs]
         self._task = None
         claim = functools.partial(_claim, weakref.ref(self))
@@ -275,6 +297,18 @@ class TorchTape(Tape):
         else:
             self._order.clear()
         return entries, inputs
+
+    def _hooks_last(self, inputs: List[torch.Tensor]) -> None:
+        """Move this tape's hook after hooks the user registered later, so that callbacks see
+        the gradient AccumulateGrad would get (tensor hooks run in registration order)."""
+        handles = self._handles
+        for tensor in inputs:
+            hooks = tensor._backward_hooks
+            if hooks is not None and len(hooks) > 1:
+                handle = handles.get(id(tensor))
+                if handle is not None and next(reversed(hooks)) != handle.id:
+                    # The engine walks the dict in insertion order: re-insert at the end.
+                    hooks[handle.id] = hooks.pop(handle.id)
 
     def _wants_pre_record_check(self) -> bool:
         mode = prerecord.check_mode()
