@@ -71,6 +71,7 @@ class GradManager:
     def __init__(self, backend: Union[str, Backend, None] = None) -> None:
         self._backend: Optional[Backend] = resolve_backend(backend)
         self._specs: Dict[int, AttachSpec] = {}
+        self._attach_epoch = 0
         self._tape: Optional[Tape] = None
         self._recording = False
         self._taping = False  # the tape has started (the backend may be unknown at record())
@@ -103,6 +104,12 @@ class GradManager:
             specs = [s for s in specs if any(cb == with_callback for cb in s.callbacks)]
         alive = (spec.tensor() for spec in specs)
         return [t for t in alive if t is not None]
+
+    @property
+    def attach_epoch(self) -> int:
+        """Changes whenever a tensor is attached, gets more callbacks, or dies: for caches
+        derived from :meth:`attached_tensors` (the data-parallel bucket plan)."""
+        return self._attach_epoch
 
     def add_gradient(self, tensor: Any, grad: Any) -> None:
         """Deliver ``grad`` (a tensor or a Future) for attached ``tensor`` during a backward.
@@ -167,10 +174,13 @@ class GradManager:
                 spec = AttachSpec(self._weak(tensor, key), list(callback_list))
                 spec.sink = self._make_sink(spec, key)
                 self._specs[key] = spec
+                self._attach_epoch += 1
                 self._watch_new(spec, tensor)
             else:
                 had_callbacks = bool(spec.callbacks)
                 spec.callbacks.extend(callback_list)
+                if callback_list:
+                    self._attach_epoch += 1
                 if callback_list and not had_callbacks and (
                     self._taping or self._get_tape().persistent_watch
                 ):
@@ -187,6 +197,7 @@ class GradManager:
                 spec = owner._specs.get(key)
                 if spec is not None and spec.tensor is ref:
                     del owner._specs[key]
+                    owner._attach_epoch += 1
 
         return weakref.ref(tensor, forget)
 
@@ -261,6 +272,8 @@ class GradManager:
         thread_state = self._thread_state = _state.state
         thread_state.recording.append(self)
         try:
+            for callback in self._record_callbacks:  # before the tape snapshots anything
+                callback()
             if self._backend is None:
                 candidates = imported_backends()
                 if len(candidates) == 1:
@@ -269,8 +282,6 @@ class GradManager:
                     self._start_provisional(candidates)
             if self._backend is not None:
                 self._ensure_tape()
-            for callback in self._record_callbacks:
-                callback()
         except BaseException:
             self.release()
             raise

@@ -103,11 +103,12 @@ def torch_ranks(tmp_path_factory):
 def test_mean_equals_single_process_on_whole_batch(torch_ranks):
     ref = full_batch_grads()
     for rank, out in enumerate(torch_ranks):
-        assert list(out["mean_dtypes"]) == ["torch.float32"] * 8
+        assert list(out["mean_dtypes"]) == ["torch.float32"] * 6
         for i in MLP:
             close(out[f"mean_g{i}"], ref[i], what=f"rank {rank} param {i}")
-        # attached but used by no rank: reduced as zeros on every rank
-        np.testing.assert_array_equal(out["mean_g1"], np.zeros(2, "float32"))
+        # attached but used by no rank: .grad stays None, as with DDP(find_unused_parameters)
+        assert "mean_g0" not in out and "mean_g1" not in out
+        assert "ddp_g0" not in out and "ddp_g1" not in out
 
 
 def test_mean_equals_ddp_and_training_matches(torch_ranks):
@@ -117,7 +118,9 @@ def test_mean_equals_ddp_and_training_matches(torch_ranks):
             close(out[f"train_gm_p{i}"], out[f"train_ddp_p{i}"], rtol=0, what=f"param {i}")
         # training moved the parameters (the comparison is not between untouched copies)
         assert not np.allclose(out["train_gm_p2"], weights()[0])
-    local_only = ("noout_local", "nosync_first")  # gradients before any communication
+    # gradients before any communication; BatchNorm statistics (as with DDP, they follow each
+    # rank's own batches after the broadcast at the start of a step)
+    local_only = ("noout_local", "nosync_first", "sync_hand_b", "sync_one_b", "sync_ddp_b")
     for key in torch_ranks[0]:
         if torch_ranks[0][key].dtype.kind == "f" and not key.startswith(local_only):
             close(torch_ranks[1][key], torch_ranks[0][key], rtol=0, what=f"ranks differ: {key}")
@@ -172,21 +175,70 @@ def test_rank_without_outputs_still_contributes(torch_ranks):
             close(out[f"noout_g{i}"], local[i] / 2, what=f"param {i}")
 
 
-def test_no_sync_accumulation_matches_ddp(torch_ranks):
+def test_no_sync_accumulation_is_bit_identical_to_ddp_on_every_rank(torch_ranks):
+    """Exact equality (no tolerance): the synced step reduces what .grad holds plus the new
+    gradient, as DDP does, so every rank ends with the same bits as DDP."""
     extra = np.linspace(-1.0, 1.0, 4, dtype="float32")
     for rank, out in enumerate(torch_ranks):
         # inside no_sync nothing is communicated: .grad is the local micro-batch gradient
         for i in [0, *MLP]:
-            close(out[f"nosync_first_gm{i}"], out[f"nosync_first_ddp{i}"], rtol=0)
+            np.testing.assert_array_equal(out[f"nosync_first_gm{i}"], out[f"nosync_first_ddp{i}"])
         for rnd in range(2):
             ref = [full_batch_grads(3 * rnd + m, use_extra=m == 0) for m in range(3)]
+            for i in [0, *MLP]:
+                np.testing.assert_array_equal(out[f"nosync_r{rnd}_gm{i}"],
+                                              out[f"nosync_r{rnd}_ddp{i}"],
+                                              err_msg=f"round {rnd} rank {rank} param {i}")
+                np.testing.assert_array_equal(out[f"nosync_r{rnd}_gm{i}"],
+                                              torch_ranks[0][f"nosync_r{rnd}_gm{i}"])
             for i in MLP:
-                close(out[f"nosync_r{rnd}_gm{i}"], out[f"nosync_r{rnd}_ddp{i}"], rtol=0,
-                      what=f"round {rnd} rank {rank} param {i}")
                 close(out[f"nosync_r{rnd}_gm{i}"], sum(r[i] for r in ref),
                       what=f"round {rnd} rank {rank} param {i}")
             # used in a no_sync micro-batch only: its local sum is reduced at the synced step
             close(out[f"nosync_r{rnd}_gm0"], extra)
+        for i in [0, *MLP]:  # the manager-level switch and data_parallel() do the same
+            np.testing.assert_array_equal(out[f"switch_gm{i}"], out[f"switch_ddp{i}"])
+
+
+def test_initial_broadcast_and_buffers_match_ddp(torch_ranks):
+    """Ranks seeded differently: without the broadcast they would train different models."""
+    r0, r1 = torch_ranks
+    for out in torch_ranks:
+        for kind, n in (("p", 6), ("b", 2)):
+            for i in range(n):
+                names = ("sync_hand", "sync_one") if kind == "p" else ("sync_one",)
+                for name in names:
+                    np.testing.assert_array_equal(out[f"{name}_{kind}{i}"],
+                                                  out[f"sync_ddp_{kind}{i}"],
+                                                  err_msg=f"{name} {kind}{i}")
+                    if kind == "p":
+                        np.testing.assert_array_equal(out[f"{name}_p{i}"], r0[f"{name}_p{i}"])
+    # data_parallel() broadcast the BatchNorm statistics at every step, as DDP does, so they
+    # equal DDP's; the by-hand recipe broadcast them once, so they differ from DDP's
+    assert not np.array_equal(r1["sync_hand_b0"], r1["sync_ddp_b0"])
+
+
+def test_ranks_that_attach_different_tensors_fail_clearly_on_every_rank(torch_ranks):
+    expected = {
+        "swapped": ("position 0", "rank 0 has float32[4]", "rank 1 has float32[6]"),
+        "shapes": ("position 0", "rank 0 has float32[4, 4]", "rank 1 has float32[5, 4]"),
+        "freeze": ("position 2", "rank 0 has float32[8, 16]", "rank 1 has float32[8]"),
+    }
+    for out in torch_ranks:
+        for name, parts in expected.items():
+            message = str(out[f"mismatch_{name}"])
+            for part in parts:
+                assert part in message, (name, message)
+            assert "same order" in message
+        # the process group is intact afterwards: 1 + 2
+        np.testing.assert_array_equal(out["mismatch_after"], [3.0])
+
+
+def test_frozen_parameter_gets_no_gradient_and_stays_put(torch_ranks):
+    for out in torch_ranks:
+        assert bool(out["frozen_grad_is_none"]) and not bool(out["frozen_moved"])
+        # unfrozen again: back in the plan, reduced (bit-identical on both ranks, checked above)
+        assert all(f"unfrozen_g{i}" in out for i in range(6))
 
 
 def test_fp16_and_bf16_compression(torch_ranks):
@@ -228,11 +280,17 @@ class FakeTransport:
         return _Handle(flat + self.other)
 
 
+# The fake peer adds a constant to every buffer, so it cannot take part in the cross-rank plan
+# check or the initial broadcast (the spawned ranks test those).
+FAKE_PEER = {"verify": False, "broadcast": False}
+
+
 def test_buckets_launch_during_backward_and_mean_math():
     torch.manual_seed(0)
     layers = [torch.randn(4, 4, requires_grad=True) for _ in range(4)]
     log: list = []
-    cb = make_allreduce_cb("mean", bucket_bytes=2 * 64, transport=FakeTransport(log, 0.5))
+    cb = make_allreduce_cb("mean", bucket_bytes=2 * 64, transport=FakeTransport(log, 0.5),
+                           **FAKE_PEER)
     returned: list = []
     gm = GradManager().attach(
         layers, callbacks=[lambda t, g: (log.append(("grad", t.numel())), g)[1], cb,
@@ -265,7 +323,7 @@ def _forward(x, layers):
 
 def test_replans_when_attached_tensors_change():
     log: list = []
-    cb = make_allreduce_cb("sum", bucket_bytes=1, transport=FakeTransport(log, 0.0))
+    cb = make_allreduce_cb("sum", bucket_bytes=1, transport=FakeTransport(log, 0.0), **FAKE_PEER)
     a = torch.ones(3, requires_grad=True)
     gm = GradManager().attach(a, callbacks=[cb])
     with gm:
@@ -340,7 +398,9 @@ def test_megengine_tensors_through_gloo(megengine_ranks):
             close(out[f"nosync_g{i}"], sum(r[i] for r in nosync_ref), what=what)
         close(out["unused_g0"], extra / 2)  # used on rank 0 only
         close(out["nosync_g0"], extra)  # used in a no_sync micro-batch only
-        np.testing.assert_array_equal(out["mean_g1"], np.zeros(2, "float32"))
+        assert "mean_g1" not in out  # used by no rank: .grad stays None
+        for i in range(8):  # rank 1 started from other weights: the broadcast gave rank 0's
+            np.testing.assert_array_equal(out[f"synced_p{i}"], megengine_ranks[0][f"synced_p{i}"])
     for key, value in megengine_ranks[0].items():
         if value.dtype.kind == "f":
             close(megengine_ranks[1][key], value, rtol=0, what=f"ranks differ: {key}")

@@ -67,7 +67,10 @@ def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def set_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
-    """``tensor.grad = grad`` for a gradient nobody else holds (``Future.replaces_grad``)."""
+    """``tensor.grad = grad`` for a gradient nobody else holds (``Future.replaces_grad``),
+    copied only where its layout differs from a non-contiguous tensor's (channels_last)."""
+    if not tensor.is_contiguous() and grad.stride() != tensor.stride():
+        grad = owned_copy(grad, tensor)
     with _LOCK:
         tensor.grad = grad
     _post_accumulate(tensor)

@@ -102,6 +102,14 @@ _REENTRANT_CHECKPOINT = (
 )
 
 
+def _input_without_flag(tensor: torch.Tensor) -> bool:
+    """A leaf whose gradient is wanted although it does not require grad: an input. A
+    ``Parameter`` with ``requires_grad=False`` is frozen instead, and gets no gradient (as
+    with ``loss.backward()`` and DDP)."""
+    return (tensor.is_leaf and not tensor.requires_grad
+            and not isinstance(tensor, torch.nn.Parameter))
+
+
 class _Entry:
     """One watched tensor: weakly held, with its sink and snapshot sequence number."""
 
@@ -156,12 +164,12 @@ class TorchTape(Tape):
             entry = _Entry(weakref.ref(tensor, self._forget_for(key)), sink, eager, since)
             self._entries[key] = entry
             self._order.clear()
-            if tensor.is_leaf and not tensor.requires_grad:
+            if _input_without_flag(tensor):
                 self._needs_flag[key] = entry.ref
                 if self._recording:
                     self._acquire_flag(tensor)
-        elif tensor.is_leaf and not tensor.requires_grad and key not in self._needs_flag:
-            self._needs_flag[key] = entry.ref  # the user froze it after attaching
+        elif _input_without_flag(tensor) and key not in self._needs_flag:
+            self._needs_flag[key] = entry.ref  # the user turned the flag off after attaching
         entry.sink = sink
         entry.eager = eager
         if eager:

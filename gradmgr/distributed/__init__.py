@@ -10,7 +10,9 @@ Example:
 
 from .allreduce import AllreduceCallback, make_allreduce_cb
 from .bucket import Bucket, BucketPlan
+from .consistency import RankMismatchError
 from .launch import free_port, spawn_local
+from .sync import broadcast, data_parallel, no_sync
 from .transport import (
     Handle,
     MegEngineTransport,
@@ -26,9 +28,13 @@ __all__ = [
     "Handle",
     "MegEngineTransport",
     "MegEngineViaTorchTransport",
+    "RankMismatchError",
     "TorchTransport",
     "Transport",
+    "broadcast",
+    "data_parallel",
     "free_port",
     "make_allreduce_cb",
+    "no_sync",
     "spawn_local",
 ]

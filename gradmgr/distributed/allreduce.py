@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import weakref
 from typing import Any, Iterator, List, Optional, Set
@@ -10,7 +11,9 @@ from typing import Any, Iterator, List, Optional, Set
 from .._state import get_backwarding_grad_manager
 from ..future import Future
 from .bucket import BucketPlan
+from .consistency import verify_plan
 from .ops import TensorOps, ops_for
+from .sync import broadcast, is_paused
 from .transport import Handle, Transport, TransportSpec, check_transport, resolve_transport
 
 _REDUCE = ("mean", "sum")
@@ -19,82 +22,105 @@ _FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigge
 
 
 class _Reduction:
-    """One launched bucket; splits the reduced buffer on first use."""
+    """One launched bucket; unpacks the reduced buffer on first use."""
 
-    __slots__ = ("_ops", "_handle", "_shapes", "_dtype", "_compressed", "_local", "_parts",
+    __slots__ = ("_ops", "_handle", "_shapes", "_dtype", "_compressed", "_parts", "_flags",
                  "_lock")
 
     def __init__(self, ops: TensorOps, handle: Handle, shapes: List[tuple], dtype: str,
-                 compressed: bool, local: List[Any]) -> None:
+                 compressed: bool) -> None:
         self._ops, self._handle, self._shapes = ops, handle, shapes
-        self._dtype, self._compressed, self._local = dtype, compressed, local
+        self._dtype, self._compressed = dtype, compressed
         self._parts: Optional[List[Any]] = None
+        self._flags: Any = None
         self._lock = threading.Lock()
 
-    def result(self, slot: int) -> Any:
+    def _unpack(self) -> None:
         with self._lock:
             if self._parts is None:
                 flat = self._handle.wait()
                 if self._compressed:
                     flat = self._ops.cast(flat, self._dtype)
-                parts = self._ops.split(flat, self._shapes)
-                for i, local in enumerate(self._local):
-                    if local is not None:  # .grad already holds this part: deliver the rest
-                        parts[i] = self._ops.sub(parts[i], local)
-                self._parts = parts
-            return self._parts[slot]
+                self._parts, self._flags = self._ops.unpack(flat, self._shapes)
+
+    def result(self, slot: int) -> Any:
+        if self._parts is None:
+            self._unpack()
+        return self._parts[slot]
+
+    def used_anywhere(self, slot: int) -> bool:
+        if self._parts is None:
+            self._unpack()
+        return self._ops.flag(self._flags, slot) != 0
 
 
 class _Step:
-    """What one backward of one manager has gathered so far."""
+    """What one synced backward of one manager has gathered so far."""
 
-    def __init__(self, record_id: Any, plan: BucketPlan, sync: bool) -> None:
+    __slots__ = ("record_id", "sync", "parts", "filled", "count", "launched", "next_launch")
+
+    def __init__(self, record_id: int, plan: BucketPlan, sync: bool) -> None:
         self.record_id = record_id
         self.sync = sync
-        n = len(plan.buckets)
         self.parts: List[List[Any]] = [[None] * len(b.members) for b in plan.buckets]
-        self.local: List[List[Any]] = [[None] * len(b.members) for b in plan.buckets]
         self.filled: List[List[bool]] = [[False] * len(b.members) for b in plan.buckets]
-        self.count = [0] * n
-        self.launched: List[Optional[_Reduction]] = [None] * n
+        self.count = [0] * len(plan.buckets)
+        self.launched: List[Optional[_Reduction]] = [None] * len(plan.buckets)
         self.next_launch = 0
 
 
 class _ManagerState:
-    __slots__ = ("plan", "ops", "transport", "step", "unsynced")
+    __slots__ = ("plan", "excluded", "epoch", "ops", "transport", "step", "used")
 
-    def __init__(self) -> None:
+    def __init__(self, ops: TensorOps) -> None:
         self.plan: Optional[BucketPlan] = None
-        self.ops: Optional[TensorOps] = None
+        self.excluded: List[Any] = []  # attached with this callback but frozen at planning
+        self.epoch = -1  # the manager's attach_epoch the plan was made for
+        self.ops = ops
         self.transport: Optional[Transport] = None
         self.step: Optional[_Step] = None
-        self.unsynced: Set[int] = set()  # ids whose .grad holds micro-batches not reduced yet
+        self.used: Set[int] = set()  # ids with a local gradient since the last synced step
 
 
 class AllreduceCallback:
-    """Averages (or sums) gradients over all processes, data-parallel style.
+    """Averages (or sums) gradients over all processes, data-parallel style, like PyTorch's
+    ``DistributedDataParallel``.
 
     Use one instance for all parameters of a model: ``gm.attach(params, callbacks=[cb])``.
-    Called as ``cb(tensor, grad)`` while the backward runs, it copies the gradient into a
-    bucket and returns a :class:`gradmgr.Future` of the reduced gradient (same shape, dtype
-    and device). Buckets are planned from ``gm.attached_tensors(with_callback=cb)`` in reverse
-    attach order, by dtype and device, about ``bucket_bytes`` each (the first one at most
-    1 MiB, as in DDP, so communication starts early); every rank plans the same
-    buckets and launches them in the same order, each as soon as all its members are ready,
-    so communication overlaps the rest of the backward. The remaining buckets are launched by
-    an after-backward callback that ``cb`` registers once per manager.
+    Attaching binds it to the manager; from then on, at the start of every recording of that
+    manager, it:
 
-    Unused tensors: an attached tensor that gets no gradient on a rank in a step is reduced
-    as zeros there, and the result reaches it through ``gm.add_gradient``. So it gets the mean
-    (or sum) of all ranks' gradients with zeros from that rank, never a hang; a tensor unused
-    on every rank gets zeros. Every backward of a manager that ``cb`` serves is therefore a
-    collective step that all ranks must take (as with PyTorch's DDP). A rank that calls
-    ``gm.backward()`` with no output before ``cb`` ever ran for ``gm`` must call
-    ``cb.bind(gm)`` first.
+    * plans buckets from the attached tensors that are trainable (on PyTorch: that require
+      grad; a frozen parameter is left out and keeps ``.grad`` as it is, as with DDP), in
+      reverse attach order, by dtype and device, about ``bucket_bytes`` each (the first at most
+      1 MiB, as in DDP, so communication starts early);
+    * whenever that plan changes (first step, attach, freeze, unfreeze), checks across ranks
+      with one small collective that every rank planned the same tensors (count, order,
+      shapes, dtypes); if not, every rank raises
+      :class:`gradmgr.distributed.RankMismatchError` naming the first differing tensor, rather
+      than reducing mismatched buffers;
+    * on the first plan, with ``broadcast=True`` (default), overwrites the planned tensors on
+      every rank with rank ``src``'s values, as DDP does when it wraps a model (buffers: see
+      :func:`gradmgr.distributed.broadcast` and :func:`gradmgr.distributed.data_parallel`);
+    * reads whether this step synchronises (see :meth:`no_sync`).
 
-    Gradient accumulation: inside ``with cb.no_sync():`` backwards only accumulate locally;
-    the next synced backward reduces what ``.grad`` holds plus the new gradient, so ``.grad``
-    ends as PyTorch DDP's does with ``no_sync()``.
+    During the backward, ``cb(tensor, grad)`` puts the gradient into its bucket and returns a
+    :class:`gradmgr.Future`; each bucket is reduced as soon as all its members are in, in the
+    same order on every rank, so communication overlaps the rest of the backward. An
+    after-backward callback launches the remaining buckets.
+
+    What ``.grad`` holds afterwards is exactly what DDP's gives: every rank's ``.grad`` (from
+    earlier ``no_sync`` steps, or kept from before) plus its new gradient, averaged over the
+    ranks; it replaces ``.grad`` and is bit-identical on every rank. The new ``.grad`` tensors
+    are views into the reduced bucket buffers (DDP's ``gradient_as_bucket_view``): nothing is
+    copied, and two ``.grad`` tensors share a buffer without overlapping.
+
+    Unused tensors: an attached, trainable tensor that gets no gradient on a rank in a step is
+    reduced as zeros there, and the result reaches it through ``gm.add_gradient``; one that no
+    rank used since the last synced step keeps its ``.grad`` (``None`` stays ``None``), as with
+    DDP's ``find_unused_parameters=True``. Every backward of a manager that ``cb`` serves is a
+    collective step that all ranks must take, and so is every ``record()`` where the plan
+    changes.
 
     Example:
         >>> # torch.distributed.init_process_group("gloo", ...) in every process
@@ -114,6 +140,9 @@ class AllreduceCallback:
             (``"torch"``, ``"megengine"``, ``"megengine-via-torch"``) or any object with
             ``world_size()`` and ``allreduce_async(flat) -> handle`` (``handle.wait()`` returns
             the summed buffer).
+        broadcast: broadcast the planned tensors from ``src`` at the first recording.
+        src: the rank whose values the broadcast spreads.
+        verify: check across ranks that the plans agree whenever a plan is made.
     """
 
     def __init__(
@@ -123,6 +152,10 @@ class AllreduceCallback:
         bucket_bytes: int = 25 * 2**20,
         compression: Optional[str] = None,
         transport: TransportSpec = None,
+        *,
+        broadcast: bool = True,
+        src: int = 0,
+        verify: bool = True,
     ) -> None:
         if reduce not in _REDUCE:
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
@@ -135,9 +168,11 @@ class AllreduceCallback:
         self.group = group
         self.bucket_bytes = bucket_bytes
         self.compression = compression
+        self.broadcast = broadcast
+        self.src = src
+        self.verify = verify
         self._transport_spec = transport
         self._sync = True
-        self._bound: weakref.WeakSet = weakref.WeakSet()
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.RLock()  # CUDA backwards call from engine worker threads
 
@@ -150,14 +185,22 @@ class AllreduceCallback:
                 "(attach it: gm.attach(params, callbacks=[cb]))"
             )
         with self._lock:
-            self.bind(gm)
-            state = self._states[gm]
-            step = self._begin(gm, state)
+            state = self._states.get(gm)
+            if state is None:
+                self.bind(gm)
+                state = self._states[gm]
+            step = state.step
+            if step is None or step.record_id != gm.step:
+                step = self._prepare(gm, state, at_record=False)
             where = state.plan.where.get(id(tensor))
             if where is None:
-                raise RuntimeError("allreduce callback got a tensor it was not attached with")
+                raise RuntimeError(
+                    "allreduce callback: got a gradient for a tensor that was not trainable "
+                    "when this recording started (attach and unfreeze tensors between "
+                    "recordings, not during one)"
+                )
+            state.used.add(id(tensor))
             if not step.sync:
-                state.unsynced.add(id(tensor))
                 return grad
             b, slot = where
             if step.filled[b][slot]:
@@ -166,36 +209,45 @@ class AllreduceCallback:
                     "each tensor with a given allreduce callback only once"
                 )
             step.filled[b][slot] = True
-            if id(tensor) in state.unsynced:
-                local = getattr(tensor, "grad", None)
-                step.local[b][slot] = local
-                if local is not None:
-                    grad = state.ops.add(local, grad)
-            step.parts[b][slot] = grad
+            local = state.ops.local_grad(tensor)
+            step.parts[b][slot] = grad if local is None else state.ops.add(grad, local)
             step.count[b] += 1
-            self._launch_ready(state, step)
-            return _Pending(step.launched, b, slot)
+            if step.count[b] == len(state.plan.buckets[b].members):
+                self._launch_ready(state, step)
+            return _Pending(step.launched, b, slot, False)
 
     def bind(self, gm: Any) -> None:
-        """Register this callback's flush with ``gm`` (done automatically on first use)."""
+        """Register this callback's record and after-backward work with ``gm``; attaching
+        does it (again calls are no-ops)."""
         with self._lock:
-            if gm in self._bound:
+            if gm in self._states:
                 return
-            self._states[gm] = _ManagerState()
-            gm_ref = weakref.ref(gm)
-            me = weakref.ref(self)
+            if gm.backend is None:
+                raise RuntimeError("allreduce callback: bind a manager once it has tensors")
+            self._states[gm] = _ManagerState(ops_for(gm.backend.name))
+            gm_ref, me = weakref.ref(gm), weakref.ref(self)
+
+            def on_record() -> None:
+                cb, manager = me(), gm_ref()
+                if cb is not None and manager is not None:
+                    with cb._lock:
+                        cb._prepare(manager, cb._states[manager], at_record=True)
 
             def flush() -> None:
                 cb, manager = me(), gm_ref()
                 if cb is not None and manager is not None:
                     cb._flush(manager)
 
+            gm.register_record_callback(on_record)
             gm.register_after_backward_callback(flush)
-            self._bound.add(gm)
+
+    __gradmgr_bind__ = bind
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside only accumulate gradients locally (no communication).
+        """Recordings that start inside only accumulate gradients locally (no communication),
+        for every manager this callback serves; :func:`gradmgr.distributed.no_sync` does it for
+        one manager without a handle on the callback. Read when a recording starts.
 
         Example:
             >>> # with cb.no_sync():
@@ -215,21 +267,33 @@ class AllreduceCallback:
         return list(state.plan.buckets) if state is not None and state.plan is not None else []
 
     # ------------------------------------------------------------------ internals
-    def _begin(self, gm: Any, state: _ManagerState) -> _Step:
-        record_id = gm.step
-        step = state.step
-        if step is not None and step.record_id == record_id:
-            return step
-        tensors = gm.attached_tensors(with_callback=self)
-        if state.plan is None or not state.plan.matches(tensors):
-            if gm.backend is None:
-                raise RuntimeError("allreduce callback: the manager has no backend yet")
-            state.ops = ops_for(gm.backend.name)
-            first = min(self.bucket_bytes, _FIRST_BUCKET_BYTES)
-            state.plan = BucketPlan(tensors, state.ops, self.bucket_bytes, first)
-            state.unsynced &= {id(t) for t in tensors}
-        state.step = _Step(record_id, state.plan, self._sync)
+    def _prepare(self, gm: Any, state: _ManagerState, at_record: bool) -> _Step:
+        """Plan (again) if the trainable attached tensors changed, then start this step."""
+        plan = state.plan
+        if (plan is None or state.epoch != gm.attach_epoch
+                or not _still_planned(state, plan)):
+            self._plan(gm, state, first=plan is None, at_record=at_record)
+        sync = self._sync and not is_paused(gm)
+        state.step = _Step(gm.step, state.plan, sync)
         return state.step
+
+    def _plan(self, gm: Any, state: _ManagerState, first: bool, at_record: bool) -> None:
+        ops = state.ops
+        attached = gm.attached_tensors(with_callback=self)
+        tensors = [t for t in attached if ops.trainable(t)]
+        if state.transport is None:
+            state.transport = resolve_transport(self._transport_spec, ops.name, self.group)
+        if state.plan is None or not state.plan.matches(tensors):
+            if self.verify:
+                verify_plan(state.transport, ops, tensors,
+                            "with the allreduce callback, trainable")
+            if first and at_record and self.broadcast and tensors:
+                broadcast(tensors, self.src, transport=state.transport)
+            first_bytes = min(self.bucket_bytes, _FIRST_BUCKET_BYTES)
+            state.plan = BucketPlan(tensors, ops, self.bucket_bytes, first_bytes)
+            state.used &= {id(t) for t in tensors}
+        state.excluded = [t for t in attached if not ops.trainable(t)]
+        state.epoch = gm.attach_epoch
 
     def _launch_ready(self, state: _ManagerState, step: _Step) -> None:
         buckets = state.plan.buckets
@@ -237,23 +301,20 @@ class AllreduceCallback:
             b = step.next_launch
             if step.count[b] < len(buckets[b].members):
                 return
-            self._launch(state, step, b)
+            self._launch(state, step, b, ())
 
-    def _launch(self, state: _ManagerState, step: _Step, b: int) -> None:
+    def _launch(self, state: _ManagerState, step: _Step, b: int, unused: List[int]) -> None:
         ops, bucket = state.ops, state.plan.buckets[b]
-        if state.transport is None:
-            state.transport = resolve_transport(self._transport_spec, ops.name, self.group)
         tensors = state.plan.tensors()
-        like = [tensors[m] for m in bucket.members]
-        flat = ops.flatten(step.parts[b], like)
+        flat = ops.pack(step.parts[b], [tensors[m] for m in bucket.members], unused)
+        step.parts[b] = []  # the buffer holds them now
         if self.reduce == "mean":
             flat = ops.scale(flat, 1.0 / state.transport.world_size())
         if self.compression is not None:
             flat = ops.compress(flat, self.compression)
         handle = state.transport.allreduce_async(flat)
         step.launched[b] = _Reduction(ops, handle, bucket.shapes, bucket.key[0],
-                                      self.compression is not None, step.local[b])
-        step.parts[b] = []  # the buffer holds them now
+                                      self.compression is not None)
         step.next_launch = b + 1
 
     def _flush(self, gm: Any) -> None:
@@ -261,47 +322,69 @@ class AllreduceCallback:
             state = self._states.get(gm)
             if state is None:
                 return
-            step = self._begin(gm, state)
+            step = state.step
+            if step is None or step.record_id != gm.step:
+                step = self._prepare(gm, state, at_record=False)
             state.step = None
             if not step.sync:
                 return
             missing = self._fill_missing(state, step)
-            for b in range(step.next_launch, len(state.plan.buckets)):
-                self._launch(state, step, b)
-            state.unsynced.clear()
+            state.used.clear()
         for tensor, b, slot in missing:
-            gm.add_gradient(tensor, _Pending(step.launched, b, slot))
+            gm.add_gradient(tensor, _Pending(step.launched, b, slot, True))
 
     def _fill_missing(self, state: _ManagerState, step: _Step) -> List[tuple]:
-        """Members with no gradient this step on this rank: contribute zeros (or what their
-        ``.grad`` holds from ``no_sync`` steps) and still receive the other ranks' part."""
+        """Members with no gradient this step on this rank contribute what their ``.grad``
+        holds (or zeros), flagged unused unless they had a gradient since the last sync; then
+        every bucket not yet launched goes out."""
         missing = []
         tensors = state.plan.tensors()
         for b in range(step.next_launch, len(state.plan.buckets)):
             bucket = state.plan.buckets[b]
+            unused = []
             for slot, position in enumerate(bucket.members):
                 if step.filled[b][slot]:
                     continue
                 tensor = tensors[position]
                 if tensor is None:
                     raise RuntimeError("an attached tensor died during its allreduce step")
-                if id(tensor) in state.unsynced:
-                    local = getattr(tensor, "grad", None)
-                    step.local[b][slot] = local
-                    step.parts[b][slot] = local
-                step.filled[b][slot] = True
+                step.parts[b][slot] = state.ops.local_grad(tensor)
+                if id(tensor) not in state.used:
+                    unused.append(slot)
                 missing.append((tensor, b, slot))
+            self._launch(state, step, b, unused)
         return missing
 
 
+def _still_planned(state: _ManagerState, plan: BucketPlan) -> bool:
+    """The planned tensors are alive and trainable, the frozen ones still frozen."""
+    ops = state.ops
+    if ops.name != "torch":
+        return True  # only PyTorch tensors can be frozen
+    tensors = plan.tensors()
+    try:
+        if not all(map(_REQUIRES_GRAD, tensors)):
+            return False
+    except AttributeError:  # None: a planned tensor died
+        return False
+    return not any(t.requires_grad for t in state.excluded)
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 class _Pending(Future):
-    """The reduced gradient of one bucket member: a Future without the cost of an event per
-    tensor (the manager only asks for it after the flush has launched every bucket)."""
+    """The reduced gradient of one bucket member: the tensor's complete new ``.grad``
+    (``replaces_grad``), or None for a tensor that no rank used since the last sync."""
 
-    __slots__ = ("_launched", "_bucket", "_slot")
+    __slots__ = ("_launched", "_bucket", "_slot", "_maybe_unused")
 
-    def __init__(self, launched: List[Optional[_Reduction]], bucket: int, slot: int) -> None:
+    replaces_grad = True
+
+    def __init__(self, launched: List[Optional[_Reduction]], bucket: int, slot: int,
+                 maybe_unused: bool) -> None:
         self._launched, self._bucket, self._slot = launched, bucket, slot
+        self._maybe_unused = maybe_unused
 
     def get(self, timeout: Optional[float] = None) -> Any:
         reduction = self._launched[self._bucket]  # filled in place when the bucket launches
@@ -309,6 +392,8 @@ class _Pending(Future):
             raise RuntimeError(
                 "allreduce bucket never launched: the manager's after-backward flush did not run"
             )
+        if self._maybe_unused and not reduction.used_anywhere(self._slot):
+            return None
         return reduction.result(self._slot)
 
     def done(self) -> bool:
@@ -324,15 +409,17 @@ def make_allreduce_cb(
     bucket_bytes: int = 25 * 2**20,
     compression: Optional[str] = None,
     transport: TransportSpec = None,
+    **options: Any,
 ) -> AllreduceCallback:
-    """A data-parallel allreduce callback; see :class:`AllreduceCallback`.
+    """A data-parallel allreduce callback; see :class:`AllreduceCallback` (``options``:
+    ``broadcast``, ``src``, ``verify``).
 
     Example:
         >>> cb = make_allreduce_cb("mean", bucket_bytes=4 * 2**20)
         >>> cb.reduce, cb.bucket_bytes
         ('mean', 4194304)
     """
-    return AllreduceCallback(reduce, group, bucket_bytes, compression, transport)
+    return AllreduceCallback(reduce, group, bucket_bytes, compression, transport, **options)
 
 
 __all__: List[str] = ["AllreduceCallback", "make_allreduce_cb"]

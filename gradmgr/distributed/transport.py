@@ -21,6 +21,10 @@ class Handle(Protocol):
 
 
 class Transport(Protocol):
+    """What the allreduce callback needs. Optionally also ``rank() -> int`` (names ranks in
+    errors about ranks that disagree) and ``broadcast(flat, src) -> flat`` (initial sync; without
+    it a sum with zeros from the other ranks is used, which turns -0.0 into 0.0)."""
+
     def world_size(self) -> int:
         """Number of processes taking part (the divisor of a mean)."""
 
@@ -60,9 +64,17 @@ class _TorchCollective:
     def world_size(self) -> int:
         return _torch_dist().get_world_size(self.group)
 
+    def rank(self) -> int:
+        return _torch_dist().get_rank(self.group)
+
     def _start_sum(self, buffer: Any) -> Any:
         dist = _torch_dist()
         return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _broadcast(self, buffer: Any, src: int) -> None:
+        dist = _torch_dist()
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        dist.broadcast(buffer, src=root, group=self.group)
 
 
 class TorchTransport(_TorchCollective):
@@ -75,6 +87,10 @@ class TorchTransport(_TorchCollective):
 
     def allreduce_async(self, flat: Any) -> Handle:
         return _TorchWork(self._start_sum(flat), flat)
+
+    def broadcast(self, flat: Any, src: int) -> Any:
+        self._broadcast(flat, src)
+        return flat
 
 
 class _NumpyBridgeWork:
@@ -103,6 +119,15 @@ class MegEngineViaTorchTransport(_TorchCollective):
 
         buffer = torch.from_numpy(np.array(flat.numpy(), copy=True))
         return _NumpyBridgeWork(self._start_sum(buffer), buffer, flat.device)
+
+    def broadcast(self, flat: Any, src: int) -> Any:
+        import megengine
+        import numpy as np
+        import torch
+
+        buffer = torch.from_numpy(np.array(flat.numpy(), copy=True))
+        self._broadcast(buffer, src)
+        return megengine.Tensor(buffer.numpy(), device=flat.device)
 
 
 class _Done:
@@ -142,10 +167,24 @@ class MegEngineTransport:
         group = self._group()
         return mdist.get_world_size() if group is mdist.WORLD else group.size
 
+    def rank(self) -> int:
+        import megengine.distributed as mdist
+
+        group = self._group()
+        return mdist.get_rank() if group is mdist.WORLD else group.rank
+
     def allreduce_async(self, flat: Any) -> Handle:
         from megengine.distributed.functional import all_reduce_sum
 
         return _Done(all_reduce_sum(flat, group=self._group()))
+
+    def broadcast(self, flat: Any, src: int) -> Any:
+        from megengine.distributed.functional import broadcast
+
+        if src != 0:
+            raise ValueError("megengine.distributed broadcasts from the group's rank 0 only; "
+                             "use src=0")
+        return broadcast(flat, group=self._group())
 
 
 TransportSpec = Union[None, str, Transport]

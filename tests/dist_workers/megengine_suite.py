@@ -80,4 +80,12 @@ def main(rank: int, world: int, outdir: str) -> None:
     ps, _ = run(make_allreduce_cb("mean", bucket_bytes=300), rank, world, steps=(0, 1, 2),
                 use_extra=True, no_sync_first=2)
     save(out, "nosync_g", ps)
+    ps = params()
+    for p in ps:  # ranks start from different weights
+        p._reset(p + float(rank))
+    gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    with gm:
+        gm.backward(loss_fn(ps, *local_batch(0, rank, world)))
+    for i, p in enumerate(ps):
+        out[f"synced_p{i}"] = p.numpy()
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **out)

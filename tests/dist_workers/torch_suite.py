@@ -15,7 +15,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr import GradManager
-from gradmgr.distributed import make_allreduce_cb
+from gradmgr.distributed import (
+    RankMismatchError,
+    broadcast,
+    data_parallel,
+    make_allreduce_cb,
+    no_sync,
+)
 
 from .data import batch, shard, weights
 
@@ -181,6 +187,113 @@ def accumulation(out: dict, rank: int, world: int) -> None:
             m.zero_grad(set_to_none=True)
 
 
+def accumulation_manager_switch(out: dict, rank: int, world: int) -> None:
+    """The same rounds with the manager-level switch (no handle on the callback) and the
+    one-call set-up; .grad must be bit-identical to DDP's on every rank."""
+    net_gm, net_ddp = Net(), Net()
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    gm = data_parallel(net_gm, bucket_bytes=300)
+    for micro in range(3):
+        x, y = local_batch(micro, rank, world)
+        with no_sync(gm) if micro < 2 else _null(), gm:
+            gm.backward(net_gm(x, y, use_extra=micro == 0))
+        with ddp.no_sync() if micro < 2 else _null():
+            ddp(x, y, use_extra=micro == 0).backward()
+    save(out, "switch_gm", grads(net_gm))
+    save(out, "switch_ddp", grads(net_ddp))
+
+
+def initial_sync(out: dict, rank: int, world: int) -> None:
+    """Ranks start from different weights (and BatchNorm statistics): the callback's first
+    record() and data_parallel() broadcast rank 0's, as DDP does when it wraps a model; three
+    AdamW steps then match DDP bit for bit."""
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+
+    def perturbed_stats(m: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            m[1].running_mean.add_(rank + 1.0)
+        return m
+
+    by_hand, one_call = perturbed_stats(model(100 + rank)), perturbed_stats(model(100 + rank))
+    reference = perturbed_stats(model(100 + rank))
+    ddp = DDP(reference)
+    gm_hand = GradManager().attach(by_hand.parameters(), callbacks=[make_allreduce_cb("mean")])
+    broadcast(by_hand.buffers())  # the by-hand recipe broadcasts buffers once itself
+    gm_one = data_parallel(one_call)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1)
+            for m in (by_hand, one_call, reference)]
+    for step in range(3):
+        x, y = local_batch(step, rank, world)
+        for m, gm in ((by_hand, gm_hand), (one_call, gm_one)):
+            with gm:
+                gm.backward(((m(x) - y) ** 2).mean())
+        ((ddp(x) - y) ** 2).mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for name, m in (("sync_hand", by_hand), ("sync_one", one_call), ("sync_ddp", reference)):
+        save(out, f"{name}_p", [p.detach().numpy().copy() for p in m.parameters()])
+        save(out, f"{name}_b", [b.detach().numpy().copy() for b in m.buffers()
+                                if b.dtype.is_floating_point])
+
+
+def mismatches(out: dict, rank: int, world: int) -> None:
+    """Ranks that attach different tensors get a clear error on every rank, no crash, no hang,
+    no swapped gradients; the process group still works afterwards."""
+    a, b = torch.ones(4, requires_grad=True), torch.ones(6, requires_grad=True)
+    cases = {
+        "swapped": lambda: [a, b] if rank == 0 else [b, a],
+        "shapes": lambda: list(nn.Linear(4, 4 if rank == 0 else 5).parameters()),
+        "freeze": lambda: _frozen_on_rank_1(rank),
+    }
+    for name, tensors in cases.items():
+        held = tensors()  # the manager holds tensors weakly
+        gm = GradManager().attach(held, callbacks=[make_allreduce_cb("mean")])
+        try:
+            with gm:
+                gm.backward(sum((t * 1.0).sum() for t in held))
+            out[f"mismatch_{name}"] = np.array("no error")
+        except RankMismatchError as exc:
+            out[f"mismatch_{name}"] = np.array(str(exc))
+    check = torch.ones(1) * (rank + 1)
+    dist.all_reduce(check)
+    out["mismatch_after"] = check.numpy()
+
+
+def _frozen_on_rank_1(rank: int) -> list:
+    net = Net()
+    if rank == 1:
+        net.mlp[2].weight.requires_grad_(False)
+    return list(net.mlp.parameters())
+
+
+def frozen(out: dict, rank: int, world: int) -> None:
+    """A parameter frozen after attaching (on every rank) is left out: no .grad, and AdamW's
+    weight decay leaves it alone; unfreezing brings it back in."""
+    net = Net()
+    gm = GradManager().attach(net.mlp.parameters(), callbacks=[make_allreduce_cb("mean")])
+    opt = torch.optim.AdamW(net.mlp.parameters(), lr=0.1, weight_decay=0.5)
+    frozen_bias = net.mlp[0].bias
+    before = frozen_bias.detach().clone()
+    x, y = local_batch(0, rank, world)
+    with gm:
+        gm.backward(net(x, y))
+    frozen_bias.requires_grad_(False)
+    opt.zero_grad()
+    with gm:
+        gm.backward(net(x, y))
+    out["frozen_grad_is_none"] = np.array(frozen_bias.grad is None)
+    opt.step()
+    out["frozen_moved"] = np.array(not torch.equal(frozen_bias.detach(), before))
+    frozen_bias.requires_grad_(True)
+    opt.zero_grad()
+    with gm:
+        gm.backward(net(x, y))
+    save(out, "unfrozen_g", grads(net.mlp))
+
+
 class _null:
     def __enter__(self):
         return None
@@ -196,5 +309,9 @@ def main(rank: int, world: int, outdir: str) -> None:
     arrival_order(out, rank, world)
     unused(out, rank, world)
     accumulation(out, rank, world)
+    accumulation_manager_switch(out, rank, world)
+    initial_sync(out, rank, world)
+    mismatches(out, rank, world)
+    frozen(out, rank, world)
     dist.barrier()
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **out)

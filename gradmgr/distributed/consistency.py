@@ -1,0 +1,119 @@
+"""Checking across ranks that every rank reduces the same tensors, before it matters.
+
+Ranks whose bucket plans differ would reduce mismatched buffers: gradients silently swapped
+between tensors of equal size, or a crash inside the transport for unequal sizes. So whenever
+a rank (re)plans its buckets, all ranks compare a fingerprint of the planned tensors (count,
+then shape and dtype of each, in order) in one small collective that has the same size on every
+rank; if they differ, a few more collectives find the first differing tensor, and every rank
+raises the same error naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, List, Optional, Sequence
+
+from .ops import TensorOps
+
+_CHUNKS = 8  # a 64-bit fingerprint as 8-bit chunks: sums stay exact in float32
+_COUNT_CHUNKS = 3  # tensor counts below 2**24
+_MAX_DIMS = 8
+
+
+class RankMismatchError(RuntimeError):
+    """The ranks planned different tensors for one allreduce callback; raised on every rank."""
+
+
+def describe(ops: TensorOps, tensor: Any) -> str:
+    return f"{ops.dtype_name(tensor)}{list(ops.shape(tensor))}"
+
+
+def _chunks(text: str) -> List[int]:
+    digest = hashlib.blake2b(text.encode(), digest_size=_CHUNKS).digest()
+    return list(digest)
+
+
+def _count_chunks(n: int) -> List[int]:
+    return [(n >> (8 * i)) & 0xFF for i in range(_COUNT_CHUNKS)]
+
+
+def verify_plan(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str) -> None:
+    """Raise :class:`RankMismatchError` on every rank unless all ranks plan ``tensors`` alike.
+
+    One collective when they agree. Every value is a small integer, so float32 sums are exact:
+    all ranks agree on a value exactly when ``world * sum(v**2) == sum(v)**2``.
+    """
+    world = transport.world_size()
+    if world == 1 or not tensors:
+        return
+    fingerprint = _count_chunks(len(tensors)) + _chunks(
+        ";".join(describe(ops, t) for t in tensors))
+    summed = ops.values(transport.allreduce_async(
+        ops.vector(fingerprint + [v * v for v in fingerprint], tensors[0])).wait())
+    n = len(fingerprint)
+    if all(world * summed[n + i] == summed[i] ** 2 for i in range(n)):
+        return
+    raise RankMismatchError(_mismatch_message(transport, ops, tensors, what, world))
+
+
+def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],
+            like: Any) -> List[List[float]]:
+    """Every rank's ``row`` (same length on all ranks), by a sum over zeros elsewhere."""
+    width = len(row)
+    flat = [0.0] * (world * width)
+    flat[rank * width:(rank + 1) * width] = row
+    summed = ops.values(transport.allreduce_async(ops.vector(flat, like)).wait())
+    return [summed[r * width:(r + 1) * width] for r in range(world)]
+
+
+def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str,
+                      world: int) -> str:
+    advice = (f"Every rank must attach the same tensors ({what}) in the same order, with the "
+              f"same shapes, dtypes and requires_grad flags (freeze a parameter on every rank "
+              f"or on none).")
+    rank_of = getattr(transport, "rank", None)
+    if rank_of is None:
+        return f"the ranks planned different tensors for data-parallel reduction. {advice}"
+    rank, like = rank_of(), tensors[0]
+    counts = [int(row[0]) for row in _gather(transport, ops, rank, world, [len(tensors)], like)]
+    longest = max(counts)
+    rows = _gather(transport, ops, rank, world,
+                   [c for t in tensors for c in _chunks(describe(ops, t))]
+                   + [0.0] * (_CHUNKS * (longest - len(tensors))), like)
+    position = _first_difference(rows, counts, longest)
+    shown = tensors[position] if position < len(tensors) else None
+    row = [0.0] * (3 + _MAX_DIMS)
+    if shown is not None:
+        shape = ops.shape(shown)
+        code = _DTYPES.index(ops.dtype_name(shown)) + 1 if ops.dtype_name(shown) in _DTYPES else 0
+        row[:3 + min(len(shape), _MAX_DIMS)] = [1.0, float(code), float(len(shape)),
+                                                *shape[:_MAX_DIMS]]
+    per_rank = []
+    for r, (present, code, ndim, *dims) in enumerate(
+            _gather(transport, ops, rank, world, row, like)):
+        if not present:
+            per_rank.append(f"rank {r} has no tensor there (it planned {counts[r]})")
+        else:
+            dtype = _DTYPES[int(code) - 1] if code else "another dtype"
+            shape = tuple(int(d) for d in dims[:int(ndim)])
+            per_rank.append(f"rank {r} has {dtype}{list(shape)}")
+    return (f"the ranks planned different tensors for data-parallel reduction: the first "
+            f"difference is at position {position} in attach order: {'; '.join(per_rank)}. "
+            f"{advice}")
+
+
+_DTYPES = ["float32", "float16", "bfloat16", "float64", "complex64", "complex128", "float8"]
+
+
+def _first_difference(rows: List[List[float]], counts: List[int], longest: int) -> int:
+    for position in range(longest):
+        seen: Optional[List[float]] = None
+        for r, row in enumerate(rows):
+            if position >= counts[r]:
+                return position
+            chunk = row[position * _CHUNKS:(position + 1) * _CHUNKS]
+            if seen is None:
+                seen = chunk
+            elif chunk != seen:
+                return position
+    return longest
