@@ -32,8 +32,12 @@ def _no_sink(grad: Any) -> Any:
     return None
 
 
-def _name(callback: Any) -> str:
-    return getattr(callback, "__qualname__", None) or type(callback).__qualname__
+def _source(source: Any) -> str:
+    """A callback as "gradient callback <its name>"; a phrase as it is."""
+    if isinstance(source, str):
+        return source
+    name = getattr(source, "__qualname__", None) or type(source).__qualname__
+    return f"gradient callback {name}"
 
 
 def _as_list(value: Any) -> List[Any]:
@@ -82,7 +86,7 @@ class GradManager:
         self._group: Optional[GradManagerGroup] = None
         self._thread_state: Optional[_state.ThreadState] = None
         self._gradients: Dict[int, Any] = {}
-        self._future_sources: Dict[int, str] = {}  # who returned each pending Future
+        self._future_sources: Dict[int, Any] = {}  # who returned each pending Future
         self._backwarding = False
         self._after_backward_callbacks: List[Callable[[], None]] = []
         self._record_callbacks: List[Callable[[], None]] = []
@@ -382,7 +386,7 @@ class GradManager:
                     for cb in spec.callbacks:
                         grad = cb(tensor, grad)
                         if not is_tensor(grad) or grad_problem(tensor, grad) is not None:
-                            owner._check_result(key, tensor, grad, f"gradient callback {_name(cb)}")
+                            owner._check_result(key, tensor, grad, cb)
                 finally:
                     if pushed:
                         stack.pop()
@@ -391,25 +395,26 @@ class GradManager:
 
         return sink
 
-    def _check_result(self, key: int, tensor: Any, grad: Any, source: str) -> None:
-        """Raise :class:`CallbackResultError` unless ``grad`` (from ``source``) can be
-        ``tensor``'s gradient; a Future is checked once it resolves."""
+    def _check_result(self, key: int, tensor: Any, grad: Any, source: Any) -> None:
+        """Raise :class:`CallbackResultError` unless ``grad`` can be ``tensor``'s gradient;
+        a Future is checked once it resolves. ``source``: the callback that returned it, or a
+        phrase ("add_gradient()")."""
         backend = self._backend
         if backend.is_tensor(grad):
             problem = backend.grad_problem(tensor, grad)
             if problem is None:
                 return
             raise CallbackResultError(
-                f"{source} returned a gradient that does not fit its tensor: {problem}. A "
-                f"gradient must have its tensor's shape, dtype and device (or be a Future of one)"
+                f"{_source(source)} returned a gradient that does not fit its tensor: {problem}. "
+                f"A gradient must have its tensor's shape, dtype and device (or be a Future of one)"
             )
         if grad is not None and is_future(grad):
             self._future_sources[key] = source
             return
         raise CallbackResultError(
-            f"{source} returned {'None' if grad is None else type(grad).__qualname__} for an "
-            f"attached tensor of {backend.describe(tensor)}: it must return the gradient (pass "
-            f"it on unchanged if there is nothing to change) or a Future of it"
+            f"{_source(source)} returned {'None' if grad is None else type(grad).__qualname__} "
+            f"for an attached tensor of {backend.describe(tensor)}: it must return the gradient "
+            f"(pass it on unchanged if there is nothing to change) or a Future of it"
         )
 
     def release(self) -> None:
@@ -544,7 +549,7 @@ class GradManager:
                     continue  # nothing to deliver (a data-parallel tensor unused everywhere)
                 if not is_tensor(grad) or grad_problem(tensor, grad) is not None:
                     self._check_result(key, tensor, grad,
-                                       f"the Future from {self._future_sources.get(key)}")
+                                       f"the Future from {_source(self._future_sources.get(key))}")
             ready.append((tensor, grad, replace))
         accumulate, set_grad = backend.accumulate, backend.set_grad
         for tensor, grad, replace in ready:

@@ -435,3 +435,33 @@ def test_importing_distributed_imports_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_large_and_small_members_with_no_sync_in_one_bucket():
+    """Members of 256 KiB and more are copied into the bucket on arrival, smaller ones packed
+    at launch; both paths reduce .grad (from no_sync steps) plus the new gradient, exactly."""
+    from gradmgr.distributed import no_sync
+
+    torch.manual_seed(0)
+    big = torch.randn(300, 300, requires_grad=True)  # 352 KiB: large
+    small = torch.randn(300, requires_grad=True)
+    log: list = []
+    cb = make_allreduce_cb("mean", transport=FakeTransport(log, 0.5), **FAKE_PEER)
+    gm = GradManager().attach([big, small], callbacks=[cb])
+    xs = [torch.randn(4, 300) for _ in range(3)]
+
+    def loss(x):
+        return torch.tanh(x @ big + small).square().sum()
+
+    for i, x in enumerate(xs):
+        with no_sync(gm) if i < 2 else contextlib.nullcontext(), gm:
+            gm.backward(loss(x))
+    bucket = cb.buckets(gm)[0]
+    assert bucket.large == [False, True] and bucket.layout == [0, 1]  # reverse attach order
+    grads = [torch.autograd.grad(loss(x), [big, small]) for x in xs]
+    for i, t in enumerate((big, small)):
+        local = grads[0][i].clone()
+        local.add_(grads[1][i])  # what .grad held after the two no_sync steps
+        expected = (grads[2][i] + local) * 0.5 + 0.5
+        assert torch.equal(t.grad, expected), t.shape
+    assert [k for k, _ in log] == ["launch"]  # one bucket, sent once

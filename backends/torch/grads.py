@@ -71,8 +71,7 @@ def set_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
     copied only where its layout differs from a non-contiguous tensor's (channels_last)."""
     if not tensor.is_contiguous() and grad.stride() != tensor.stride():
         grad = owned_copy(grad, tensor)
-    with _LOCK:
-        tensor.grad = grad
+    tensor.grad = grad  # one assignment: no lock needed
     _post_accumulate(tensor)
 
 

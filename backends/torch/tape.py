@@ -52,10 +52,13 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     tape._fired.add(key)
     if _run_callbacks(sink, grad) is grad or not leaf:
         return None
-    return _stand_in(grad)
+    stand_in = tape._stand_ins.get(key)
+    if stand_in is None or stand_in.shape != grad.shape:
+        stand_in = tape._stand_ins[key] = _zeros_like(grad)
+    return stand_in
 
 
-def _stand_in(grad: torch.Tensor) -> torch.Tensor:
+def _zeros_like(grad: torch.Tensor) -> torch.Tensor:
     """Zeros shaped like ``grad`` in one element of memory."""
     key = (grad.dtype, grad.device)
     zero = _ZEROS.get(key)
@@ -139,6 +142,7 @@ class TorchTape(Tape):
         self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._eager: Dict[int, GradSink] = {}
         self._fired: set = set()
+        self._stand_ins: Dict[int, torch.Tensor] = {}  # see _hook
         self._flagged: List[torch.Tensor] = []
         self._needs_flag: Dict[int, weakref.ref] = {}
         self._handles: Dict[int, Any] = {}
@@ -186,8 +190,9 @@ class TorchTape(Tape):
             )
 
     def _forget_for(self, key: int):
-        entries, eager, handles, needs_flag, order = (
-            self._entries, self._eager, self._handles, self._needs_flag, self._order
+        entries, eager, handles, needs_flag, order, stand_ins = (
+            self._entries, self._eager, self._handles, self._needs_flag, self._order,
+            self._stand_ins,
         )
 
         def forget(dead: weakref.ref) -> None:
@@ -196,6 +201,7 @@ class TorchTape(Tape):
                 del entries[key]
                 order.clear()
                 eager.pop(key, None)
+                stand_ins.pop(key, None)
                 handles.pop(key, None)  # the hook died with the tensor
                 needs_flag.pop(key, None)
 

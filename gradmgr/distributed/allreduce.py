@@ -10,7 +10,7 @@ from typing import Any, Iterator, List, Optional, Set
 
 from .._state import get_backwarding_grad_manager
 from ..future import Future
-from .bucket import BucketPlan
+from .bucket import Bucket, BucketPlan
 from .consistency import verify_plan
 from .ops import TensorOps, ops_for
 from .sync import broadcast, is_paused
@@ -24,13 +24,11 @@ _FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigge
 class _Reduction:
     """One launched bucket; unpacks the reduced buffer on first use."""
 
-    __slots__ = ("_ops", "_handle", "_shapes", "_dtype", "_compressed", "_parts", "_flags",
-                 "_lock")
+    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "_parts", "_flags", "_lock")
 
-    def __init__(self, ops: TensorOps, handle: Handle, shapes: List[tuple], dtype: str,
-                 compressed: bool) -> None:
-        self._ops, self._handle, self._shapes = ops, handle, shapes
-        self._dtype, self._compressed = dtype, compressed
+    def __init__(self, ops: TensorOps, handle: Handle, bucket: Bucket, compressed: bool) -> None:
+        self._ops, self._handle, self._bucket = ops, handle, bucket
+        self._compressed = compressed
         self._parts: Optional[List[Any]] = None
         self._flags: Any = None
         self._lock = threading.Lock()
@@ -40,8 +38,8 @@ class _Reduction:
             if self._parts is None:
                 flat = self._handle.wait()
                 if self._compressed:
-                    flat = self._ops.cast(flat, self._dtype)
-                self._parts, self._flags = self._ops.unpack(flat, self._shapes)
+                    flat = self._ops.cast(flat, self._bucket.key[0])
+                self._parts, self._flags = self._ops.unpack(flat, self._bucket)
 
     def result(self, slot: int) -> Any:
         if self._parts is None:
@@ -57,12 +55,12 @@ class _Reduction:
 class _Step:
     """What one synced backward of one manager has gathered so far."""
 
-    __slots__ = ("record_id", "sync", "parts", "filled", "count", "launched", "next_launch")
+    __slots__ = ("record_id", "sync", "buffers", "filled", "count", "launched", "next_launch")
 
     def __init__(self, record_id: int, plan: BucketPlan, sync: bool) -> None:
         self.record_id = record_id
         self.sync = sync
-        self.parts: List[List[Any]] = [[None] * len(b.members) for b in plan.buckets]
+        self.buffers: List[Any] = [None] * len(plan.buckets)  # see TensorOps.new_buffer
         self.filled: List[List[bool]] = [[False] * len(b.members) for b in plan.buckets]
         self.count = [0] * len(plan.buckets)
         self.launched: List[Optional[_Reduction]] = [None] * len(plan.buckets)
@@ -199,8 +197,8 @@ class AllreduceCallback:
                     "when this recording started (attach and unfreeze tensors between "
                     "recordings, not during one)"
                 )
-            state.used.add(id(tensor))
             if not step.sync:
+                state.used.add(id(tensor))  # for the next synced step (see _fill_missing)
                 return grad
             b, slot = where
             if step.filled[b][slot]:
@@ -209,8 +207,10 @@ class AllreduceCallback:
                     "each tensor with a given allreduce callback only once"
                 )
             step.filled[b][slot] = True
-            local = state.ops.local_grad(tensor)
-            step.parts[b][slot] = grad if local is None else state.ops.add(grad, local)
+            buffer = step.buffers[b]
+            if buffer is None:
+                buffer = step.buffers[b] = state.ops.new_buffer(state.plan.buckets[b], tensor)
+            buffer.put(slot, grad, state.ops.local_grad(tensor))
             step.count[b] += 1
             if step.count[b] == len(state.plan.buckets[b].members):
                 self._launch_ready(state, step)
@@ -305,16 +305,17 @@ class AllreduceCallback:
 
     def _launch(self, state: _ManagerState, step: _Step, b: int, unused: List[int]) -> None:
         ops, bucket = state.ops, state.plan.buckets[b]
-        tensors = state.plan.tensors()
-        flat = ops.pack(step.parts[b], [tensors[m] for m in bucket.members], unused)
-        step.parts[b] = []  # the buffer holds them now
+        buffer = step.buffers[b]
+        if buffer is None:
+            buffer = ops.new_buffer(bucket, state.plan.tensors()[bucket.members[0]])
+        flat = buffer.finish(unused)
+        step.buffers[b] = None
         if self.reduce == "mean":
             flat = ops.scale(flat, 1.0 / state.transport.world_size())
         if self.compression is not None:
             flat = ops.compress(flat, self.compression)
         handle = state.transport.allreduce_async(flat)
-        step.launched[b] = _Reduction(ops, handle, bucket.shapes, bucket.key[0],
-                                      self.compression is not None)
+        step.launched[b] = _Reduction(ops, handle, bucket, self.compression is not None)
         step.next_launch = b + 1
 
     def _flush(self, gm: Any) -> None:
@@ -348,7 +349,10 @@ class AllreduceCallback:
                 tensor = tensors[position]
                 if tensor is None:
                     raise RuntimeError("an attached tensor died during its allreduce step")
-                step.parts[b][slot] = state.ops.local_grad(tensor)
+                buffer = step.buffers[b]
+                if buffer is None:
+                    buffer = step.buffers[b] = state.ops.new_buffer(bucket, tensor)
+                buffer.put(slot, None, state.ops.local_grad(tensor))
                 if id(tensor) not in state.used:
                     unused.append(slot)
                 missing.append((tensor, b, slot))

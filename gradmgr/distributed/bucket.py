@@ -13,18 +13,47 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .ops import TensorOps
 
+LARGE_BYTES = 2**18
+"""Members of at least this size are copied into the bucket's buffer as soon as their gradient
+arrives (so the gradient is freed at once, as DDP does); smaller ones are packed together when
+the bucket is launched (one copy for all of them, cheaper than one per member)."""
+
 
 class Bucket:
-    """Members (positions in the plan) reduced as one flat buffer of one dtype and device."""
+    """Members (positions in the plan) reduced as one flat buffer of one dtype and device.
 
-    __slots__ = ("index", "key", "members", "shapes", "nbytes")
+    The buffer holds the small members first, then the large ones (each region in member
+    order), then one "used" flag per member: ``offsets[slot]`` is where member ``slot`` starts,
+    ``small`` lists the small members' slots, ``numel`` the elements before the flags.
+    """
+
+    __slots__ = ("index", "key", "members", "shapes", "sizes", "large", "nbytes", "offsets",
+                 "small", "layout", "small_numel", "numel")
 
     def __init__(self, index: int, key: Tuple[str, str]) -> None:
         self.index = index
         self.key = key
         self.members: List[int] = []
         self.shapes: List[Tuple[int, ...]] = []
+        self.sizes: List[int] = []
+        self.large: List[bool] = []
         self.nbytes = 0
+        self.offsets: List[int] = []
+        self.small: List[int] = []
+        self.layout: List[int] = []  # slots in buffer order
+        self.small_numel = 0
+        self.numel = 0
+
+    def _lay_out(self) -> None:
+        self.small = [slot for slot, large in enumerate(self.large) if not large]
+        self.layout = self.small + [slot for slot, large in enumerate(self.large) if large]
+        self.offsets = [0] * len(self.members)
+        offset = 0
+        for slot in self.layout:
+            self.offsets[slot] = offset
+            offset += self.sizes[slot]
+        self.small_numel = sum(self.sizes[slot] for slot in self.small)
+        self.numel = offset
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, {self.key}, members={self.members}, {self.nbytes} B)"
@@ -61,10 +90,16 @@ class BucketPlan:
                 open_by_key[key] = bucket
             self.where[id(tensor)] = (bucket.index, len(bucket.members))
             bucket.members.append(position)
-            bucket.shapes.append(ops.shape(tensor))
-            bucket.nbytes += ops.nbytes(tensor)
+            shape = ops.shape(tensor)
+            bucket.shapes.append(shape)
+            bucket.sizes.append(_numel(shape))
+            nbytes = ops.nbytes(tensor)
+            bucket.large.append(nbytes >= LARGE_BYTES)
+            bucket.nbytes += nbytes
             if bucket.nbytes >= (first if bucket.index == 0 else bucket_bytes):
                 del open_by_key[key]
+        for bucket in self.buckets:
+            bucket._lay_out()
 
     def tensors(self) -> List[Any]:
         """The planned tensors (None for one that died since)."""
@@ -75,3 +110,10 @@ class BucketPlan:
         return len(tensors) == len(self._refs) and all(
             ref() is t for ref, t in zip(self._refs, tensors)
         )
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -8,7 +8,7 @@ PyTorch and MegEngine tensors.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -32,15 +32,17 @@ class TensorOps:
         """Whether the tensor gets gradients now (a frozen one is left out of the buckets)."""
         return True
 
-    def pack(self, parts: Sequence[Optional[Any]], like: Sequence[Any],
-             unused: Sequence[int]) -> Any:
-        """One 1-D buffer: each part flattened (None: zeros like the matching tensor of
-        ``like``), then one flag per part: 1, or 0 for the positions in ``unused``."""
+    def new_buffer(self, bucket: Any, like: Any) -> Any:
+        """A :class:`BucketBuffer`-like object that assembles one step's buffer of ``bucket``
+        (its dtype and device those of ``like``): ``put(slot, grad, local)`` for each member
+        (``grad`` or ``local`` None: left out), then ``finish(unused) -> flat``: the members'
+        values laid out as ``bucket.layout`` says, then one flag per member, 1, or 0 for the
+        slots in ``unused``."""
         raise NotImplementedError
 
-    def unpack(self, flat: Any, shapes: Sequence[Tuple[int, ...]]) -> Tuple[List[Any], Any]:
-        """The parts of a :meth:`pack`ed buffer (views where the framework has them), and the
-        flags."""
+    def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
+        """The members' parts of a reduced buffer, in slot order (views where the framework
+        has them), and the flags."""
         raise NotImplementedError
 
     def flag(self, flags: Any, i: int) -> float:
@@ -103,24 +105,15 @@ class TorchOps(TensorOps):
             warnings.simplefilter("ignore")
             return tensor.grad
 
-    def pack(self, parts, like, unused):
-        import torch
+    def new_buffer(self, bucket, like):
+        return _TorchBuffer(bucket, like)
 
-        with torch.no_grad():
-            pieces = [
-                (p if p is not None else torch.zeros_like(t, requires_grad=False)).reshape(-1)
-                for p, t in zip(parts, like)
-            ]
-            flags = torch.ones(len(pieces), dtype=pieces[0].dtype, device=pieces[0].device)
-            for i in unused:
-                flags[i] = 0  # a kernel on the device, no host round trip
-            pieces.append(flags)
-            return torch.cat(pieces)
-
-    def unpack(self, flat, shapes):
-        sizes = [_numel(s) for s in shapes]
-        pieces = flat.split([*sizes, len(sizes)])
-        return [piece.view(shape) for piece, shape in zip(pieces, shapes)], pieces[-1]
+    def unpack(self, flat, bucket):
+        pieces = flat.split([*(bucket.sizes[slot] for slot in bucket.layout), len(bucket.sizes)])
+        parts: List[Any] = [None] * len(bucket.sizes)
+        for piece, slot in zip(pieces, bucket.layout):
+            parts[slot] = piece.view(bucket.shapes[slot])
+        return parts, pieces[-1]
 
     def flag(self, flags, i):
         return float(flags[i])
@@ -171,27 +164,15 @@ class MegEngineOps(TensorOps):
 
         return int(tensor.size) * np.dtype(tensor.dtype).itemsize
 
-    def pack(self, parts, like, unused):
-        import megengine.functional as F
-        import numpy as np
+    def new_buffer(self, bucket, like):
+        return _MegEngineBuffer(bucket, like)
 
-        pieces = []
-        for p, t in zip(parts, like):
-            if p is None:
-                p = F.zeros((int(t.size),), dtype=t.dtype, device=t.device)
-            pieces.append(p.reshape(-1))
-        flags = np.ones(len(pieces), dtype=np.dtype(like[0].dtype))
-        flags[list(unused)] = 0
-        pieces.append(F.copy(_mge_tensor(flags), like[0].device))
-        return F.concat(pieces)
-
-    def unpack(self, flat, shapes):
-        out, start = [], 0
-        for shape in shapes:
-            end = start + _numel(shape)
-            out.append(flat[start:end].reshape(shape))
-            start = end
-        return out, flat[start:]
+    def unpack(self, flat, bucket):
+        parts: List[Any] = [None] * len(bucket.sizes)
+        for slot in bucket.layout:
+            start = bucket.offsets[slot]
+            parts[slot] = flat[start:start + bucket.sizes[slot]].reshape(bucket.shapes[slot])
+        return parts, flat[bucket.numel:]
 
     def flag(self, flags, i):
         return float(flags[i].numpy())
@@ -224,6 +205,100 @@ class MegEngineOps(TensorOps):
             n = int(t.size)
             t._reset(flat[start:start + n].reshape(t.shape))
             start += n
+
+
+class _TorchBuffer:
+    """A bucket's buffer, allocated when its first member arrives: a large member is copied in
+    at once (the engine's gradient is then freed, as with DDP's bucket views), small ones are
+    kept and packed in one copy by ``finish``."""
+
+    __slots__ = ("bucket", "like", "flat", "parts")
+
+    def __init__(self, bucket: Any, like: Any) -> None:
+        self.bucket, self.like = bucket, like
+        self.flat: Any = None
+        self.parts: List[Any] = [None] * len(bucket.sizes)
+
+    def _allocate(self) -> Any:
+        import torch
+
+        like, bucket = self.like, self.bucket
+        self.flat = torch.empty(bucket.numel + len(bucket.sizes), dtype=like.dtype,
+                                device=like.device)
+        return self.flat
+
+    def put(self, slot: int, grad: Any, local: Any) -> None:
+        import torch
+
+        bucket = self.bucket
+        if not bucket.large[slot]:
+            if grad is None or local is None:
+                self.parts[slot] = grad if local is None else local
+            else:
+                self.parts[slot] = grad + local  # as AccumulateGrad's local + grad, bit for bit
+            return
+        flat = self.flat if self.flat is not None else self._allocate()
+        view = flat.narrow(0, bucket.offsets[slot], bucket.sizes[slot]).view(bucket.shapes[slot])
+        with torch.no_grad():
+            if grad is None and local is None:
+                view.zero_()
+            else:
+                view.copy_(grad if grad is not None else local)
+                if grad is not None and local is not None:
+                    view.add_(local)
+
+    def finish(self, unused: Sequence[int]) -> Any:
+        import torch
+        from torch._utils import _flatten_dense_tensors
+
+        bucket = self.bucket
+        flat = self.flat if self.flat is not None else self._allocate()
+        with torch.no_grad():
+            if bucket.small:
+                pieces = [self.parts[slot] if self.parts[slot] is not None
+                          else torch.zeros(bucket.shapes[slot], dtype=flat.dtype,
+                                           device=flat.device)
+                          for slot in bucket.small]
+                flat[:bucket.small_numel].copy_(_flatten_dense_tensors(pieces))
+            flags = flat[bucket.numel:]
+            flags.fill_(1)
+            for slot in unused:
+                flags[slot] = 0  # a kernel on the device, no host round trip
+        self.parts = []
+        return flat
+
+
+class _MegEngineBuffer:
+    """A bucket's parts, concatenated by ``finish`` (MegEngine tensors are values)."""
+
+    __slots__ = ("bucket", "like", "parts")
+
+    def __init__(self, bucket: Any, like: Any) -> None:
+        self.bucket, self.like = bucket, like
+        self.parts: List[Any] = [None] * len(bucket.sizes)
+
+    def put(self, slot: int, grad: Any, local: Any) -> None:
+        if grad is None or local is None:
+            self.parts[slot] = grad if local is None else local
+        else:
+            self.parts[slot] = grad + local
+
+    def finish(self, unused: Sequence[int]) -> Any:
+        import megengine.functional as F
+        import numpy as np
+
+        bucket, like = self.bucket, self.like
+        pieces = []
+        for slot in bucket.layout:
+            part = self.parts[slot]
+            if part is None:
+                part = F.zeros((bucket.sizes[slot],), dtype=like.dtype, device=like.device)
+            pieces.append(part.reshape(-1))
+        flags = np.ones(len(bucket.sizes), dtype=np.dtype(like.dtype))
+        flags[list(unused)] = 0
+        pieces.append(F.copy(_mge_tensor(flags), like.device))
+        self.parts = []
+        return F.concat(pieces)
 
 
 def _mge_tensor(array: Any) -> Any:
