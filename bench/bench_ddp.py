@@ -1,10 +1,18 @@
-"""Step time of gradmgr + allreduce callback divided by PyTorch DDP's, 2 ranks on gloo.
+"""gradmgr + allreduce callback against PyTorch DDP: step time and peak memory, 2 ranks.
 
-Both run the same MLP on the same data in the same processes; steps alternate between the two
-(and which goes first alternates too), so machine noise hits both alike. Prints the machine,
-the versions, both median step times and their ratio (below 1: gradmgr is faster).
+Time: for each model, gradmgr and DDP train side by side in the same two processes (gloo on the
+CPU, or nccl with ``--device cuda``); every step both variants run in a new random order, each
+step timed alone behind a barrier; the ratio is of medians (below 1: gradmgr is faster).
 
-    python bench/bench_ddp.py [--steps N]
+Memory: the model of 8 x Linear(2048, 2048) (128 MiB of gradients per rank) is wrapped (DDP,
+DDP with ``gradient_as_bucket_view=True``) or attached (gradmgr) and trains 4 steps, in fresh
+processes per variant, the variants' runs interleaved, median of ``--memory-runs``. Peak memory
+above the model: on the CPU, the peak resident set (``VmHWM``, reset once the model and the
+batch exist) minus the resident set then, with glibc told to mmap blocks of 128 KiB and more so
+that freed tensors leave the resident set; on CUDA, ``max_memory_allocated`` minus what was
+allocated then. Both include each variant's buckets, gradients and activations.
+
+    python bench/bench_ddp.py [--steps N] [--device cpu|cuda] [--memory-runs K] [--quick]
 """
 
 from __future__ import annotations
@@ -12,94 +20,240 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
+import random
 import statistics
 import sys
+import tempfile
 import time
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradmgr
-from gradmgr import GradManager
-from gradmgr.distributed import make_allreduce_cb, spawn_local
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULT_PREFIX, machine_info  # noqa: E402
 
-WIDTH, DEPTH, BATCH = 256, 4, 64  # per rank
+from gradmgr import GradManager  # noqa: E402
+from gradmgr.distributed import make_allreduce_cb, spawn_local  # noqa: E402
 
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
+BATCH = 64  # per rank
+WORLD = 2
+TIME_TARGET = 1.05
+MEMORY_TARGET = 1.0
 
 
-def rank_main(rank: int, world: int, port: int, steps: int, warmup: int) -> None:
+def mlp() -> nn.Module:
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())][:-1])
+
+
+def many_tensors() -> nn.Module:
+    """500 x Linear(32, 32) with tanh: 1,000 parameter tensors."""
+    return nn.Sequential(*[m for _ in range(500) for m in (nn.Linear(32, 32), nn.Tanh())])
+
+
+def memory_model() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
+
+
+MODELS: Dict[str, Callable[[], nn.Module]] = {"mlp-256": mlp, "1000-tensors": many_tensors}
+WIDTH = {"mlp-256": 256, "1000-tensors": 32, "memory": 2048}
+
+
+def init(rank: int, port: int, device: str) -> torch.device:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=dist_world(device), timeout=datetime.timedelta(seconds=120))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def dist_world(device: str) -> int:
+    return min(WORLD, torch.cuda.device_count()) if device == "cuda" else WORLD
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------- time
+def time_main(rank: int, world: int, port: int, steps: int, device_name: str, out: str) -> None:
+    device = init(rank, port, device_name)
     try:
-        net_gm, net_ddp = model(), model()
-        gm = GradManager().attach(net_gm.parameters(), callbacks=[make_allreduce_cb("mean")])
-        ddp = DDP(net_ddp)
-        opt_gm = torch.optim.SGD(net_gm.parameters(), lr=1e-3)
-        opt_ddp = torch.optim.SGD(net_ddp.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
-        x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
-
-        def step_gm() -> None:
-            with gm:
-                gm.backward(((net_gm(x) - y) ** 2).mean())
-            opt_gm.step()
-            opt_gm.zero_grad(set_to_none=True)
-
-        def step_ddp() -> None:
-            ((ddp(x) - y) ** 2).mean().backward()
-            opt_ddp.step()
-            opt_ddp.zero_grad(set_to_none=True)
-
-        times = {"gradmgr": [], "ddp": []}
-        for i in range(warmup + steps):
-            order = [("gradmgr", step_gm), ("ddp", step_ddp)]
-            for name, fn in order if i % 2 == 0 else order[::-1]:
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                elapsed = time.perf_counter() - start
-                if i >= warmup:
-                    times[name].append(elapsed)
-        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-                   for a, b in zip(net_gm.parameters(), net_ddp.parameters()))
+        rows = [time_model(name, build, device, rank, steps) for name, build in MODELS.items()]
         if rank == 0:
-            report(times, same)
+            with open(out, "w") as f:
+                for row in rows:
+                    f.write(" ".join(map(str, row)) + "\n")
     finally:
         dist.destroy_process_group()
 
 
-def report(times: dict, same: bool) -> None:
-    gm_ms = statistics.median(times["gradmgr"]) * 1e3
-    ddp_ms = statistics.median(times["ddp"]) * 1e3
-    print(f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores")
-    print(f"versions: python {platform.python_version()}, torch {torch.__version__}, "
-          f"gradmgr {gradmgr.__version__}")
-    print(f"setup: 2 ranks, gloo on 127.0.0.1, 1 thread each, MLP {DEPTH}x{WIDTH}, "
-          f"batch {BATCH} per rank, {len(times['ddp'])} timed steps each (median)")
-    print(f"gradmgr + make_allreduce_cb step: {gm_ms:.3f} ms")
-    print(f"DDP step:                         {ddp_ms:.3f} ms")
-    print(f"ratio gradmgr/DDP: {gm_ms / ddp_ms:.3f}")
-    print(f"parameters of both after training agree: {same}")
+def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, rank: int,
+               steps: int) -> tuple:
+    torch.manual_seed(0)
+    net_gm, net_ddp = build().to(device), build().to(device)
+    net_ddp.load_state_dict(net_gm.state_dict())
+    gm = GradManager().attach(net_gm.parameters(), callbacks=[make_allreduce_cb("mean")])
+    ddp = DDP(net_ddp)
+    opts = {"gradmgr": torch.optim.SGD(net_gm.parameters(), lr=1e-3),
+            "ddp": torch.optim.SGD(net_ddp.parameters(), lr=1e-3)}
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(BATCH, WIDTH[name], generator=g).to(device)
+    y = torch.randn(BATCH, WIDTH[name], generator=g).to(device)
+
+    def step_gm() -> None:
+        with gm:
+            gm.backward(((net_gm(x) - y) ** 2).mean())
+
+    def step_ddp() -> None:
+        ((ddp(x) - y) ** 2).mean().backward()
+
+    fns = {"gradmgr": step_gm, "ddp": step_ddp}
+    times: Dict[str, List[float]] = {"gradmgr": [], "ddp": []}
+    order = random.Random(0)
+    warmup = 5
+    for i in range(warmup + steps):
+        names = list(fns)
+        order.shuffle(names)  # the same order on both ranks (same seed)
+        for variant in names:
+            dist.barrier()
+            sync(device)
+            start = time.perf_counter()
+            fns[variant]()
+            opts[variant].step()
+            opts[variant].zero_grad(set_to_none=True)
+            sync(device)
+            if i >= warmup:
+                times[variant].append(time.perf_counter() - start)
+    same = all(torch.equal(a, b) for a, b in zip(net_gm.parameters(), net_ddp.parameters()))
+    gm_ms, ddp_ms = (statistics.median(times[v]) * 1e3 for v in ("gradmgr", "ddp"))
+    return name, sum(1 for _ in net_gm.parameters()), steps, gm_ms, ddp_ms, same
 
 
+# ---------------------------------------------------------------------------------- memory
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def memory_main(rank: int, world: int, port: int, variant: str, device_name: str,
+                out: str) -> None:
+    device = init(rank, port, device_name)
+    try:
+        torch.manual_seed(0)
+        net = memory_model().to(device)
+        x = torch.randn(BATCH, 2048, device=device)
+        y = torch.randn(BATCH, 2048, device=device)
+        dist.barrier()
+        sync(device)
+        # Everything from here on counts: DDP's buckets, gradmgr's, gradients, activations.
+        if device.type == "cuda":
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            base = _rss()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current resident set
+        if variant == "gradmgr":
+            gm = GradManager().attach(net.parameters(), callbacks=[make_allreduce_cb("mean")])
+            model = net
+        else:
+            model = DDP(net, gradient_as_bucket_view=variant == "ddp-bucket-view")
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+
+        def step() -> None:
+            if variant == "gradmgr":
+                with gm:
+                    gm.backward(((model(x) - y) ** 2).mean())
+            else:
+                ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(4):
+            step()
+        sync(device)
+        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _hwm())
+        dist.barrier()
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(str(peak - base))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_memory(runs: int, device: str) -> Dict[str, float]:
+    variants = ["ddp", "ddp-bucket-view", "gradmgr"]
+    results: Dict[str, List[int]] = {v: [] for v in variants}
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(runs):
+            for variant in variants[run % 3:] + variants[:run % 3]:  # rotate the order
+                out = os.path.join(tmp, f"{variant}-{run}")
+                code = spawn_local(memory_main, dist_world(device), variant, device, out)
+                if code:
+                    raise RuntimeError(f"memory run of {variant} failed")
+                with open(out) as f:
+                    results[variant].append(int(f.read()))
+    return {v: statistics.median(r) / 2**20 for v, r in results.items()}
+
+
+# ---------------------------------------------------------------------------------- main
 def main(argv: list = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--memory-runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="30 steps, 1 memory run")
     args = parser.parse_args(argv)
-    return spawn_local(rank_main, 2, args.steps, args.warmup)
+    steps, runs = (30, 1) if args.quick else (args.steps, args.memory_runs)
+    print(machine_info(["torch"]))
+    world = dist_world(args.device)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(f"setup: {world} ranks, {backend} on 127.0.0.1, 1 thread each, batch {BATCH} per rank, "
+          f"SGD; DDP with default settings for the time")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "time")
+        if spawn_local(time_main, world, steps, args.device, out):
+            return 1
+        with open(out) as f:
+            rows = [line.split() for line in f]
+    print(f"\n{'model':>14} {'tensors':>7} {'steps':>5} {'gradmgr ms':>10} {'DDP ms':>8} "
+          f"{'ratio':>6}  params equal")
+    for name, tensors, n, gm_ms, ddp_ms, same in rows:
+        ratio = float(gm_ms) / float(ddp_ms)
+        print(f"{name:>14} {tensors:>7} {n:>5} {float(gm_ms):>10.3f} {float(ddp_ms):>8.3f} "
+              f"{ratio:>6.3f}  {same}")
+        verdict = "OK" if ratio <= TIME_TARGET else "MISS"
+        print(f"{RESULT_PREFIX} ddp {args.device} {name} gradmgr/DDP time {ratio:.3f} "
+              f"(target <= {TIME_TARGET}) {verdict}")
+    peaks = measure_memory(runs, args.device)
+    kind = "max_memory_allocated" if args.device == "cuda" else "peak RSS (VmHWM)"
+    print(f"\nmemory: 8 x Linear(2048, 2048), {world} ranks, {kind} above the model, "
+          f"median of {runs} run(s) per variant")
+    for variant, mib in peaks.items():
+        print(f"{variant:>16}: {mib:8.1f} MiB")
+    for ref in ("ddp-bucket-view", "ddp"):
+        ratio = peaks["gradmgr"] / peaks[ref]
+        target = f"(target <= {MEMORY_TARGET}) " if ref == "ddp-bucket-view" else ""
+        verdict = ("OK" if ratio <= MEMORY_TARGET else "MISS") if target else ""
+        print(f"{RESULT_PREFIX} ddp {args.device} memory gradmgr/{ref} {ratio:.3f} "
+              f"{target}{verdict}".rstrip())
+    return 0
 
 
 if __name__ == "__main__":
