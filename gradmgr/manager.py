@@ -532,31 +532,41 @@ class GradManager:
 
     def _accumulate_gradients(self) -> None:
         """Resolve Futures and check what they give, then accumulate every gradient (so a
-        failure leaves every ``.grad`` as it was)."""
+        failure leaves every ``.grad`` as it was).
+
+        The manager lets go of each gradient before handing it to the backend, so that a
+        backend can tell from reference counts whether anybody else still holds it (PyTorch's
+        AccumulateGrad then stores it without a copy, and so does gradmgr)."""
         backend, specs = self._backend, self._specs
         is_tensor, grad_problem = backend.is_tensor, backend.grad_problem
-        ready = []
-        for key, grad in self._gradients.items():
+        gradients, self._gradients = self._gradients, {}
+        ready: List[Any] = []
+        for key, delivered in gradients.items():
             spec = specs.get(key)
             tensor = spec.tensor() if spec is not None else None
             if tensor is None:
                 continue
             replace = False
-            if not is_tensor(grad):  # a Future: anything else was refused when delivered
-                replace = getattr(grad, "replaces_grad", False)
-                grad = grad.get()
-                if replace and grad is None:
+            if not is_tensor(delivered):  # a Future: anything else was refused when delivered
+                replace = getattr(delivered, "replaces_grad", False)
+                delivered = delivered.get()
+                if replace and delivered is None:
                     continue  # nothing to deliver (a data-parallel tensor unused everywhere)
-                if not is_tensor(grad) or grad_problem(tensor, grad) is not None:
-                    self._check_result(key, tensor, grad,
+                if not is_tensor(delivered) or grad_problem(tensor, delivered) is not None:
+                    self._check_result(key, tensor, delivered,
                                        f"the Future from {_source(self._future_sources.get(key))}")
-            ready.append((tensor, grad, replace))
+            ready.append((tensor, delivered, replace))
+        delivered = None
+        gradients.clear()
         accumulate, set_grad = backend.accumulate, backend.set_grad
-        for tensor, grad, replace in ready:
+        for i in range(len(ready)):
+            tensor, grad, replace = ready[i]
+            ready[i] = None
             if replace:
                 set_grad(tensor, grad)
             else:
                 accumulate(tensor, grad)
+            grad = None
 
     def _check_outputs(self, y: Any, dy: Any) -> tuple:
         backend = self._backend

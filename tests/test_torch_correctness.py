@@ -420,3 +420,25 @@ def test_engine_does_not_hold_a_gradient_a_callback_replaced():
     with gm:
         gm.backward(model(torch.randn(4, 8)).square().sum())
     assert len(alive_later) == 4 and alive_later[-1] == 0, alive_later
+
+
+def test_an_unshared_gradient_is_stored_without_a_copy_and_a_kept_one_is_copied():
+    """AccumulateGrad's rule: store the gradient itself when nobody else can see it."""
+    w = torch.ones(64, 64, requires_grad=True)
+    made = {}
+
+    def fresh(t, g):
+        out = g * 2
+        made["ptr"] = out.data_ptr()
+        return out
+
+    gm = GradManager().attach(w, callbacks=fresh)
+    with gm:
+        gm.backward((w * 3).sum())
+    assert w.grad.data_ptr() == made["ptr"], "an unshared gradient was copied"
+    kept = []
+    w.grad = None
+    gm2 = GradManager().attach(w, callbacks=lambda t, g: (kept.append(g * 2), kept[-1])[1])
+    with gm2:
+        gm2.backward((w * 3).sum())
+    assert storage(w.grad) != storage(kept[0]) and torch.equal(w.grad, kept[0])
