@@ -246,9 +246,12 @@ class MegEngineBackend(Backend):
             tensor.grad += grad
 
     def grad_problem(self, tensor: Any, grad: Any) -> Optional[str]:
-        # MegEngine's += would broadcast a wrong shape and promote a wrong dtype silently.
-        if (grad.shape == tensor.shape and grad.dtype == tensor.dtype
-                and grad.device == tensor.device):
+        # MegEngine's += would broadcast a wrong shape and promote a wrong dtype silently. Its
+        # engine gives a 0-d tensor a gradient of shape (1,) (and the native manager stores
+        # it), so () and (1,) match each other, as for seeds.
+        if (grad.dtype == tensor.dtype and grad.device == tensor.device
+                and (grad.shape == tensor.shape
+                     or (self.shape(grad) in _ONE_ELEMENT and self.shape(tensor) in _ONE_ELEMENT))):
             return None
         return f"got {self.describe(grad)}, but the tensor has {self.describe(tensor)}"
 
