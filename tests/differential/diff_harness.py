@@ -15,12 +15,13 @@ same data in the same order, so any difference is a semantic one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from diff_interp import Engine, build, make_leaves
+from diff_interp import Engine, add_leaf_hooks, build, make_leaves
 from diff_program import Callback, Program
 
 from gradmgr import Future, get_backwarding_grad_manager, is_future
@@ -148,6 +149,7 @@ class StepResult:
     grads: Dict[int, Optional[np.ndarray]]  # attached value number -> .grad
     others: Dict[int, Optional[np.ndarray]]  # leaves not attached -> .grad
     flags: Dict[int, bool] = field(default_factory=dict)  # torch: requires_grad after release
+    reached: Optional[set] = None  # reference: the attached values that got a gradient
 
 
 @dataclass
@@ -166,6 +168,7 @@ class Trace:
     after: List[AfterObs] = field(default_factory=list)
     storage: List[str] = field(default_factory=list)
     layout: List[str] = field(default_factory=list)
+    post: List[Tuple[int, int, Optional[np.ndarray]]] = field(default_factory=list)
     error: Optional[BaseException] = None
 
     def grad(self, vid: int, step: int = -1) -> Optional[np.ndarray]:
@@ -243,6 +246,7 @@ def run_managed(
     wrap_chain: Optional[Callable[[int, List[Callable]], List[Callable]]] = None,
     prepare: Optional[Callable[[List[Any]], None]] = None,
     after_backward: bool = True,
+    bystander: Optional[str] = None,
 ) -> Trace:
     """Run ``program`` for ``len(schedule)`` steps through the manager ``factory()`` makes.
 
@@ -250,6 +254,10 @@ def run_managed(
     results inside it, right after they are created. One after-backward callback records what
     it sees. An exception ends the run and is kept in ``trace.error``. ``wrap_chain(vid,
     chain)`` may add callbacks of a test's own (not logged); ``prepare(leaves)`` runs first.
+    ``bystander``: a second manager attaches the same leaves with logging callbacks and never
+    backwards: ``"idle"`` (never records), ``"outer"`` (records around every step, so it records
+    this manager's backward: higher order), ``"inner"`` (records inside every step). Its
+    callbacks must never run.
     """
     leaves = leaves if leaves is not None else make_leaves(program, eng, reference=False)
     if prepare is not None:
@@ -266,11 +274,28 @@ def run_managed(
         expect_tensor(chain, tensor)
         if wrap_chain is not None:
             chain = wrap_chain(vid, chain)
+        if program.split_attach:
+            gm.attach(tensor, callbacks=chain[: len(chain) // 2])
+            chain = chain[len(chain) // 2:]
         gm.attach(tensor, callbacks=chain)
 
+    add_leaf_hooks(program, leaves, before=True)
     for vid in program.attached_leaves():
         if not program.leaves[vid].late:
             attach(vid, leaves[vid])
+    add_leaf_hooks(program, leaves, before=False)
+    if program.post_hooks:
+        for vid, leaf in enumerate(program.leaves):
+            if leaf.kind in ("param", "free"):
+                leaves[vid].register_post_accumulate_grad_hook(
+                    lambda t, vid=vid: trace.post.append(
+                        (state["step"], vid, _np(eng, eng.grad(t)))))
+    other = None
+    if bystander is not None:
+        other = factory()
+        for vid in program.attached_leaves():
+            other.attach(leaves[vid], callbacks=make_chain(
+                (Callback("identity"),), vid, log, eng, "bystander"))
 
     def observe():
         step = state["step"]
@@ -298,9 +323,14 @@ def run_managed(
                 attach(vid, tensor)
 
         try:
-            with gm:
-                built = build(program, eng, leaves, on_attach, checkpoint)
-                gm.backward(built.y, built.dy)
+            with contextlib.ExitStack() as stack:
+                if bystander == "outer":
+                    stack.enter_context(other)
+                with gm:
+                    if bystander == "inner":
+                        stack.enter_context(other)
+                    built = build(program, eng, leaves, on_attach, checkpoint)
+                    gm.backward(built.y, built.dy)
             trace.steps.append(step_result(program, eng, leaves, objs))
         except Exception as exc:  # noqa: BLE001 - compared with the reference's outcome
             trace.error = exc
@@ -505,7 +535,8 @@ def check_layout(got: Trace) -> None:
     assert not got.layout, "S6: .grad layout:\n" + "\n".join(got.layout)
 
 
-def check_run(got: Trace, ref: Trace, n_steps: int, after_backward: bool = True) -> None:
+def check_run(got: Trace, ref: Trace, n_steps: int, after_backward: bool = True,
+              program: Optional[Program] = None) -> None:
     """Every check of one :func:`run_managed` run against its reference (each fails from its
     own line), and no recording or backward left behind in this thread."""
     from gradmgr import _state
@@ -520,7 +551,35 @@ def check_run(got: Trace, ref: Trace, n_steps: int, after_backward: bool = True)
     check_storage(got)
     check_layout(got)
     check_flags(got, ref)
+    check_bystander(got)
+    if program is not None:
+        check_post_hooks(got, ref, program)
     assert not _state.state.recording and not _state.state.backwarding, "state left behind"
+
+
+def check_bystander(got: Trace) -> None:
+    """A manager that never backwards never runs a callback."""
+    ran = [(c.step, c.vid) for c in got.call_facts if c.manager == "bystander"]
+    assert not ran, f"a manager that never called backward() ran callbacks: {ran}"
+
+
+def check_post_hooks(got: Trace, ref: Trace, program: Program) -> None:
+    """Post-accumulate-grad hooks (torch) run once per backward for each leaf that got a
+    gradient, after it was accumulated (they see the final ``.grad``), and never for a leaf
+    that got none or is not attached."""
+    if not program.post_hooks or ref.error is not None:
+        return
+    hooked = {v for v, leaf in enumerate(program.leaves) if leaf.kind in ("param", "free")}
+    for step, (g, r) in enumerate(zip(got.steps, ref.steps)):
+        calls = sorted((v, a) for s, v, a in got.post if s == step)
+        want = sorted(hooked & r.reached)
+        assert [v for v, _ in calls] == want, (
+            f"step {step}: post-accumulate-grad hooks ran for {[f'v{v}' for v, _ in calls]}, "
+            f"expected once for each of {[f'v{v}' for v in want]}")
+        stale = [v for v, a in calls if not same_bits(a, g.grads.get(v))]
+        assert not stale, (
+            f"step {step}: post-accumulate-grad hooks of {stale} saw a .grad other than the "
+            f"final one")
 
 
 def check_some_gradient(ref: Trace) -> None:

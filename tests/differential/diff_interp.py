@@ -294,12 +294,14 @@ def build(
     leaves: List[Any],
     on_attach: Optional[OnAttach] = None,
     checkpoint: Optional[str] = None,
+    on_made: Optional[OnAttach] = None,
 ) -> Built:
     """Run the program's ops on ``leaves`` and make its outputs.
 
     ``on_attach(vid, tensor)`` is called for late-attached leaves before any op and for every
     attached op result right after its op. ``checkpoint`` (torch): None runs the segment
     inline, ``"reentrant"`` / ``"non_reentrant"`` run it through ``torch.utils.checkpoint``.
+    ``on_made(vid, tensor)`` is called for every op result once its hooks are registered.
     """
     values: List[Any] = list(leaves)
     if on_attach is not None:
@@ -313,17 +315,38 @@ def build(
             _run_checkpointed(program, eng, values, checkpoint)
             i = seg[1]
             continue
-        _run_op(program, eng, values, i, on_attach)
+        _run_op(program, eng, values, i, on_attach, on_made)
         i += 1
     return outputs(program, eng, values)
 
 
-def _run_op(program, eng, values, i, on_attach) -> None:
+def _run_op(program, eng, values, i, on_attach, on_made=None) -> None:
     op = program.ops[i]
     result = eng.apply(op, [values[a] for a in op.args])
     values.append(result)
+    vid = program.vid_of_op(i)
+    hook = program.hook_of(vid)
+    if hook is not None and hook[1]:
+        add_hook(result, hook[0])
     if op.attach and on_attach is not None:
-        on_attach(program.vid_of_op(i), result)
+        on_attach(vid, result)
+    if hook is not None and not hook[1]:
+        add_hook(result, hook[0])
+    if on_made is not None:
+        on_made(vid, result)
+
+
+def add_hook(t: Any, factor: float) -> None:
+    """A user's tensor hook (torch) that scales the gradient."""
+    t.register_hook(lambda g: g * factor)
+
+
+def add_leaf_hooks(program: Program, leaves: List[Any], before: Optional[bool] = None) -> None:
+    """The program's hooks on leaves: those registered before attach() (``before=True``),
+    after it (``False``), or all (None)."""
+    for vid, factor, first in program.hooks:
+        if vid < program.n_leaves and before in (None, first):
+            add_hook(leaves[vid], factor)
 
 
 def _run_checkpointed(program: Program, eng: Engine, values: List[Any], mode: str) -> None:

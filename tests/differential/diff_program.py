@@ -19,8 +19,8 @@ callback chain. In-place ops (``add_const_``, ``mul_const_``, ``add_``) only tar
 values that nothing has used yet and whose producer does not save its output for backward
 (otherwise autograd would refuse the program on both sides); the old value number is dead
 afterwards. With ``inplace_attached`` the target may also be an attached intermediate (and one
-often follows its attach directly): MegEngine's semantics (S8) say the gradient is then the
-one of the *snapshot* taken at attach.
+follows every attach of a value that allows it): MegEngine's semantics (S8) say the gradient is
+then the one of the *snapshot* taken at attach.
 """
 
 from __future__ import annotations
@@ -104,6 +104,11 @@ class Program:
     # in ``closure`` are captured by the segment function instead of passed as arguments
     segment: Optional[Tuple[int, int]] = None
     closure: Tuple[int, ...] = ()
+    # torch: user tensor hooks (vid, factor, registered before attach()) that scale the
+    # gradient, and post-accumulate-grad hooks on every leaf that requires grad
+    hooks: Tuple[Tuple[int, float, bool], ...] = ()
+    post_hooks: bool = False
+    split_attach: bool = False  # each chain attached in two attach() calls (S2: appended)
 
     # -- derived facts ------------------------------------------------------------------
     @property
@@ -179,7 +184,20 @@ class Program:
             lines.append("(dy of shape (1,) for a 0-d y and () for a (1,) y)")
         if self.closure:
             lines.append(f"checkpoint closure: {[f'v{v}' for v in self.closure]}")
+        for v, factor, before in self.hooks:
+            lines.append(f"v{v}.register_hook(lambda g: g * {factor}) "
+                         f"{'before' if before else 'after'} attach()")
+        if self.post_hooks:
+            lines.append("post-accumulate-grad hooks on the leaves that require grad")
+        if self.split_attach:
+            lines.append("each callback chain attached in two attach() calls")
         return "\n".join(lines)
+
+    def hook_of(self, vid: int) -> Optional[Tuple[float, bool]]:
+        for v, factor, before in self.hooks:
+            if v == vid:
+                return factor, before
+        return None
 
 
 def _chain_text(chain: Sequence[Callback]) -> str:
@@ -404,9 +422,10 @@ def programs(
     force_leaf0_term: bool = False,
     checkpoint: bool = False,
     late_leaves: bool = True,
+    hooks: bool = True,
 ) -> Program:
     """A random program. ``framework`` restricts what only one framework has (leaf layouts,
-    float64, the ``clone`` callback are torch only)."""
+    float64, the ``clone`` callback, tensor hooks are torch only)."""
     torch = framework == "torch"
     a, b, c = (draw(st.integers(1, 4)) for _ in range(3))
     pool = [(a,), (b,), (a, b), (b, c), (b, a), (1, b), (a, 1), (), (a, b, c)]
@@ -462,14 +481,14 @@ def programs(
             ok = name not in SAVES_OUTPUT and name not in VIEWS
         reach = any(s.reach[v] for v in args)
         can_attach = attach_ops and not in_seg and not target_attached
-        attach = can_attach and draw(st.integers(0, 3)) == 3
+        attach = can_attach and draw(st.integers(0, 1 if inplace_attached else 3)) >= 1 + \
+            (0 if inplace_attached else 2)
         graph = any(s.graph[v] for v in args)
         leafy = (attach and not graph) or (name in INPLACE and s.leafy[args[0]])
         s.add(shape, inplace_ok=ok, attached=attach or target_attached, reach=reach,
               graph=graph or attach, leafy=leafy, in_segment=in_seg)
         op_list.append(Op(name, args, params, attach))
-        if inplace_attached and attach and ok and not leafy and segment is None \
-                and draw(st.booleans()):
+        if inplace_attached and attach and ok and not leafy and segment is None:
             # the case in point: an in-place op right on the attached tensor
             vid = len(s.shapes) - 1
             s.consumed[vid] = s.dead[vid] = True
@@ -527,10 +546,25 @@ def programs(
                    if a < n_leaves + segment[0]}
         closure = tuple(sorted(v for v in outside if draw(st.booleans())))
 
+    hook_specs: List[Tuple[int, float, bool]] = []
+    post_hooks = False
+    if torch and hooks:
+        # a tensor hook needs a tensor that requires grad when it is registered
+        # (not on a tensor an in-place op changes later: which version it hooks is moot)
+        hookable = [v for v in range(n_leaves) if leaves[v].kind == "param"] + [
+            n_leaves + i for i, op in enumerate(op_list)
+            if op.attach and not s.leafy[n_leaves + i] and not s.dead[n_leaves + i]]
+        for v in hookable:
+            if draw(st.integers(0, 4)) == 4:
+                hook_specs.append((v, draw(st.sampled_from((2.0, -1.0, 0.5))), draw(st.booleans())))
+        post_hooks = draw(st.integers(0, 2)) == 2
+    split = draw(st.integers(0, 3)) == 3
+
     dtype = draw(st.sampled_from(("float32", "float64"))) if torch else "float32"
     return Program(tuple(leaves), tuple(op_list), output, tuple(chains),
                    seed=draw(st.integers(0, 2**16)), dtype=dtype, segment=segment,
-                   closure=closure)
+                   closure=closure, hooks=tuple(hook_specs), post_hooks=post_hooks,
+                   split_attach=split)
 
 
 def segment_io(program: Program) -> Tuple[List[int], List[int]]:
@@ -598,7 +632,7 @@ def two_manager_cases(draw, framework: str = "torch", modes: Sequence[str] = TWO
                       **program_kwargs) -> TwoManagers:
     mode = draw(st.sampled_from(tuple(modes)))
     kinds = ("loss", "loss", "loss_dy", "tensors", "tensor")
-    program = draw(programs(framework, callbacks=False, attach_ops=False,
+    program = draw(programs(framework, callbacks=False, attach_ops=False, hooks=False,
                             output_kinds=kinds, force_leaf0_term=True, **program_kwargs))
     candidates = program.attached_leaves()
     chains = callback_chains(framework, max_len=2)
@@ -620,3 +654,9 @@ def two_manager_cases(draw, framework: str = "torch", modes: Sequence[str] = TWO
     extra = draw(st.sampled_from(extra_options)) if mode == "group" else draw(
         st.none() | st.sampled_from(extra_options))
     return TwoManagers(program, mode, first, second, draw(st.sampled_from(PENALTIES)), extra)
+
+
+def inplace_on_attached(program: Program) -> bool:
+    """Some in-place op modifies a value after it was attached."""
+    attached = set(program.attached())
+    return any(op.name in INPLACE and op.args[0] in attached for op in program.ops)

@@ -7,6 +7,11 @@ accumulate into tensors of their own (``g.clone()`` first, ``acc + g`` later), s
 nothing with the run under test. An attached intermediate is differentiated through
 ``torch.autograd.graph.get_gradient_edge`` taken when it is attached: MegEngine's snapshot
 semantics (S8), which differ from the tensor's current version only after an in-place op on it.
+An attached intermediate with a user tensor hook gets the gradient *after* its hooks, taken by a
+hook of the reference's own registered last: what ``retain_grad()`` and AccumulateGrad see, and
+what gradmgr documents. (``torch.autograd.grad`` itself returns a non-leaf input's gradient
+after its hooks when the engine stops there, but before them when it goes on to other inputs
+through that node.)
 
 MegEngine: the reference is MegEngine's own ``megengine.autodiff.GradManager`` driven by the
 same runner as gradmgr (:func:`diff_harness.run_managed`, :func:`diff_harness.run_two_managers`)
@@ -29,7 +34,7 @@ from diff_harness import (
     resolve,
     second_loss,
 )
-from diff_interp import TorchEngine, build, make_leaves
+from diff_interp import TorchEngine, add_leaf_hooks, build, make_leaves
 from diff_program import Program
 
 
@@ -62,6 +67,7 @@ def reference_program(program: Program, schedule: Sequence[Any], *,
 
     eng = TorchEngine()
     leaves = leaves if leaves is not None else make_leaves(program, eng, reference=True)
+    add_leaf_hooks(program, leaves)
     n = program.n_leaves
     log = CallLog()
     acc: Dict[int, Any] = {v: None for v in program.attached_leaves()}
@@ -81,12 +87,22 @@ def reference_program(program: Program, schedule: Sequence[Any], *,
                 t.requires_grad_(True)
             inputs.append((vid, t, torch.autograd.graph.get_gradient_edge(t)))
 
-        built = build(program, eng, leaves, on_attach)
+        captured: Dict[int, Any] = {}
+
+        def on_made(vid, t, captured=captured):
+            if program.hook_of(vid) is not None and vid in program.attached_ops():
+                t.register_hook(lambda grad, vid=vid: captured.__setitem__(vid, grad))
+
+        built = build(program, eng, leaves, on_attach, on_made=on_made)
         grads = engine_grads(built.ys, built.dys, [x for _, _, x in inputs])
+        # an intermediate with a user hook: the gradient after the hooks (see the docstring)
+        grads = [captured.get(vid, g) for (vid, _, _), g in zip(inputs, grads)]
         made: Dict[int, Any] = {v: None for v in program.attached_ops()}
+        reached = set()
         for (vid, tensor, _), g in zip(inputs, grads):
             if g is None:
                 continue
+            reached.add(vid)
             g = run_chain(program.chain(vid), vid, tensor, g, log, eng, label)
             if vid < n:
                 acc[vid] = g.clone() if acc[vid] is None else acc[vid] + g
@@ -96,7 +112,7 @@ def reference_program(program: Program, schedule: Sequence[Any], *,
         attached = set(program.attached_leaves())
         trace.steps.append(StepResult(
             result, {v: None for v in range(n) if v not in attached},
-            expected_flags(program, frozen_after(schedule, step))))
+            expected_flags(program, frozen_after(schedule, step)), reached))
     finish_calls(trace, log, eng)
     return trace
 

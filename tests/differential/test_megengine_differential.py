@@ -23,6 +23,7 @@ pytest.importorskip("megengine")
 
 from diff_harness import (  # noqa: E402
     check_after_backward,
+    check_bystander,
     check_callbacks,
     check_grads,
     check_outcome,
@@ -32,7 +33,7 @@ from diff_harness import (  # noqa: E402
     run_two_managers,
 )
 from diff_interp import MgeEngine  # noqa: E402
-from diff_program import programs, two_manager_cases  # noqa: E402
+from diff_program import inplace_on_attached, programs, two_manager_cases  # noqa: E402
 from diff_reference import native_megengine  # noqa: E402
 from diff_settings import differential_settings  # noqa: E402
 from hypothesis import given, note  # noqa: E402
@@ -58,31 +59,38 @@ def mge_synchronous():
     megengine.config.async_level = level
 
 
-def compare(program, schedule, after_backward=True):
+def compare(program, schedule, after_backward=True, bystander=None):
     native = run_managed(program, ENG, schedule, native_megengine, eager=True,
-                         check_backwarding=False, after_backward=after_backward)
+                         check_backwarding=False, after_backward=after_backward,
+                         bystander=bystander)
     got = run_managed(program, ENG, schedule, gradmgr.GradManager,
-                      after_backward=after_backward)
+                      after_backward=after_backward, bystander=bystander)
     check_outcome(got, native)
     check_some_gradient(native)
     check_grads(got, native)
     check_unattached(got, native)
     check_callbacks(got, native, "gm", "gm")
+    check_bystander(native)  # the harness's own sanity
+    check_bystander(got)
     if after_backward and native.error is None:
         check_after_backward(native, len(schedule))  # the harness's own sanity
         check_after_backward(got, len(schedule))
     assert not _state.state.recording and not _state.state.backwarding, "state left behind"
 
 
+BYSTANDERS = st.sampled_from((None, None, "idle", "outer", "inner"))
+
+
 @differential_settings(50)
-@given(program=programs("megengine"))
-def test_program_matches_native_grad_manager(program):
+@given(program=programs("megengine"), bystander=BYSTANDERS)
+def test_program_matches_native_grad_manager(program, bystander):
+    """``bystander``: another manager attached to the same tensors that never backwards."""
     note(program.pretty())
-    compare(program, ["start"])
+    compare(program, ["start"], bystander=bystander)
 
 
 @differential_settings(25)
-@given(program=programs("megengine", inplace_attached=True))
+@given(program=programs("megengine", inplace_attached=True).filter(inplace_on_attached))
 def test_inplace_on_an_attached_intermediate(program):
     """S8 on MegEngine: an in-place op on an attached intermediate after its attach."""
     note(program.pretty())
@@ -90,14 +98,14 @@ def test_inplace_on_an_attached_intermediate(program):
 
 
 @differential_settings(25)
-@given(data=st.data(), after_backward=st.booleans())
-def test_accumulation_over_steps(data, after_backward):
+@given(data=st.data(), after_backward=st.booleans(), bystander=BYSTANDERS)
+def test_accumulation_over_steps(data, after_backward, bystander):
     program = data.draw(programs("megengine"), label="program")
     schedule = ["start"] + data.draw(
         st.lists(st.sampled_from(("keep", "none", "zero")), min_size=1, max_size=3),
         label="schedule")
     note(program.pretty())
-    compare(program, schedule, after_backward)
+    compare(program, schedule, after_backward, bystander)
 
 
 @differential_settings(30)

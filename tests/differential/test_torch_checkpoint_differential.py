@@ -69,7 +69,7 @@ def test_non_reentrant_checkpoint_matches_plain_backward(program):
     note(program.pretty())
     ref = reference_program(program, ["start"])
     got = _run(program, "non_reentrant")
-    check_run(got, ref, 1)
+    check_run(got, ref, 1, program=program)
 
 
 @differential_settings(40)
@@ -84,4 +84,4 @@ def test_reentrant_checkpoint_is_exact_or_refused(program):
     if isinstance(got.error, gradmgr.UnsupportedGraphError):
         assert "use_reentrant=False" in str(got.error)
         return
-    check_run(got, ref, 1)
+    check_run(got, ref, 1, program=program)

@@ -28,7 +28,7 @@ from diff_harness import (  # noqa: E402
     run_two_managers,
 )
 from diff_interp import TorchEngine  # noqa: E402
-from diff_program import Program, programs, two_manager_cases  # noqa: E402
+from diff_program import Program, inplace_on_attached, programs, two_manager_cases  # noqa: E402
 from diff_reference import reference_program, reference_two_managers  # noqa: E402
 from diff_settings import differential_settings  # noqa: E402
 from hypothesis import given, note  # noqa: E402
@@ -54,18 +54,24 @@ def schedules(draw, program: Program, torch_only: bool = True) -> list:
     return ["start"] + draw(st.lists(st.sampled_from(actions), min_size=1, max_size=3))
 
 
+BYSTANDERS = st.sampled_from((None, None, "idle", "outer", "inner"))
+
+
 @differential_settings(70)
-@given(program=programs("torch"), after_backward=st.booleans())
-def test_program_matches_autograd(program, after_backward):
+@given(program=programs("torch"), after_backward=st.booleans(), bystander=BYSTANDERS)
+def test_program_matches_autograd(program, after_backward, bystander):
+    """One backward; ``bystander``: another manager attached to the same leaves that never
+    backwards (idle, recording around this one: higher order, or recording inside it)."""
     note(program.pretty())
     ref = reference_program(program, ["start"])
     got = run_managed(program, ENG, ["start"], gradmgr.GradManager,
-                      after_backward=after_backward)
-    check_run(got, ref, 1, after_backward)
+                      after_backward=after_backward, bystander=bystander)
+    check_run(got, ref, 1, after_backward, program)
 
 
 @differential_settings(30)
-@given(program=programs("torch", inplace_attached=True), after_backward=st.booleans())
+@given(program=programs("torch", inplace_attached=True).filter(inplace_on_attached),
+       after_backward=st.booleans())
 def test_inplace_on_an_attached_intermediate_uses_its_snapshot(program, after_backward):
     """S8: attaching snapshots the tensor; an in-place op on it afterwards is an operation on
     the snapshot, so its gradient is the snapshot's (MegEngine's native manager agrees, see
@@ -75,12 +81,12 @@ def test_inplace_on_an_attached_intermediate_uses_its_snapshot(program, after_ba
     ref = reference_program(program, ["start"])
     got = run_managed(program, ENG, ["start"], gradmgr.GradManager,
                       after_backward=after_backward)
-    check_run(got, ref, 1, after_backward)
+    check_run(got, ref, 1, after_backward, program)
 
 
 @differential_settings(35)
-@given(data=st.data(), after_backward=st.booleans())
-def test_accumulation_over_steps(data, after_backward):
+@given(data=st.data(), after_backward=st.booleans(), bystander=BYSTANDERS)
+def test_accumulation_over_steps(data, after_backward, bystander):
     """Several steps on the same leaves: accumulation, both zero_grad styles, frozen params;
     the after-backward callback sees every step's ``.grad`` still untouched."""
     program = data.draw(programs("torch"), label="program")
@@ -88,8 +94,8 @@ def test_accumulation_over_steps(data, after_backward):
     note(program.pretty())
     ref = reference_program(program, schedule)
     got = run_managed(program, ENG, schedule, gradmgr.GradManager,
-                      after_backward=after_backward)
-    check_run(got, ref, len(schedule), after_backward)
+                      after_backward=after_backward, bystander=bystander)
+    check_run(got, ref, len(schedule), after_backward, program)
 
 
 @differential_settings(45)
@@ -124,7 +130,7 @@ def test_recording_under_no_grad(program):
         assert isinstance(got.error, RuntimeError), f"unexpected error: {got.error!r}"
         assert not _state.state.recording, "a failed recording left state behind"
         return
-    check_run(got, ref, 1)
+    check_run(got, ref, 1, program=program)
 
 
 @differential_settings(25)
