@@ -6,7 +6,7 @@ import contextlib
 import operator
 import threading
 import weakref
-from typing import Any, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 from .._state import get_backwarding_grad_manager
 from ..future import Future
@@ -19,6 +19,7 @@ from .transport import Handle, Transport, TransportSpec, check_transport, resolv
 _REDUCE = ("mean", "sum")
 _COMPRESSION = (None, "fp16", "bf16")
 _FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigger buckets
+_MAX_OPEN_STEPS = 1024  # steps begun but not flushed (split backwards pending, or no backward)
 
 
 class _Reduction:
@@ -55,10 +56,12 @@ class _Reduction:
 class _Step:
     """What one synced backward of one manager has gathered so far."""
 
-    __slots__ = ("record_id", "sync", "buffers", "filled", "count", "launched", "next_launch")
+    __slots__ = ("record_id", "plan", "sync", "buffers", "filled", "count", "launched",
+                 "next_launch")
 
     def __init__(self, record_id: int, plan: BucketPlan, sync: bool) -> None:
         self.record_id = record_id
+        self.plan = plan
         self.sync = sync
         self.buffers: List[Any] = [None] * len(plan.buckets)  # see TensorOps.new_buffer
         self.filled: List[List[bool]] = [[False] * len(b.members) for b in plan.buckets]
@@ -68,7 +71,7 @@ class _Step:
 
 
 class _ManagerState:
-    __slots__ = ("plan", "excluded", "epoch", "ops", "transport", "step", "used")
+    __slots__ = ("plan", "excluded", "epoch", "ops", "transport", "steps", "used")
 
     def __init__(self, ops: TensorOps) -> None:
         self.plan: Optional[BucketPlan] = None
@@ -76,7 +79,9 @@ class _ManagerState:
         self.epoch = -1  # the manager's attach_epoch the plan was made for
         self.ops = ops
         self.transport: Optional[Transport] = None
-        self.step: Optional[_Step] = None
+        # Steps by recording: a split backward finishes its step after the next recording
+        # has started its own (GradManager.backward_split).
+        self.steps: Dict[int, _Step] = {}
         self.used: Set[int] = set()  # ids with a local gradient since the last synced step
 
 
@@ -187,10 +192,10 @@ class AllreduceCallback:
             if state is None:
                 self.bind(gm)
                 state = self._states[gm]
-            step = state.step
-            if step is None or step.record_id != gm.step:
+            step = state.steps.get(gm.step)
+            if step is None:
                 step = self._prepare(gm, state, at_record=False)
-            where = state.plan.where.get(id(tensor))
+            where = step.plan.where.get(id(tensor))
             if where is None:
                 raise RuntimeError(
                     "allreduce callback: got a gradient for a tensor that was not trainable "
@@ -209,10 +214,10 @@ class AllreduceCallback:
             step.filled[b][slot] = True
             buffer = step.buffers[b]
             if buffer is None:
-                buffer = step.buffers[b] = state.ops.new_buffer(state.plan.buckets[b], tensor)
+                buffer = step.buffers[b] = state.ops.new_buffer(step.plan.buckets[b], tensor)
             buffer.put(slot, grad, state.ops.local_grad(tensor))
             step.count[b] += 1
-            if step.count[b] == len(state.plan.buckets[b].members):
+            if step.count[b] == len(step.plan.buckets[b].members):
                 self._launch_ready(state, step)
             return _Pending(step.launched, b, slot, False)
 
@@ -274,8 +279,11 @@ class AllreduceCallback:
                 or not _still_planned(state, plan)):
             self._plan(gm, state, first=plan is None, at_record=at_record)
         sync = self._sync and not is_paused(gm)
-        state.step = _Step(gm.step, state.plan, sync)
-        return state.step
+        steps = state.steps
+        if len(steps) >= _MAX_OPEN_STEPS:  # recordings released without a backward
+            del steps[min(steps)]
+        step = steps[gm.step] = _Step(gm.step, state.plan, sync)
+        return step
 
     def _plan(self, gm: Any, state: _ManagerState, first: bool, at_record: bool) -> None:
         ops = state.ops
@@ -296,7 +304,7 @@ class AllreduceCallback:
         state.epoch = gm.attach_epoch
 
     def _launch_ready(self, state: _ManagerState, step: _Step) -> None:
-        buckets = state.plan.buckets
+        buckets = step.plan.buckets
         while step.next_launch < len(buckets):
             b = step.next_launch
             if step.count[b] < len(buckets[b].members):
@@ -304,10 +312,10 @@ class AllreduceCallback:
             self._launch(state, step, b, ())
 
     def _launch(self, state: _ManagerState, step: _Step, b: int, unused: List[int]) -> None:
-        ops, bucket = state.ops, state.plan.buckets[b]
+        ops, bucket = state.ops, step.plan.buckets[b]
         buffer = step.buffers[b]
         if buffer is None:
-            buffer = ops.new_buffer(bucket, state.plan.tensors()[bucket.members[0]])
+            buffer = ops.new_buffer(bucket, step.plan.tensors()[bucket.members[0]])
         flat = buffer.finish(unused)
         step.buffers[b] = None
         if self.reduce == "mean":
@@ -323,10 +331,10 @@ class AllreduceCallback:
             state = self._states.get(gm)
             if state is None:
                 return
-            step = state.step
-            if step is None or step.record_id != gm.step:
+            step = state.steps.pop(gm.step, None)
+            if step is None:
                 step = self._prepare(gm, state, at_record=False)
-            state.step = None
+                del state.steps[gm.step]
             if not step.sync:
                 return
             missing = self._fill_missing(state, step)
@@ -339,9 +347,9 @@ class AllreduceCallback:
         holds (or zeros), flagged unused unless they had a gradient since the last sync; then
         every bucket not yet launched goes out."""
         missing = []
-        tensors = state.plan.tensors()
-        for b in range(step.next_launch, len(state.plan.buckets)):
-            bucket = state.plan.buckets[b]
+        tensors = step.plan.tensors()
+        for b in range(step.next_launch, len(step.plan.buckets)):
+            bucket = step.plan.buckets[b]
             unused = []
             for slot, position in enumerate(bucket.members):
                 if step.filled[b][slot]:
