@@ -21,6 +21,7 @@ from .errors import (
 from .future import Future, is_future
 from .manager import AttachSpec, GradManager, GradManagerGroup
 from .registry import backend_for, get_backend, register_backend
+from .split import DeferredBackward, UnfinishedBackwardWarning
 
 __version__ = "0.1.0"
 
@@ -31,11 +32,13 @@ __all__ = [
     "BackendNotFoundError",
     "CallbackResultError",
     "Capabilities",
+    "DeferredBackward",
     "Future",
     "GradManager",
     "GradManagerGroup",
     "GradMgrWarning",
     "Tape",
+    "UnfinishedBackwardWarning",
     "UnsupportedGraphError",
     "backend_for",
     "get_backend",

@@ -46,6 +46,9 @@ class Capabilities:
     backward_in_callback: bool = False
     """A callback may run another manager's whole record/backward. When False that raises a
     RuntimeError that says so."""
+    split_backward: bool = False
+    """``GradManager.backward_split`` works (the tape implements :meth:`Tape.backward_split`).
+    When False it raises UnsupportedGraphError."""
 
 
 class Tape(ABC):
@@ -103,6 +106,13 @@ class Tape(ABC):
         ``eager`` into ``.grad`` itself (exactly as :meth:`Backend.accumulate` would) instead
         of calling their sinks.
         """
+
+    def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
+                       retain_graph: bool) -> Any:
+        """Like :meth:`backward`, but feed only the sinks of the tensors in ``first`` now and
+        return an object whose ``run()`` feeds the others later (once, after :meth:`stop`;
+        None if there is nothing left). Only where ``capabilities.split_backward``."""
+        raise NotImplementedError("this backend cannot split a backward")
 
     @abstractmethod
     def stop(self) -> None:

@@ -9,9 +9,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 
 from . import _state
 from .backend import Backend, Tape
-from .errors import AttachError, CallbackResultError, GradMgrWarning
+from .errors import AttachError, CallbackResultError, GradMgrWarning, UnsupportedGraphError
 from .future import is_future
 from .registry import backend_for, imported_backends, resolve_backend
+from .split import DeferredBackward
 
 Callback = Callable[[Any, Any], Any]
 """``cb(tensor, grad) -> grad`` (or a Future of a grad)."""
@@ -83,6 +84,7 @@ class GradManager:
         # candidate, so that whichever it turns out to be has its place in the recording order.
         self._provisional: Dict[Backend, Tape] = {}
         self._record_order = -1
+        self._backward_step: Optional[int] = None  # a split backward's recording, in finish()
         self._group: Optional[GradManagerGroup] = None
         self._thread_state: Optional[_state.ThreadState] = None
         self._gradients: Dict[int, Any] = {}
@@ -296,9 +298,10 @@ class GradManager:
 
         The numbers are global, not per manager, so they are not consecutive; -1 before the
         first recording. A callback that batches work per backward (an allreduce bucket) can
-        use it to tell one step from the next.
+        use it to tell one step from the next. While a split backward finishes
+        (:meth:`DeferredBackward.finish`), it is that backward's recording.
         """
-        return self._record_order
+        return self._record_order if self._backward_step is None else self._backward_step
 
     def _start_provisional(self, candidates: List[Backend]) -> None:
         for backend in candidates:
@@ -508,15 +511,7 @@ class GradManager:
                 if len(recording) == 1:  # only this manager: nobody records this backward
                     create_graph = retain_graph = False
                 else:
-                    # A manager whose own backward is running (this one runs inside its
-                    # callback) can no longer differentiate anything recorded now.
-                    others = [m for m in recording if m is not self and not m._backwarding]
-                    create_graph = any(
-                        m._record_order < self._record_order
-                        and (self._group is None or m._group is not self._group)
-                        for m in others
-                    )
-                    retain_graph = bool(others)
+                    create_graph, retain_graph = self._nesting(recording)
                 self._tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
                                     may_accumulate=not self._after_backward_callbacks)
             for callback in self._after_backward_callbacks:
@@ -528,6 +523,143 @@ class GradManager:
             if scope is not None:
                 scope[0].exit_backward(scope[1])
             self.release()
+            stack.pop()
+
+    def _nesting(self, recording: List[GradManager]) -> tuple:
+        """``(create_graph, retain_graph)`` for this manager's backward while ``recording``
+        (this thread's recording managers) holds others too."""
+        # A manager whose own backward is running (this one runs inside its callback) can no
+        # longer differentiate anything recorded now.
+        others = [m for m in recording if m is not self and not m._backwarding]
+        create_graph = any(
+            m._record_order < self._record_order
+            and (self._group is None or m._group is not self._group)
+            for m in others
+        )
+        return create_graph, bool(others)
+
+    def backward_split(self, y: Any = None, dy: Any = None, *,
+                       first: Union[Any, Iterable[Any]]) -> DeferredBackward:
+        """A backward in two parts: the gradients of the attached tensors in ``first`` now, the
+        others when the returned object's ``finish()`` is called.
+
+        Made for pipeline schedules: ``first`` holds a stage's input activations (attached
+        while recording), whose gradients the previous stage waits for; the weights'
+        gradients can wait to fill idle time. This call runs the callbacks of the ``first``
+        tensors, resolves their Futures and accumulates their ``.grad``, then ends the
+        recording as :meth:`backward` does, so the next one can start. ``finish()`` computes
+        the other gradients (running their callbacks as they become ready, so a data-parallel
+        allreduce still overlaps), then runs the after-backward callbacks once, resolves
+        Futures and accumulates. Both parts together give what ``backward(y, dy)`` gives, bit
+        for bit where each weight's gradient arrives by one path. Attached tensors on a path to
+        a ``first`` tensor (an attached activation below it) are computed in the first part.
+
+        Example:
+            >>> import torch
+            >>> w = torch.full((3,), 2.0, requires_grad=True)
+            >>> gm = GradManager().attach(w)
+            >>> x = torch.ones(3)
+            >>> with gm:
+            ...     _ = gm.attach(x)                   # a stage input, attached while recording
+            ...     rest = gm.backward_split((w * x).sum(), first=[x])
+            >>> x.grad, w.grad
+            (tensor([2., 2., 2.]), None)
+            >>> rest.finish()
+            >>> w.grad
+            tensor([1., 1., 1.])
+
+        Raises:
+            ValueError: a ``first`` tensor is not attached.
+            UnsupportedGraphError: the backend cannot split a backward
+                (``capabilities.split_backward``), or an outer manager records this backward.
+        """
+        if not self._recording:
+            raise RuntimeError(
+                "no computation history to differentiate: call record() (or use `with gm:`) "
+                "before computing y, then backward_split(y, first=...) inside the recording"
+            )
+        thread_state = self._thread_state
+        stack = thread_state.backwarding
+        stack.append(self)
+        self._backwarding = True
+        scope = rest = None
+        step = self._record_order
+        try:
+            ys, dys = self._check_outputs(y, dy)
+            if self._provisional and self._backend is not None:
+                self._settle_backend()
+            first_list = self._check_first(first)
+            backend = self._backend
+            if backend is not None and not backend.capabilities.split_backward:
+                raise UnsupportedGraphError(
+                    f"the {backend.name} backend cannot split a backward (its engine has no way "
+                    f"to compute some gradients now and the others later); use backward()"
+                )
+            if backend is not None and backend.tracks_backwarding:
+                scope = (backend, backend.enter_backward(self))
+            if ys and self._taping:
+                recording = thread_state.recording
+                create_graph, retain_graph = (
+                    (False, False) if len(recording) == 1 else self._nesting(recording))
+                if create_graph:
+                    raise UnsupportedGraphError(
+                        "a manager that started recording earlier records this backward "
+                        "(higher-order derivatives), and a split backward cannot be "
+                        "differentiated; use backward() there"
+                    )
+                rest = self._tape.backward_split(ys, dys, first_list, retain_graph=retain_graph)
+            self._accumulate_gradients()
+        finally:
+            self._backwarding = False
+            if scope is not None:
+                scope[0].exit_backward(scope[1])
+            self.release()
+            stack.pop()
+        return DeferredBackward(self, rest, step)
+
+    def _check_first(self, first: Any) -> List[Any]:
+        items = [first] if backend_for(first) is not None else list(first)
+        for i, t in enumerate(items):
+            spec = self._specs.get(id(t))
+            if spec is None or spec.tensor() is not t:
+                what = (f"a tensor of {self._backend.describe(t)}"
+                        if self._backend is not None and backend_for(t) is self._backend
+                        else type(t).__name__)
+                raise ValueError(
+                    f"backward_split(first=...): item {i} ({what}) is not attached to this "
+                    f"manager; attach it first (an activation: attach it while recording, "
+                    f"right after computing it)"
+                )
+        return items
+
+    def _finish_split(self, rest: Any, step: int) -> None:
+        """:meth:`DeferredBackward.finish`: the rest of a split backward, in its own scope."""
+        if self._backwarding:
+            raise RuntimeError(
+                "cannot finish a split backward while a backward of the same manager runs; "
+                "finish it before or after"
+            )
+        stack = _state.state.backwarding
+        stack.append(self)
+        self._backwarding = True
+        self._backward_step = step
+        backend = self._backend
+        scope = None
+        try:
+            if backend is not None and backend.tracks_backwarding:
+                scope = (backend, backend.enter_backward(self))
+            if rest is not None:
+                rest.run()
+            for callback in self._after_backward_callbacks:
+                callback()
+            self._accumulate_gradients()
+        finally:
+            self._gradients = {}
+            self._future_sources = {}
+            self._backwarding = False
+            self._backward_step = None
+            if scope is not None:
+                scope[0].exit_backward(scope[1])
             stack.pop()
 
     def _accumulate_gradients(self) -> None:

@@ -19,6 +19,7 @@ from gradmgr import (
     Future,
     GradManager,
     GradMgrWarning,
+    UnsupportedGraphError,
     get_backwarding_grad_manager,
 )
 
@@ -561,3 +562,29 @@ def test_conv_batchnorm_matches_framework_autodiff(fw):
     for p, e in zip(params, expected):
         # conv + batch-norm reductions over 256 terms: allow 1e-4 relative
         np.testing.assert_allclose(fw.grad(p), e, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- split backward
+def test_split_backward_matches_backward_or_says_it_cannot(fw):
+    """Where the backend can split a backward, both parts give what one backward gives;
+    where it cannot (MegEngine), backward_split raises UnsupportedGraphError and leaves the
+    manager usable."""
+    w = fw.parameter([1.0, 2.0, 3.0])
+    gm = GradManager().attach(w)
+    x = fw.tensor([0.5, -1.0, 2.0])
+    if not _capabilities(fw).split_backward:
+        with gm, pytest.raises(UnsupportedGraphError, match="cannot split"):
+            gm.attach(x)
+            gm.backward_split(fw.sum(w * x * x), first=[x])
+        assert fw.grad(w) is None and get_backwarding_grad_manager() is None
+        with gm:
+            gm.backward(fw.sum(w * 2.0))
+        close(fw.grad(w), [2.0, 2.0, 2.0])
+        return
+    with gm:
+        gm.attach(x)
+        rest = gm.backward_split(fw.sum(w * x * x), first=[x])
+    close(fw.grad(x), [1.0, -4.0, 12.0])  # 2 w x
+    assert fw.grad(w) is None
+    rest.finish()
+    close(fw.grad(w), [0.25, 1.0, 4.0])  # x^2

@@ -810,3 +810,13 @@ def test_attach_errors_are_type_and_assertion_errors(fk):
         with pytest.raises(gradmgr.AttachError) as info:
             GradManager().attach(bad)
         assert isinstance(info.value, TypeError) and isinstance(info.value, AssertionError)
+
+
+def test_split_backward_without_the_capability_raises_and_releases(fk):
+    w = fk.tensor([1.0])
+    gm = GradManager().attach(w)
+    with pytest.raises(gradmgr.UnsupportedGraphError, match="cannot split"), gm:
+        gm.backward_split(sum_(w * 2.0), first=[w])
+    assert w.grad is None
+    with pytest.raises(ValueError, match="not attached"), gm:
+        gm.backward_split(sum_(w * 2.0), first=[fk.tensor([3.0])])

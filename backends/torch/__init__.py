@@ -24,8 +24,8 @@ this from node sequence numbers and warns (:mod:`.prerecord`).
 
 The modules: :mod:`.engine` (entering the engine), :mod:`.graph` (graph walks),
 :mod:`.flags` (requires_grad and grad-mode bookkeeping), :mod:`.prerecord` (the pre-record
-check), :mod:`.grads` (writing ``.grad``), :mod:`.tape` (:class:`TorchTape`); this module holds
-:class:`TorchBackend`.
+check), :mod:`.grads` (writing ``.grad``), :mod:`.split` (split backward), :mod:`.tape`
+(:class:`TorchTape`); this module holds :class:`TorchBackend`.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class TorchBackend(Backend):
         requires_grad_flag=True,
         threads=True,
         backward_in_callback=True,
+        split_backward=True,
     )
 
     def is_tensor(self, obj: Any) -> bool:

@@ -153,3 +153,89 @@ def _older_operations(parents: Dict[Any, List[Any]], target: Any, seq: Dict[Any,
                 if seq[feeder] < snapshot:
                     names.append(feeder.name())
     return names
+
+
+class SplitPlan:
+    """How to cut one backward into a first part (the ``now`` tensors) and the rest.
+
+    The first part runs the engine with ``inputs=now``: it executes exactly the nodes on paths
+    from the outputs to the ``now`` tensors (``first_nodes``). The rest continues from the
+    *boundary*: the nodes of the first part that also feed nodes only the rest needs (their
+    incoming gradients are captured during the first part, and they run again in the rest,
+    computing only the outputs the rest needs), and outputs the first part does not reach.
+    The rest's tensors fall into independent groups (connected through the nodes only they
+    need); each group is one engine run, so no run recomputes what another needs.
+
+    Attributes:
+        now: tensors the first part computes (including rest tensors on a first-part path).
+        groups: ``(boundary nodes, root outputs, tensors)`` per engine run of the rest.
+        first_nodes: the nodes the first part executes.
+    """
+
+    __slots__ = ("now", "groups", "first_nodes")
+
+    def __init__(self, now: List[Any], groups: List[Tuple[List[Any], List[int], List[Any]]],
+                 first_nodes: set) -> None:
+        self.now, self.groups, self.first_nodes = now, groups, first_nodes
+
+    @property
+    def boundary(self) -> List[Any]:
+        return [node for nodes, _, _ in self.groups for node in nodes]
+
+
+def _upward(parents: Dict[Any, List[Any]], starts: Iterable[Any]) -> set:
+    """``starts`` and every node on a path from the roots to them."""
+    seen = set()
+    stack = [node for node in starts if node in parents]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(parents[node])
+    return seen
+
+
+def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
+               rest: Sequence[torch.Tensor]) -> SplitPlan:
+    """One walk of the graph from ``outputs``; see :class:`SplitPlan`."""
+    roots = [graph_root(y) for y in outputs]
+    parents = walk(roots)
+    first = _upward(parents, (grad_node(t) for t in now))
+    later = [t for t in rest if grad_node(t) in parents]
+    moved = [t for t in later if grad_node(t) in first]
+    later = [t for t in later if grad_node(t) not in first]
+    only_rest = _upward(parents, (grad_node(t) for t in later)) - first
+
+    # Union-find over the rest-only nodes and the boundary nodes that feed them.
+    leader: Dict[Any, Any] = {}
+
+    def find(node: Any) -> Any:
+        leader.setdefault(node, node)
+        while leader[node] is not node:
+            leader[node] = leader[leader[node]]
+            node = leader[node]
+        return node
+
+    boundary = set()
+    for node in only_rest:
+        find(node)
+        for parent in parents[node]:
+            if parent in first:
+                boundary.add(parent)
+            leader[find(parent)] = find(node)
+    groups: Dict[Any, Tuple[List[Any], List[int], List[Any]]] = {}
+
+    def group(node: Any) -> Tuple[List[Any], List[int], List[Any]]:
+        return groups.setdefault(find(node), ([], [], []))
+
+    for node in boundary:
+        group(node)[0].append(node)
+    for i, root in enumerate(roots):
+        if root in only_rest:
+            group(root)[1].append(i)
+    for t in later:
+        group(grad_node(t))[2].append(t)
+    ordered = sorted(groups.values(), key=lambda g: -max(
+        [n._sequence_nr() for n in g[0]] + [roots[i]._sequence_nr() for i in g[1]], default=0))
+    return SplitPlan([*now, *moved], ordered, first)

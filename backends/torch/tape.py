@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import CallbackResultError, UnsupportedGraphError
 
-from . import prerecord
+from . import prerecord, split
 from .engine import run_engine
 from .flags import FLAGS, GRAD_MODE
 from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
@@ -85,6 +86,18 @@ def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
             "a new tensor instead (g = g * 0.5), or modify a copy (g = g.clone())"
         )
     return result
+
+
+def _root_node(output: Any) -> Any:
+    return output.node if isinstance(output, GradientEdge) else graph_root(output)
+
+
+def _refuse_reentrant_checkpoint(error: RuntimeError) -> None:
+    """Re-raise an engine error; PyTorch's own refusal of reentrant checkpointing as
+    UnsupportedGraphError, which says what to do."""
+    if "use_reentrant=True" in str(error):
+        raise UnsupportedGraphError(_REENTRANT_CHECKPOINT) from error
+    raise error
 
 
 def _claim(tape_ref: weakref.ref, grad_outputs: Any) -> None:
@@ -249,17 +262,31 @@ class TorchTape(Tape):
         if not self._checked or prerecord.check_mode() == "always":
             self._check_graph(outputs, inputs, entries)
         retain = retain_graph or create_graph
-        try:
-            if may_accumulate and not self._eager and not create_graph:
-                # Nothing runs between computing and accumulating: let the engine accumulate
-                # into .grad itself, which is what a plain loss.backward() costs.
+        if may_accumulate and not self._eager and not create_graph:
+            # Nothing runs between computing and accumulating: let the engine accumulate
+            # into .grad itself, which is what a plain loss.backward() costs.
+            try:
                 run_engine(outputs, seeds, retain, False, inputs, accumulate=True)
-                return
+            except RuntimeError as error:
+                _refuse_reentrant_checkpoint(error)
+            return
+        self.capture(outputs, seeds, retain, create_graph, inputs, entries)
+
+    def capture(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor], retain: bool,
+                create_graph: bool, inputs: List[torch.Tensor], entries: List[_Entry],
+                node_hooks: Sequence[Tuple[Any, str, Any]] = ()) -> None:
+        """Run the engine for the gradients of ``inputs`` (``outputs``: tensors or gradient
+        edges) and deliver them to their sinks: eager ones from tensor hooks while the engine
+        runs, the others when it returns. ``node_hooks``: ``(node, "register_hook" or
+        "register_prehook", fn)`` registered for this run only."""
+        handles = [getattr(node, kind)(fn) for node, kind, fn in node_hooks]
+        try:
             grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs)
         except RuntimeError as error:
-            if "use_reentrant=True" in str(error):
-                raise UnsupportedGraphError(_REENTRANT_CHECKPOINT) from error
-            raise
+            _refuse_reentrant_checkpoint(error)
+        finally:
+            for handle in handles:
+                handle.remove()
         fired = self._fired
         for tensor, entry, grad in zip(inputs, entries, grads):
             if grad is None:
@@ -269,14 +296,14 @@ class TorchTape(Tape):
             elif id(tensor) not in fired:  # its hook could not fire (added mid-backward)
                 _run_callbacks(entry.sink, grad)
 
-    def _run_capturing(self, outputs: List[torch.Tensor], seeds: List[torch.Tensor],
+    def _run_capturing(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor],
                        retain: bool, create_graph: bool,
                        inputs: List[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
         """Run the engine returning the gradients; hooks feed the eager sinks meanwhile."""
         if not self._eager:
             return run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
         self._hooks_last(inputs)
-        self._roots = [graph_root(y) for y in outputs]
+        self._roots = [_root_node(y) for y in outputs]
         self._task = None
         claim = functools.partial(_claim, weakref.ref(self))
         handles = [root.register_prehook(claim) for root in self._roots]
@@ -289,6 +316,18 @@ class TorchTape(Tape):
             self._roots = ()
             for handle in handles:
                 handle.remove()
+
+    # -- split backward ---------------------------------------------------------------
+    def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
+                       retain_graph: bool) -> Any:
+        outputs = [y for y in ys if y.requires_grad]
+        seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
+        entries, inputs = self._inputs()
+        if not outputs or not inputs:
+            return None
+        if not self._checked or prerecord.check_mode() == "always":
+            self._check_graph(outputs, inputs, entries)
+        return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph)
 
     def _inputs(self) -> tuple:
         """The watched tensors that require grad now, with their entries, in watch order."""

@@ -1,0 +1,271 @@
+"""Split backward on PyTorch (``GradManager.backward_split``): input gradients now, the rest
+later. References are a single ``gm.backward`` and ``torch.autograd.grad`` on the same graph;
+comparisons are bit-exact (``torch.equal``) except where a docstring states a tolerance.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gradmgr import (  # noqa: E402
+    Future,
+    GradManager,
+    UnfinishedBackwardWarning,
+    UnsupportedGraphError,
+    get_backwarding_grad_manager,
+)
+from gradmgr.distributed import make_allreduce_cb  # noqa: E402
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                               torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * 6 * 6, 5))
+
+
+def stage_step(model, x0, split, callbacks=None, dy_of=None):
+    """One pipeline-stage backward: x (the stage input) attached while recording."""
+    gm = GradManager().attach(model.parameters(), callbacks=callbacks)
+    with gm:
+        x = x0.clone()
+        gm.attach(x, callbacks=callbacks)
+        out = model(x)
+        dy = torch.ones_like(out) if dy_of is None else dy_of(out)
+        if split:
+            rest = gm.backward_split(out, dy, first=[x])
+        else:
+            gm.backward(out, dy)
+    if split:
+        assert all(p.grad is None for p in model.parameters()), "weights were computed early"
+        x_grad = x.grad.clone()
+        rest.finish()
+    else:
+        x_grad = x.grad.clone()
+    return x_grad, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("build, shape", [(mlp, (5, 8)), (cnn, (2, 3, 8, 8))], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("callbacks", [None, lambda t, g: g * 0.5], ids=["plain", "callback"])
+def test_split_equals_single_backward_bit_for_bit(build, shape, callbacks):
+    x0 = torch.randn(*shape)
+    dy_of = lambda out: torch.linspace(-1, 1, out.numel()).reshape(out.shape)  # noqa: E731
+    single = stage_step(build(), x0, False, callbacks, dy_of)
+    split = stage_step(build(), x0, True, callbacks, dy_of)
+    assert torch.equal(single[0], split[0])
+    for a, b in zip(single[1], split[1]):
+        assert torch.equal(a, b)
+    model = build()
+    xr = x0.clone().requires_grad_()
+    out = model(xr)
+    engine = torch.autograd.grad(out, [xr, *model.parameters()], dy_of(out))
+    scale = 1.0 if callbacks is None else 0.5
+    assert torch.equal(split[0], engine[0] * scale)
+    for got, want in zip(split[1], engine[1:]):
+        assert torch.equal(got, want * scale)
+
+
+def test_no_node_runs_twice_below_the_boundary():
+    """A node on the activation path that also leads to weights runs once (in the first
+    part); the weight part starts from the boundary nodes."""
+    calls = []
+
+    class Count(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h):
+            return h.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            calls.append(1)
+            return g
+
+    model = mlp()
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        x = torch.randn(3, 8)
+        gm.attach(x)
+        h = Count.apply(model[1](model[0](x)))
+        rest = gm.backward_split(model[4](model[3](model[2](h))).sum(), first=[x])
+    assert calls == [1]
+    rest.finish()
+    assert calls == [1]
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_callbacks_after_backward_callbacks_and_futures_run_in_their_part():
+    model, events = mlp(), []
+
+    def cb(t, g):
+        events.append(("cb", "x" if t.dim() == 2 and t.shape[1] == 8 and not
+                       isinstance(t, torch.nn.Parameter) else "w"))
+        return Future.resolved(g)
+
+    gm = GradManager().attach(model.parameters(), callbacks=cb)
+    gm.register_after_backward_callback(
+        lambda: events.append(("after", get_backwarding_grad_manager() is gm)))
+    with gm:
+        x = torch.randn(3, 8)
+        gm.attach(x, callbacks=cb)
+        rest = gm.backward_split(model(x).sum(), first=[x])
+    assert events == [("cb", "x")] and x.grad is not None
+    rest.finish()
+    assert events[1:-1] == [("cb", "w")] * 6 and events[-1] == ("after", True)
+    assert rest.done
+
+
+def test_several_outstanding_finished_in_any_order_while_recording_goes_on():
+    model = mlp()
+    xs = [torch.randn(2, 8) for _ in range(3)]
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for x in xs:
+        for e, g in zip(expected, torch.autograd.grad(model(x).sum(), list(model.parameters()))):
+            e.add_(g)
+    gm = GradManager().attach(model.parameters())
+    pending = []
+    for x0 in xs:
+        with gm:
+            x = x0.clone()
+            gm.attach(x)
+            pending.append(gm.backward_split(model(x).sum(), first=[x]))
+    with gm:  # the manager records again while three are outstanding
+        gm.attach(torch.ones(1))
+    for rest in reversed(pending):
+        rest.finish()
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-6, atol=1e-7)  # summed in another order
+
+
+def test_errors_say_what_to_do():
+    model = mlp()
+    gm = GradManager().attach(model.parameters())
+    with gm, pytest.raises(ValueError, match="not attached"):
+        gm.backward_split(model(torch.randn(2, 8)).sum(), first=[torch.ones(2)])
+    with gm:
+        x = torch.randn(2, 8)
+        gm.attach(x)
+        rest = gm.backward_split(model(x).sum(), first=[x])
+    rest.finish()
+    with pytest.raises(RuntimeError, match="already finished"):
+        rest.finish()
+    outer = GradManager().attach(model.parameters())
+    with outer, gm, pytest.raises(UnsupportedGraphError, match="outer|earlier"):
+        x = torch.randn(2, 8)
+        gm.attach(x)
+        gm.backward_split(model(x).sum(), first=[x])
+
+
+def test_an_unfinished_split_backward_warns_when_collected():
+    model = mlp()
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        x = torch.randn(2, 8)
+        gm.attach(x)
+        rest = gm.backward_split(model(x).sum(), first=[x])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del rest
+        gc.collect()
+    assert any(issubclass(c.category, UnfinishedBackwardWarning) for c in caught)
+
+
+def test_graph_is_freed_after_finish():
+    model = mlp()
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        x = torch.randn(2, 8)
+        gm.attach(x)
+        hidden = model[1](model[0](x))
+        hidden_ref = weakref.ref(hidden)
+        out = model[4](model[3](model[2](hidden)))
+        rest = gm.backward_split(out.sum(), first=[x])
+    del hidden, out
+    gc.collect()
+    assert hidden_ref() is not None, "the weight part still needs the saved activation"
+    rest.finish()
+    gc.collect()
+    assert hidden_ref() is None, "the graph outlived the split backward"
+
+
+def test_outputs_that_do_not_depend_on_the_first_tensors():
+    """A term of the loss that only the weights reach (weight decay) reaches them in the rest."""
+    model = mlp()
+    x0 = torch.randn(3, 8)
+
+    def loss(x):
+        return model(x).sum() + sum((p ** 2).sum() for p in model.parameters())
+
+    xr = x0.clone().requires_grad_()
+    engine = torch.autograd.grad(loss(xr), [xr, *model.parameters()])
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        x = x0.clone()
+        gm.attach(x)
+        rest = gm.backward_split(loss(x), first=[x])
+    rest.finish()
+    assert torch.equal(x.grad, engine[0])
+    for p, e in zip(model.parameters(), engine[1:]):
+        assert torch.equal(p.grad, e)
+
+
+def test_a_weight_used_twice_gets_the_whole_gradient():
+    """Tied weights: two contributions, one from below another boundary node. Summed in
+    another order than in a single backward: equal within float32 rounding (rtol 1e-6)."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 6, requires_grad=True)
+    x0 = torch.randn(4, 6)
+
+    def forward(x):
+        return torch.tanh(torch.tanh(x @ w) @ w).sum()
+
+    xr = x0.clone().requires_grad_()
+    engine = torch.autograd.grad(forward(xr), [xr, w])
+    gm = GradManager().attach(w)
+    with gm:
+        x = x0.clone()
+        gm.attach(x)
+        rest = gm.backward_split(forward(x), first=[x])
+    rest.finish()
+    assert torch.equal(x.grad, engine[0])
+    torch.testing.assert_close(w.grad, engine[1], rtol=1e-6, atol=1e-7)
+
+
+def test_data_parallel_callback_with_split_backward():
+    """The allreduce callback overlaps the weight part and sees the split's own step, also
+    when the next recording has begun; with a fake peer that sends zeros, mean = grad / 2."""
+    class Half:
+        def world_size(self):
+            return 2
+
+        def allreduce_async(self, flat):
+            class Done:
+                def wait(self_inner):
+                    return flat
+            return Done()
+
+    model = mlp()
+    cb = make_allreduce_cb("mean", transport=Half(), verify=False, broadcast=False)
+    gm = GradManager().attach(model.parameters(), callbacks=[cb])
+    x0 = torch.randn(3, 8)
+    expected = torch.autograd.grad(model(x0).sum(), list(model.parameters()))
+    with gm:
+        x = x0.clone()
+        gm.attach(x)
+        rest = gm.backward_split(model(x).sum(), first=[x])
+    gm.record()  # the next micro-batch starts before the weights are done
+    rest.finish()
+    gm.release()
+    for p, e in zip(model.parameters(), expected):
+        assert torch.equal(p.grad, e * 0.5)
