@@ -61,8 +61,9 @@ class Call:
     step: int
     vid: int
     pos: int
-    got: Any  # the gradient (or Future) the callback received
-    returned: Any
+    value: Any  # a numpy copy of the gradient received, or the Future received
+    got: Any  # the object received, kept alive (None: the callback kept nothing)
+    returned: Any  # the result (or a view of it), kept alive (None: not kept)
     tensor_ok: bool  # it received the attached tensor object itself (S3)
     backwarding_ok: Optional[bool]  # get_backwarding_grad_manager() was its manager (S11)
     thread: int
@@ -76,6 +77,14 @@ class CallLog:
         self.lazy: List[Tuple[int, Future]] = []  # (step, Future(lambda: ...)) made by callbacks
         self.step = 0
         self.lock = threading.Lock()
+
+    def settle(self, eng: Engine) -> None:
+        """Replace each Future a callback received by a copy of its value, right after a
+        backward: later accumulation may change a tensor in place (MegEngine's ``+=``), also
+        the one a Future holds."""
+        for call in self.calls:
+            if not isinstance(call.value, np.ndarray):
+                call.value = eng.numpy(resolve(call.value))
 
     def count(self, step: int, manager: Optional[str] = None) -> int:
         return sum(1 for c in self.calls if c.step == step and manager in (None, c.manager))
@@ -103,7 +112,8 @@ def _callback(spec, vid, pos, log, eng, label, owner, eager):
         return future
 
     def callback(tensor, grad):
-        if is_future(grad) and not hasattr(grad, "shape"):  # the link before made a Future
+        received_future = is_future(grad) and not hasattr(grad, "shape")
+        if received_future:  # the link before made a Future
             if kind == "identity":
                 out = grad
             elif kind == "clone":
@@ -114,6 +124,8 @@ def _callback(spec, vid, pos, log, eng, label, owner, eager):
             out = grad
         elif kind == "scale":
             out = eng.scale(grad, c)
+        elif kind == "scale_t":  # g * c laid out transposed (a dense, non-contiguous result)
+            out = (grad.t() * c).t() if grad.dim() == 2 else eng.scale(grad, c)
         elif kind == "clone":
             out = eng.clone(grad)
         elif kind == "future_resolved":
@@ -122,8 +134,16 @@ def _callback(spec, vid, pos, log, eng, label, owner, eager):
             out = eng.scale(grad, c) if eager else later(lambda g: eng.scale(g, c), grad)
         else:
             raise ValueError(kind)
+        # What the user's code keeps: the objects, nothing (so gradmgr may take the result
+        # over as .grad, as AccumulateGrad would), or a view of the result (so it may not).
+        got = returned = None
+        if spec.keep == "object":
+            got, returned = grad, out
+        elif spec.keep == "view" and hasattr(out, "shape"):
+            returned = out[...]  # a new tensor object sharing its storage
         expected_tensor = getattr(callback, "tensor", None)
-        call = Call(label, log.step, vid, pos, grad, out,
+        call = Call(label, log.step, vid, pos, grad if received_future else eng.numpy(grad),
+                    got, returned,
                     expected_tensor is None or tensor is expected_tensor(),
                     None if owner is None else get_backwarding_grad_manager() is owner,
                     threading.get_ident())
@@ -179,7 +199,8 @@ def finish_calls(trace: Trace, log: CallLog, eng: Engine) -> None:
     for call in log.calls:
         key = (call.manager, call.step, call.vid, call.pos)
         try:
-            value = eng.numpy(resolve(call.got))
+            value = call.value if isinstance(call.value, np.ndarray) else \
+                eng.numpy(resolve(call.value))
         except Exception:  # noqa: BLE001 - a failed run: its outcome is what gets compared
             if trace.error is None:
                 raise
@@ -331,6 +352,7 @@ def run_managed(
                         stack.enter_context(other)
                     built = build(program, eng, leaves, on_attach, checkpoint)
                     gm.backward(built.y, built.dy)
+            log.settle(eng)
             trace.steps.append(step_result(program, eng, leaves, objs))
         except Exception as exc:  # noqa: BLE001 - compared with the reference's outcome
             trace.error = exc
@@ -393,6 +415,8 @@ def storage_problems(grads: Dict[int, Any], calls: Sequence[Call],
         handed.setdefault(t.untyped_storage().data_ptr(), desc)
     for call in calls:
         for what, x in (("argument", call.got), ("result", call.returned)):
+            if x is None:
+                continue
             x = resolve(x)
             if x is not None and hasattr(x, "untyped_storage"):
                 handed.setdefault(x.untyped_storage().data_ptr(),
@@ -631,6 +655,7 @@ def run_two_managers(case: Any, eng: Engine, factory: Callable[[], Any], *,
             with m1 | m2:
                 built = build(program, eng, leaves)
                 m1.backward(built.y, built.dy)
+                log.settle(eng)
                 m2.backward(second_loss(case, eng, built.values,
                                         [eng.grad(leaves[v]) for v, _ in case.first]))
         else:
@@ -639,7 +664,9 @@ def run_two_managers(case: Any, eng: Engine, factory: Callable[[], Any], *,
                     built = build(program, eng, leaves)
                     if mode == "same_y_outer_first":
                         m1.backward(built.y, built.dy)
+                        log.settle(eng)
                     m2.backward(built.y, built.dy)
+                    log.settle(eng)
                     if mode == "same_y_inner_first":
                         m1.backward(built.y, built.dy)
                 if mode == "nested":

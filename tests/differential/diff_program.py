@@ -48,7 +48,8 @@ ALL_OPS = UNARY + BINARY + ("matmul",) + REDUCE + VIEWS + INDEXING + INPLACE
 # Ops whose backward uses their own output: an in-place op on that output breaks autograd.
 SAVES_OUTPUT = ("exp", "tanh", "sigmoid", "relu")
 
-CALLBACK_KINDS = ("identity", "scale", "clone", "future_resolved", "future_lazy")
+CALLBACK_KINDS = ("identity", "scale", "clone", "future_resolved", "future_lazy", "scale_t")
+TORCH_ONLY_CALLBACKS = ("clone", "scale_t")
 CONSTANTS = (2.0, 0.5, -1.0, 3.0, 0.1)
 
 
@@ -85,11 +86,15 @@ class Output:
 class Callback:
     """One link of a callback chain: ``identity`` returns the gradient it got, ``scale``
     returns ``g * c``, ``clone`` a copy, ``future_resolved`` ``Future.resolved(g * c)``,
-    ``future_lazy`` ``Future(lambda: g * c)``. Every link accepts a Future from the link before
-    it (and then returns a lazy Future)."""
+    ``future_lazy`` ``Future(lambda: g * c)``, ``scale_t`` (torch) ``g * c`` laid out
+    transposed. Every link accepts a Future from the link before it (and then returns a lazy
+    Future). ``keep`` (torch): whether the user's code keeps the argument and result objects,
+    nothing (gradmgr may then store the result as ``.grad`` without a copy), or a view of the
+    result (it may not)."""
 
     kind: str
     c: float = 1.0
+    keep: str = "object"  # what user code keeps: "object", "none", "view" (of its result)
 
 
 @dataclass(frozen=True)
@@ -203,8 +208,11 @@ class Program:
 def _chain_text(chain: Sequence[Callback]) -> str:
     if not chain:
         return ""
-    return "  callbacks: " + " -> ".join(
-        cb.kind if cb.kind in ("identity", "clone") else f"{cb.kind}({cb.c})" for cb in chain)
+    def text(cb):
+        base = cb.kind if cb.kind in ("identity", "clone") else f"{cb.kind}({cb.c})"
+        return base + ("" if cb.keep == "object" else f"[keeps {cb.keep}]")
+
+    return "  callbacks: " + " -> ".join(text(cb) for cb in chain)
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -400,11 +408,15 @@ def _draw_op(draw, name: str, s: _State, framework: str, in_segment: bool,
 
 @st.composite
 def callback_chains(draw, framework: str = "torch", max_len: int = 3) -> Tuple[Callback, ...]:
-    kinds = CALLBACK_KINDS if framework == "torch" else tuple(
-        k for k in CALLBACK_KINDS if k != "clone")
+    torch = framework == "torch"
+    kinds = CALLBACK_KINDS if torch else tuple(
+        k for k in CALLBACK_KINDS if k not in TORCH_ONLY_CALLBACKS)
     chain = draw(st.lists(st.sampled_from(kinds), max_size=max_len))
     return tuple(Callback(k, draw(st.sampled_from(CONSTANTS)) if k not in ("identity", "clone")
-                          else 1.0) for k in chain)
+                          else 1.0,
+                          draw(st.sampled_from(("object", "none", "view"))) if torch
+                          else "object")
+                 for k in chain)
 
 
 @st.composite
@@ -555,7 +567,7 @@ def programs(
             n_leaves + i for i, op in enumerate(op_list)
             if op.attach and not s.leafy[n_leaves + i] and not s.dead[n_leaves + i]]
         for v in hookable:
-            if draw(st.integers(0, 4)) == 4:
+            if draw(st.integers(0, 2)) == 2:
                 hook_specs.append((v, draw(st.sampled_from((2.0, -1.0, 0.5))), draw(st.booleans())))
         post_hooks = draw(st.integers(0, 2)) == 2
     split = draw(st.integers(0, 3)) == 3

@@ -136,6 +136,7 @@ def reference_two_managers(case: Any) -> Trace:
             if g is not None:
                 g = run_chain(specs, vid, leaves[vid], g, log, eng, label)
                 acc[vid] = g if acc.get(vid) is None else acc[vid] + g
+        log.settle(eng)
 
     def ones(y):
         return [torch.ones_like(y)]

@@ -81,7 +81,7 @@ def compare(program, schedule, after_backward=True, bystander=None):
 BYSTANDERS = st.sampled_from((None, None, "idle", "outer", "inner"))
 
 
-@differential_settings(50)
+@differential_settings(70)
 @given(program=programs("megengine"), bystander=BYSTANDERS)
 def test_program_matches_native_grad_manager(program, bystander):
     """``bystander``: another manager attached to the same tensors that never backwards."""
@@ -97,7 +97,7 @@ def test_inplace_on_an_attached_intermediate(program):
     compare(program, ["start"])
 
 
-@differential_settings(25)
+@differential_settings(35)
 @given(data=st.data(), after_backward=st.booleans(), bystander=BYSTANDERS)
 def test_accumulation_over_steps(data, after_backward, bystander):
     program = data.draw(programs("megengine"), label="program")
@@ -108,7 +108,7 @@ def test_accumulation_over_steps(data, after_backward, bystander):
     compare(program, schedule, after_backward, bystander)
 
 
-@differential_settings(30)
+@differential_settings(40)
 @given(case=two_manager_cases("megengine"))
 def test_two_managers_match_native(case):
     """Nested managers, groups and two managers backwarding one ``y``, as on PyTorch."""

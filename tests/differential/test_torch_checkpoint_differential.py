@@ -60,7 +60,7 @@ def _run(program, mode):
         return run_managed(program, ENG, ["start"], gradmgr.GradManager, checkpoint=mode)
 
 
-@differential_settings(40)
+@differential_settings(50)
 @example(program=NO_ATTACHED_ARGUMENT)
 @example(program=ATTACHED_ARGUMENT)
 @given(program=CHECKPOINTED)
@@ -72,7 +72,7 @@ def test_non_reentrant_checkpoint_matches_plain_backward(program):
     check_run(got, ref, 1, program=program)
 
 
-@differential_settings(40)
+@differential_settings(50)
 @example(program=NO_ATTACHED_ARGUMENT)
 @example(program=ATTACHED_ARGUMENT)
 @given(program=CHECKPOINTED)

@@ -57,7 +57,7 @@ def schedules(draw, program: Program, torch_only: bool = True) -> list:
 BYSTANDERS = st.sampled_from((None, None, "idle", "outer", "inner"))
 
 
-@differential_settings(70)
+@differential_settings(100)
 @given(program=programs("torch"), after_backward=st.booleans(), bystander=BYSTANDERS)
 def test_program_matches_autograd(program, after_backward, bystander):
     """One backward; ``bystander``: another manager attached to the same leaves that never
@@ -84,7 +84,7 @@ def test_inplace_on_an_attached_intermediate_uses_its_snapshot(program, after_ba
     check_run(got, ref, 1, after_backward, program)
 
 
-@differential_settings(35)
+@differential_settings(50)
 @given(data=st.data(), after_backward=st.booleans(), bystander=BYSTANDERS)
 def test_accumulation_over_steps(data, after_backward, bystander):
     """Several steps on the same leaves: accumulation, both zero_grad styles, frozen params;
@@ -98,7 +98,7 @@ def test_accumulation_over_steps(data, after_backward, bystander):
     check_run(got, ref, len(schedule), after_backward, program)
 
 
-@differential_settings(45)
+@differential_settings(60)
 @given(case=two_manager_cases("torch"))
 def test_two_managers(case):
     """Nested managers (second derivatives through the inner ``.grad``), groups (members do
@@ -116,7 +116,7 @@ def test_two_managers(case):
     check_layout(got)
 
 
-@differential_settings(25)
+@differential_settings(30)
 @given(program=programs("torch"))
 def test_recording_under_no_grad(program):
     """A recording inside ``torch.no_grad()`` either gives the reference's gradients or
@@ -133,7 +133,7 @@ def test_recording_under_no_grad(program):
     check_run(got, ref, 1, program=program)
 
 
-@differential_settings(25)
+@differential_settings(30)
 @given(outer=programs("torch", force_leaf0_term=True), inner=programs("torch"),
        first=st.booleans())
 def test_backward_inside_a_callback(outer, inner, first):
@@ -185,7 +185,7 @@ def _bad(kind: str, g):
     return 1.0
 
 
-@differential_settings(25)
+@differential_settings(30)
 @given(program=programs("torch", force_leaf0_term=True), kind=st.sampled_from(BAD_RESULTS),
        existing=st.booleans(), as_future=st.booleans())
 def test_bad_callback_result_raises(program, kind, existing, as_future):

@@ -66,7 +66,7 @@ def _shared_param(program):
 SHARED = programs("torch", force_leaf0_term=True, hooks=False).map(_shared_param)
 
 
-@differential_settings(15)
+@differential_settings(20)
 @given(program=SHARED, existing=st.booleans(), rendezvous=st.booleans(),
        after_backward=st.booleans())
 def test_two_threads_share_an_attached_parameter(program, existing, rendezvous,
@@ -166,7 +166,7 @@ def _sums(g0, a, b):
     return [add(add(g0, a), b), add(add(g0, b), a)]
 
 
-@differential_settings(20)
+@differential_settings(25)
 @given(program=programs("torch", attach_ops=False, late_leaves=False, hooks=False))
 def test_forward_in_a_worker_thread(program):
     """Recording in the main thread, forward in a worker, backward in the main thread."""
