@@ -30,6 +30,7 @@ BENCHMARKS: List[Tuple[str, Tuple[str, ...]]] = [
     ("bench_scaling.py", ("torch",)),
     ("bench_memory.py", ("torch",)),
     ("bench_ddp.py", ("torch",)),
+    ("bench_split.py", ("torch",)),
 ]
 TIMEOUT_S = 1200
 

@@ -201,11 +201,18 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
     """One walk of the graph from ``outputs``; see :class:`SplitPlan`."""
     roots = [graph_root(y) for y in outputs]
     parents = walk(roots)
-    first = _upward(parents, (grad_node(t) for t in now))
-    later = [t for t in rest if grad_node(t) in parents]
-    moved = [t for t in later if grad_node(t) in first]
-    later = [t for t in later if grad_node(t) not in first]
-    only_rest = _upward(parents, (grad_node(t) for t in later)) - first
+    # Leaves' nodes from the walk itself (get_gradient_edge would make a view per tensor).
+    accumulators = {id(n.variable): n for n in parents if type(n).__name__ == "AccumulateGrad"}
+
+    def node_of(t: torch.Tensor) -> Any:
+        return t.grad_fn if t.grad_fn is not None else accumulators.get(id(t))
+
+    first = _upward(parents, (node_of(t) for t in now))
+    nodes = {id(t): node_of(t) for t in rest}
+    later = [t for t in rest if nodes[id(t)] in parents]
+    moved = [t for t in later if nodes[id(t)] in first]
+    later = [t for t in later if nodes[id(t)] not in first]
+    only_rest = _upward(parents, (nodes[id(t)] for t in later)) - first
 
     # Union-find over the rest-only nodes and the boundary nodes that feed them.
     leader: Dict[Any, Any] = {}
@@ -235,7 +242,7 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
         if root in only_rest:
             group(root)[1].append(i)
     for t in later:
-        group(grad_node(t))[2].append(t)
+        group(nodes[id(t)])[2].append(t)
     ordered = sorted(groups.values(), key=lambda g: -max(
         [n._sequence_nr() for n in g[0]] + [roots[i]._sequence_nr() for i in g[1]], default=0))
     return SplitPlan([*now, *moved], ordered, first)

@@ -1,0 +1,89 @@
+"""Split backward (``backward_split`` then ``finish()``) against one ``backward``, on PyTorch.
+
+A pipeline stage's step: the stage input ``x`` is attached while recording, the stage output
+is backwarded with a given ``dy``; "single" is ``gm.backward(out, dy)``, "split" is
+``gm.backward_split(out, dy, first=[x])`` followed by ``finish()``. Both variants train copies
+of the same model on the same batch, in a new random order every round; ratios are of medians.
+Target: split/single <= 1.10.
+
+    python bench/bench_split.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from typing import Callable, Dict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from _common import grad_clearers, interleaved, machine_info, result, samples_for  # noqa: E402
+from torch import nn  # noqa: E402
+
+from gradmgr import GradManager  # noqa: E402
+
+TARGET = 1.10
+
+
+def cases() -> Dict[str, tuple]:
+    g = torch.Generator().manual_seed(0)
+    mlp = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())][:-1])
+    cnn = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                        nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+    return {"mlp-256": (mlp, torch.randn(64, 256, generator=g)),
+            "cnn": (cnn, torch.randn(16, 3, 16, 16, generator=g))}
+
+
+def step_fns(model: nn.Module, x0: torch.Tensor):
+    models = {name: copy.deepcopy(model) for name in ("single", "split")}
+    managers = {name: GradManager().attach(m.parameters()) for name, m in models.items()}
+    dy = torch.randn_like(model(x0))
+
+    def single() -> None:
+        gm = managers["single"]
+        with gm:
+            x = x0.clone()
+            gm.attach(x)
+            gm.backward(models["single"](x), dy)
+
+    def split() -> None:
+        gm = managers["split"]
+        with gm:
+            x = x0.clone()
+            gm.attach(x)
+            rest = gm.backward_split(models["split"](x), dy, first=[x])
+        rest.finish()
+
+    variants: Dict[str, Callable[[], None]] = {"single": single, "split": split}
+    return variants, grad_clearers({k: list(m.parameters()) for k, m in models.items()})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (noisier)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(__doc__.split("\n\n")[0])
+    print(machine_info(["torch"]) + ", torch threads: 1")
+    print(f"{'model':>9} {'samples':>7} {'single us':>10} {'split us':>9} {'ratio':>6}")
+    rows = []
+    for name, (model, x0) in cases().items():
+        variants, setups = step_fns(model, x0)
+        n = samples_for(variants["single"], 0.3 if args.quick else 2.0,
+                        lo=30 if args.quick else 200, setup=setups["single"])
+        t = interleaved(variants, n, setups)
+        ratio = t["split"].median / t["single"].median
+        print(f"{name:>9} {n:7d} {t['single'].median * 1e6:10.1f} "
+              f"{t['split'].median * 1e6:9.1f} {ratio:6.3f}", flush=True)
+        rows.append((name, ratio))
+    print()
+    for name, ratio in rows:
+        result(f"torch {name} split/single backward", ratio, TARGET)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
