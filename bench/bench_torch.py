@@ -6,7 +6,7 @@ round) on the same batch:
 * plain:   ``loss = loss_fn(model(x), y); loss.backward()``
 * gradmgr: ``with gm: loss = loss_fn(model(x), y); gm.backward(loss)``
 * +noop:   the same with a no-op callback ``lambda t, g: g`` attached to every parameter
-* engine:  the engine call gradmgr makes when no tensor has callbacks (``_run_engine``: PyTorch's
+* engine:  the engine call gradmgr makes when no tensor has callbacks (``run_engine``: PyTorch's
   ``_engine_run_backward`` with ``inputs=params``, without ``torch.autograd.backward``'s
   argument handling): the floor for gradmgr; gradmgr/engine is the manager's own cost
 
@@ -15,7 +15,7 @@ samples per model, at least 200); torch runs on one thread. Targets: <= 1.05 for
 and the CNN, <= 1.20 for the model with 1,000 parameter tensors; the no-op-callback variant is
 reported without a target.
 
-    python bench/bench_torch.py [--quick]
+    python bench/bench_torch.py [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from _common import grad_clearers, interleaved, machine_info, result, samples_for  # noqa: E402
-from gradmgr.backends.torch import _run_engine  # noqa: E402
+from gradmgr.backends.torch.engine import run_engine  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
@@ -72,9 +72,12 @@ def cases() -> Dict[str, Case]:
 
 
 def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    """The three variants' step functions and their untimed .grad-clearing set-ups."""
+    """The three variants' step functions and their untimed .grad-clearing set-ups; on CUDA
+    each step ends with a synchronize, so that its time includes the device's work."""
     loss_fn = nn.functional.cross_entropy
-    models = {name: copy.deepcopy(model) for name in ("plain", "gradmgr", "+noop", "engine")}
+    models = {name: copy.deepcopy(model).to(x.device)
+              for name in ("plain", "gradmgr", "+noop", "engine")}
+    y = y.to(x.device)
 
     def plain() -> None:
         loss = loss_fn(models["plain"](x), y)
@@ -84,7 +87,7 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
 
     def engine() -> None:
         loss = loss_fn(models["engine"](x), y)
-        _run_engine([loss], [torch.ones_like(loss)], False, False, engine_params, True)
+        run_engine([loss], [torch.ones_like(loss)], False, False, engine_params, True)
 
     def with_manager(name: str, gm: GradManager) -> Callable[[], None]:
         m = models[name]
@@ -100,24 +103,35 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     gm_cb = GradManager().attach(models["+noop"].parameters(), callbacks=lambda t, g: g)
     variants = {"plain": plain, "gradmgr": with_manager("gradmgr", gm),
                 "+noop": with_manager("+noop", gm_cb), "engine": engine}
+    if x.is_cuda:
+        variants = {name: _synchronized(fn) for name, fn in variants.items()}
     return variants, grad_clearers({k: list(m.parameters()) for k, m in models.items()})
+
+
+def _synchronized(fn: Callable[[], None]) -> Callable[[], None]:
+    def step() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return step
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="gradmgr vs plain backward on PyTorch")
     parser.add_argument("--quick", action="store_true", help="fewer samples (noisier)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     budget = 0.3 if args.quick else 2.0
     print(__doc__.split("\n\n")[0])
-    print(machine_info(["torch"]) + ", torch threads: 1")
+    print(machine_info(["torch"]) + f", torch threads: 1, device: {args.device}")
     header = (f"{'model':>13} {'tensors':>7} {'samples':>7} {'plain us':>9} {'gradmgr us':>10} "
               f"{'ratio':>6} {'+noop us':>9} {'ratio':>6} {'best-of ratio':>13} "
               f"{'engine/plain':>12} {'gradmgr/engine':>14}")
     print(header)
     rows = []
     for name, (model, x, y, target) in cases().items():
-        variants, setups = step_fns(model, x, y)
+        variants, setups = step_fns(model, x.to(args.device), y)
         n = samples_for(variants["plain"], budget, lo=30 if args.quick else 200,
                         setup=setups["plain"])
         t = interleaved(variants, n, setups)
@@ -132,9 +146,10 @@ def main(argv=None) -> int:
               f"{noop:6.3f} {best:13.3f} {floor:12.3f} {own:14.3f}", flush=True)
         rows.append((name, ratio, noop, target))
     print()
+    where = "" if args.device == "cpu" else f" {args.device}"
     for name, ratio, noop, target in rows:
-        result(f"torch {name} gradmgr/plain", ratio, target)
-        result(f"torch {name} gradmgr+noop-callbacks/plain", noop)
+        result(f"torch{where} {name} gradmgr/plain", ratio, target)
+        result(f"torch{where} {name} gradmgr+noop-callbacks/plain", noop)
     return 0
 
 
