@@ -422,6 +422,7 @@ def test_cuda_tensors_over_nccl(tmp_path):
     net(torch.from_numpy(x[:half]), torch.from_numpy(y[:half])).backward()
     ref = [p.grad.numpy() for p in net.parameters() if p.grad is not None]
     for rank, out in enumerate(ranks):
+        assert bool(out["mean_none0"]) and bool(out["mean_none1"])  # unused by every rank
         for j, i in enumerate(MLP):
             assert str(out[f"mean_dev{i}"]) == f"cuda:{rank}"
             close(out[f"mean_g{i}"], ref[j], rtol=1e-4, atol=1e-5, what=f"param {i}")

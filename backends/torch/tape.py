@@ -22,7 +22,6 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 _graph_task_id = torch._C._current_graph_task_id
-_current_node = torch._C._current_autograd_node
 
 
 def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
@@ -38,15 +37,8 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     (it would keep it as the result for ``inputs=``, which the tape ignores for this tensor).
     """
     tape = tape_ref()
-    if tape is None or not tape._running:
+    if tape is None or not tape._running or _graph_task_id() != tape._task:
         return None
-    task = _graph_task_id()
-    if task != tape._task:
-        # Not known yet only when this tensor is itself an output of the backward (its
-        # tensor hook runs before the root's pre-hook): claim the task by that node.
-        if tape._task is not None or _current_node() not in tape._roots:
-            return None
-        tape._task = task
     sink = tape._eager.get(key)
     if sink is None:
         return None
@@ -101,8 +93,9 @@ def _refuse_reentrant_checkpoint(error: RuntimeError) -> None:
 
 
 def _claim(tape_ref: weakref.ref, grad_outputs: Any) -> None:
-    """Pre-hook on the backward's root nodes: the first one the engine runs is in this tape's
-    graph task, before any gradient of an attached tensor is ready there."""
+    """Pre-hook on the backward's root nodes, made for this backward alone (see
+    :meth:`TorchTape._run_capturing`): the first one the engine runs is in this tape's graph
+    task, before any gradient of an attached tensor is ready there."""
     tape = tape_ref()
     if tape is not None and tape._running and tape._task is None:
         tape._task = _graph_task_id()
@@ -160,7 +153,6 @@ class TorchTape(Tape):
         self._needs_flag: Dict[int, weakref.ref] = {}
         self._handles: Dict[int, Any] = {}
         self._running = False
-        self._roots: Sequence[Any] = ()  # the running backward's root nodes
         self._task: Optional[int] = None  # its graph task, once the engine started it
         self._recording = False
         self._grad_mode_thread = 0
@@ -303,17 +295,20 @@ class TorchTape(Tape):
         if not self._eager:
             return run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
         self._hooks_last(inputs)
-        self._roots = [_root_node(y) for y in outputs]
+        # Each output seen through a view made now: its node is this backward's alone, so the
+        # task that runs it is this backward's, also when another thread differentiates the
+        # same tensor (a shared parameter as an output) at the same time.
+        with torch.enable_grad():
+            outputs = [y if isinstance(y, GradientEdge) else y.view_as(y) for y in outputs]
         self._task = None
         claim = functools.partial(_claim, weakref.ref(self))
-        handles = [root.register_prehook(claim) for root in self._roots]
+        handles = [_root_node(y).register_prehook(claim) for y in outputs]
         self._running = True
         self._fired.clear()
         try:
             return run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
         finally:
             self._running = False
-            self._roots = ()
             for handle in handles:
                 handle.remove()
 

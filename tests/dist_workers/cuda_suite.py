@@ -25,6 +25,9 @@ def main(rank: int, world: int, outdir: str) -> None:
         with gm:
             gm.backward(net(x, y))
         for i, p in enumerate(net.parameters()):
+            if p.grad is None:  # extra and never: used by no rank, so left as they were
+                out[f"{name}_none{i}"] = np.array(True)
+                continue
             out[f"{name}_g{i}"] = p.grad.cpu().numpy()
             out[f"{name}_dev{i}"] = np.array(str(p.grad.device))
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **out)
