@@ -30,6 +30,7 @@ import numpy as np
 from megengine.core._imperative_rt.core2 import pop_scope, push_scope, set_option
 from megengine.core.autodiff.grad import Grad
 from megengine.core.tensor.dtype import is_differentible_dtype
+from megengine.jit.tracing import is_tracing
 
 from gradmgr.backend import Backend, Capabilities, GradSink, Tape
 from gradmgr.errors import AttachError
@@ -249,9 +250,12 @@ class MegEngineBackend(Backend):
         # MegEngine's += would broadcast a wrong shape and promote a wrong dtype silently. Its
         # engine gives a 0-d tensor a gradient of shape (1,) (and the native manager stores
         # it), so () and (1,) match each other, as for seeds.
-        if (grad.dtype == tensor.dtype and grad.device == tensor.device
-                and (grad.shape == tensor.shape
-                     or (self.shape(grad) in _ONE_ELEMENT and self.shape(tensor) in _ONE_ELEMENT))):
+        if grad.dtype != tensor.dtype or grad.device != tensor.device:
+            return f"got {self.describe(grad)}, but the tensor has {self.describe(tensor)}"
+        if is_tracing():
+            return None  # shapes are symbolic under jit.trace; the traced program checks them
+        grad_shape, shape = self.shape(grad), self.shape(tensor)
+        if grad_shape == shape or (grad_shape in _ONE_ELEMENT and shape in _ONE_ELEMENT):
             return None
         return f"got {self.describe(grad)}, but the tensor has {self.describe(tensor)}"
 

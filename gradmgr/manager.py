@@ -86,7 +86,9 @@ class GradManager:
         self._record_order = -1
         self._backward_step: Optional[int] = None  # a split backward's recording, in finish()
         self._group: Optional[GradManagerGroup] = None
-        self._thread_state: Optional[_state.ThreadState] = None
+        # The recording thread's list of recording managers (not the thread-local object: a
+        # backward or release() may run in another thread).
+        self._recording_list: Optional[List[GradManager]] = None
         self._gradients: Dict[int, Any] = {}
         self._future_sources: Dict[int, Any] = {}  # who returned each pending Future
         self._backwarding = False
@@ -275,8 +277,8 @@ class GradManager:
         self._recording = True
         self._group = group
         self._record_order = next(_state.record_counter)
-        thread_state = self._thread_state = _state.state
-        thread_state.recording.append(self)
+        recording = self._recording_list = _state.state.recording
+        recording.append(self)
         try:
             for callback in self._record_callbacks:  # before the tape snapshots anything
                 callback()
@@ -355,7 +357,7 @@ class GradManager:
             tape.watch_late(tensor, spec.sink, bool(spec.callbacks))
 
     def _warn_if_started_late(self) -> None:
-        later = [m for m in self._thread_state.recording
+        later = [m for m in self._recording_list
                  if m is not self and m._record_order > self._record_order and m._taping]
         if later:
             warnings.warn(
@@ -428,10 +430,9 @@ class GradManager:
             self._gradients = {}
         if self._future_sources:
             self._future_sources = {}
-        thread_state = self._thread_state
-        if thread_state is not None:
-            self._thread_state = None
-            recording = thread_state.recording
+        recording = self._recording_list
+        if recording is not None:
+            self._recording_list = None
             if recording and recording[-1] is self:
                 recording.pop()
             elif self in recording:
@@ -495,8 +496,7 @@ class GradManager:
                 "no computation history to differentiate: call record() (or use `with gm:`) "
                 "before computing y, then backward(y) inside the recording"
             )
-        thread_state = self._thread_state
-        stack = thread_state.backwarding
+        stack = _state.state.backwarding  # this thread's: callbacks run here look it up
         stack.append(self)
         self._backwarding = True
         scope = None
@@ -507,7 +507,7 @@ class GradManager:
             if self._backend is not None and self._backend.tracks_backwarding:
                 scope = (self._backend, self._backend.enter_backward(self))
             if ys and self._taping:
-                recording = thread_state.recording
+                recording = self._recording_list
                 if len(recording) == 1:  # only this manager: nobody records this backward
                     create_graph = retain_graph = False
                 else:
@@ -578,8 +578,7 @@ class GradManager:
                 "no computation history to differentiate: call record() (or use `with gm:`) "
                 "before computing y, then backward_split(y, first=...) inside the recording"
             )
-        thread_state = self._thread_state
-        stack = thread_state.backwarding
+        stack = _state.state.backwarding
         stack.append(self)
         self._backwarding = True
         scope = rest = None
@@ -598,7 +597,7 @@ class GradManager:
             if backend is not None and backend.tracks_backwarding:
                 scope = (backend, backend.enter_backward(self))
             if ys and self._taping:
-                recording = thread_state.recording
+                recording = self._recording_list
                 create_graph, retain_graph = (
                     (False, False) if len(recording) == 1 else self._nesting(recording))
                 if create_graph:

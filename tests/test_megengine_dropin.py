@@ -556,3 +556,33 @@ def test_zero_dim_parameter_with_a_callback_gets_megengines_gradient():
         return grad_of(w)
 
     both(program)
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["trace", "symbolic-trace"])
+def test_traced_step_with_callbacks_matches_native(symbolic):
+    """Under jit.trace shapes are symbolic: the callback-result check must not compare them
+    (it raised ValueError before)."""
+    import megengine.module as M
+    from megengine.jit import trace
+
+    def program(impl: Impl):
+        np.random.seed(0)
+        mge.random.seed(0)
+        net = M.Linear(4, 2)
+        x = mge.tensor(np.arange(12, dtype="float32").reshape(3, 4))
+        gm = impl.GradManager().attach(net.parameters(), callbacks=lambda t, g: g * 2)
+
+        @trace(symbolic=symbolic)
+        def step(x):
+            with gm:
+                gm.backward((net(x) ** 2).mean())
+
+        grads = []
+        for _ in range(2):
+            for p in net.parameters():
+                p.grad = None
+            step(x)
+            grads.append([grad_of(p) for p in net.parameters()])
+        return grads
+
+    both(program)

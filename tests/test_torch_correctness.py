@@ -442,3 +442,65 @@ def test_an_unshared_gradient_is_stored_without_a_copy_and_a_kept_one_is_copied(
     with gm2:
         gm2.backward((w * 3).sum())
     assert storage(w.grad) != storage(kept[0]) and torch.equal(w.grad, kept[0])
+
+
+def test_torch_compile_of_a_step_that_backwards_or_records():
+    """torch.compile traced into the tape and broke its weak references (torch 2.13)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    gm = GradManager().attach(model.parameters())
+
+    @torch.compile(backend="eager")
+    def backward_only(m):
+        gm.backward(F.mse_loss(m(x), y))
+
+    @torch.compile(backend="eager")
+    def whole_step(m):
+        with gm:
+            gm.backward(F.mse_loss(m(x), y))
+
+    for _ in range(2):
+        with gm:
+            backward_only(model)
+        whole_step(model)
+    for _ in range(4):
+        F.mse_loss(ref(x), y).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_dense_gradient_onto_an_existing_sparse_grad():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    ref = torch.nn.Embedding(10, 4, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    gm = GradManager().attach(emb.weight, callbacks=identity)
+    idx = torch.tensor([1, 2])
+    with gm:
+        gm.backward(emb(idx).sum())  # .grad is sparse now
+    with gm:
+        gm.backward(emb.weight.pow(2).sum())  # a dense gradient
+    ref(idx).sum().backward()
+    ref.weight.pow(2).sum().backward()
+    assert torch.equal(emb.weight.grad.to_dense(), ref.weight.grad.to_dense())
+
+
+def test_backward_in_another_thread_than_record_leaves_no_state_behind():
+    w = torch.ones(3, requires_grad=True)
+    gm = GradManager().attach(w)
+    gm.record()
+    worker = threading.Thread(target=lambda: gm.backward((w * 2).sum()))
+    worker.start()
+    worker.join(30)
+    assert torch.equal(w.grad, torch.full((3,), 2.0))
+    from gradmgr import _state
+
+    assert _state.state.recording == [], "the manager stayed on the recording thread's list"
+    v = torch.ones(3, requires_grad=True)
+    gm2 = GradManager().attach(v, callbacks=identity)
+    with gm2:
+        gm2.backward((v * v).sum())
+    assert v.grad.grad_fn is None and not v.grad.requires_grad

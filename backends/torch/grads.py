@@ -100,6 +100,8 @@ def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:
                 existing = tensor.grad
         if existing is None:
             tensor.grad = grad if stealable(grad, tensor, refs) else owned_copy(grad, tensor)
+        elif existing.is_sparse and not grad.is_sparse:
+            tensor.grad = grad + existing  # as AccumulateGrad: sparse + dense is not defined
         elif grad.requires_grad or existing.requires_grad or existing.is_sparse:
             tensor.grad = existing + grad  # keeps the graph of a higher-order gradient
         else:

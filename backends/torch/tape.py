@@ -399,6 +399,12 @@ class TorchTape(Tape):
                 entry.since = None
 
 
+# torch.compile must not trace the tape (it rewrites its weak references into the tensors
+# themselves): a compiled function that records or backwards runs these eagerly.
+for _name in ("start", "stop", "watch", "backward", "backward_split"):
+    setattr(TorchTape, _name, torch.compiler.disable(getattr(TorchTape, _name)))
+
+
 def _remove_handles(handles: Dict[int, Any]) -> None:
     for handle in list(handles.values()):
         handle.remove()
