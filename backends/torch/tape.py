@@ -72,7 +72,7 @@ def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
     if grad._version != version:
         raise CallbackResultError(
             f"a gradient callback modified the gradient it was given in place (shape "
-            f"{tuple(grad.shape)}; for example g *= 0.5, g.mul_(...), dist.all_reduce(g)): "
+            f"{tuple(grad.shape)}; for example g *= 0.5 or g.mul_(...)): "
             "PyTorch may still need that tensor to compute other gradients, and another "
             "attached tensor may share it, so their gradients would change silently. Return "
             "a new tensor instead (g = g * 0.5), or modify a copy (g = g.clone())"
