@@ -504,3 +504,29 @@ def test_backward_in_another_thread_than_record_leaves_no_state_behind():
     with gm2:
         gm2.backward((v * v).sum())
     assert v.grad.grad_fn is None and not v.grad.requires_grad
+
+
+def test_views_of_one_engine_buffer_never_become_two_grads_on_one_storage():
+    """cat's backward hands out narrow views of one gradient buffer; with identity callbacks
+    (gradmgr may store an unshared gradient itself) each .grad still gets storage of its own."""
+    a, b = torch.ones(3, requires_grad=True), torch.ones(2, requires_grad=True)
+    w = torch.linspace(1.0, 5.0, 5)
+    gm = GradManager().attach([a, b], callbacks=identity)
+    with gm:
+        gm.backward((torch.cat([a, b]) * w).sum())
+    assert storage(a.grad) != storage(b.grad)
+    for t in (a, b):
+        assert t.grad.untyped_storage().nbytes() == t.numel() * 4
+    assert torch.equal(a.grad, w[:3]) and torch.equal(b.grad, w[3:])
+    # a transposed product (a view whose base nobody else holds) is stored as it is
+    lin = torch.nn.Linear(8, 8)
+    made = {}
+
+    def keep_pointer(t, g):
+        made[t] = g.data_ptr()
+        return g
+
+    gm2 = GradManager().attach(lin.weight, callbacks=keep_pointer)
+    with gm2:
+        gm2.backward(lin(torch.randn(4, 8)).sum())
+    assert lin.weight.grad.data_ptr() == made[lin.weight]

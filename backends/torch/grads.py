@@ -70,21 +70,35 @@ def _storage_users(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-_ALONE = torch.empty(1)
-_OWN_TENSOR_USES = _ALONE._use_count()  # a tensor only its Python object holds
-_OWN_STORAGE_USES = _storage_users(_ALONE)  # the storage of one tensor (what the probe adds)
-del _ALONE
+def _calibrate() -> tuple:
+    """Use counts of tensors nobody else holds, as this torch reports them: a tensor alone
+    (its Python object; its storage, plus what the probe itself adds), and a view whose base
+    only the view holds (the engine often returns those: the transpose of a product)."""
+    alone = torch.empty(1)
+    view = torch.empty(2, 2).t()
+    return (alone._use_count(), _storage_users(alone), _storage_users(view),
+            view._base._use_count())
+
+
+_OWN_TENSOR_USES, _OWN_STORAGE_USES, _OWN_VIEW_STORAGE_USES, _OWN_BASE_USES = _calibrate()
 
 
 def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:
     """AccumulateGrad's rule for storing ``grad`` itself as ``like.grad``: nobody else holds
-    it (Python references, other C++ tensors on it, other tensors on its storage), it is laid
-    out like ``like`` with storage of its own size, and it needs no graph."""
-    return (refs <= _OWN_REFS and grad._use_count() <= _OWN_TENSOR_USES
+    it (Python references, other C++ tensors on it), it is laid out like ``like`` with storage
+    of its own size, and it needs no graph; and, stricter than AccumulateGrad, no other tensor
+    uses its storage but its own base, if it is a view (so two views of one buffer, which
+    ``cat``'s backward hands out, are never two ``.grad`` tensors on one storage)."""
+    if not (refs <= _OWN_REFS and grad._use_count() <= _OWN_TENSOR_USES
             and not grad.requires_grad and grad.layout == torch.strided
             and grad.stride() == like.stride() and grad.storage_offset() == 0
-            and _storage_users(grad) <= _OWN_STORAGE_USES
-            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size())
+            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
+        return False
+    base = grad._base
+    if base is None:
+        return _storage_users(grad) <= _OWN_STORAGE_USES
+    return (_storage_users(grad) <= _OWN_VIEW_STORAGE_USES and base._base is None
+            and base._use_count() <= _OWN_BASE_USES)
 
 
 def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:
