@@ -30,6 +30,10 @@ class Engine:
     def tensor(self, data: np.ndarray) -> Any:
         raise NotImplementedError
 
+    def seed(self, data: np.ndarray, layout: str) -> Any:
+        """A ``dy`` with the given values, laid out as asked where the framework can."""
+        return self.tensor(data)
+
     def apply(self, op: Op, args: List[Any]) -> Any:
         raise NotImplementedError
 
@@ -81,6 +85,13 @@ class TorchEngine(Engine):
 
     def tensor(self, data):
         return self.torch.tensor(np.asarray(data))
+
+    def seed(self, data, layout):
+        if layout == "expanded" and data.ndim:  # every row equal: stride 0 on dim 0
+            return self.torch.tensor(data[:1]).expand(data.shape)
+        if layout == "transposed" and data.ndim == 2:
+            return self.torch.tensor(np.ascontiguousarray(data.T)).t()
+        return self.tensor(data)
 
     def index(self, values, shape=None):
         t = self.torch.tensor(np.asarray(values, dtype=np.int64))
@@ -337,8 +348,10 @@ def _run_op(program, eng, values, i, on_attach, on_made=None) -> None:
 
 
 def add_hook(t: Any, factor: float) -> None:
-    """A user's tensor hook (torch) that scales the gradient."""
-    t.register_hook(lambda g: g * factor)
+    """A user's tensor hook (torch) that scales the gradient (skipped on a tensor that does not
+    require grad, say one made from a frozen parameter: torch refuses a hook there)."""
+    if t.requires_grad:
+        t.register_hook(lambda g: g * factor)
 
 
 def add_leaf_hooks(program: Program, leaves: List[Any], before: Optional[bool] = None) -> None:
@@ -388,7 +401,7 @@ def outputs(program: Program, eng: Engine, values: List[Any]) -> Built:
         dy = eng.tensor(dy_data[0])
         return Built(values, loss, dy, [loss], [dy])
     ys = [values[t] for t in out.terms]
-    dys = [eng.tensor(d) for d in dy_data]
+    dys = [eng.seed(d, out.dy_layout) for d in dy_data]
     if out.kind == "tensor":
         return Built(values, ys[0], dys[0], ys, dys)
     return Built(values, ys, dys, ys, dys)

@@ -80,6 +80,7 @@ class Output:
     terms: Tuple[int, ...]
     reductions: Tuple[str, ...] = ()
     odd_dy: bool = False  # MegEngine only: a dy of shape (1,) for a 0-d y and () for a (1,) y
+    dy_layout: str = "contiguous"  # torch: "expanded" (stride 0 on dim 0), "transposed"
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,11 @@ class Program:
         odd = {(): (1,), (1,): ()} if self.output.odd_dy else {}
         if self.output.kind == "loss_dy":
             return [np.full(odd.get((), ()), rng.choice([0.5, -2.0, 3.0]), dtype=self.dtype)]
-        return [rng.standard_normal(odd.get(shapes[t], shapes[t])).astype(self.dtype)
-                for t in self.output.terms]
+        dys = [rng.standard_normal(odd.get(shapes[t], shapes[t])).astype(self.dtype)
+               for t in self.output.terms]
+        if self.output.dy_layout == "expanded":  # equal rows: built as an expanded row
+            dys = [np.broadcast_to(d[:1], d.shape).copy() if d.ndim else d for d in dys]
+        return dys
 
     def pretty(self) -> str:
         """A readable listing (hypothesis notes it when a test fails)."""
@@ -187,6 +191,8 @@ class Program:
             lines.append(f"{out.kind}: y = {[f'v{t}' for t in out.terms]} with random dy")
         if out.odd_dy:
             lines.append("(dy of shape (1,) for a 0-d y and () for a (1,) y)")
+        if out.dy_layout != "contiguous":
+            lines.append(f"(dy laid out {out.dy_layout})")
         if self.closure:
             lines.append(f"checkpoint closure: {[f'v{v}' for v in self.closure]}")
         for v, factor, before in self.hooks:
@@ -540,7 +546,9 @@ def programs(
     reductions = tuple(draw(st.sampled_from(("sum", "mean"))) for _ in terms) \
         if kind.startswith("loss") else ()
     odd_dy = not torch and kind != "loss" and draw(st.integers(0, 3)) == 3
-    output = Output(kind, tuple(terms), reductions, odd_dy)
+    dy_layout = draw(st.sampled_from(("contiguous", "contiguous", "expanded", "transposed"))) \
+        if torch and kind in ("tensor", "tensors") else "contiguous"
+    output = Output(kind, tuple(terms), reductions, odd_dy, dy_layout)
 
     chains: List[Tuple[int, Tuple[Callback, ...]]] = []
     if callbacks:

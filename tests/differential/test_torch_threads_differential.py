@@ -31,7 +31,9 @@ from diff_harness import (  # noqa: E402
     Trace,
     check_callbacks,
     check_grads,
+    check_layout,
     check_outcome,
+    check_storage,
     check_unattached,
     describe,
     finish_calls,
@@ -84,8 +86,8 @@ def test_two_threads_share_an_attached_parameter(program, existing, rendezvous,
         refs.append(reference_program(prog, ["start"], leaves=leaves, label=f"t{k}"))
 
     w = ENG.leaf(w_data, program.leaves[0], True)
-    if existing:
-        w.grad = torch.tensor(g0)
+    if existing:  # laid out like W, as AccumulateGrad would have made it
+        w.grad = torch.empty_like(w).copy_(torch.tensor(g0))
     meet = threading.Barrier(2, timeout=BARRIER_TIMEOUT)
     start = threading.Barrier(2, timeout=BARRIER_TIMEOUT)
     met = [False, False]
@@ -142,7 +144,8 @@ def test_two_threads_share_an_attached_parameter(program, existing, rendezvous,
             trace.steps[0].grads.pop(0, None)
         check_grads(got, ref, f"thread {k}: ")
         check_unattached(got, ref)
-        assert not got.storage, "\n".join(got.storage)
+        check_storage(got)
+        check_layout(got)
 
     options = _sums(g0 if existing else None, *delivered)
     got_w = None if w.grad is None else ENG.numpy(w.grad)
