@@ -466,3 +466,37 @@ def test_large_and_small_members_with_no_sync_in_one_bucket():
         expected = (grads[2][i] + local) * 0.5 + 0.5
         assert torch.equal(t.grad, expected), t.shape
     assert [k for k, _ in log] == ["launch"]  # one bucket, sent once
+
+
+def test_bucket_buffers_are_reused_only_when_nothing_holds_them():
+    """A steady loop (zero_grad sets .grad to None) reuses each bucket's buffer, as DDP's
+    persistent buckets; a .grad still held (kept for logging, or zeroed in place) is never
+    written by a later step."""
+    class InPlace(FakeTransport):  # reduces in place, as gloo and nccl do
+        def allreduce_async(self, flat):
+            return _Handle(flat.add_(self.other))
+
+    torch.manual_seed(0)
+    w = torch.randn(200, 400, requires_grad=True)  # 312 KiB: copied in on arrival
+    b = torch.randn(400, requires_grad=True)
+    cb = make_allreduce_cb("mean", transport=InPlace([], 0.0), **FAKE_PEER)
+    gm = GradManager().attach([w, b], callbacks=[cb])
+    x = torch.randn(3, 200)
+
+    def step(scale):
+        with gm:
+            gm.backward(((x @ w + b) * scale).sum())
+
+    step(1.0)
+    first = w.grad.data_ptr()
+    w.grad = b.grad = None
+    step(2.0)
+    assert w.grad.data_ptr() == first, "the dropped buffer was not reused"
+    kept_w, kept_b = w.grad, b.grad
+    values = (kept_w.clone(), kept_b.clone())
+    w.grad = b.grad = None
+    step(3.0)
+    assert torch.equal(kept_w, values[0]) and torch.equal(kept_b, values[1])
+    assert w.grad.data_ptr() != kept_w.data_ptr()
+    ref = torch.autograd.grad(((x @ w + b) * 3.0).sum(), [w, b])
+    assert torch.equal(w.grad, ref[0] * 0.5) and torch.equal(b.grad, ref[1] * 0.5)

@@ -28,7 +28,7 @@ class Bucket:
     """
 
     __slots__ = ("index", "key", "members", "shapes", "sizes", "large", "nbytes", "offsets",
-                 "small", "layout", "small_numel", "numel")
+                 "small", "layout", "small_numel", "numel", "spare")
 
     def __init__(self, index: int, key: Tuple[str, str]) -> None:
         self.index = index
@@ -43,6 +43,7 @@ class Bucket:
         self.layout: List[int] = []  # slots in buffer order
         self.small_numel = 0
         self.numel = 0
+        self.spare: Any = None  # the last buffer, reused once nothing else holds it
 
     def _lay_out(self) -> None:
         self.small = [slot for slot, large in enumerate(self.large) if not large]

@@ -220,11 +220,19 @@ class _TorchBuffer:
         self.parts: List[Any] = [None] * len(bucket.sizes)
 
     def _allocate(self) -> Any:
+        """The bucket's last buffer if nothing holds it any more (the previous step's ``.grad``
+        views were dropped, as ``zero_grad()`` does, and its collective is done), else a new
+        one: a steady training loop then allocates no gradient memory, as DDP's persistent
+        buckets do."""
         import torch
 
         like, bucket = self.like, self.bucket
-        self.flat = torch.empty(bucket.numel + len(bucket.sizes), dtype=like.dtype,
-                                device=like.device)
+        spare = bucket.spare
+        if spare is not None and _storage_users(spare) <= _alone():
+            self.flat = spare
+        else:
+            self.flat = bucket.spare = torch.empty(bucket.numel + len(bucket.sizes),
+                                                   dtype=like.dtype, device=like.device)
         return self.flat
 
     def put(self, slot: int, grad: Any, local: Any) -> None:
@@ -266,6 +274,25 @@ class _TorchBuffer:
                 flags[slot] = 0  # a kernel on the device, no host round trip
         self.parts = []
         return flat
+
+
+def _storage_users(t: Any) -> int:
+    import torch
+
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_ALONE: List[int] = []
+
+
+def _alone() -> int:
+    """What :func:`_storage_users` says of a tensor nobody else uses (measured once: the
+    count includes what the probe itself adds on some torch versions)."""
+    if not _ALONE:
+        import torch
+
+        _ALONE.append(_storage_users(torch.empty(1)))
+    return _ALONE[0]
 
 
 class _MegEngineBuffer:
