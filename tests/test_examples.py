@@ -105,3 +105,32 @@ def test_demo(tmp_path) -> None:
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("args, units", [
+    ([], (15, 13)),  # AdamW, 4 micro-batches: 3 (M + 1) and 3 M + 1 units
+    (["--optimizer", "sgd", "--micro-batches", "6", "--batch", "32"], (21, 19)),
+])
+def test_pipeline_zero_bubble_equals_single_process(args: List[str], units: tuple) -> None:
+    """Two gloo ranks run an MLP as a 2-stage pipeline, under 1F1B (``gm.backward``) and a
+    zero-bubble schedule (``gm.backward_split``, the weight part finished later): every printed
+    step loss of both schedules equals single-process training's digit for digit (9
+    significant digits identify a float32). The script itself compares every micro-batch's
+    loss with ``==`` and the final parameters with ``torch.equal``."""
+    require("torch")
+    steps = 3
+    out = run_example("pipeline_zero_bubble.py", "--steps", str(steps), *args)
+    assert f"unit-cost model (F = B = W = 1, BW = 2, messages free): 1F1B {units[0]}, " \
+           f"zero bubble {units[1]} units a step" in out, out
+    assert re.search(r"zero bubble +stage 0: F0 F1 BW0 F2 BW1", out), out
+    assert re.search(r"stage 1: F0 B0 F1 B1 W0 F2 B2 W1", out), out
+    rows = re.findall(r"^ *(\d+) +(\S+) +(\S+) +(\S+) +[\d.]+ +[\d.]+$", out, re.MULTILINE)
+    assert [int(row[0]) for row in rows] == list(range(steps)), out
+    for step, one_f_one_b, zero_bubble, single in rows:
+        assert one_f_one_b == single, f"step {step}: 1F1B {one_f_one_b} != {single}"
+        assert zero_bubble == single, f"step {step}: zero bubble {zero_bubble} != {single}"
+        assert 0.05 < float(single) < 2.0, single  # a mean squared error of a sin target
+    assert re.search(r"median step time over 3 steps: 1F1B [\d.]+ ms, zero bubble [\d.]+ ms",
+                     out), out
+    assert len(check_lines(out)) == 3, out
