@@ -530,3 +530,60 @@ def test_views_of_one_engine_buffer_never_become_two_grads_on_one_storage():
     with gm2:
         gm2.backward(lin(torch.randn(4, 8)).sum())
     assert lin.weight.grad.data_ptr() == made[lin.weight]
+
+
+# ----------------------------------------------------------------------------- found by the harness
+def test_in_place_after_attach_keeps_the_snapshot_with_and_without_callbacks():
+    """S8: h is snapshotted at attach(); h.mul_(2) afterwards is an operation on it, so dy/dh
+    at the snapshot is 2 (native MegEngine gives 2); the engine path used the new version."""
+    for callbacks in (None, identity):
+        w = torch.tensor([1.0, 2.0], requires_grad=True)
+        gm = GradManager().attach(w)
+        with gm:
+            h = w * 1.0
+            gm.attach(h, callbacks=callbacks)
+            h.mul_(2.0)
+            gm.backward(h.sum())
+        assert torch.equal(h.grad, torch.full((2,), 2.0)), callbacks
+        assert torch.equal(w.grad, torch.full((2,), 2.0))
+
+
+def test_user_hook_on_an_attached_intermediate_counts_without_callbacks_too():
+    """autograd.grad returns a non-leaf input's gradient before its hooks when the engine goes
+    on past it; .grad must be what retain_grad gives (after the hooks)."""
+    w = torch.tensor([1.0], requires_grad=True)
+    gm = GradManager().attach(w)
+    gm.register_after_backward_callback(lambda: None)  # forces the engine to return gradients
+    with gm:
+        h = w * 1.0
+        gm.attach(h)
+        h.register_hook(lambda g: g * 2)
+        gm.backward(h.sum())
+    ref_w = torch.tensor([1.0], requires_grad=True)
+    ref_h = ref_w * 1.0
+    ref_h.register_hook(lambda g: g * 2)
+    ref_h.retain_grad()
+    ref_h.sum().backward()
+    assert torch.equal(h.grad, ref_h.grad) and torch.equal(w.grad, ref_w.grad)
+
+
+def test_a_gradient_that_is_the_users_dy_is_copied():
+    x, o = torch.tensor([1.0], requires_grad=True), torch.tensor([1.0], requires_grad=True)
+    gm = GradManager().attach(x).attach(o, callbacks=identity)
+    dy = torch.tensor([2.0])
+    with gm:
+        gm.backward([x], [dy])
+    dy.mul_(10)
+    assert torch.equal(x.grad, torch.tensor([2.0]))
+
+
+def test_an_output_view_without_gradient_path_raises_like_torch():
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.ones(2, requires_grad=True)
+    gm = GradManager().attach(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "None of the inputs require grad"
+        with gm, pytest.raises(RuntimeError, match="no gradient path"):
+            y = checkpoint(lambda: w[0:1], use_reentrant=True)
+            gm.backward([y, -w[0:1]], [torch.ones(1), torch.ones(1)])

@@ -77,10 +77,16 @@ def _calibrate() -> tuple:
     alone = torch.empty(1)
     view = torch.empty(2, 2).t()
     return (alone._use_count(), _storage_users(alone), _storage_users(view),
-            view._base._use_count())
+            _base_users(view))
 
 
-_OWN_TENSOR_USES, _OWN_STORAGE_USES, _OWN_VIEW_STORAGE_USES, _OWN_BASE_USES = _calibrate()
+def _base_users(view: torch.Tensor) -> tuple:
+    """Python references to a view's base, and C++ tensors on it (the view itself is one)."""
+    base = view._base
+    return sys.getrefcount(base), base._use_count()
+
+
+_OWN_TENSOR_USES, _OWN_STORAGE_USES, _OWN_VIEW_STORAGE_USES, _OWN_BASE_USERS = _calibrate()
 
 
 def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:
@@ -94,11 +100,12 @@ def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:
             and grad.stride() == like.stride() and grad.storage_offset() == 0
             and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
         return False
-    base = grad._base
-    if base is None:
+    if not grad._is_view():
         return _storage_users(grad) <= _OWN_STORAGE_USES
-    return (_storage_users(grad) <= _OWN_VIEW_STORAGE_USES and base._base is None
-            and base._use_count() <= _OWN_BASE_USES)
+    # A view: its base must be held by nobody but the view (not the user's dy, say).
+    refs, uses = _base_users(grad)
+    return (_storage_users(grad) <= _OWN_VIEW_STORAGE_USES and grad._base._base is None
+            and refs <= _OWN_BASE_USERS[0] and uses <= _OWN_BASE_USERS[1])
 
 
 def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:

@@ -75,7 +75,17 @@ def reachable_leaves(
 
 def graph_root(y: torch.Tensor) -> Any:
     """The node a backward from ``y`` starts with (``y``'s own AccumulateGrad for a leaf)."""
-    return y.grad_fn if y.grad_fn is not None else grad_node(y)
+    if y.grad_fn is not None:
+        return y.grad_fn
+    if y._is_view():
+        raise RuntimeError(
+            "an output requires grad but has no gradient path: it is a view made where "
+            "autograd recorded nothing (for example returned by checkpoint(..., "
+            "use_reentrant=True) around a function without tensor inputs); PyTorch's own "
+            "backward refuses it too. Compute it with autograd recording, or use "
+            "use_reentrant=False"
+        )
+    return grad_node(y)
 
 
 def topological(parents: Dict[Any, List[Any]]) -> List[Any]:

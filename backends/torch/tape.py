@@ -120,15 +120,21 @@ def _input_without_flag(tensor: torch.Tensor) -> bool:
 
 
 class _Entry:
-    """One watched tensor: weakly held, with its sink and snapshot sequence number."""
+    """One watched tensor: weakly held, with its sink and snapshot sequence number, and for a
+    non-leaf the gradient edge it had when watched."""
 
-    __slots__ = ("ref", "sink", "eager", "since")
+    __slots__ = ("ref", "sink", "eager", "since", "edge")
 
-    def __init__(self, ref: weakref.ref, sink: GradSink, eager: bool, since: Optional[int]):
+    def __init__(self, ref: weakref.ref, sink: GradSink, eager: bool, since: Optional[int],
+                 edge: Optional[GradientEdge]):
         self.ref = ref
         self.sink = sink
         self.eager = eager
         self.since = since  # None: snapshot at record() time
+        # A non-leaf's gradient is taken at this edge, so that an in-place operation on the
+        # tensor after attach() does not move it (S8's snapshot); its tensor hook (on the same
+        # node) delivers it, after the user's own hooks.
+        self.edge = edge
 
 
 class TorchTape(Tape):
@@ -148,6 +154,7 @@ class TorchTape(Tape):
         self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._eager: Dict[int, GradSink] = {}
         self._fired: set = set()
+        self._snapshots = [0]  # how many entries have a snapshot edge (non-leaf tensors)
         self._stand_ins: Dict[int, torch.Tensor] = {}  # see _hook
         self._flagged: List[torch.Tensor] = []
         self._needs_flag: Dict[int, weakref.ref] = {}
@@ -170,8 +177,12 @@ class TorchTape(Tape):
             if self._recording:
                 self._late = True
                 since = current_sequence_nr() if prerecord.check_mode() != "off" else 0
-            entry = _Entry(weakref.ref(tensor, self._forget_for(key)), sink, eager, since)
+            edge = None if tensor.grad_fn is None else GradientEdge(tensor.grad_fn,
+                                                                    tensor.output_nr)
+            entry = _Entry(weakref.ref(tensor, self._forget_for(key)), sink, eager, since, edge)
             self._entries[key] = entry
+            if edge is not None:
+                self._snapshots[0] += 1
             self._order.clear()
             if _input_without_flag(tensor):
                 self._needs_flag[key] = entry.ref
@@ -180,7 +191,7 @@ class TorchTape(Tape):
         elif _input_without_flag(tensor) and key not in self._needs_flag:
             self._needs_flag[key] = entry.ref  # the user turned the flag off after attaching
         entry.sink = sink
-        entry.eager = eager
+        eager = entry.eager = eager or entry.edge is not None
         if eager:
             self._eager[key] = sink
             self._ensure_hook(tensor, key)
@@ -199,11 +210,14 @@ class TorchTape(Tape):
             self._entries, self._eager, self._handles, self._needs_flag, self._order,
             self._stand_ins,
         )
+        snapshots = self._snapshots  # (not self: the tape must not keep itself alive)
 
         def forget(dead: weakref.ref) -> None:
             entry = entries.get(key)
             if entry is not None and entry.ref is dead:
                 del entries[key]
+                if entry.edge is not None:
+                    snapshots[0] -= 1
                 order.clear()
                 eager.pop(key, None)
                 stand_ins.pop(key, None)
@@ -272,8 +286,11 @@ class TorchTape(Tape):
         runs, the others when it returns. ``node_hooks``: ``(node, "register_hook" or
         "register_prehook", fn)`` registered for this run only."""
         handles = [getattr(node, kind)(fn) for node, kind, fn in node_hooks]
+        engine_inputs = inputs if not self._snapshots[0] else [
+            t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
         try:
-            grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs)
+            grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs,
+                                        engine_inputs)
         except RuntimeError as error:
             _refuse_reentrant_checkpoint(error)
         finally:
@@ -289,11 +306,13 @@ class TorchTape(Tape):
                 _run_callbacks(entry.sink, grad)
 
     def _run_capturing(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor],
-                       retain: bool, create_graph: bool,
-                       inputs: List[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
-        """Run the engine returning the gradients; hooks feed the eager sinks meanwhile."""
+                       retain: bool, create_graph: bool, inputs: List[torch.Tensor],
+                       engine_inputs: Sequence[Any]) -> Sequence[Optional[torch.Tensor]]:
+        """Run the engine returning the gradients at ``engine_inputs`` (the tensors of
+        ``inputs``, or their snapshot edges); hooks feed the eager sinks meanwhile."""
         if not self._eager:
-            return run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
+            return run_engine(outputs, seeds, retain, create_graph, engine_inputs,
+                              accumulate=False)
         self._hooks_last(inputs)
         # Each output seen through a view made now: its node is this backward's alone, so the
         # task that runs it is this backward's, also when another thread differentiates the
@@ -306,7 +325,8 @@ class TorchTape(Tape):
         self._running = True
         self._fired.clear()
         try:
-            return run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=False)
+            return run_engine(outputs, seeds, retain, create_graph, engine_inputs,
+                              accumulate=False)
         finally:
             self._running = False
             for handle in handles:

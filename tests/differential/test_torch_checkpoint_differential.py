@@ -54,10 +54,17 @@ ATTACHED_ARGUMENT = Program(
 
 
 def _run(program, mode):
-    with warnings.catch_warnings():
-        # "None of the inputs have requires_grad=True" when every argument is a constant
-        warnings.filterwarnings("ignore", message="None of the inputs", category=UserWarning)
-        return run_managed(program, ENG, ["start"], gradmgr.GradManager, checkpoint=mode)
+    """gradmgr's run, and whether PyTorch warned that no argument of the checkpointed segment
+    requires grad: reentrant checkpointing then differentiates nothing inside the segment, in
+    a plain loss.backward() too (PyTorch's documented behaviour, announced by that warning)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_managed(program, ENG, ["start"], gradmgr.GradManager, checkpoint=mode)
+    for w in caught:
+        if issubclass(w.category, gradmgr.GradMgrWarning):
+            raise AssertionError(f"unexpected gradmgr warning: {w.message}")
+    constants_only = any("None of the inputs" in str(w.message) for w in caught)
+    return got, constants_only
 
 
 @differential_settings(50)
@@ -68,7 +75,7 @@ def test_non_reentrant_checkpoint_matches_plain_backward(program):
     assert program.segment is not None
     note(program.pretty())
     ref = reference_program(program, ["start"])
-    got = _run(program, "non_reentrant")
+    got, _ = _run(program, "non_reentrant")
     check_run(got, ref, 1, program=program)
 
 
@@ -80,8 +87,13 @@ def test_reentrant_checkpoint_is_exact_or_refused(program):
     assert program.segment is not None
     note(program.pretty())
     ref = reference_program(program, ["start"])
-    got = _run(program, "reentrant")
+    got, constants_only = _run(program, "reentrant")
     if isinstance(got.error, gradmgr.UnsupportedGraphError):
         assert "use_reentrant=False" in str(got.error)
+        return
+    if constants_only:
+        # PyTorch itself gives the segment no gradient here, and warned; what gradmgr must not
+        # do is raise something unclear or write .grad of tensors that are not attached.
+        assert got.error is None or "no gradient path" in str(got.error), got.error
         return
     check_run(got, ref, 1, program=program)
