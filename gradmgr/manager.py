@@ -389,8 +389,10 @@ class GradManager:
                     backend = owner._backend
                     is_tensor, grad_problem = backend.is_tensor, backend.grad_problem
                     for cb in spec.callbacks:
-                        grad = cb(tensor, grad)
-                        if not is_tensor(grad) or grad_problem(tensor, grad) is not None:
+                        given, grad = grad, cb(tensor, grad)
+                        # what a callback passes on unchanged was checked before it
+                        if grad is not given and (not is_tensor(grad)
+                                                  or grad_problem(tensor, grad) is not None):
                             owner._check_result(key, tensor, grad, cb)
                 finally:
                     if pushed:
