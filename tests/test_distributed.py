@@ -500,3 +500,27 @@ def test_bucket_buffers_are_reused_only_when_nothing_holds_them():
     assert w.grad.data_ptr() != kept_w.data_ptr()
     ref = torch.autograd.grad(((x @ w + b) * 3.0).sum(), [w, b])
     assert torch.equal(w.grad, ref[0] * 0.5) and torch.equal(b.grad, ref[1] * 0.5)
+
+
+def test_a_lossy_custom_transport_passes_the_plan_check(torch_ranks):
+    """The check's values travel exactly through fp16 when the transport knows its rank."""
+    ref = full_batch_grads()
+    for out in torch_ranks:
+        for i in range(6):
+            close(out[f"fp16t_g{i}"], ref[2 + i], rtol=0, atol=2e-3 * np.abs(ref[2 + i]).max())
+
+
+def test_a_transport_without_rank_or_broadcast_says_how_to_sync():
+    class Mirror(FakeTransport):  # a consistent peer: the other rank sends the same values
+        def allreduce_async(self, flat):
+            return _Handle(flat * 2)
+
+    w = torch.ones(3, requires_grad=True)
+    gm = GradManager().attach(w, callbacks=[make_allreduce_cb(transport=Mirror([], 0.0))])
+    with pytest.raises(TypeError, match="broadcast=False"):
+        gm.record()
+    gm2 = GradManager().attach(w, callbacks=[make_allreduce_cb(transport=Mirror([], 0.0),
+                                                                broadcast=False)])
+    with gm2:
+        gm2.backward((w * 3).sum())
+    close(w.grad.numpy(), np.full(3, 3.0, "float32"))  # (3 + 3) / 2

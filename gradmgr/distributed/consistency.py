@@ -40,19 +40,28 @@ def _count_chunks(n: int) -> List[int]:
 def verify_plan(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks plan ``tensors`` alike.
 
-    One collective when they agree. Every value is a small integer, so float32 sums are exact:
-    all ranks agree on a value exactly when ``world * sum(v**2) == sum(v)**2``.
+    One collective when they agree: with a transport that knows its ``rank()``, every rank's
+    fingerprint (bytes, 0-255) in its own row of a sum over zeros, which even a transport that
+    sends fp16 or bf16 carries exactly; without, the sum of the fingerprints and of their
+    squares (all ranks agree exactly when ``world * sum(v**2) == sum(v)**2``), which needs a
+    transport that sums float32 exactly.
     """
     world = transport.world_size()
     if world == 1 or not tensors:
         return
     fingerprint = _count_chunks(len(tensors)) + _chunks(
         ";".join(describe(ops, t) for t in tensors))
-    summed = ops.values(transport.allreduce_async(
-        ops.vector(fingerprint + [v * v for v in fingerprint], tensors[0])).wait())
-    n = len(fingerprint)
-    if all(world * summed[n + i] == summed[i] ** 2 for i in range(n)):
-        return
+    rank_of = getattr(transport, "rank", None)
+    if rank_of is not None:
+        rows = _gather(transport, ops, rank_of(), world, fingerprint, tensors[0])
+        if all(row == rows[0] for row in rows):
+            return
+    else:
+        summed = ops.values(transport.allreduce_async(
+            ops.vector(fingerprint + [v * v for v in fingerprint], tensors[0])).wait())
+        n = len(fingerprint)
+        if all(world * summed[n + i] == summed[i] ** 2 for i in range(n)):
+            return
     raise RankMismatchError(_mismatch_message(transport, ops, tensors, what, world))
 
 

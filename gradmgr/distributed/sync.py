@@ -82,9 +82,15 @@ def broadcast(tensors: Any, src: int = 0, *, group: Any = None,
         flat = ops.flatten(members)
         if hasattr(chosen, "broadcast"):
             flat = chosen.broadcast(flat, src)
-        else:  # a sum with zeros from every other rank
+        elif hasattr(chosen, "rank"):  # a sum with zeros from every other rank
             rank = chosen.rank()
             flat = chosen.allreduce_async(flat if rank == src else ops.scale(flat, 0.0)).wait()
+        else:
+            raise TypeError(
+                f"cannot broadcast through {type(chosen).__name__}: it has neither broadcast(flat, "
+                f"src) nor rank(); add one, or pass broadcast=False to make_allreduce_cb and "
+                f"broadcast the parameters yourself"
+            )
         ops.assign(members, flat)
 
 
@@ -101,8 +107,10 @@ def data_parallel(
 ) -> GradManager:
     """A GradManager that trains ``module`` data-parallel, set up as
     ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
-    now, the trainable parameters are attached with an allreduce callback, and (with
-    ``broadcast_buffers``) the buffers are broadcast again at the start of every recording.
+    now (the buffers only with ``broadcast_buffers``), the trainable parameters are attached
+    with an allreduce callback, and (with ``broadcast_buffers``) the buffers are broadcast
+    again when a recording starts, as DDP does at the forward: at the first recording after a
+    synchronised one (not inside a :func:`no_sync` accumulation window).
 
     Example:
         >>> # gm = data_parallel(model)
@@ -114,13 +122,32 @@ def data_parallel(
 
     cb = AllreduceCallback(reduce, group, bucket_bytes, compression, transport,
                            broadcast=False, src=src)
-    broadcast(module, src, group=group, transport=transport)
-    gm = GradManager().attach(list(module.parameters()), callbacks=[cb])
     buffers = list(module.buffers())
+    broadcast(list(module.parameters()) + (buffers if broadcast_buffers else []), src,
+              group=group, transport=transport)
+    gm = GradManager().attach(list(module.parameters()), callbacks=[cb])
     if broadcast_buffers and buffers:
-        gm.register_record_callback(
-            lambda: broadcast(buffers, src, group=group, transport=transport))
+        gm.register_record_callback(_BufferSync(gm, buffers, src, group, transport))
     return gm
+
+
+class _BufferSync:
+    """Broadcast buffers when a recording starts, as DDP does at the forward: at the first
+    recording after a synced one, not again inside a ``no_sync`` accumulation window."""
+
+    def __init__(self, gm: GradManager, buffers: List[Any], src: int, group: Any,
+                 transport: TransportSpec) -> None:
+        self._gm = weakref.ref(gm)
+        self._buffers, self._src, self._group, self._transport = buffers, src, group, transport
+        self._after_sync = True
+
+    def __call__(self) -> None:
+        gm = self._gm()
+        if gm is None:
+            return
+        if self._after_sync:
+            broadcast(self._buffers, self._src, group=self._group, transport=self._transport)
+        self._after_sync = not is_paused(gm)
 
 
 __all__: List[str] = ["broadcast", "data_parallel", "no_sync"]

@@ -262,6 +262,37 @@ def mismatches(out: dict, rank: int, world: int) -> None:
     out["mismatch_after"] = check.numpy()
 
 
+class _Fp16Transport:
+    """A user's transport that sends fp16 (lossy): the plan check must still pass."""
+
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def allreduce_async(self, flat):
+        half = flat.half()
+        work = dist.all_reduce(half, async_op=True)
+
+        class Handle:
+            def wait(self_inner):
+                work.wait()
+                return half.to(flat.dtype)
+
+        return Handle()
+
+
+def custom_transports(out: dict, rank: int, world: int) -> None:
+    net = Net()
+    gm = GradManager().attach(net.mlp.parameters(),
+                              callbacks=[make_allreduce_cb("mean", transport=_Fp16Transport())])
+    x, y = local_batch(0, rank, world)
+    with gm:
+        gm.backward(net(x, y))
+    save(out, "fp16t_g", grads(net.mlp))
+
+
 def _frozen_on_rank_1(rank: int) -> list:
     net = Net()
     if rank == 1:
@@ -313,5 +344,6 @@ def main(rank: int, world: int, outdir: str) -> None:
     initial_sync(out, rank, world)
     mismatches(out, rank, world)
     frozen(out, rank, world)
+    custom_transports(out, rank, world)
     dist.barrier()
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **out)
