@@ -66,18 +66,10 @@ def _unshared_references() -> int:
 _OWN_REFS = _unshared_references()
 
 
-def _storage_users(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def _calibrate() -> tuple:
-    """Use counts of tensors nobody else holds, as this torch reports them: a tensor alone
-    (its Python object; its storage, plus what the probe itself adds), and a view whose base
-    only the view holds (the engine often returns those: the transpose of a product)."""
-    alone = torch.empty(1)
-    view = torch.empty(2, 2).t()
-    return (alone._use_count(), _storage_users(alone), _storage_users(view),
-            _base_users(view))
+def _storage(t: torch.Tensor) -> tuple:
+    """``(users of t's storage, its size in bytes)``, counted as stealable() counts."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata), storage.nbytes()
 
 
 def _base_users(view: torch.Tensor) -> tuple:
@@ -86,7 +78,17 @@ def _base_users(view: torch.Tensor) -> tuple:
     return sys.getrefcount(base), base._use_count()
 
 
-_OWN_TENSOR_USES, _OWN_STORAGE_USES, _OWN_VIEW_STORAGE_USES, _OWN_BASE_USERS = _calibrate()
+def _calibrate() -> tuple:
+    """Use counts of tensors nobody else holds, as this torch reports them: a tensor alone
+    (its Python object; its storage, plus what counting adds on some versions), and a view
+    whose base only the view holds (the engine often returns those: the transpose of a
+    product)."""
+    alone = torch.empty(1)
+    view = torch.empty(2, 2).t()
+    return (alone._use_count(), _storage(alone)[0]) + _base_users(view)
+
+
+_OWN_TENSOR_USES, _OWN_STORAGE_USES, _OWN_BASE_REFS, _OWN_BASE_USES = _calibrate()
 
 
 def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:
@@ -95,17 +97,21 @@ def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:
     of its own size, and it needs no graph; and, stricter than AccumulateGrad, no other tensor
     uses its storage but its own base, if it is a view (so two views of one buffer, which
     ``cat``'s backward hands out, are never two ``.grad`` tensors on one storage)."""
-    if not (refs <= _OWN_REFS and grad._use_count() <= _OWN_TENSOR_USES
-            and not grad.requires_grad and grad.layout == torch.strided
-            and grad.stride() == like.stride() and grad.storage_offset() == 0
-            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
+    if (refs > _OWN_REFS or grad._use_count() > _OWN_TENSOR_USES or grad.requires_grad
+            or grad.is_sparse or grad.storage_offset()):
+        return False
+    if not (grad.is_contiguous() and like.is_contiguous()) and grad.stride() != like.stride():
         return False
     if not grad._is_view():
-        return _storage_users(grad) <= _OWN_STORAGE_USES
-    # A view: its base must be held by nobody but the view (not the user's dy, say).
-    refs, uses = _base_users(grad)
-    return (_storage_users(grad) <= _OWN_VIEW_STORAGE_USES and grad._base._base is None
-            and refs <= _OWN_BASE_USERS[0] and uses <= _OWN_BASE_USERS[1])
+        users, nbytes = _storage(grad)
+        return users <= _OWN_STORAGE_USES and nbytes == grad.nbytes
+    # A view: its base (every view holds it) must be held by nobody but this view, not by the
+    # user (their dy) nor by another view (cat's backward), and be no larger than the view.
+    base_refs, base_uses = _base_users(grad)
+    if base_refs > _OWN_BASE_REFS or base_uses > _OWN_BASE_USES:
+        return False
+    base = grad._base
+    return base._base is None and base.nbytes == grad.nbytes and not base._is_view()
 
 
 def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:
@@ -127,7 +133,8 @@ def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:
             tensor.grad = existing + grad  # keeps the graph of a higher-order gradient
         else:
             existing.add_(grad)
-    _post_accumulate(tensor)
+    if tensor.is_leaf and tensor._post_accumulate_grad_hooks:
+        _post_accumulate(tensor)
 
 
 def set_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
