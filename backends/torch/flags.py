@@ -55,11 +55,18 @@ class GradModeHolds:
         self._by_thread: Dict[int, List[list]] = {}  # thread id -> [[owner, restore_off], ...]
 
     def start(self, owner: object) -> int:
+        """Returns what :meth:`stop` needs: the thread, or 0 when there is nothing to track
+        (grad mode on and no other hold in this thread: the usual step)."""
         thread = threading.get_ident()
         off = not torch.is_grad_enabled()
+        holds = self._by_thread.get(thread)
+        if not off and not holds:
+            return 0
         if off:
             torch.set_grad_enabled(True)
-        self._by_thread.setdefault(thread, []).append([owner, off])
+        if holds is None:
+            holds = self._by_thread[thread] = []
+        holds.append([owner, off])
         return thread
 
     def stop(self, owner: object, thread: int) -> None:

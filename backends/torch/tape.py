@@ -419,10 +419,27 @@ class TorchTape(Tape):
                 entry.since = None
 
 
-# torch.compile must not trace the tape (it rewrites its weak references into the tensors
-# themselves): a compiled function that records or backwards runs these eagerly.
-for _name in ("start", "stop", "watch", "backward", "backward_split"):
-    setattr(TorchTape, _name, torch.compiler.disable(getattr(TorchTape, _name)))
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+def _eager_under_compile(method: Any) -> Any:
+    """``method``, run eagerly when torch.compile traces a function that calls it (dynamo
+    rewrites the tape's weak references into the tensors themselves, and cannot trace
+    ``threading.get_ident``); outside compilation, one cheap test instead of
+    ``torch.compiler.disable``'s frame switching on every call."""
+    disabled = torch.compiler.disable(method)
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return disabled(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return run
+
+
+for _name in ("start", "stop", "_inputs", "_run_capturing", "watch", "backward_split"):
+    setattr(TorchTape, _name, _eager_under_compile(getattr(TorchTape, _name)))
 
 
 def _remove_handles(handles: Dict[int, Any]) -> None:
