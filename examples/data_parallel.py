@@ -13,7 +13,6 @@ Run it either way:
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradmgr import GradManager
-from gradmgr.distributed import make_allreduce_cb, spawn_local
+from gradmgr.distributed import make_allreduce_cb, run_ranks
 
 STEPS = 30
 BATCH = 64  # global batch, split evenly over the ranks
@@ -77,10 +76,7 @@ def run(rank: int, world: int, port: int = 0) -> None:
 
 
 def main() -> int:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-        return 0
-    return spawn_local(run, 2)
+    return run_ranks(run, 2)  # torchrun's rank, or 2 ranks started here
 
 
 if __name__ == "__main__":

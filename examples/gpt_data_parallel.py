@@ -38,7 +38,6 @@ import contextlib
 import copy
 import datetime
 import math
-import os
 import sys
 from typing import Iterator, List, Tuple
 
@@ -49,7 +48,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from gradmgr import GradManager
-from gradmgr.distributed import broadcast, data_parallel, make_allreduce_cb, no_sync, spawn_local
+from gradmgr.distributed import broadcast, data_parallel, make_allreduce_cb, no_sync, run_ranks
 
 WORLD = 2
 TEXT = """\
@@ -339,11 +338,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, args)
-        return 0
-    return spawn_local(run, WORLD, args)
+    return run_ranks(run, WORLD, parse(argv))  # torchrun's rank, or WORLD ranks started here
 
 
 if __name__ == "__main__":

@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import os
 import statistics
 import sys
 import time
@@ -69,7 +68,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradmgr import GradManager
-from gradmgr.distributed import spawn_local
+from gradmgr.distributed import run_ranks
 
 WORLD = 2  # processes spawned by `python examples/pipeline_zero_bubble.py`
 LAYERS = 8  # Linear layers; every stage gets LAYERS // stages of them
@@ -507,11 +506,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, args)
-        return 0
-    return spawn_local(run, WORLD, args)
+    return run_ranks(run, WORLD, parse(argv))  # torchrun's rank, or WORLD ranks started here
 
 
 if __name__ == "__main__":

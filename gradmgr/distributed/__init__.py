@@ -11,7 +11,7 @@ Example:
 from .allreduce import AllreduceCallback, make_allreduce_cb
 from .bucket import Bucket, BucketPlan
 from .consistency import RankMismatchError
-from .launch import free_port, spawn_local
+from .launch import free_port, run_ranks, spawn_local
 from .sync import broadcast, data_parallel, no_sync
 from .transport import (
     Handle,
@@ -36,5 +36,6 @@ __all__ = [
     "free_port",
     "make_allreduce_cb",
     "no_sync",
+    "run_ranks",
     "spawn_local",
 ]

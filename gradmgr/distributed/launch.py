@@ -35,3 +35,18 @@ def spawn_local(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
         print(f"a rank failed: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
+    """Run ``fn(rank, world, port, *args)`` as one rank of a job started by ``torchrun``
+    (``RANK`` and ``WORLD_SIZE`` set: this process is that rank, ``port`` is 0, meaning
+    ``init_method="env://"``), or else start ``world`` ranks here with :func:`spawn_local`.
+
+    Example:
+        >>> # sys.exit(run_ranks(train, 2, steps))   # python x.py  or  torchrun ... x.py
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, *args)
+        return 0
+    return spawn_local(fn, world, *args)
+

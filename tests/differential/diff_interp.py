@@ -104,20 +104,8 @@ class TorchEngine(Engine):
             return -x
         if name in ("exp", "sin", "tanh", "sigmoid", "relu"):
             return getattr(torch, name)(x)
-        if name == "square":
-            return x * x
-        if name == "scale":
-            return x * p[0]
-        if name == "shift":
-            return x + p[0]
-        if name == "add":
-            return x + args[1]
-        if name == "sub":
-            return x - args[1]
-        if name == "mul":
-            return x * args[1]
-        if name == "div":
-            return x / (args[1] * args[1] + 1)
+        if name in _ARITHMETIC:
+            return _ARITHMETIC[name](x, args, p)
         if name == "matmul":
             return x @ args[1]
         if name == "sum_all":
@@ -200,20 +188,8 @@ class MgeEngine(Engine):
         x = args[0]
         if name in ("neg", "exp", "sin", "tanh", "sigmoid", "relu"):
             return getattr(F, name)(x)
-        if name == "square":
-            return x * x
-        if name == "scale":
-            return x * p[0]
-        if name == "shift":
-            return x + p[0]
-        if name == "add":
-            return x + args[1]
-        if name == "sub":
-            return x - args[1]
-        if name == "mul":
-            return x * args[1]
-        if name == "div":
-            return x / (args[1] * args[1] + 1)
+        if name in _ARITHMETIC:
+            return _ARITHMETIC[name](x, args, p)
         if name == "matmul":
             return F.matmul(x, args[1])
         if name == "sum_all":
@@ -263,6 +239,18 @@ class MgeEngine(Engine):
 
     def zeros_like(self, t):
         return self.F.zeros_like(t)
+
+
+# Ops written with Python operators, the same on both frameworks.
+_ARITHMETIC = {
+    "square": lambda x, args, p: x * x,
+    "scale": lambda x, args, p: x * p[0],
+    "shift": lambda x, args, p: x + p[0],
+    "add": lambda x, args, p: x + args[1],
+    "sub": lambda x, args, p: x - args[1],
+    "mul": lambda x, args, p: x * args[1],
+    "div": lambda x, args, p: x / (args[1] * args[1] + 1),
+}
 
 
 def _dtype(data: np.ndarray):
