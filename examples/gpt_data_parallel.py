@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import math
 import sys
 from typing import Iterator, List, Tuple
@@ -304,6 +305,11 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     try:
         ok = train(rank, world, args)
     finally:
+        # DDP's reducer (kept alive by reference cycles) must go before its process group, and
+        # both ranks must be done communicating: torch 2.13's gloo otherwise sometimes aborts
+        # at exit ("terminate called without an active exception"), DDP alone too.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     if not ok:
         sys.exit(1)
