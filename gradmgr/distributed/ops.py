@@ -52,9 +52,6 @@ class TensorOps:
     def scale(self, flat: Any, factor: float) -> Any:
         return flat * factor
 
-    def add(self, a: Any, b: Any) -> Any:
-        return a + b
-
     def cast(self, flat: Any, dtype: str) -> Any:
         raise NotImplementedError
 
@@ -226,9 +223,11 @@ class _TorchBuffer:
         buckets do."""
         import torch
 
+        from gradmgr.backends.torch.grads import storage_unshared
+
         like, bucket = self.like, self.bucket
         spare = bucket.spare
-        if spare is not None and _storage_users(spare) <= _alone():
+        if spare is not None and storage_unshared(spare):
             self.flat = spare
         else:
             self.flat = bucket.spare = torch.empty(bucket.numel + len(bucket.sizes),
@@ -274,25 +273,6 @@ class _TorchBuffer:
                 flags[slot] = 0  # a kernel on the device, no host round trip
         self.parts = []
         return flat
-
-
-def _storage_users(t: Any) -> int:
-    import torch
-
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_ALONE: List[int] = []
-
-
-def _alone() -> int:
-    """What :func:`_storage_users` says of a tensor nobody else uses (measured once: the
-    count includes what the probe itself adds on some torch versions)."""
-    if not _ALONE:
-        import torch
-
-        _ALONE.append(_storage_users(torch.empty(1)))
-    return _ALONE[0]
 
 
 class _MegEngineBuffer:

@@ -100,10 +100,8 @@ class _NumpyBridgeWork:
         self._work, self._buffer, self._device = work, buffer, device
 
     def wait(self) -> Any:
-        import megengine
-
         self._work.wait()
-        return megengine.Tensor(self._buffer.numpy(), device=self._device)
+        return _from_host(self._buffer, self._device)
 
 
 class MegEngineViaTorchTransport(_TorchCollective):
@@ -114,20 +112,28 @@ class MegEngineViaTorchTransport(_TorchCollective):
     """
 
     def allreduce_async(self, flat: Any) -> Handle:
-        import numpy as np
-        import torch
-
-        buffer = torch.from_numpy(np.array(flat.numpy(), copy=True))
+        buffer = _host_copy(flat)
         return _NumpyBridgeWork(self._start_sum(buffer), buffer, flat.device)
 
     def broadcast(self, flat: Any, src: int) -> Any:
-        import megengine
-        import numpy as np
-        import torch
-
-        buffer = torch.from_numpy(np.array(flat.numpy(), copy=True))
+        buffer = _host_copy(flat)
         self._broadcast(buffer, src)
-        return megengine.Tensor(buffer.numpy(), device=flat.device)
+        return _from_host(buffer, flat.device)
+
+
+def _host_copy(flat: Any) -> Any:
+    """A torch CPU tensor holding a copy of a MegEngine tensor's values."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.array(flat.numpy(), copy=True))
+
+
+def _from_host(buffer: Any, device: Any) -> Any:
+    """The values of a torch CPU tensor as a MegEngine tensor on ``device``."""
+    import megengine
+
+    return megengine.Tensor(buffer.numpy(), device=device)
 
 
 class _Done:
