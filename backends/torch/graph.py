@@ -46,6 +46,19 @@ def walk(roots: Iterable[Any]) -> Dict[Any, List[Any]]:
     return parents
 
 
+def node_lookup(parents: Dict[Any, List[Any]]) -> Any:
+    """``node_of(t)``: the node of ``t``'s gradient if it is in the walk ``parents``, else
+    None. Leaves' nodes come from the walk itself (``get_gradient_edge`` would make a view of
+    every tensor asked about)."""
+    accumulators = {id(n.variable): n for n in parents if type(n).__name__ == "AccumulateGrad"}
+
+    def node_of(t: torch.Tensor) -> Any:
+        node = t.grad_fn if t.grad_fn is not None else accumulators.get(id(t))
+        return node if node in parents else None
+
+    return node_of
+
+
 def reachable_leaves(
     ys: Sequence[torch.Tensor], tensors: Optional[Iterable[Any]] = None
 ) -> List[Any]:
@@ -62,15 +75,8 @@ def reachable_leaves(
     parents = walk(y.grad_fn for y in ys)
     if tensors is None:
         return [n.variable for n in parents if hasattr(n, "variable")]
-    found = []
-    for t in tensors:
-        if not t.requires_grad:
-            continue
-        if (t.grad_fn is None and grad_node(t) in parents) or (
-            t.grad_fn is not None and t.grad_fn in parents
-        ):
-            found.append(t)
-    return found
+    node_of = node_lookup(parents)
+    return [t for t in tensors if t.requires_grad and node_of(t) is not None]
 
 
 def graph_root(y: torch.Tensor) -> Any:
@@ -144,9 +150,10 @@ def pre_record_paths(
         else:
             low[node] = high[node] = never
     found = []
+    node_of = node_lookup(parents)
     for i, (t, snapshot) in enumerate(zip(inputs, since)):
-        node = grad_node(t)
-        if node in low and low[node] < snapshot <= high[node]:
+        node = node_of(t)
+        if node is not None and low[node] < snapshot <= high[node]:
             found.append((i, _older_operations(parents, node, seq, snapshot)))
     return found
 
@@ -211,15 +218,10 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
     """One walk of the graph from ``outputs``; see :class:`SplitPlan`."""
     roots = [graph_root(y) for y in outputs]
     parents = walk(roots)
-    # Leaves' nodes from the walk itself (get_gradient_edge would make a view per tensor).
-    accumulators = {id(n.variable): n for n in parents if type(n).__name__ == "AccumulateGrad"}
-
-    def node_of(t: torch.Tensor) -> Any:
-        return t.grad_fn if t.grad_fn is not None else accumulators.get(id(t))
-
+    node_of = node_lookup(parents)
     first = _upward(parents, (node_of(t) for t in now))
     nodes = {id(t): node_of(t) for t in rest}
-    later = [t for t in rest if nodes[id(t)] in parents]
+    later = [t for t in rest if nodes[id(t)] is not None]
     moved = [t for t in later if nodes[id(t)] in first]
     later = [t for t in later if nodes[id(t)] not in first]
     only_rest = _upward(parents, (nodes[id(t)] for t in later)) - first
