@@ -91,6 +91,11 @@ def _calibrate() -> tuple:
 _OWN_TENSOR_USES, _OWN_STORAGE_USES, _OWN_BASE_REFS, _OWN_BASE_USES = _calibrate()
 
 
+def storage_unshared(t: torch.Tensor) -> bool:
+    """No tensor but ``t`` uses its storage (no view, no ``.grad`` kept somewhere)."""
+    return _storage(t)[0] <= _OWN_STORAGE_USES
+
+
 def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:
     """AccumulateGrad's rule for storing ``grad`` itself as ``like.grad``: nobody else holds
     it (Python references, other C++ tensors on it), it is laid out like ``like`` with storage
