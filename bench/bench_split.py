@@ -6,6 +6,13 @@ is backwarded with a given ``dy``; "single" is ``gm.backward(out, dy)``, "split"
 of the same model on the same batch, in a new random order every round; ratios are of medians.
 Target: split/single <= 1.10.
 
+For reference, the same rounds time plain PyTorch (no gradmgr): one ``torch.autograd.backward``
+and PyTorch's own split, ``stage_backward_input`` then ``stage_backward_weight`` of
+``torch.distributed.pipelining`` (private functions; the row is left out where they are
+missing). Any split runs the engine again for the weights (once per group of weights no path
+joins, e.g. once per layer of an MLP), which costs a fixed amount per run on top of the same
+arithmetic: the "torch split" column shows what that costs without gradmgr.
+
     python bench/bench_split.py [--quick]
 """
 
@@ -58,7 +65,39 @@ def step_fns(model: nn.Module, x0: torch.Tensor):
         rest.finish()
 
     variants: Dict[str, Callable[[], None]] = {"single": single, "split": split}
-    return variants, grad_clearers({k: list(m.parameters()) for k, m in models.items()})
+    params = {k: list(m.parameters()) for k, m in models.items()}
+    variants.update(_plain_torch(model, x0, dy, params))
+    return variants, grad_clearers(params)
+
+
+def _plain_torch(model: nn.Module, x0: torch.Tensor, dy: torch.Tensor,
+                 params: Dict[str, list]) -> Dict[str, Callable[[], None]]:
+    """PyTorch without gradmgr: one backward, and its pipelining split where available."""
+    try:
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
+    except ImportError:
+        stage_backward_input = stage_backward_weight = None
+    models = {name: copy.deepcopy(model) for name in ("torch single", "torch split")}
+
+    def torch_single() -> None:
+        x = x0.clone().requires_grad_()
+        m = models["torch single"]
+        torch.autograd.backward(m(x), dy, inputs=[x, *m.parameters()])
+
+    def torch_split() -> None:
+        x = x0.clone().requires_grad_()
+        m = models["torch split"]
+        _, groups = stage_backward_input([m(x)], [dy], [x], m.parameters())
+        stage_backward_weight(m.parameters(), groups)
+
+    variants = {"torch single": torch_single}
+    if stage_backward_input is not None:
+        variants["torch split"] = torch_split
+    params.update({k: list(m.parameters()) for k, m in models.items() if k in variants})
+    return variants
 
 
 def main(argv=None) -> int:
@@ -68,7 +107,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     print(__doc__.split("\n\n")[0])
     print(machine_info(["torch"]) + ", torch threads: 1")
-    print(f"{'model':>9} {'samples':>7} {'single us':>10} {'split us':>9} {'ratio':>6}")
+    print(f"{'model':>9} {'samples':>7} {'single us':>10} {'split us':>9} {'ratio':>6} "
+          f"{'torch single us':>15} {'torch split us':>14} {'torch ratio':>11}")
     rows = []
     for name, (model, x0) in cases().items():
         variants, setups = step_fns(model, x0)
@@ -76,12 +116,19 @@ def main(argv=None) -> int:
                         lo=30 if args.quick else 200, setup=setups["single"])
         t = interleaved(variants, n, setups)
         ratio = t["split"].median / t["single"].median
+        plain = t["torch single"].median
+        own = t.get("torch split")
+        own_text = (f"{own.median * 1e6:14.1f} {own.median / plain:11.3f}" if own is not None
+                    else f"{'-':>14} {'-':>11}")
         print(f"{name:>9} {n:7d} {t['single'].median * 1e6:10.1f} "
-              f"{t['split'].median * 1e6:9.1f} {ratio:6.3f}", flush=True)
-        rows.append((name, ratio))
+              f"{t['split'].median * 1e6:9.1f} {ratio:6.3f} {plain * 1e6:15.1f} {own_text}",
+              flush=True)
+        rows.append((name, ratio, None if own is None else own.median / plain))
     print()
-    for name, ratio in rows:
+    for name, ratio, own_ratio in rows:
         result(f"torch {name} split/single backward", ratio, TARGET)
+        if own_ratio is not None:
+            result(f"torch {name} PyTorch's own split/single (reference)", own_ratio)
     return 0
 
 

@@ -110,8 +110,9 @@ class Tape(ABC):
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
         """Like :meth:`backward`, but feed only the sinks of the tensors in ``first`` now and
-        return an object whose ``run()`` feeds the others later (once, after :meth:`stop`;
-        None if there is nothing left). Only where ``capabilities.split_backward``."""
+        return an object whose ``run(may_accumulate)`` feeds the others later (once, after
+        :meth:`stop`; None if there is nothing left; ``may_accumulate`` as for
+        :meth:`backward`). Only where ``capabilities.split_backward``."""
         raise NotImplementedError("this backend cannot split a backward")
 
     @abstractmethod

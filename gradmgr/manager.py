@@ -650,7 +650,7 @@ class GradManager:
             if backend is not None and backend.tracks_backwarding:
                 scope = (backend, backend.enter_backward(self))
             if rest is not None:
-                rest.run()
+                rest.run(may_accumulate=not self._after_backward_callbacks)
             for callback in self._after_backward_callbacks:
                 callback()
             self._accumulate_gradients()

@@ -242,6 +242,49 @@ def test_a_weight_used_twice_gets_the_whole_gradient():
     torch.testing.assert_close(w.grad, engine[1], rtol=1e-6, atol=1e-7)
 
 
+def test_accumulation_over_micro_batches_equals_plain_backward():
+    """Without callbacks the engine accumulates each part into ``.grad`` itself: two
+    micro-batches into existing gradients give what two ``loss.backward()`` calls give."""
+    x0s = [torch.randn(5, 8), torch.randn(5, 8)]
+    plain, managed = mlp(), mlp()
+    xs = []
+    for x0 in x0s:
+        xr = x0.clone().requires_grad_()
+        plain(xr).square().sum().backward()
+        xs.append(xr.grad)
+    gm = GradManager().attach(managed.parameters())
+    for x0, want in zip(x0s, xs):
+        with gm:
+            x = x0.clone()
+            gm.attach(x)
+            rest = gm.backward_split(managed(x).square().sum(), first=[x])
+        assert torch.equal(x.grad, want)
+        rest.finish()
+    for p, q in zip(managed.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_an_after_backward_callback_that_raises_in_finish_leaves_weights_untouched():
+    model = mlp()
+    gm = GradManager().attach(model.parameters())
+    before = [torch.full_like(p, 7.0) for p in model.parameters()]
+    for p, b in zip(model.parameters(), before):
+        p.grad = b.clone()
+
+    def abort():
+        raise KeyError("skip this step")
+
+    gm.register_after_backward_callback(abort)
+    with gm:
+        x = torch.randn(3, 8)
+        gm.attach(x)
+        rest = gm.backward_split(model(x).sum(), first=[x])
+    with pytest.raises(KeyError, match="skip this step"):
+        rest.finish()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.grad, b)
+
+
 def test_data_parallel_callback_with_split_backward():
     """The allreduce callback overlaps the weight part and sees the split's own step, also
     when the next recording has begun; with a fake peer that sends zeros, mean = grad / 2."""

@@ -220,41 +220,51 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
     parents = walk(roots)
     node_of = node_lookup(parents)
     first = _upward(parents, (node_of(t) for t in now))
-    nodes = {id(t): node_of(t) for t in rest}
-    later = [t for t in rest if nodes[id(t)] is not None]
-    moved = [t for t in later if nodes[id(t)] in first]
-    later = [t for t in later if nodes[id(t)] not in first]
-    only_rest = _upward(parents, (nodes[id(t)] for t in later)) - first
+    moved, later = [], []
+    for t in rest:
+        node = node_of(t)
+        if node is not None:
+            (moved if node in first else later).append((t, node))
 
-    # Union-find over the rest-only nodes and the boundary nodes that feed them.
-    leader: Dict[Any, Any] = {}
+    # Climb from each later tensor's node through the nodes only the rest needs, stopping at
+    # first-part nodes (the boundary). Climbs that meet, at a node or at a boundary node, are
+    # one group: union-find over the climbs.
+    leader: List[int] = []
 
-    def find(node: Any) -> Any:
-        leader.setdefault(node, node)
-        while leader[node] is not node:
-            leader[node] = leader[leader[node]]
-            node = leader[node]
-        return node
+    def find(i: int) -> int:
+        while leader[i] != i:
+            leader[i] = leader[leader[i]]
+            i = leader[i]
+        return i
 
-    boundary = set()
-    for node in only_rest:
-        find(node)
-        for parent in parents[node]:
-            if parent in first:
-                boundary.add(parent)
-            leader[find(parent)] = find(node)
-    groups: Dict[Any, Tuple[List[Any], List[int], List[Any]]] = {}
+    label: Dict[Any, int] = {}  # rest-only node -> its climb
+    boundary: Dict[Any, int] = {}
+    for _, start in later:
+        if start in label:
+            continue
+        climb = len(leader)
+        leader.append(climb)
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            met = boundary.setdefault(node, climb) if node in first else label.get(node)
+            if met is None:
+                label[node] = climb
+                stack.extend(parents[node])
+            elif met != climb:
+                leader[find(met)] = find(climb)
+    groups: Dict[int, Tuple[List[Any], List[int], List[Any]]] = {}
 
-    def group(node: Any) -> Tuple[List[Any], List[int], List[Any]]:
-        return groups.setdefault(find(node), ([], [], []))
+    def group(climb: int) -> Tuple[List[Any], List[int], List[Any]]:
+        return groups.setdefault(find(climb), ([], [], []))
 
-    for node in boundary:
-        group(node)[0].append(node)
+    for node, climb in boundary.items():
+        group(climb)[0].append(node)
     for i, root in enumerate(roots):
-        if root in only_rest:
-            group(root)[1].append(i)
-    for t in later:
-        group(nodes[id(t)])[2].append(t)
+        if root in label:
+            group(label[root])[1].append(i)
+    for t, node in later:
+        group(label[node])[2].append(t)
     ordered = sorted(groups.values(), key=lambda g: -max(
         [n._sequence_nr() for n in g[0]] + [roots[i]._sequence_nr() for i in g[1]], default=0))
-    return SplitPlan([*now, *moved], ordered, first)
+    return SplitPlan([*now, *(t for t, _ in moved)], ordered, first)

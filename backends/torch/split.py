@@ -39,9 +39,10 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
 
     if plan.now:
         hooks = [(node, "register_prehook", capture_at(node)) for node in plan.boundary]
-        # The boundary nodes run again in the rest: keep what they saved.
-        tape.capture(outputs, seeds, True, False, plan.now,
-                     [entry_of[id(t)] for t in plan.now], hooks)
+        # The boundary nodes run again in the rest: keep what they saved. The manager
+        # accumulates the first part right after it, so the engine may do that itself.
+        tape.run(outputs, seeds, True, False, plan.now, [entry_of[id(t)] for t in plan.now],
+                 hooks, accumulate=not any(id(t) in tape._eager for t in plan.now))
     roots = [GradientEdge(graph_root(y), y.output_nr) for y in outputs]
     return Rest(tape, plan, captured, roots, seeds, entry_of, retain_graph)
 
@@ -55,8 +56,9 @@ class Rest:
         self._roots, self._seeds, self._entry_of = roots, seeds, entry_of
         self._retain = retain_graph
 
-    def run(self) -> None:
-        plan, captured = self._plan, self._captured
+    def run(self, may_accumulate: bool) -> None:
+        """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`."""
+        plan, captured, tape = self._plan, self._captured, self._tape
         first_nodes = plan.first_nodes
         try:
             for nodes, root_indices, tensors in plan.groups:
@@ -66,15 +68,19 @@ class Rest:
                         if grad is not None:
                             edges.append(GradientEdge(node, i))
                             grads.append(grad)
+                    # A boundary node's first-part child can lead on to another boundary
+                    # node of the same group (never back to itself): drop what it would get.
                     mask = [child in first_nodes for child, _ in node.next_functions]
-                    if any(mask):
+                    if len(nodes) > 1 and any(mask):
                         hooks.append((node, "register_hook", _dropping(mask)))
                 for i in root_indices:
                     edges.append(self._roots[i])
                     grads.append(self._seeds[i])
                 if edges and tensors:
-                    self._tape.capture(edges, grads, self._retain, False, tensors,
-                                       [self._entry_of[id(t)] for t in tensors], hooks)
+                    tape.run(edges, grads, self._retain, False, tensors,
+                             [self._entry_of[id(t)] for t in tensors], hooks,
+                             accumulate=may_accumulate and not any(
+                                 id(t) in tape._eager for t in tensors))
         finally:
             self.release()
 

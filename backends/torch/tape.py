@@ -268,27 +268,27 @@ class TorchTape(Tape):
         if not self._checked or prerecord.check_mode() == "always":
             self._check_graph(outputs, inputs, entries)
         retain = retain_graph or create_graph
-        if may_accumulate and not self._eager and not create_graph:
-            # Nothing runs between computing and accumulating: let the engine accumulate
-            # into .grad itself, which is what a plain loss.backward() costs.
-            try:
-                run_engine(outputs, seeds, retain, False, inputs, accumulate=True)
-            except RuntimeError as error:
-                _refuse_reentrant_checkpoint(error)
-            return
-        self.capture(outputs, seeds, retain, create_graph, inputs, entries)
+        self.run(outputs, seeds, retain, create_graph, inputs, entries,
+                 accumulate=may_accumulate and not self._eager and not create_graph)
 
-    def capture(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor], retain: bool,
-                create_graph: bool, inputs: List[torch.Tensor], entries: List[_Entry],
-                node_hooks: Sequence[Tuple[Any, str, Any]] = ()) -> None:
+    def run(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor], retain: bool,
+            create_graph: bool, inputs: List[torch.Tensor], entries: List[_Entry],
+            node_hooks: Sequence[Tuple[Any, str, Any]] = (), accumulate: bool = False) -> None:
         """Run the engine for the gradients of ``inputs`` (``outputs``: tensors or gradient
         edges) and deliver them to their sinks: eager ones from tensor hooks while the engine
         runs, the others when it returns. ``node_hooks``: ``(node, "register_hook" or
-        "register_prehook", fn)`` registered for this run only."""
+        "register_prehook", fn)`` registered for this run only.
+
+        ``accumulate`` (only when no tensor of ``inputs`` is eager and nothing runs between
+        computing and accumulating): the engine accumulates into ``.grad`` itself, which is
+        what a plain ``loss.backward()`` costs, and no sink is called."""
         handles = [getattr(node, kind)(fn) for node, kind, fn in node_hooks]
-        engine_inputs = inputs if not self._snapshots[0] else [
-            t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
         try:
+            if accumulate:
+                run_engine(outputs, seeds, retain, False, inputs, accumulate=True)
+                return
+            engine_inputs = inputs if not self._snapshots[0] else [
+                t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
             grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs,
                                         engine_inputs)
         except RuntimeError as error:
