@@ -28,7 +28,7 @@ class Future(Generic[T]):
         5
     """
 
-    __slots__ = ("_value", "_ready", "_compute", "_lock")
+    __slots__ = ("_value", "_event", "_compute", "_lock")
 
     replaces_grad = False
     """True for a Future whose value is the tensor's complete new ``.grad`` (it replaces what
@@ -37,34 +37,55 @@ class Future(Generic[T]):
     data-parallel callback's reduced gradients, which already include what ``.grad`` held)."""
 
     def __init__(self, compute: Optional[Callable[[], T]] = None) -> None:
+        # The event and the compute lock are made only when a get() has to wait or compute:
+        # a callback may return one Future per tensor, and most are resolved before get().
         self._value: Any = _UNSET
-        self._ready = threading.Event()
+        self._event: Optional[threading.Event] = None
         self._compute = compute
-        self._lock = threading.Lock()
+        self._lock: Optional[threading.Lock] = None
 
     @classmethod
     def resolved(cls, value: T) -> Future[T]:
         future: Future[T] = cls()
-        future.set(value)
+        future._value = value  # nobody else can see it yet
         return future
 
     def set(self, value: T) -> None:
         """Deliver the value; wakes every waiting ``get()``."""
-        self._value = value
-        self._ready.set()
+        with _GUARD:
+            self._value = value
+            event = self._event
+        if event is not None:
+            event.set()
 
     def done(self) -> bool:
-        return self._ready.is_set()
+        return self._value is not _UNSET
 
     def get(self, timeout: Optional[float] = None) -> T:
         """Return the value, computing or waiting for it first."""
-        if not self._ready.is_set() and self._compute is not None:
-            with self._lock:
-                if not self._ready.is_set():
+        value = self._value
+        if value is not _UNSET:
+            return value
+        if self._compute is not None:
+            with _GUARD:
+                if self._lock is None:
+                    self._lock = threading.Lock()
+            with self._lock:  # one computation, also when several threads ask at once
+                if self._value is _UNSET:
                     self.set(self._compute())
-        if not self._ready.wait(timeout):
+            return self._value
+        with _GUARD:  # set() reads the event under the same lock: no wake-up is missed
+            if self._value is not _UNSET:
+                return self._value
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if not event.wait(timeout):
             raise TimeoutError(f"Future not resolved within {timeout} s")
         return self._value
+
+
+_GUARD = threading.Lock()  # short sections only: publishing a value, making an event or lock
 
 
 def is_future(obj: Any) -> bool:

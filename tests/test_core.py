@@ -541,6 +541,44 @@ def test_future_value_semantics():
         Future().get(timeout=0)
 
 
+def test_future_across_threads():
+    """A get() that waits is woken by set() from another thread; a lazy value is computed
+    once however many threads ask at the same time; None is a value, not "unset"."""
+    import threading
+
+    waiting = Future()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(waiting.get(timeout=10)))
+    reader.start()
+    waiting.set("value")
+    reader.join(10)
+    assert got == ["value"] and waiting.done()
+
+    calls = []
+    start = threading.Barrier(8)
+
+    def compute():
+        calls.append(1)
+        return len(calls)
+
+    lazy = Future(compute)
+    results = []
+
+    def ask():
+        start.wait(10)
+        results.append(lazy.get(timeout=10))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert calls == [1] and results == [1] * 8
+    none = Future()
+    none.set(None)
+    assert none.done() and none.get(timeout=0) is None
+
+
 # ----------------------------------------------------------------------------- S11 backwarding
 def test_get_backwarding_grad_manager_inside_and_after(fk):
     x = fk.tensor(1.0)
