@@ -400,26 +400,33 @@ def test_user_hooks_registered_after_attach_run_before_callbacks_as_before_accum
 
 def test_engine_does_not_hold_a_gradient_a_callback_replaced():
     """A callback that copies a gradient away (a data-parallel bucket) and returns a Future:
-    the engine's gradient is freed right away, not kept until the backward ends."""
+    the engine's gradient is freed right away, not kept until the backward ends, for every
+    gradient of at least STAND_IN_BYTES (the weights here; the biases are smaller)."""
     import gc
     import weakref
+
+    from gradmgr.backends.torch.tape import STAND_IN_BYTES
 
     from gradmgr import Future
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    assert model[0].weight.numel() * 4 >= STAND_IN_BYTES > model[0].bias.numel() * 4
     refs, alive_later = {}, []
 
     def keep_a_copy(t, g):
         refs[t] = weakref.ref(g)
         gc.collect()
-        alive_later.append(sum(r() is not None for p, r in refs.items() if p is not t))
+        alive_later.append(sum(r() is not None for p, r in refs.items()
+                               if p is not t and p.dim() == 2))
         return Future.resolved(g.clone())
 
     gm = GradManager().attach(model.parameters(), callbacks=keep_a_copy)
     with gm:
-        gm.backward(model(torch.randn(4, 8)).square().sum())
+        gm.backward(model(torch.randn(4, 128)).square().sum())
     assert len(alive_later) == 4 and alive_later[-1] == 0, alive_later
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    assert all(refs[w]() is None for w in weights)
 
 
 def test_an_unshared_gradient_is_stored_without_a_copy_and_a_kept_one_is_copied():

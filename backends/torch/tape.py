@@ -23,6 +23,9 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 _graph_task_id = torch._C._current_graph_task_id
 
+STAND_IN_BYTES = 2**16
+"""Gradients at least this large are freed as soon as a callback replaced them (see _hook)."""
+
 
 def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
           grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -32,9 +35,11 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     another thread, or one run inside a callback), so the gradient is delivered only in the
     engine's graph task that this tape's backward started (see :func:`_claim`).
 
-    For a leaf whose callbacks returned something else (a bucket's Future), the engine is
-    handed back a zero-size stand-in, so that it does not hold the gradient until it returns
-    (it would keep it as the result for ``inputs=``, which the tape ignores for this tensor).
+    For a leaf whose callbacks returned something else (a bucket's Future), a gradient of at
+    least ``STAND_IN_BYTES`` is replaced for the engine by a zero-size stand-in, so that the
+    engine does not hold it until it returns (it would keep it as the result for ``inputs=``,
+    which the tape ignores for this tensor). Smaller ones are left with the engine: handing a
+    tensor back costs the engine about 6 us, more than holding a small gradient is worth.
     """
     tape = tape_ref()
     if tape is None or not tape._running or _graph_task_id() != tape._task:
@@ -43,7 +48,8 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     if sink is None:
         return None
     tape._fired.add(key)
-    if _run_callbacks(sink, grad) is grad or not leaf:
+    if (_run_callbacks(sink, grad) is grad or not leaf
+            or grad.numel() * grad.element_size() < STAND_IN_BYTES):
         return None
     stand_in = tape._stand_ins.get(key)
     if stand_in is None or stand_in.shape != grad.shape:
