@@ -42,7 +42,7 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
         # The boundary nodes run again in the rest: keep what they saved. The manager
         # accumulates the first part right after it, so the engine may do that itself.
         tape.run(outputs, seeds, True, False, plan.now, [entry_of[id(t)] for t in plan.now],
-                 hooks, accumulate=not any(id(t) in tape._eager for t in plan.now))
+                 hooks, accumulate=tape.none_eager(plan.now))
     roots = [GradientEdge(graph_root(y), y.output_nr) for y in outputs]
     return Rest(tape, plan, captured, roots, seeds, entry_of, retain_graph)
 
@@ -70,17 +70,17 @@ class Rest:
                             grads.append(grad)
                     # A boundary node's first-part child can lead on to another boundary
                     # node of the same group (never back to itself): drop what it would get.
-                    mask = [child in first_nodes for child, _ in node.next_functions]
-                    if len(nodes) > 1 and any(mask):
-                        hooks.append((node, "register_hook", _dropping(mask)))
+                    if len(nodes) > 1:
+                        mask = [child in first_nodes for child, _ in node.next_functions]
+                        if any(mask):
+                            hooks.append((node, "register_hook", _dropping(mask)))
                 for i in root_indices:
                     edges.append(self._roots[i])
                     grads.append(self._seeds[i])
                 if edges and tensors:
                     tape.run(edges, grads, self._retain, False, tensors,
                              [self._entry_of[id(t)] for t in tensors], hooks,
-                             accumulate=may_accumulate and not any(
-                                 id(t) in tape._eager for t in tensors))
+                             accumulate=may_accumulate and tape.none_eager(tensors))
         finally:
             self.release()
 

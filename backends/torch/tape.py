@@ -311,6 +311,12 @@ class TorchTape(Tape):
             elif id(tensor) not in fired:  # its hook could not fire (added mid-backward)
                 _run_callbacks(entry.sink, grad)
 
+    def none_eager(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """No tensor of ``tensors`` is delivered by a hook (callbacks, or a non-leaf), so the
+        engine may accumulate them itself (:meth:`run`'s ``accumulate``)."""
+        eager = self._eager
+        return not any(id(t) in eager for t in tensors)
+
     def _run_capturing(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor],
                        retain: bool, create_graph: bool, inputs: List[torch.Tensor],
                        engine_inputs: Sequence[Any]) -> Sequence[Optional[torch.Tensor]]:
