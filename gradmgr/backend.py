@@ -107,6 +107,14 @@ class Tape(ABC):
         of calling their sinks.
         """
 
+    def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
+                              create_graph: bool, retain_graph: bool) -> None:
+        """Like :meth:`backward`, but the engine accumulates every watched tensor's gradient
+        into ``.grad`` itself and no sink is called (a backward delegate, see
+        :meth:`gradmgr.GradManager.set_backward_delegate`, handles them); only for leaf
+        tensors. PyTorch's tape implements it."""
+        raise NotImplementedError("this backend cannot delegate a backward")
+
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
         """Like :meth:`backward`, but feed only the sinks of the tensors in ``first`` now and

@@ -94,6 +94,7 @@ class GradManager:
         self._backwarding = False
         self._after_backward_callbacks: List[Callable[[], None]] = []
         self._record_callbacks: List[Callable[[], None]] = []
+        self._backward_delegate: Optional[Callable[[], Any]] = None
 
     # ----------------------------------------------------------------- attaching
     @property
@@ -480,6 +481,27 @@ class GradManager:
         self._record_callbacks.append(callback)
         return self
 
+    def set_backward_delegate(self, delegate: Optional[Callable[[], Any]]) -> GradManager:
+        """Let ``delegate`` take over whole backwards (None: stop): the data-parallel callback
+        uses it to hand a step to PyTorch's C++ reducer.
+
+        At the start of every :meth:`backward` (not :meth:`backward_split`), ``delegate()``
+        returns None (this backward runs as usual) or an object with ``finish()`` and
+        ``abort()``. Then the engine accumulates every attached tensor's gradient straight
+        into ``.grad`` (no callback and no after-backward callback runs), after which
+        ``finish()`` is called, or ``abort()`` if the backward raised. Only a backend whose
+        tape has ``backward_accumulating`` (PyTorch) can be delegated to.
+        """
+        if delegate is not None and not callable(delegate):
+            raise TypeError(f"backward delegate must be callable, not {type(delegate)}")
+        self._backward_delegate = delegate
+        return self
+
+    def callback_chains(self) -> List[tuple]:
+        """``(tensor, callbacks)`` for every live attached tensor, in first-attach order."""
+        chains = ((spec.tensor(), tuple(spec.callbacks)) for spec in self._specs.values())
+        return [(t, callbacks) for t, callbacks in chains if t is not None]
+
     def backward(self, y: Any = None, dy: Any = None) -> None:
         """Accumulate the vector-Jacobian product ``dy · ∂y/∂x`` into ``x.grad`` for every
         attached ``x``, then release the recording (also when an error is raised).
@@ -508,12 +530,13 @@ class GradManager:
                 self._settle_backend()
             if self._backend is not None and self._backend.tracks_backwarding:
                 scope = (self._backend, self._backend.enter_backward(self))
+            if self._backward_delegate is not None:
+                delegated = self._backward_delegate()
+                if delegated is not None:
+                    self._delegated_backward(ys, dys, delegated)
+                    return
             if ys and self._taping:
-                recording = self._recording_list
-                if len(recording) == 1:  # only this manager: nobody records this backward
-                    create_graph = retain_graph = False
-                else:
-                    create_graph, retain_graph = self._nesting(recording)
+                create_graph, retain_graph = self._nesting(self._recording_list)
                 self._tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
                                     may_accumulate=not self._after_backward_callbacks)
             for callback in self._after_backward_callbacks:
@@ -527,9 +550,24 @@ class GradManager:
             self.release()
             stack.pop()
 
+    def _delegated_backward(self, ys: List[Any], dys: List[Any], delegated: Any) -> None:
+        """The engine accumulates into ``.grad``; ``delegated`` does the rest (see
+        :meth:`set_backward_delegate`)."""
+        try:
+            if ys and self._taping:
+                create_graph, retain_graph = self._nesting(self._recording_list)
+                self._tape.backward_accumulating(ys, dys, create_graph=create_graph,
+                                                 retain_graph=retain_graph)
+            delegated.finish()
+        except BaseException:
+            delegated.abort()
+            raise
+
     def _nesting(self, recording: List[GradManager]) -> tuple:
         """``(create_graph, retain_graph)`` for this manager's backward while ``recording``
         (this thread's recording managers) holds others too."""
+        if len(recording) == 1:  # only this manager: nobody records this backward
+            return False, False
         # A manager whose own backward is running (this one runs inside its callback) can no
         # longer differentiate anything recorded now.
         others = [m for m in recording if m is not self and not m._backwarding]
@@ -599,9 +637,7 @@ class GradManager:
             if backend is not None and backend.tracks_backwarding:
                 scope = (backend, backend.enter_backward(self))
             if ys and self._taping:
-                recording = self._recording_list
-                create_graph, retain_graph = (
-                    (False, False) if len(recording) == 1 else self._nesting(recording))
+                create_graph, retain_graph = self._nesting(self._recording_list)
                 if create_graph:
                     raise UnsupportedGraphError(
                         "a manager that started recording earlier records this backward "

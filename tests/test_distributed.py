@@ -42,10 +42,12 @@ MLP = range(2, 8)  # Net.parameters(): extra, never, then the MLP's 6 tensors
 
 
 # ---------------------------------------------------------------------- spawning
-def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: float = 240):
+def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: float = 240,
+          **env_extra: str):
     """Run ``dist_workers.<suite>`` on ``world`` ranks; return each rank's saved arrays."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+               **env_extra)
     port = free_port()
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
@@ -94,9 +96,16 @@ def full_batch_grads(step: int = 0, use_extra: bool = False) -> list:
     return [None if p.grad is None else p.grad.numpy() for p in net.parameters()]
 
 
-@pytest.fixture(scope="module")
-def torch_ranks(tmp_path_factory):
-    return spawn("torch_suite", tmp_path_factory.mktemp("torch_suite"))
+@pytest.fixture(scope="module", params=["native", "python"])
+def torch_ranks(request, tmp_path_factory):
+    """The torch suite's results, once with plain backwards reduced by torch's C++ Reducer
+    (the default where it can be) and once by gradmgr's own buckets; every check must hold
+    for both."""
+    native = request.param == "native"
+    outs = spawn("torch_suite", tmp_path_factory.mktemp(f"torch_suite_{request.param}"),
+                 GRADMGR_NATIVE_REDUCER="1" if native else "0")
+    assert all(bool(out["native"]) == native for out in outs), "the suite took the other path"
+    return outs
 
 
 # ---------------------------------------------------------------------- torch, 2 ranks
@@ -230,8 +239,25 @@ def test_ranks_that_attach_different_tensors_fail_clearly_on_every_rank(torch_ra
             for part in parts:
                 assert part in message, (name, message)
             assert "same order" in message
+        # ranks where only rank 0 has an after-backward callback of its own: it needs the
+        # Python path, the other could use torch's reducer; the plan check catches that
+        paths = str(out["mismatch_paths"])
+        if bool(out["native"]):
+            assert "planned the same tensors" in paths and "C++ Reducer" in paths, paths
+            assert "after-backward callbacks" in paths
+        else:
+            assert paths == "no error"
         # the process group is intact afterwards: 1 + 2
         np.testing.assert_array_equal(out["mismatch_after"], [3.0])
+
+
+def test_a_backward_that_raises_midway_leaves_nothing_behind(torch_ranks):
+    for out in torch_ranks:
+        assert bool(out["recovery_raised"])
+        for step in range(2):
+            for i in MLP:
+                close(out[f"recovery{step}_gm{i}"], out[f"recovery{step}_ddp{i}"], rtol=0,
+                      what=f"step {step} param {i}")
 
 
 def test_frozen_parameter_gets_no_gradient_and_stays_put(torch_ranks):

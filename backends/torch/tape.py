@@ -165,6 +165,9 @@ class TorchTape(Tape):
         self._flagged: List[torch.Tensor] = []
         self._needs_flag: Dict[int, weakref.ref] = {}
         self._handles: Dict[int, Any] = {}
+        # No hooks on the tensors while backwards are delegated (each would cost the engine a
+        # Python call per tensor); put back by the first backward that delivers to sinks.
+        self._hooks_suspended = False
         self._running = False
         self._task: Optional[int] = None  # its graph task, once the engine started it
         self._recording = False
@@ -206,10 +209,17 @@ class TorchTape(Tape):
 
     def _ensure_hook(self, tensor: torch.Tensor, key: int) -> None:
         # A leaf whose requires_grad is off cannot take a hook yet; start() adds it.
-        if key not in self._handles and tensor.requires_grad:
+        if key not in self._handles and tensor.requires_grad and not self._hooks_suspended:
             self._handles[key] = tensor.register_hook(
                 functools.partial(_hook, weakref.ref(self), key, tensor.is_leaf)
             )
+
+    def _resume_hooks(self) -> None:
+        self._hooks_suspended = False
+        for key in self._eager:
+            tensor = self._entries[key].ref()
+            if tensor is not None:
+                self._ensure_hook(tensor, key)
 
     def _forget_for(self, key: int):
         entries, eager, handles, needs_flag, order, stand_ins = (
@@ -277,6 +287,26 @@ class TorchTape(Tape):
         self.run(outputs, seeds, retain, create_graph, inputs, entries,
                  accumulate=may_accumulate and not self._eager and not create_graph)
 
+    def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
+                              create_graph: bool, retain_graph: bool) -> None:
+        outputs = [y for y in ys if y.requires_grad]
+        seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
+        entries, inputs = self._inputs()
+        if not outputs or not inputs:
+            return
+        if self._snapshots[0]:
+            raise RuntimeError("a delegated backward cannot take a non-leaf tensor's gradient")
+        if not self._hooks_suspended:
+            self._hooks_suspended = True
+            _remove_handles(self._handles)
+        if not self._checked or prerecord.check_mode() == "always":
+            self._check_graph(outputs, inputs, entries)
+        try:
+            run_engine(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
+                       accumulate=True)
+        except RuntimeError as error:
+            _refuse_reentrant_checkpoint(error)
+
     def run(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor], retain: bool,
             create_graph: bool, inputs: List[torch.Tensor], entries: List[_Entry],
             node_hooks: Sequence[Tuple[Any, str, Any]] = (), accumulate: bool = False) -> None:
@@ -325,6 +355,8 @@ class TorchTape(Tape):
         if not self._eager:
             return run_engine(outputs, seeds, retain, create_graph, engine_inputs,
                               accumulate=False)
+        if self._hooks_suspended:
+            self._resume_hooks()
         self._hooks_last(inputs)
         # Each output seen through a view made now: its node is this backward's alone, so the
         # task that runs it is this backward's, also when another thread differentiates the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Set
@@ -14,7 +15,14 @@ from .bucket import Bucket, BucketPlan
 from .consistency import verify_plan
 from .ops import TensorOps, ops_for
 from .sync import broadcast, is_paused
-from .transport import Handle, Transport, TransportSpec, check_transport, resolve_transport
+from .transport import (
+    Handle,
+    TorchTransport,
+    Transport,
+    TransportSpec,
+    check_transport,
+    resolve_transport,
+)
 
 _REDUCE = ("mean", "sum")
 _COMPRESSION = (None, "fp16", "bf16")
@@ -71,7 +79,8 @@ class _Step:
 
 
 class _ManagerState:
-    __slots__ = ("plan", "excluded", "epoch", "ops", "transport", "steps", "used")
+    __slots__ = ("plan", "excluded", "epoch", "ops", "transport", "steps", "used", "native",
+                 "reducer")
 
     def __init__(self, ops: TensorOps) -> None:
         self.plan: Optional[BucketPlan] = None
@@ -83,6 +92,9 @@ class _ManagerState:
         # has started its own (GradManager.backward_split).
         self.steps: Dict[int, _Step] = {}
         self.used: Set[int] = set()  # ids with a local gradient since the last synced step
+        # Whether plain backwards go to torch's C++ reducer (see _native_possible), and it.
+        self.native = False
+        self.reducer: Any = None
 
 
 class AllreduceCallback:
@@ -110,7 +122,9 @@ class AllreduceCallback:
     During the backward, ``cb(tensor, grad)`` puts the gradient into its bucket and returns a
     :class:`gradmgr.Future`; each bucket is reduced as soon as all its members are in, in the
     same order on every rank, so communication overlaps the rest of the backward. An
-    after-backward callback launches the remaining buckets.
+    after-backward callback launches the remaining buckets. Where ``native`` allows, a plain
+    ``gm.backward`` skips all of that and torch's C++ reducer does the same work (see
+    :mod:`gradmgr.distributed.reducer`).
 
     What ``.grad`` holds afterwards is exactly what DDP's gives: every rank's ``.grad`` (from
     earlier ``no_sync`` steps, or kept from before) plus its new gradient, averaged over the
@@ -146,6 +160,12 @@ class AllreduceCallback:
         broadcast: broadcast the planned tensors from ``src`` at the first recording.
         src: the rank whose values the broadcast spreads.
         verify: check across ranks that the plans agree whenever a plan is made.
+        native: let plain backwards go to torch's C++ ``Reducer`` (DDP's) where nothing else
+            needs the per-tensor callbacks: PyTorch tensors, ``"mean"`` without compression
+            over the default transport, every attached tensor a leaf whose chain is this
+            callback alone (or empty), no other after-backward callback. Same results, DDP's
+            cost; it holds the planned tensors while bound. None: on unless the environment
+            sets ``GRADMGR_NATIVE_REDUCER=0``.
     """
 
     def __init__(
@@ -159,6 +179,7 @@ class AllreduceCallback:
         broadcast: bool = True,
         src: int = 0,
         verify: bool = True,
+        native: Optional[bool] = None,
     ) -> None:
         if reduce not in _REDUCE:
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
@@ -174,6 +195,8 @@ class AllreduceCallback:
         self.broadcast = broadcast
         self.src = src
         self.verify = verify
+        self.native = (os.environ.get("GRADMGR_NATIVE_REDUCER", "1") != "0"
+                       if native is None else native)
         self._transport_spec = transport
         self._sync = True
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -243,8 +266,16 @@ class AllreduceCallback:
                 if cb is not None and manager is not None:
                     cb._flush(manager)
 
+            def delegate() -> Any:
+                cb, manager = me(), gm_ref()
+                if cb is None or manager is None:
+                    return None
+                return cb._native_step(manager)
+
             gm.register_record_callback(on_record)
             gm.register_after_backward_callback(flush)
+            if self.native:
+                gm.set_backward_delegate(delegate)
 
     __gradmgr_bind__ = bind
 
@@ -278,6 +309,11 @@ class AllreduceCallback:
         if (plan is None or state.epoch != gm.attach_epoch
                 or not _still_planned(state, plan)):
             self._plan(gm, state, first=plan is None, at_record=at_record)
+        if state.native and not _only_after_backward_callback_is(gm):
+            self._verify(state, state.plan.tensors(), native=False)
+            self._set_native(state, False)
+        elif state.native and state.reducer.broken:  # a backward raised midway
+            self._set_native(state, True)
         sync = self._sync and not is_paused(gm)
         steps = state.steps
         if len(steps) >= _MAX_OPEN_STEPS:  # recordings released without a backward
@@ -291,17 +327,67 @@ class AllreduceCallback:
         tensors = [t for t in attached if ops.trainable(t)]
         if state.transport is None:
             state.transport = resolve_transport(self._transport_spec, ops.name, self.group)
-        if state.plan is None or not state.plan.matches(tensors):
-            if self.verify:
-                verify_plan(state.transport, ops, tensors,
-                            "with the allreduce callback, trainable")
+        native = self._native_possible(gm, state, tensors)
+        new_plan = state.plan is None or not state.plan.matches(tensors)
+        if new_plan or native != state.native:
+            self._verify(state, tensors, native)
             if first and at_record and self.broadcast and tensors:
                 broadcast(tensors, self.src, transport=state.transport)
+        if new_plan:
             first_bytes = min(self.bucket_bytes, _FIRST_BUCKET_BYTES)
             state.plan = BucketPlan(tensors, ops, self.bucket_bytes, first_bytes)
             state.used &= {id(t) for t in tensors}
+        if new_plan or native != state.native:
+            self._set_native(state, native)
         state.excluded = [t for t in attached if not ops.trainable(t)]
         state.epoch = gm.attach_epoch
+
+    def _verify(self, state: _ManagerState, tensors: List[Any], native: bool) -> None:
+        if self.verify:
+            verify_plan(state.transport, state.ops, tensors,
+                        "with the allreduce callback, trainable",
+                        mode=_NATIVE_MODE if native else "")
+
+    def _native_possible(self, gm: Any, state: _ManagerState, tensors: List[Any]) -> bool:
+        """Whether plain backwards can go to torch's C++ reducer (DDP's), which reduces exactly
+        what the Python buckets would, at DDP's cost: PyTorch's own transport, ``"mean"``
+        without compression, and nothing else needing the per-tensor callbacks (every attached
+        tensor a leaf whose chain is this callback alone, or empty; no other after-backward
+        callback, checked at each recording)."""
+        if not (self.native and tensors and state.ops.name == "torch" and self.reduce == "mean"
+                and self.compression is None and type(state.transport) is TorchTransport):
+            return False
+        from .reducer import available  # imports torch: only for torch tensors
+
+        if not available():
+            return False
+        for tensor, callbacks in gm.callback_chains():
+            if not tensor.is_leaf or (callbacks and callbacks != (self,)):
+                return False
+        return _only_after_backward_callback_is(gm) and all(
+            t.requires_grad and str(t.layout) == "torch.strided" for t in tensors)
+
+    def _set_native(self, state: _ManagerState, native: bool) -> None:
+        state.native = native
+        state.reducer = None  # its hooks go with it
+        if native:
+            from .reducer import TorchReducer  # imports torch: only for torch tensors
+
+            state.reducer = TorchReducer(state.plan, self.group, self.bucket_bytes,
+                                         min(self.bucket_bytes, _FIRST_BUCKET_BYTES))
+
+    def _native_step(self, gm: Any) -> Optional[_NativeStep]:
+        """The backward delegate: this step goes to the reducer when the plan says so and
+        nothing was attached since the recording started."""
+        with self._lock:
+            state = self._states.get(gm)
+            if state is None or not state.native or state.epoch != gm.attach_epoch:
+                return None
+            step = state.steps.pop(gm.step, None)
+            if step is None:
+                return None
+            state.reducer.begin(step.sync)
+            return _NativeStep(state, step.sync)
 
     def _launch_ready(self, state: _ManagerState, step: _Step) -> None:
         buckets = step.plan.buckets
@@ -337,6 +423,8 @@ class AllreduceCallback:
                 del state.steps[gm.step]
             if not step.sync:
                 return
+            if state.reducer is not None:  # earlier steps went to the reducer
+                state.used.update(state.reducer.used_since_window())
             missing = self._fill_missing(state, step)
             state.used.clear()
         for tensor, b, slot in missing:
@@ -366,6 +454,33 @@ class AllreduceCallback:
                 missing.append((tensor, b, slot))
             self._launch(state, step, b, unused)
         return missing
+
+
+_NATIVE_MODE = "reduced by torch's C++ Reducer"
+
+
+def _only_after_backward_callback_is(gm: Any) -> bool:
+    """The manager's one after-backward callback is the flush an allreduce callback
+    registered (bind() registers exactly one per manager)."""
+    return len(gm._after_backward_callbacks) == 1
+
+
+class _NativeStep:
+    """A backward handed to the reducer (see GradManager.set_backward_delegate)."""
+
+    __slots__ = ("_state", "_sync")
+
+    def __init__(self, state: _ManagerState, sync: bool) -> None:
+        self._state, self._sync = state, sync
+
+    def finish(self) -> None:
+        state = self._state
+        state.reducer.finish(self._sync, state.used)
+        if self._sync:
+            state.used.clear()
+
+    def abort(self) -> None:
+        self._state.reducer.abort()
 
 
 def _still_planned(state: _ManagerState, plan: BucketPlan) -> bool:

@@ -37,7 +37,8 @@ def _count_chunks(n: int) -> List[int]:
     return [(n >> (8 * i)) & 0xFF for i in range(_COUNT_CHUNKS)]
 
 
-def verify_plan(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str) -> None:
+def verify_plan(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str,
+                mode: str = "") -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks plan ``tensors`` alike.
 
     One collective when they agree: with a transport that knows its ``rank()``, every rank's
@@ -50,7 +51,7 @@ def verify_plan(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: st
     if world == 1 or not tensors:
         return
     fingerprint = _count_chunks(len(tensors)) + _chunks(
-        ";".join(describe(ops, t) for t in tensors))
+        ";".join([describe(ops, t) for t in tensors] + [mode]))
     rank_of = getattr(transport, "rank", None)
     if rank_of is not None:
         rows = _gather(transport, ops, rank_of(), world, fingerprint, tensors[0])
@@ -62,7 +63,7 @@ def verify_plan(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: st
         n = len(fingerprint)
         if all(world * summed[n + i] == summed[i] ** 2 for i in range(n)):
             return
-    raise RankMismatchError(_mismatch_message(transport, ops, tensors, what, world))
+    raise RankMismatchError(_mismatch_message(transport, ops, tensors, what, world, mode))
 
 
 def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],
@@ -76,7 +77,7 @@ def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[flo
 
 
 def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str,
-                      world: int) -> str:
+                      world: int, mode: str) -> str:
     advice = (f"Every rank must attach the same tensors ({what}) in the same order, with the "
               f"same shapes, dtypes and requires_grad flags (freeze a parameter on every rank "
               f"or on none).")
@@ -90,6 +91,13 @@ def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], wh
                    [c for t in tensors for c in _chunks(describe(ops, t))]
                    + [0.0] * (_CHUNKS * (longest - len(tensors))), like)
     position = _first_difference(rows, counts, longest)
+    if position == longest:  # the same tensors: the ranks chose different reduction paths
+        return (f"the ranks planned the same tensors for data-parallel reduction, but they "
+                f"would reduce them differently: some ranks with torch's C++ Reducer, others "
+                f"with gradmgr's own buckets (rank {rank}: "
+                f"{'the C++ Reducer' if mode else 'gradmgr'}). Every rank must attach the same "
+                f"callbacks to the same tensors, register the same after-backward callbacks "
+                f"and pass the same native= option (or set GRADMGR_NATIVE_REDUCER alike)")
     shown = tensors[position] if position < len(tensors) else None
     row = [0.0] * (3 + _MAX_DIMS)
     if shown is not None:

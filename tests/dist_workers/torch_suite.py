@@ -83,7 +83,8 @@ def train(out: dict, rank: int, world: int) -> None:
     """Three SGD steps, gradmgr and DDP side by side; first-step grads and final params."""
     net_gm, net_ddp = Net(), Net()
     ddp = DDP(net_ddp, find_unused_parameters=True)
-    gm = GradManager().attach(net_gm.parameters(), callbacks=[make_allreduce_cb("mean")])
+    cb = make_allreduce_cb("mean")
+    gm = GradManager().attach(net_gm.parameters(), callbacks=[cb])
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net_gm, net_ddp)]
     for step in range(3):
         x, y = local_batch(step, rank, world)
@@ -91,6 +92,9 @@ def train(out: dict, rank: int, world: int) -> None:
             gm.backward(net_gm(x, y))
         ddp(x, y).backward()
         if step == 0:
+            # which path reduced: torch's C++ reducer, or gradmgr's buckets
+            # (GRADMGR_NATIVE_REDUCER=0, see test_distributed.torch_ranks)
+            out["native"] = np.array(cb._states[gm].native)
             save(out, "mean_g", grads(net_gm))
             save(out, "ddp_g", grads(net_ddp))
             out["mean_dtypes"] = np.array([str(p.grad.dtype) for p in net_gm.parameters()
@@ -257,9 +261,52 @@ def mismatches(out: dict, rank: int, world: int) -> None:
             out[f"mismatch_{name}"] = np.array("no error")
         except RankMismatchError as exc:
             out[f"mismatch_{name}"] = np.array(str(exc))
+    # The same tensors, but rank 0 has an after-backward callback of its own: there the
+    # gradients must go through gradmgr's buckets, elsewhere they may go to torch's reducer.
+    held = [a, b]
+    gm = GradManager().attach(held, callbacks=[make_allreduce_cb("mean")])
+    if rank == 0:
+        gm.register_after_backward_callback(lambda: None)
+    try:
+        with gm:
+            gm.backward(sum((t * 1.0).sum() for t in held))
+        out["mismatch_paths"] = np.array("no error")
+    except RankMismatchError as exc:
+        out["mismatch_paths"] = np.array(str(exc))
     check = torch.ones(1) * (rank + 1)
     dist.all_reduce(check)
     out["mismatch_after"] = check.numpy()
+
+
+def recovery(out: dict, rank: int, world: int) -> None:
+    """A backward that raises midway (on every rank) leaves nothing behind: the next steps
+    equal DDP's."""
+    net_gm, net_ddp = Net(), Net()
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    gm = GradManager().attach(net_gm.parameters(), callbacks=[make_allreduce_cb("mean")])
+
+    def fail(grad):
+        raise ValueError("a hook failed")
+
+    handle = net_gm.mlp[0].weight.register_hook(fail)
+    x, y = local_batch(0, rank, world)
+    try:
+        with gm:
+            gm.backward(net_gm(x, y))
+        out["recovery_raised"] = np.array(False)
+    except ValueError:
+        out["recovery_raised"] = np.array(True)
+    handle.remove()
+    net_gm.zero_grad(set_to_none=True)
+    for step in range(2):
+        x, y = local_batch(step, rank, world)
+        with gm:
+            gm.backward(net_gm(x, y))
+        ddp(x, y).backward()
+        save(out, f"recovery{step}_gm", grads(net_gm))
+        save(out, f"recovery{step}_ddp", grads(net_ddp))
+        for m in (net_gm, net_ddp):
+            m.zero_grad(set_to_none=True)
 
 
 class _Fp16Transport:
@@ -343,6 +390,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     accumulation_manager_switch(out, rank, world)
     initial_sync(out, rank, world)
     mismatches(out, rank, world)
+    recovery(out, rank, world)
     frozen(out, rank, world)
     custom_transports(out, rank, world)
     dist.barrier()

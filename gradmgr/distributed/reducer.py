@@ -1,0 +1,163 @@
+"""The allreduce callback's fast path on PyTorch: torch's own C++ ``Reducer`` (what DDP runs).
+
+A Python callback per tensor costs microseconds per tensor, which DDP does not pay: its reducer
+hooks the gradient accumulators in C++. When nothing else needs the per-tensor callbacks (see
+``AllreduceCallback``'s ``native``), gradmgr drives that same reducer instead: the engine
+accumulates into ``.grad`` as a plain ``loss.backward()`` does, the reducer's hooks copy each
+gradient into its bucket (divided by the world size) and launch each full bucket, and at the
+end of the backward ``.grad`` becomes a view into the reduced bucket
+(``gradient_as_bucket_view``), exactly as with DDP.
+
+DDP detects unused parameters only with ``find_unused_parameters=True``, which costs a graph
+walk, a collective and a per-parameter check every step. Here the reducer runs without it, and
+unused parameters are found after the backward instead, from what changed in ``.grad``: one
+extra member of the last bucket, a flag tensor holding 1 for each tensor that got a gradient
+since the last synced step, is reduced with the gradients. Tensors that got none are marked
+ready after the backward (their slot holds their ``.grad``, or zeros); a tensor no rank used
+keeps its ``.grad`` as it was, as with DDP's ``find_unused_parameters=True``.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Collection, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .bucket import BucketPlan
+
+
+def available() -> bool:
+    """This torch has the reducer and the private hooks into it that this module uses."""
+    reducer = getattr(dist, "Reducer", None)
+    return reducer is not None and all(
+        hasattr(reducer, name) for name in ("_autograd_hook", "_rebuild_buckets",
+                                            "prepare_for_backward"))
+
+
+class TorchReducer:
+    """One torch ``Reducer`` over a bucket plan's tensors, plus the used-flags tensor.
+
+    Holds the planned tensors strongly (the C++ reducer does), as DDP holds its module.
+    """
+
+    def __init__(self, plan: BucketPlan, group: Any, bucket_bytes: int,
+                 first_bucket_bytes: int) -> None:
+        tensors = plan.tensors()
+        if any(t is None for t in tensors):
+            raise RuntimeError("an attached tensor died while planning its allreduce")
+        last = tensors[plan.buckets[-1].members[0]]
+        # The flags ride in the last bucket, so it goes out only once they are known.
+        self.flags = torch.zeros(len(tensors), dtype=last.dtype, device=last.device,
+                                 requires_grad=True)
+        self.tensors: List[torch.Tensor] = tensors
+        indices = [list(bucket.members) for bucket in plan.buckets]
+        indices[-1].append(len(tensors))
+        params = tensors + [self.flags]
+        self._reducer = dist.Reducer(
+            params, indices, [bucket_bytes] * len(indices),
+            group if group is not None else dist.group.WORLD,
+            expect_sparse_gradients=[False] * len(params), bucket_bytes_cap=bucket_bytes,
+            find_unused_parameters=False, gradient_as_bucket_view=True,
+            first_bucket_bytes_cap=first_bucket_bytes,
+        )
+        self._unmarked: Sequence[int] = ()  # got no gradient in this step's engine run
+        self.flags.register_post_accumulate_grad_hook(_marker(weakref.ref(self)))
+        # .grad (and its version) of every tensor when the current accumulation window (the
+        # no_sync steps before a synced one, and that one) began; None: no window open.
+        self._window: Optional[tuple] = None
+        self._step: Optional[tuple] = None  # the same when this synced step began
+        self.broken = False
+
+    def begin(self, sync: bool) -> None:
+        """Before a backward's engine run."""
+        if sync:
+            self._step = _snapshot(self.tensors)
+            if self._window is None:
+                self._window = self._step
+            self._reducer._rebuild_buckets()  # DDP does this before each synced step, too
+            self._reducer.prepare_for_backward([])
+        elif self._window is None:
+            self._window = _snapshot(self.tensors)
+
+    def used_since_window(self) -> List[int]:
+        """Ids of the tensors whose ``.grad`` changed since the window opened (and close it):
+        for a synced step that the Python path takes (a split backward)."""
+        if self._window is None:
+            return []
+        unchanged = set(_unchanged(self.tensors, self._window))
+        self._window = None
+        return [id(t) for i, t in enumerate(self.tensors) if i not in unchanged]
+
+    def finish(self, sync: bool, used: Collection[int] = ()) -> None:
+        """After the engine run: mark what got no gradient in it, and reduce the flags of
+        what got one since the window opened (or is in ``used``: ids of tensors that had a
+        gradient in earlier steps the Python path took)."""
+        if not sync:
+            return
+        tensors = self.tensors
+        step, window = self._step, self._window
+        self._window = self._step = None
+        unreached = _unchanged(tensors, step)
+        unused = [i for i in (unreached if window is step else _unchanged(tensors, window))
+                  if id(tensors[i]) not in used]
+        # A tensor no rank used keeps its .grad; the reducer may divide it in place (a view of
+        # the bucket), so its value is kept aside.
+        saved = {i: tensors[i].grad.clone() for i in unused if tensors[i].grad is not None}
+        flags = torch.ones(len(tensors), dtype=self.flags.dtype, device=self.flags.device)
+        if unused:
+            flags[unused] = 0
+        self._unmarked = unreached
+        self.flags.grad = None
+        try:
+            # A backward of its own: the reducer launches the last bucket and finalizes (writes
+            # .grad) at the end of the engine's graph task, as it does at the end of DDP's.
+            torch.autograd.backward(self.flags, flags)
+        finally:
+            self._unmarked = ()
+        if unused:
+            used_anywhere = self.flags.grad.tolist()
+            for i in unused:
+                if not used_anywhere[i]:
+                    tensors[i].grad = saved.get(i)
+
+    def abort(self) -> None:
+        """The backward failed midway: this reducer's step can never finish."""
+        self.broken = True
+        self._window = self._step = None
+
+
+def _snapshot(tensors: Sequence[torch.Tensor]) -> tuple:
+    grads = list(map(_GRAD, tensors))
+    if not any(g is not None for g in grads):
+        return grads, None  # the usual step (after zero_grad(set_to_none=True))
+    return grads, [-1 if g is None else g._version for g in grads]
+
+
+def _unchanged(tensors: Sequence[torch.Tensor], snapshot: tuple) -> List[int]:
+    """Positions of the tensors whose ``.grad`` is the same object, unmodified, as then."""
+    before, versions = snapshot
+    if versions is None:
+        return [i for i, g in enumerate(map(_GRAD, tensors)) if g is None]
+    return [i for i, (g, old) in enumerate(zip(map(_GRAD, tensors), before))
+            if g is old and (old is None or old._version == versions[i])]
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _marker(reducer_ref: weakref.ref) -> Any:
+    """The flags' post-accumulate hook: marks the tensors that got no gradient ready, inside
+    the flags' backward, just before the reducer's own hook marks the flags (and with them the
+    last bucket)."""
+
+    def mark_unreached(flags: torch.Tensor) -> None:
+        owner = reducer_ref()
+        if owner is not None:
+            mark = owner._reducer._autograd_hook
+            for i in owner._unmarked:
+                mark(i)
+
+    return mark_unreached
