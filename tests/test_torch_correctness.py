@@ -79,6 +79,22 @@ def test_post_accumulate_grad_hooks_run_for_gradients_gradmgr_delivers():
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((2,), 6.0))
 
 
+def test_a_post_accumulate_grad_hook_that_returns_a_value_is_refused_as_by_pytorch():
+    def returns(t: torch.Tensor) -> torch.Tensor:
+        return t.grad
+
+    for manager in (True, False):
+        w = torch.ones(2, requires_grad=True)
+        w.register_post_accumulate_grad_hook(returns)
+        gm = GradManager().attach(w, callbacks=lambda t, g: g * 2) if manager else None
+        with pytest.raises(RuntimeError, match="post accumulate grad hooks should return None"):
+            if gm is None:
+                (w * 3).sum().backward()
+            else:
+                with gm:
+                    gm.backward((w * 3).sum())
+
+
 def test_sparse_gradients_with_callbacks_match_plain_backward():
     torch.manual_seed(0)
     emb = torch.nn.Embedding(10, 4, sparse=True)

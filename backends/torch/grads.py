@@ -156,7 +156,8 @@ def _post_accumulate(tensor: torch.Tensor) -> None:
         hooks = tensor._post_accumulate_grad_hooks
         if hooks:
             for hook in tuple(hooks.values()):
-                hook(tensor)
+                if hook(tensor) is not None:  # as PyTorch's AccumulateGrad refuses it
+                    raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
 def grad_problem(tensor: torch.Tensor, grad: torch.Tensor) -> Optional[str]:
