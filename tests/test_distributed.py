@@ -251,6 +251,21 @@ def test_ranks_that_attach_different_tensors_fail_clearly_on_every_rank(torch_ra
         np.testing.assert_array_equal(out["mismatch_after"], [3.0])
 
 
+def test_split_backwards_and_post_accumulate_hooks_between_plain_steps(torch_ranks):
+    """A split backward takes gradmgr's own buckets; a post-accumulate-grad hook (optimizer in
+    backward) must see the reduced gradient, so from then on every step takes them too."""
+    for out in torch_ranks:
+        for step in range(4):
+            for i in MLP:
+                close(out[f"mixed{step}_gm{i}"], out[f"mixed{step}_ddp{i}"], rtol=0,
+                      what=f"step {step} param {i}")
+        native = bool(out["native"])
+        assert list(out["mixed_paths"]) == [native, native, False, False]
+        assert list(out["mixed_hook_steps"]) == [2, 3]
+        for step in (2, 3):  # mlp[0].weight is parameter 2
+            close(out[f"mixed_hook{step}"], out[f"mixed{step}_ddp2"], rtol=0)
+
+
 def test_a_backward_that_raises_midway_leaves_nothing_behind(torch_ranks):
     for out in torch_ranks:
         assert bool(out["recovery_raised"])

@@ -309,7 +309,7 @@ class AllreduceCallback:
         if (plan is None or state.epoch != gm.attach_epoch
                 or not _still_planned(state, plan)):
             self._plan(gm, state, first=plan is None, at_record=at_record)
-        if state.native and not _only_after_backward_callback_is(gm):
+        if state.native and not _native_still_possible(gm, state.plan.tensors()):
             self._verify(state, state.plan.tensors(), native=False)
             self._set_native(state, False)
         elif state.native and state.reducer.broken:  # a backward raised midway
@@ -364,7 +364,7 @@ class AllreduceCallback:
         for tensor, callbacks in gm.callback_chains():
             if not tensor.is_leaf or (callbacks and callbacks != (self,)):
                 return False
-        return _only_after_backward_callback_is(gm) and all(
+        return _native_still_possible(gm, tensors) and all(
             t.requires_grad and str(t.layout) == "torch.strided" for t in tensors)
 
     def _set_native(self, state: _ManagerState, native: bool) -> None:
@@ -459,10 +459,13 @@ class AllreduceCallback:
 _NATIVE_MODE = "reduced by torch's C++ Reducer"
 
 
-def _only_after_backward_callback_is(gm: Any) -> bool:
-    """The manager's one after-backward callback is the flush an allreduce callback
-    registered (bind() registers exactly one per manager)."""
-    return len(gm._after_backward_callbacks) == 1
+def _native_still_possible(gm: Any, tensors: List[Any]) -> bool:
+    """What can change between recordings without a new plan: the manager's one after-backward
+    callback is the flush an allreduce callback registered (bind() registers exactly one per
+    manager), and no planned tensor has a post-accumulate-grad hook (the reducer would run
+    after it, so it would see the local gradient instead of the reduced one)."""
+    return len(gm._after_backward_callbacks) == 1 and not any(
+        t._post_accumulate_grad_hooks for t in tensors)
 
 
 class _NativeStep:

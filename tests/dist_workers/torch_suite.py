@@ -278,6 +278,44 @@ def mismatches(out: dict, rank: int, world: int) -> None:
     out["mismatch_after"] = check.numpy()
 
 
+def hooks_and_split(out: dict, rank: int, world: int) -> None:
+    """Steps that need the per-tensor path between plain ones, next to DDP: a split backward
+    (step 1), and a post-accumulate-grad hook registered after some steps (optimizer in
+    backward), which must see the reduced gradient, as it does after ``loss.backward()``
+    under DDP."""
+    net_gm, net_ddp = Net(), Net()
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    cb = make_allreduce_cb("mean")
+    gm = GradManager().attach(net_gm.parameters(), callbacks=[cb])
+    seen = {}
+    paths = []
+    for step in range(4):
+        x, y = local_batch(step, rank, world)
+        if step == 2:
+            weight = net_gm.mlp[0].weight
+            def keep(p: torch.Tensor) -> None:
+                seen[len(paths)] = p.grad.detach().clone()
+
+            weight.register_post_accumulate_grad_hook(keep)
+        with gm:
+            if step == 1:
+                x = x.clone()
+                gm.attach(x)  # an input, attached without callbacks while recording
+                gm.backward_split(net_gm(x, y), first=[x]).finish()
+            else:
+                gm.backward(net_gm(x, y))
+        paths.append(cb._states[gm].native)
+        ddp(x, y).backward()
+        save(out, f"mixed{step}_gm", grads(net_gm))
+        save(out, f"mixed{step}_ddp", grads(net_ddp))
+        for m in (net_gm, net_ddp):
+            m.zero_grad(set_to_none=True)
+    out["mixed_paths"] = np.array(paths)
+    out["mixed_hook_steps"] = np.array(sorted(seen))
+    for step, grad in seen.items():
+        out[f"mixed_hook{step}"] = grad.numpy()
+
+
 def recovery(out: dict, rank: int, world: int) -> None:
     """A backward that raises midway (on every rank) leaves nothing behind: the next steps
     equal DDP's."""
@@ -391,6 +429,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     initial_sync(out, rank, world)
     mismatches(out, rank, world)
     recovery(out, rank, world)
+    hooks_and_split(out, rank, world)
     frozen(out, rank, world)
     custom_transports(out, rank, world)
     dist.barrier()
