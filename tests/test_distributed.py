@@ -125,6 +125,7 @@ def test_mean_equals_ddp_and_training_matches(torch_ranks):
         for i in MLP:
             close(out[f"mean_g{i}"], out[f"ddp_g{i}"], rtol=0, what=f"param {i}")
             close(out[f"train_gm_p{i}"], out[f"train_ddp_p{i}"], rtol=0, what=f"param {i}")
+        assert int(out["hooks_left"]) == (0 if bool(out["native"]) else 8)
         # training moved the parameters (the comparison is not between untouched copies)
         assert not np.allclose(out["train_gm_p2"], weights()[0])
     # gradients before any communication; BatchNorm statistics (as with DDP, they follow each

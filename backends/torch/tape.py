@@ -175,7 +175,7 @@ class TorchTape(Tape):
         self._record_seq = 0
         self._checked = False
         self._warned = False
-        weakref.finalize(self, _remove_handles, self._handles)
+        weakref.finalize(self, _remove_handles, self._handles, self._entries)
 
     # -- watching ---------------------------------------------------------------------
     def watch(self, tensor: torch.Tensor, sink: GradSink, eager: bool) -> None:
@@ -298,7 +298,7 @@ class TorchTape(Tape):
             raise RuntimeError("a delegated backward cannot take a non-leaf tensor's gradient")
         if not self._hooks_suspended:
             self._hooks_suspended = True
-            _remove_handles(self._handles)
+            _remove_handles(self._handles, self._entries)
         if not self._checked or prerecord.check_mode() == "always":
             self._check_graph(outputs, inputs, entries)
         try:
@@ -486,7 +486,14 @@ for _name in ("start", "stop", "_inputs", "_run_capturing", "watch", "backward_s
     setattr(TorchTape, _name, _eager_under_compile(getattr(TorchTape, _name)))
 
 
-def _remove_handles(handles: Dict[int, Any]) -> None:
-    for handle in list(handles.values()):
+def _remove_handles(handles: Dict[int, Any], entries: Dict[int, _Entry]) -> None:
+    """Remove this tape's tensor hooks. Removing a handle leaves an empty hook dict, and
+    PyTorch still calls into Python for it in every backward (about 3 us per tensor), so a
+    tensor left with no Python hook gets none at all (which drops that call)."""
+    for key, handle in list(handles.items()):
         handle.remove()
+        entry = entries.get(key)
+        tensor = None if entry is None else entry.ref()
+        if tensor is not None and not tensor._backward_hooks:
+            tensor._backward_hooks = None
     handles.clear()

@@ -309,7 +309,7 @@ class AllreduceCallback:
         if (plan is None or state.epoch != gm.attach_epoch
                 or not _still_planned(state, plan)):
             self._plan(gm, state, first=plan is None, at_record=at_record)
-        if state.native and not _native_still_possible(gm, state.plan.tensors()):
+        if state.native and not _native_still_possible(gm, state.reducer.tensors):
             self._verify(state, state.plan.tensors(), native=False)
             self._set_native(state, False)
         elif state.native and state.reducer.broken:  # a backward raised midway
@@ -464,8 +464,7 @@ def _native_still_possible(gm: Any, tensors: List[Any]) -> bool:
     callback is the flush an allreduce callback registered (bind() registers exactly one per
     manager), and no planned tensor has a post-accumulate-grad hook (the reducer would run
     after it, so it would see the local gradient instead of the reduced one)."""
-    return len(gm._after_backward_callbacks) == 1 and not any(
-        t._post_accumulate_grad_hooks for t in tensors)
+    return len(gm._after_backward_callbacks) == 1 and not any(map(_POST_HOOKS, tensors))
 
 
 class _NativeStep:
@@ -491,7 +490,8 @@ def _still_planned(state: _ManagerState, plan: BucketPlan) -> bool:
     ops = state.ops
     if ops.name != "torch":
         return True  # only PyTorch tensors can be frozen
-    tensors = plan.tensors()
+    # The reducer holds the planned tensors: no weak references to follow.
+    tensors = plan.tensors() if state.reducer is None else state.reducer.tensors
     try:
         if not all(map(_REQUIRES_GRAD, tensors)):
             return False
@@ -501,6 +501,7 @@ def _still_planned(state: _ManagerState, plan: BucketPlan) -> bool:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
 class _Pending(Future):

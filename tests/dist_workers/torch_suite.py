@@ -102,6 +102,9 @@ def train(out: dict, rank: int, world: int) -> None:
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+    # on the reducer's path the tape's hooks are gone: not even an empty dict that the engine
+    # would call into Python for, per parameter and step
+    out["hooks_left"] = np.array(sum(p._backward_hooks is not None for p in net_gm.parameters()))
     save(out, "train_gm_p", [p.detach().numpy().copy() for p in net_gm.parameters()])
     save(out, "train_ddp_p", [p.detach().numpy().copy() for p in net_ddp.parameters()])
 
