@@ -1,8 +1,9 @@
 """gradmgr + allreduce callback against PyTorch DDP: step time and peak memory, 2 ranks.
 
-Time: for each model, gradmgr and DDP train side by side in the same two processes (gloo on the
-CPU, or nccl with ``--device cuda``); every step both variants run in a new random order, each
-step timed alone behind a barrier; the ratio is of medians (below 1: gradmgr is faster).
+Time: for each model, gradmgr (its default path, torch's C++ Reducer), gradmgr with
+``native=False`` (its own buckets) and DDP train side by side in the same two processes (gloo on
+the CPU, or nccl with ``--device cuda``); every step the variants run in a new random order,
+each step timed alone behind a barrier; the ratios are of medians (below 1: gradmgr is faster).
 
 Memory: the model of 8 x Linear(2048, 2048) (128 MiB of gradients per rank) is wrapped (DDP,
 DDP with ``gradient_as_bucket_view=True``) or attached (gradmgr) and trains 4 steps, in fresh
@@ -97,12 +98,16 @@ def time_main(rank: int, world: int, port: int, steps: int, device_name: str, ou
 def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, rank: int,
                steps: int) -> tuple:
     torch.manual_seed(0)
-    net_gm, net_ddp = build().to(device), build().to(device)
+    net_gm, net_py, net_ddp = build().to(device), build().to(device), build().to(device)
+    net_py.load_state_dict(net_gm.state_dict())
     net_ddp.load_state_dict(net_gm.state_dict())
     gm = GradManager().attach(net_gm.parameters(), callbacks=[make_allreduce_cb("mean")])
+    # the same callback kept off torch's C++ reducer: gradmgr's own buckets
+    gm_py = GradManager().attach(net_py.parameters(),
+                                 callbacks=[make_allreduce_cb("mean", native=False)])
     ddp = DDP(net_ddp)
-    opts = {"gradmgr": torch.optim.SGD(net_gm.parameters(), lr=1e-3),
-            "ddp": torch.optim.SGD(net_ddp.parameters(), lr=1e-3)}
+    nets = {"gradmgr": net_gm, "buckets": net_py, "ddp": net_ddp}
+    opts = {k: torch.optim.SGD(net.parameters(), lr=1e-3) for k, net in nets.items()}
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(BATCH, WIDTH[name], generator=g).to(device)
     y = torch.randn(BATCH, WIDTH[name], generator=g).to(device)
@@ -111,11 +116,15 @@ def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, 
         with gm:
             gm.backward(((net_gm(x) - y) ** 2).mean())
 
+    def step_py() -> None:
+        with gm_py:
+            gm_py.backward(((net_py(x) - y) ** 2).mean())
+
     def step_ddp() -> None:
         ((ddp(x) - y) ** 2).mean().backward()
 
-    fns = {"gradmgr": step_gm, "ddp": step_ddp}
-    times: Dict[str, List[float]] = {"gradmgr": [], "ddp": []}
+    fns = {"gradmgr": step_gm, "buckets": step_py, "ddp": step_ddp}
+    times: Dict[str, List[float]] = {k: [] for k in fns}
     order = random.Random(0)
     warmup = 5
     for i in range(warmup + steps):
@@ -131,9 +140,11 @@ def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, 
             sync(device)
             if i >= warmup:
                 times[variant].append(time.perf_counter() - start)
-    same = all(torch.equal(a, b) for a, b in zip(net_gm.parameters(), net_ddp.parameters()))
-    gm_ms, ddp_ms = (statistics.median(times[v]) * 1e3 for v in ("gradmgr", "ddp"))
-    return name, sum(1 for _ in net_gm.parameters()), steps, gm_ms, ddp_ms, same
+    same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in
+               zip(net_gm.parameters(), net_py.parameters(), net_ddp.parameters()))
+    gm_ms, py_ms, ddp_ms = (statistics.median(times[v]) * 1e3
+                            for v in ("gradmgr", "buckets", "ddp"))
+    return name, sum(1 for _ in net_gm.parameters()), steps, gm_ms, py_ms, ddp_ms, same
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -232,12 +243,14 @@ def main(argv: list = None) -> int:
             return 1
         with open(out) as f:
             rows = [line.split() for line in f]
-    print(f"\n{'model':>14} {'tensors':>7} {'steps':>5} {'gradmgr ms':>10} {'DDP ms':>8} "
-          f"{'ratio':>6}  params equal")
-    for name, tensors, n, gm_ms, ddp_ms, same in rows:
+    print("gradmgr: the default (plain backwards reduced by torch's C++ Reducer); buckets: "
+          "the same callback with native=False (gradmgr's own buckets, per-tensor callbacks)")
+    print(f"\n{'model':>14} {'tensors':>7} {'steps':>5} {'gradmgr ms':>10} {'buckets ms':>10} "
+          f"{'DDP ms':>8} {'ratio':>6} {'buckets':>7}  params equal")
+    for name, tensors, n, gm_ms, py_ms, ddp_ms, same in rows:
         ratio = float(gm_ms) / float(ddp_ms)
-        print(f"{name:>14} {tensors:>7} {n:>5} {float(gm_ms):>10.3f} {float(ddp_ms):>8.3f} "
-              f"{ratio:>6.3f}  {same}")
+        print(f"{name:>14} {tensors:>7} {n:>5} {float(gm_ms):>10.3f} {float(py_ms):>10.3f} "
+              f"{float(ddp_ms):>8.3f} {ratio:>6.3f} {float(py_ms) / float(ddp_ms):>7.3f}  {same}")
         verdict = "OK" if ratio <= TIME_TARGET else "MISS"
         print(f"{RESULT_PREFIX} ddp {args.device} {name} gradmgr/DDP time {ratio:.3f} "
               f"(target <= {TIME_TARGET}) {verdict}")

@@ -267,6 +267,28 @@ def test_split_backwards_and_post_accumulate_hooks_between_plain_steps(torch_ran
             close(out[f"mixed_hook{step}"], out[f"mixed{step}_ddp2"], rtol=0)
 
 
+def test_kept_gradients_and_a_parameter_unused_on_some_ranks_match_ddp(torch_ranks):
+    for out in torch_ranks:
+        for step in range(4):
+            for micro in range(2):
+                for i in range(8):
+                    key = f"kept{step}{micro}_gm{i}"
+                    assert (key in out) == (f"kept{step}{micro}_ddp{i}" in out), key
+                    if key in out:
+                        close(out[key], out[f"kept{step}{micro}_ddp{i}"], rtol=0, what=key)
+
+
+def test_a_sparse_gradient_is_refused_clearly_and_dense_steps_follow(torch_ranks):
+    for out in torch_ranks:
+        message = str(out["sparse_error"])
+        assert message.startswith("SparseGradientError") and "sparse=False" in message
+        assert bool(out["sparse_grad_is_none"])
+        # indices 1, 2, 2 on both ranks: the mean of the ranks' dense gradients
+        expected = np.zeros((10, 4), dtype=np.float32)
+        expected[1], expected[2] = 1.0, 2.0
+        np.testing.assert_array_equal(out["sparse_then_dense_g"], expected)
+
+
 def test_a_backward_that_raises_midway_leaves_nothing_behind(torch_ranks):
     for out in torch_ranks:
         assert bool(out["recovery_raised"])

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set
 from .._state import get_backwarding_grad_manager
 from ..future import Future
 from .bucket import Bucket, BucketPlan
-from .consistency import verify_plan
+from .consistency import SparseGradientError, sparse_message, verify_plan
 from .ops import TensorOps, ops_for
 from .sync import broadcast, is_paused
 from .transport import (
@@ -225,6 +225,8 @@ class AllreduceCallback:
                     "when this recording started (attach and unfreeze tensors between "
                     "recordings, not during one)"
                 )
+            if getattr(grad, "is_sparse", False):
+                raise SparseGradientError(sparse_message(tensor.shape))
             if not step.sync:
                 state.used.add(id(tensor))  # for the next synced step (see _fill_missing)
                 return grad
@@ -386,7 +388,11 @@ class AllreduceCallback:
             step = state.steps.pop(gm.step, None)
             if step is None:
                 return None
-            state.reducer.begin(step.sync)
+            try:
+                state.reducer.begin(step.sync)
+            except BaseException:
+                state.reducer.abort()
+                raise
             return _NativeStep(state, step.sync)
 
     def _launch_ready(self, state: _ManagerState, step: _Step) -> None:

@@ -24,6 +24,17 @@ class RankMismatchError(RuntimeError):
     """The ranks planned different tensors for one allreduce callback; raised on every rank."""
 
 
+class SparseGradientError(TypeError):
+    """The allreduce callback reduces dense gradients only; a tensor got a sparse one."""
+
+
+def sparse_message(shape: Sequence[int]) -> str:
+    return (f"the allreduce callback reduces dense gradients only, and a tensor of shape "
+            f"{list(shape)} got a sparse one (nn.Embedding(sparse=True) or "
+            f"F.embedding(..., sparse=True)?): make it dense (sparse=False), or reduce that "
+            f"tensor with DDP, which handles sparse gradients")
+
+
 def describe(ops: TensorOps, tensor: Any) -> str:
     return f"{ops.dtype_name(tensor)}{list(ops.shape(tensor))}"
 

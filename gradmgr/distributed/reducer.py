@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket import BucketPlan
+from .consistency import SparseGradientError, sparse_message
 
 
 def available() -> bool:
@@ -69,18 +70,31 @@ class TorchReducer:
         # no_sync steps before a synced one, and that one) began; None: no window open.
         self._window: Optional[tuple] = None
         self._step: Optional[tuple] = None  # the same when this synced step began
+        self._rebuilt = False
         self.broken = False
 
     def begin(self, sync: bool) -> None:
         """Before a backward's engine run."""
-        if sync:
+        if self._window is None:
+            self._window = self._step = self._open_window()
+        elif sync:
             self._step = _snapshot(self.tensors)
-            if self._window is None:
-                self._window = self._step
-            self._reducer._rebuild_buckets()  # DDP does this before each synced step, too
+        if sync:
             self._reducer.prepare_for_backward([])
-        elif self._window is None:
-            self._window = _snapshot(self.tensors)
+
+    def _open_window(self) -> tuple:
+        """Snapshot ``.grad``, after giving each one that is a view (into a bucket, from the
+        last synced step) a copy of its own: views of one bucket share one version counter,
+        so accumulating into any of them would look like a gradient for all."""
+        tensors = self.tensors
+        grads = list(map(_GRAD, tensors))
+        if not any(g is not None for g in grads):
+            return grads, None  # the usual step (after zero_grad(set_to_none=True))
+        for i, old in enumerate(grads):
+            if old is not None and old._is_view():
+                # (never old.data = ...: the reducer's own bucket view is the same tensor)
+                grads[i] = tensors[i].grad = old.clone()
+        return grads, [-1 if g is None else g._version for g in grads]
 
     def used_since_window(self) -> List[int]:
         """Ids of the tensors whose ``.grad`` changed since the window opened (and close it):
@@ -88,7 +102,7 @@ class TorchReducer:
         if self._window is None:
             return []
         unchanged = set(_unchanged(self.tensors, self._window))
-        self._window = None
+        self._window = self._step = None
         return [id(t) for i, t in enumerate(self.tensors) if i not in unchanged]
 
     def finish(self, sync: bool, used: Collection[int] = ()) -> None:
@@ -103,9 +117,9 @@ class TorchReducer:
         unreached = _unchanged(tensors, step)
         unused = [i for i in (unreached if window is step else _unchanged(tensors, window))
                   if id(tensors[i]) not in used]
-        # A tensor no rank used keeps its .grad; the reducer may divide it in place (a view of
-        # the bucket), so its value is kept aside.
-        saved = {i: tensors[i].grad.clone() for i in unused if tensors[i].grad is not None}
+        # A tensor no rank used keeps its .grad; the reducer reads it into the bucket, and
+        # then points .grad at the bucket.
+        saved = {i: tensors[i].grad for i in unused}
         flags = torch.ones(len(tensors), dtype=self.flags.dtype, device=self.flags.device)
         if unused:
             flags[unused] = 0
@@ -121,18 +135,31 @@ class TorchReducer:
             used_anywhere = self.flags.grad.tolist()
             for i in unused:
                 if not used_anywhere[i]:
-                    tensors[i].grad = saved.get(i)
+                    tensors[i].grad = saved[i]
+        if not self._rebuilt:
+            # DDP's second layout: buckets in the order gradients became ready (one broadcast,
+            # the same step on every rank); from then on the reducer stops recording that
+            # order. It re-points every .grad, so it runs here, between windows.
+            self._rebuilt = self._reducer._rebuild_buckets()
 
     def abort(self) -> None:
-        """The backward failed midway: this reducer's step can never finish."""
+        """The backward failed midway: this reducer's step can never finish. Raises a clear
+        error where the cause was a sparse gradient (the reducer's own error does not say)."""
         self.broken = True
-        self._window = self._step = None
+        step, self._window, self._step = self._step, None, None
+        sparse = [t for t in self.tensors if t.grad is not None and t.grad.is_sparse]
+        if step is not None:  # what had no .grad has none again (the others keep local sums)
+            for tensor, old in zip(self.tensors, step[0]):
+                if old is None:
+                    tensor.grad = None
+        if sparse:
+            raise SparseGradientError(sparse_message(sparse[0].shape))
 
 
 def _snapshot(tensors: Sequence[torch.Tensor]) -> tuple:
     grads = list(map(_GRAD, tensors))
     if not any(g is not None for g in grads):
-        return grads, None  # the usual step (after zero_grad(set_to_none=True))
+        return grads, None
     return grads, [-1 if g is None else g._version for g in grads]
 
 

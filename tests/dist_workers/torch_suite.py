@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr import GradManager
@@ -319,6 +320,46 @@ def hooks_and_split(out: dict, rank: int, world: int) -> None:
         out[f"mixed_hook{step}"] = grad.numpy()
 
 
+def kept_gradients(out: dict, rank: int, world: int) -> None:
+    """``.grad`` kept between steps (``zero_grad(set_to_none=False)``, and two synced
+    backwards per optimizer step) while ``extra`` is used on rank 0 only at step 0 and by no
+    rank at step 1: every step bit-identical to DDP's on every rank. (On the reducer's path
+    every .grad is a view of one bucket, and views share one version counter: a change to
+    one looked like a gradient for all, and the unused tensor's bucket never went out.)"""
+    net_gm, net_ddp = Net(), Net()
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    gm = GradManager().attach(net_gm.parameters(), callbacks=[make_allreduce_cb("mean")])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net_gm, net_ddp)]
+    for step in range(4):
+        for micro in range(2):
+            x, y = local_batch(2 * step + micro, rank, world)
+            use = step == 0 and rank == 0
+            with gm:
+                gm.backward(net_gm(x, y, use_extra=use))
+            ddp(x, y, use_extra=use).backward()
+            save(out, f"kept{step}{micro}_gm", grads(net_gm))
+            save(out, f"kept{step}{micro}_ddp", grads(net_ddp))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+
+def sparse(out: dict, rank: int, world: int) -> None:
+    """A sparse gradient is refused clearly on both paths; dense steps work afterwards."""
+    emb = nn.Embedding(10, 4, sparse=True)
+    gm = GradManager().attach(emb.parameters(), callbacks=[make_allreduce_cb("mean")])
+    try:
+        with gm:
+            gm.backward(emb(torch.tensor([1, 2, 2])).sum())
+        out["sparse_error"] = np.array("no error")
+    except TypeError as exc:
+        out["sparse_error"] = np.array(f"{type(exc).__name__}: {exc}")
+    out["sparse_grad_is_none"] = np.array(emb.weight.grad is None)
+    with gm:
+        gm.backward(F.embedding(torch.tensor([1, 2, 2]), emb.weight).sum())
+    out["sparse_then_dense_g"] = emb.weight.grad.numpy().copy()
+
+
 def recovery(out: dict, rank: int, world: int) -> None:
     """A backward that raises midway (on every rank) leaves nothing behind: the next steps
     equal DDP's."""
@@ -432,6 +473,8 @@ def main(rank: int, world: int, outdir: str) -> None:
     initial_sync(out, rank, world)
     mismatches(out, rank, world)
     recovery(out, rank, world)
+    kept_gradients(out, rank, world)
+    sparse(out, rank, world)
     hooks_and_split(out, rank, world)
     frozen(out, rank, world)
     custom_transports(out, rank, world)
