@@ -491,6 +491,19 @@ class GradManager:
         into ``.grad`` (no callback and no after-backward callback runs), after which
         ``finish()`` is called, or ``abort()`` if the backward raised. Only a backend whose
         tape has ``backward_accumulating`` (PyTorch) can be delegated to.
+
+        Example:
+            >>> class Count:
+            ...     calls = 0
+            ...     def finish(self): Count.calls += 1
+            ...     def abort(self): pass
+            >>> import torch
+            >>> w = torch.ones(2, requires_grad=True)
+            >>> gm = GradManager().attach(w).set_backward_delegate(Count)
+            >>> with gm:
+            ...     gm.backward((w * 3).sum())
+            >>> w.grad, Count.calls
+            (tensor([3., 3.]), 1)
         """
         if delegate is not None and not callable(delegate):
             raise TypeError(f"backward delegate must be callable, not {type(delegate)}")

@@ -300,7 +300,9 @@ class AllreduceCallback:
             self._sync = previous
 
     def buckets(self, gm: Any) -> List[Any]:
-        """The current bucket plan for ``gm`` (for inspection), or [] before the first step."""
+        """The current bucket plan for ``gm`` (for inspection), or [] before the first step.
+        On the reducer's path, torch's reducer re-forms the buckets in the order gradients
+        became ready after the first synced step, as DDP does; this stays the plan."""
         state = self._states.get(gm)
         return list(state.plan.buckets) if state is not None and state.plan is not None else []
 
