@@ -11,7 +11,10 @@ processes per variant, the variants' runs interleaved, median of ``--memory-runs
 above the model: on the CPU, the peak resident set (``VmHWM``, reset once the model and the
 batch exist) minus the resident set then, with glibc told to mmap blocks of 128 KiB and more so
 that freed tensors leave the resident set; on CUDA, ``max_memory_allocated`` minus what was
-allocated then. Both include each variant's buckets, gradients and activations.
+allocated then. Both include each variant's buckets, gradients and activations, not library
+code: gradmgr's torch backend and reducer module are imported before the baseline, like DDP's
+module (until session 5 they were not, and every variant's first step also loaded about 100 MiB
+of modules that all variants share; the ratios barely moved).
 
     python bench/bench_ddp.py [--steps N] [--device cpu|cuda] [--memory-runs K] [--quick]
 """
@@ -165,6 +168,12 @@ def memory_main(rank: int, world: int, port: int, variant: str, device_name: str
                 out: str) -> None:
     device = init(rank, port, device_name)
     try:
+        # Library code loads before the baseline on both sides (DDP's at the top of this file;
+        # gradmgr loads its torch backend and reducer module when first used).
+        import gradmgr.distributed.reducer  # noqa: F401
+        from gradmgr.registry import resolve_backend
+
+        resolve_backend("torch")
         torch.manual_seed(0)
         net = memory_model().to(device)
         x = torch.randn(BATCH, 2048, device=device)

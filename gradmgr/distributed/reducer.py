@@ -35,7 +35,7 @@ def available() -> bool:
     reducer = getattr(dist, "Reducer", None)
     return reducer is not None and all(
         hasattr(reducer, name) for name in ("_autograd_hook", "_rebuild_buckets",
-                                            "prepare_for_backward"))
+                                            "_push_all_rebuilt_params", "prepare_for_backward"))
 
 
 class TorchReducer:
@@ -46,17 +46,24 @@ class TorchReducer:
 
     def __init__(self, plan: BucketPlan, group: Any, bucket_bytes: int,
                  first_bucket_bytes: int) -> None:
-        tensors = plan.tensors()
-        if any(t is None for t in tensors):
+        planned = plan.tensors()
+        if any(t is None for t in planned):
             raise RuntimeError("an attached tensor died while planning its allreduce")
-        last = tensors[plan.buckets[-1].members[0]]
-        # The flags ride in the last bucket, so it goes out only once they are known.
+        # The tensors in the order their buckets go out (late layers first), and the flags
+        # just before the very last one: the flags always share the last bucket (which goes
+        # out only once they are known) instead of making a bucket, and a collective, alone.
+        tensors = [planned[m] for bucket in plan.buckets for m in bucket.members]
+        last = tensors[-1]
         self.flags = torch.zeros(len(tensors), dtype=last.dtype, device=last.device,
                                  requires_grad=True)
         self.tensors: List[torch.Tensor] = tensors
-        indices = [list(bucket.members) for bucket in plan.buckets]
-        indices[-1].append(len(tensors))
-        params = tensors + [self.flags]
+        params = tensors[:-1] + [self.flags, last]
+        self._index = list(range(len(tensors) - 1)) + [len(tensors)]  # tensor -> param
+        indices, start = [], 0
+        for bucket in plan.buckets:
+            indices.append([self._index[i] for i in range(start, start + len(bucket.members))])
+            start += len(bucket.members)
+        indices[-1].insert(-1, len(tensors) - 1)
         self._reducer = dist.Reducer(
             params, indices, [bucket_bytes] * len(indices),
             group if group is not None else dist.group.WORLD,
@@ -64,13 +71,18 @@ class TorchReducer:
             find_unused_parameters=False, gradient_as_bucket_view=True,
             first_bucket_bytes_cap=first_bucket_bytes,
         )
-        self._unmarked: Sequence[int] = ()  # got no gradient in this step's engine run
+        # Without find_unused_parameters the reducer records the order gradients arrive in
+        # until it has re-formed its buckets once (DDP's second layout, by arrival), and that
+        # would put the flags, always last, in a bucket of their own. So it re-forms them now,
+        # from the order given (the plan's; one broadcast, at the same plan on every rank).
+        self._reducer._push_all_rebuilt_params()
+        self._reducer._rebuild_buckets()
+        self._unmarked: Sequence[int] = ()  # reducer indices: no gradient in this engine run
         self.flags.register_post_accumulate_grad_hook(_marker(weakref.ref(self)))
         # .grad (and its version) of every tensor when the current accumulation window (the
         # no_sync steps before a synced one, and that one) began; None: no window open.
         self._window: Optional[tuple] = None
         self._step: Optional[tuple] = None  # the same when this synced step began
-        self._rebuilt = False
         self.broken = False
 
     def begin(self, sync: bool) -> None:
@@ -123,7 +135,7 @@ class TorchReducer:
         flags = torch.ones(len(tensors), dtype=self.flags.dtype, device=self.flags.device)
         if unused:
             flags[unused] = 0
-        self._unmarked = unreached
+        self._unmarked = [self._index[i] for i in unreached]
         self.flags.grad = None
         try:
             # A backward of its own: the reducer launches the last bucket and finalizes (writes
@@ -136,11 +148,6 @@ class TorchReducer:
             for i in unused:
                 if not used_anywhere[i]:
                     tensors[i].grad = saved[i]
-        if not self._rebuilt:
-            # DDP's second layout: buckets in the order gradients became ready (one broadcast,
-            # the same step on every rank); from then on the reducer stops recording that
-            # order. It re-points every .grad, so it runs here, between windows.
-            self._rebuilt = self._reducer._rebuild_buckets()
 
     def abort(self) -> None:
         """The backward failed midway: this reducer's step can never finish. Raises a clear
