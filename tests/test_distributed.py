@@ -278,6 +278,12 @@ def test_kept_gradients_and_a_parameter_unused_on_some_ranks_match_ddp(torch_ran
                         close(out[key], out[f"kept{step}{micro}_ddp{i}"], rtol=0, what=key)
 
 
+def test_a_new_plan_inside_a_no_sync_window_keeps_what_the_window_used(torch_ranks):
+    extra = np.linspace(-1.0, 1.0, 4, dtype=np.float32)  # its gradient on rank 0, none on 1
+    for out in torch_ranks:
+        close(out["replan_extra_g"], extra / 2, rtol=0)
+
+
 def test_a_sparse_gradient_is_refused_clearly_and_dense_steps_follow(torch_ranks):
     for out in torch_ranks:
         message = str(out["sparse_error"])

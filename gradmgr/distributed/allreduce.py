@@ -372,6 +372,8 @@ class AllreduceCallback:
             t.requires_grad and str(t.layout) == "torch.strided" for t in tensors)
 
     def _set_native(self, state: _ManagerState, native: bool) -> None:
+        if state.reducer is not None:  # a no_sync window may be open: keep what it saw used
+            state.used.update(state.reducer.used_since_window())
         state.native = native
         state.reducer = None  # its hooks go with it
         if native:

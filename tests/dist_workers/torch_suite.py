@@ -344,6 +344,20 @@ def kept_gradients(out: dict, rank: int, world: int) -> None:
             opt.zero_grad(set_to_none=False)
 
 
+def replan_inside_window(out: dict, rank: int, world: int) -> None:
+    """The plan changes between no_sync micro-batches (``never`` is frozen on every rank):
+    ``extra``, used on rank 0 in the first micro-batch only, must still be reduced."""
+    net = Net()
+    gm = GradManager().attach(net.parameters(), callbacks=[make_allreduce_cb("mean")])
+    for micro in range(3):
+        x, y = local_batch(micro, rank, world)
+        if micro == 2:
+            net.never.requires_grad_(False)
+        with no_sync(gm) if micro < 2 else _null(), gm:
+            gm.backward(net(x, y, use_extra=micro == 0 and rank == 0))
+    out["replan_extra_g"] = net.extra.grad.numpy().copy()
+
+
 def sparse(out: dict, rank: int, world: int) -> None:
     """A sparse gradient is refused clearly on both paths; dense steps work afterwards."""
     emb = nn.Embedding(10, 4, sparse=True)
@@ -475,6 +489,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     recovery(out, rank, world)
     kept_gradients(out, rank, world)
     sparse(out, rank, world)
+    replan_inside_window(out, rank, world)
     hooks_and_split(out, rank, world)
     frozen(out, rank, world)
     custom_transports(out, rank, world)
