@@ -265,47 +265,48 @@ class TorchTape(Tape):
                         self._ensure_hook(tensor, key)
         self._grad_mode_thread = GRAD_MODE.start(self)
 
-    def backward(
-        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
-        may_accumulate: bool = False,
-    ) -> None:
+    def _prepare_backward(self, ys: Sequence[Any], dys: Sequence[Any]) -> Optional[tuple]:
+        """``(outputs, seeds, entries, inputs)`` of a backward (the outputs that require grad
+        and the watched tensors that do), after the graph check; None: nothing to do."""
         if len(ys) == 1:
             if not ys[0].requires_grad:
-                return
+                return None
             outputs, seeds = ys, dys
         else:
             outputs = [y for y in ys if y.requires_grad]
             seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
             if not outputs:
-                return
+                return None
         entries, inputs = self._inputs()
         if not inputs:
-            return
+            return None
         if not self._checked or prerecord.check_mode() == "always":
             self._check_graph(outputs, inputs, entries)
-        retain = retain_graph or create_graph
-        self.run(outputs, seeds, retain, create_graph, inputs, entries,
-                 accumulate=may_accumulate and not self._eager and not create_graph)
+        return outputs, seeds, entries, inputs
+
+    def backward(
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
+        may_accumulate: bool = False,
+    ) -> None:
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is not None:
+            outputs, seeds, entries, inputs = prepared
+            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
+                     accumulate=may_accumulate and not self._eager and not create_graph)
 
     def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
                               create_graph: bool, retain_graph: bool) -> None:
-        outputs = [y for y in ys if y.requires_grad]
-        seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
-        entries, inputs = self._inputs()
-        if not outputs or not inputs:
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is None:
             return
+        outputs, seeds, entries, inputs = prepared
         if self._snapshots[0]:
             raise RuntimeError("a delegated backward cannot take a non-leaf tensor's gradient")
         if not self._hooks_suspended:
             self._hooks_suspended = True
             _remove_handles(self._handles, self._entries)
-        if not self._checked or prerecord.check_mode() == "always":
-            self._check_graph(outputs, inputs, entries)
-        try:
-            run_engine(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
-                       accumulate=True)
-        except RuntimeError as error:
-            _refuse_reentrant_checkpoint(error)
+        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
+                 accumulate=True)
 
     def run(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor], retain: bool,
             create_graph: bool, inputs: List[torch.Tensor], entries: List[_Entry],
@@ -316,12 +317,13 @@ class TorchTape(Tape):
         "register_prehook", fn)`` registered for this run only.
 
         ``accumulate`` (only when no tensor of ``inputs`` is eager and nothing runs between
-        computing and accumulating): the engine accumulates into ``.grad`` itself, which is
-        what a plain ``loss.backward()`` costs, and no sink is called."""
+        computing and accumulating, or when a backward delegate takes the sinks' place): the
+        engine accumulates into ``.grad`` itself, which is what a plain ``loss.backward()``
+        costs, and no sink is called."""
         handles = [getattr(node, kind)(fn) for node, kind, fn in node_hooks]
         try:
             if accumulate:
-                run_engine(outputs, seeds, retain, False, inputs, accumulate=True)
+                run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=True)
                 return
             engine_inputs = inputs if not self._snapshots[0] else [
                 t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
@@ -379,13 +381,10 @@ class TorchTape(Tape):
     # -- split backward ---------------------------------------------------------------
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
-        outputs = [y for y in ys if y.requires_grad]
-        seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
-        entries, inputs = self._inputs()
-        if not outputs or not inputs:
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is None:
             return None
-        if not self._checked or prerecord.check_mode() == "always":
-            self._check_graph(outputs, inputs, entries)
+        outputs, seeds, entries, inputs = prepared
         return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph)
 
     def _inputs(self) -> tuple:
