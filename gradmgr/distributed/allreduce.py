@@ -337,12 +337,11 @@ class AllreduceCallback:
             self._verify(state, tensors, native)
             if first and at_record and self.broadcast and tensors:
                 broadcast(tensors, self.src, transport=state.transport)
-        if new_plan:
-            first_bytes = min(self.bucket_bytes, _FIRST_BUCKET_BYTES)
-            state.plan = BucketPlan(tensors, ops, self.bucket_bytes, first_bytes)
-            state.used &= {id(t) for t in tensors}
-        if new_plan or native != state.native:
-            self._set_native(state, native)
+            if new_plan:
+                first_bytes = min(self.bucket_bytes, _FIRST_BUCKET_BYTES)
+                state.plan = BucketPlan(tensors, ops, self.bucket_bytes, first_bytes)
+                state.used &= {id(t) for t in tensors}
+            self._set_native(state, native)  # a reducer for the new plan, or none
         state.excluded = [t for t in attached if not ops.trainable(t)]
         state.epoch = gm.attach_epoch
 
