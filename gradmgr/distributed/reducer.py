@@ -98,15 +98,7 @@ class TorchReducer:
         """Snapshot ``.grad``, after giving each one that is a view (into a bucket, from the
         last synced step) a copy of its own: views of one bucket share one version counter,
         so accumulating into any of them would look like a gradient for all."""
-        tensors = self.tensors
-        grads = list(map(_GRAD, tensors))
-        if not any(g is not None for g in grads):
-            return grads, None  # the usual step (after zero_grad(set_to_none=True))
-        for i, old in enumerate(grads):
-            if old is not None and old._is_view():
-                # (never old.data = ...: the reducer's own bucket view is the same tensor)
-                grads[i] = tensors[i].grad = old.clone()
-        return grads, [-1 if g is None else g._version for g in grads]
+        return _snapshot(self.tensors, own_views=True)
 
     def used_since_window(self) -> List[int]:
         """Ids of the tensors whose ``.grad`` changed since the window opened (and close it):
@@ -172,10 +164,17 @@ def _backward_of_one_leaf(leaf: torch.Tensor, grad: torch.Tensor) -> None:
         run((leaf,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
-def _snapshot(tensors: Sequence[torch.Tensor]) -> tuple:
+def _snapshot(tensors: Sequence[torch.Tensor], own_views: bool = False) -> tuple:
+    """``(.grad of each tensor, its version)``; versions None when no tensor has a ``.grad``.
+    ``own_views``: first replace each ``.grad`` that is a view by a copy of its own."""
     grads = list(map(_GRAD, tensors))
     if not any(g is not None for g in grads):
-        return grads, None
+        return grads, None  # the usual step (after zero_grad(set_to_none=True))
+    if own_views:
+        for i, old in enumerate(grads):
+            if old is not None and old._is_view():
+                # (never old.data = ...: the reducer's own bucket view is the same tensor)
+                grads[i] = tensors[i].grad = old.clone()
     return grads, [-1 if g is None else g._version for g in grads]
 
 
