@@ -68,6 +68,8 @@ class DeferredBackward:
         manager._finish_split(rest, self._step)
 
     def __del__(self) -> None:
+        if self._rest is not None:
+            self._rest.release()  # what it kept on the graph (a retained graph outlives it)
         if not self._done and self._manager() is not None:
             warnings.warn(
                 "a split backward was never finished: call finish() on what "

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from gradmgr import (  # noqa: E402
     Future,
     GradManager,
+    GradMgrWarning,
     UnfinishedBackwardWarning,
     UnsupportedGraphError,
     get_backwarding_grad_manager,
@@ -312,3 +313,69 @@ def test_data_parallel_callback_with_split_backward():
     gm.release()
     for p, e in zip(model.parameters(), expected):
         assert torch.equal(p.grad, e * 0.5)
+
+
+@pytest.mark.parametrize("callbacks", [None, lambda t, g: g * 0.5], ids=["plain", "callback"])
+def test_hooks_on_a_boundary_output_count_once(callbacks):
+    """A tensor hook and ``retain_grad`` on the output of a layer whose node feeds both the
+    input path and its weights: the weights get the hooked gradient once (the rest used to
+    apply the hook a second time: bias x4), and the retained ``.grad`` is what one backward
+    leaves. The rest calls the hook again with zeros and ignores what it returns."""
+    x0 = torch.randn(5, 8)
+    seen = []
+
+    def step(split, hook):
+        model = mlp()
+        gm = GradManager().attach(model.parameters(), callbacks=callbacks)
+        with gm:
+            x = x0.clone()
+            gm.attach(x)
+            hidden = model[0](x)
+            hidden.register_hook(hook)
+            hidden.retain_grad()
+            out = model[4](model[3](model[2](model[1](hidden))))
+            if split:
+                gm.backward_split(out.sum(), first=[x]).finish()
+            else:
+                gm.backward(out.sum())
+        return [x.grad, *(p.grad for p in model.parameters()), hidden.grad]
+
+    def doubling(g):
+        seen.append(g.abs().sum().item())
+        return g * 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for got, want in zip(step(True, doubling), step(False, doubling)):
+            assert torch.equal(got, want)
+    assert seen[0] > 0 and seen[1:] == [0.0, seen[0]]  # split: real, then zeros; single
+
+    # A hook that does not map zero to zero: every gradient is still exact, but a retained
+    # .grad got the hook's value for the zero stand-in added, and the user is told.
+    with pytest.warns(GradMgrWarning, match="retain_grad"):
+        got = step(True, lambda g: g * 2 + 1)
+    want = step(False, lambda g: g * 2 + 1)
+    for a, b in zip(got[:-1], want[:-1]):
+        assert torch.equal(a, b)
+    assert torch.equal(got[-1], want[-1] + 1)
+
+
+def test_a_dropped_split_leaves_the_retained_graph_to_a_plain_backward():
+    """An unfinished split backward, once collected, leaves nothing behind on the graph its
+    first part retained: a later ``torch.autograd.grad`` over it is the engine's own."""
+    model = mlp()
+    x0 = torch.randn(3, 8)
+    xr = x0.clone().requires_grad_()
+    want = torch.autograd.grad(model(xr).sum(), [xr, *model.parameters()])
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        x = x0.clone()
+        gm.attach(x)
+        out = model(x).sum()
+        rest = gm.backward_split(out, first=[x])
+    with pytest.warns(UnfinishedBackwardWarning):
+        del rest
+        gc.collect()
+    got = torch.autograd.grad(out, list(model.parameters()))
+    for g, w in zip(got, want[1:]):
+        assert torch.equal(g, w)

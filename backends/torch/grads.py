@@ -22,6 +22,19 @@ import torch
 _LOCK = threading.Lock()
 
 
+def zeros_like_cheaply(grad: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``grad`` in one element of memory (a stand-in the engine accepts where
+    it wants a gradient of that shape)."""
+    key = (grad.dtype, grad.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=grad.dtype, device=grad.device)
+    return zero.expand(grad.shape)
+
+
+_ZEROS: dict = {}
+
+
 def owned_copy(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A copy of ``grad`` in new storage with ``like``'s strides where ``like`` is dense
     (contiguous otherwise). Differentiable, so a higher-order ``.grad`` keeps its graph."""

@@ -1,23 +1,80 @@
 """Split backward on PyTorch: the gradients of some attached tensors now, the rest later.
 
 The first part runs the engine for the chosen tensors only (a pipeline stage's input
-activations: what the previous stage waits for) while pre-hooks capture the incoming gradient
-of every boundary node (see :class:`.graph.SplitPlan`). The rest runs the engine again from
-those nodes, with the captured gradients, for the remaining tensors (the weights), one run per
-independent group; a boundary node's outputs toward first-part nodes are dropped there, since
-the first part already accounted for them. Together they compute what one backward computes,
-and no node's work is done twice: a boundary node computes its first-part outputs in the first
-run and its other outputs in the second.
+activations: what the previous stage waits for) while a pre-hook on every boundary node (see
+:class:`.graph.SplitPlan`) records the gradients it computes with. The rest runs the engine
+again from those nodes for the remaining tensors (the weights), one run per independent group,
+and the same pre-hooks hand the recorded gradients back; a boundary node's outputs toward
+first-part nodes are dropped there, since the first part already accounted for them. Together
+they compute what one backward computes, and no node's work is done twice: a boundary node
+computes its first-part outputs in the first run and its other outputs in the second.
+
+Hooks on a boundary node's output tensor (``register_hook``, ``retain_grad``) run in the first
+part, where the node first runs. The engine calls them again when the rest runs the node; they
+get a zero gradient there, and what they return is replaced by what the node computed with in
+the first part, so every gradient (and a retained ``.grad``) is what one backward gives.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
 
+from gradmgr.errors import GradMgrWarning
+
+from .grads import zeros_like_cheaply
 from .graph import graph_root, split_plan
+
+
+class _Handover:
+    """Node pre-hook on one boundary node for the life of a split backward: records the
+    gradients the node gets in the first part (after its tensor hooks), and while the rest runs
+    returns them instead of what the engine gives it there (a zero stand-in, see
+    :meth:`stand_in`)."""
+
+    __slots__ = ("grads", "replay", "_stand_in", "_name")
+
+    def __init__(self, name: str) -> None:
+        self.grads: Optional[tuple] = None
+        self.replay = False
+        self._stand_in: Optional[torch.Tensor] = None
+        self._name = name
+
+    def __call__(self, grad_outputs: tuple) -> Optional[tuple]:
+        if self.replay:
+            if any(g is not None and g is not self._stand_in for g in grad_outputs):
+                self._check_hooks_kept_zero(grad_outputs)
+            return self.grads
+        if self.grads is None:
+            self.grads = grad_outputs
+        return None
+
+    def stand_in(self) -> Optional[Tuple[int, torch.Tensor]]:
+        """``(input, zero stand-in)`` to start the rest from this node (an input that got a
+        gradient in the first part), or None when it got none (it has nothing to give)."""
+        for i, grad in enumerate(self.grads or ()):
+            if grad is not None:
+                self._stand_in = zeros_like_cheaply(grad)
+                return i, self._stand_in
+        return None
+
+    def _check_hooks_kept_zero(self, grad_outputs: tuple) -> None:
+        """A hook on the node's output tensor changed the zero stand-in: harmless for every
+        gradient (the recorded ones replace it), but a ``retain_grad()`` on that tensor adds
+        what the hook returned, so say so where that is not zero."""
+        if any(g is not None and bool(g.any()) for g in grad_outputs):
+            warnings.warn(
+                f"a gradient hook on the output of {self._name} returned a non-zero gradient "
+                "for a zero one: a split backward's finish() calls hooks on that tensor again "
+                "with zeros (and ignores what they return), so a retain_grad() on it got that "
+                "value added to its .grad. Every other gradient is exact. Use backward() if "
+                "that tensor's retained .grad matters, or a hook that maps zero to zero",
+                GradMgrWarning,
+                stacklevel=2,
+            )
 
 
 def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor],
@@ -29,64 +86,65 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
     entry_of = {id(t): e for t, e in zip(inputs, entries)}
     plan = split_plan(outputs, [t for t in inputs if id(t) in first_ids],
                       [t for t in inputs if id(t) not in first_ids])
-    captured: Dict[Any, Any] = {}
-
-    def capture_at(node: Any) -> Any:
-        def hook(grad_outputs: Any) -> None:
-            captured[node] = grad_outputs
-
-        return hook
-
+    rest = Rest(tape, plan, outputs, seeds, entry_of, retain_graph)
     if plan.now:
-        hooks = [(node, "register_prehook", capture_at(node)) for node in plan.boundary]
-        # The boundary nodes run again in the rest: keep what they saved. The manager
-        # accumulates the first part right after it, so the engine may do that itself.
-        tape.run(outputs, seeds, True, False, plan.now, [entry_of[id(t)] for t in plan.now],
-                 hooks, accumulate=tape.none_eager(plan.now))
-    roots = [GradientEdge(graph_root(y), y.output_nr) for y in outputs]
-    return Rest(tape, plan, captured, roots, seeds, entry_of, retain_graph)
+        try:
+            # The boundary nodes run again in the rest: keep what they saved. The manager
+            # accumulates the first part right after it, so the engine may do that itself.
+            tape.run(outputs, seeds, True, False, plan.now, [entry_of[id(t)] for t in plan.now],
+                     accumulate=tape.none_eager(plan.now))
+        except BaseException:
+            rest.release()
+            raise
+    return rest
 
 
 class Rest:
     """The second part of a split backward, run once by :meth:`run`."""
 
-    def __init__(self, tape: Any, plan: Any, captured: Dict[Any, Any], roots: List[Any],
-                 seeds: List[torch.Tensor], entry_of: Dict[int, Any], retain_graph: bool) -> None:
-        self._tape, self._plan, self._captured = tape, plan, captured
-        self._roots, self._seeds, self._entry_of = roots, seeds, entry_of
+    def __init__(self, tape: Any, plan: Any, outputs: List[torch.Tensor],
+                 seeds: List[torch.Tensor], entry_of: dict, retain_graph: bool) -> None:
+        self._tape, self._plan, self._seeds, self._entry_of = tape, plan, seeds, entry_of
         self._retain = retain_graph
+        self._roots = [GradientEdge(graph_root(y), y.output_nr) for y in outputs]
+        self._handovers = {node: _Handover(node.name()) for node in plan.boundary}
+        self._handles = [node.register_prehook(hook) for node, hook in self._handovers.items()]
 
     def run(self, may_accumulate: bool) -> None:
         """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`."""
-        plan, captured, tape = self._plan, self._captured, self._tape
-        first_nodes = plan.first_nodes
+        plan, tape, handovers = self._plan, self._tape, self._handovers
         try:
+            for hook in handovers.values():
+                hook.replay = True
             for nodes, root_indices, tensors in plan.groups:
-                edges, grads, hooks = [], [], []
+                edges, grads, drops = [], [], []
                 for node in nodes:
-                    for i, grad in enumerate(captured.get(node, ())):
-                        if grad is not None:
-                            edges.append(GradientEdge(node, i))
-                            grads.append(grad)
+                    root = handovers[node].stand_in()
+                    if root is None:
+                        continue
+                    edges.append(GradientEdge(node, root[0]))
+                    grads.append(root[1])
                     # A boundary node's first-part child can lead on to another boundary
                     # node of the same group (never back to itself): drop what it would get.
                     if len(nodes) > 1:
-                        mask = [child in first_nodes for child, _ in node.next_functions]
+                        mask = [child in plan.first_nodes for child, _ in node.next_functions]
                         if any(mask):
-                            hooks.append((node, "register_hook", _dropping(mask)))
+                            drops.append((node, "register_hook", _dropping(mask)))
                 for i in root_indices:
                     edges.append(self._roots[i])
                     grads.append(self._seeds[i])
                 if edges and tensors:
                     tape.run(edges, grads, self._retain, False, tensors,
-                             [self._entry_of[id(t)] for t in tensors], hooks,
+                             [self._entry_of[id(t)] for t in tensors], drops,
                              accumulate=may_accumulate and tape.none_eager(tensors))
         finally:
             self.release()
 
     def release(self) -> None:
-        """Let go of the captured gradients and the graph."""
-        self._captured = {}
+        """Let go of the recorded gradients, the hooks and the graph."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._handovers = [], {}
         self._plan = self._roots = self._seeds = self._entry_of = None
 
 

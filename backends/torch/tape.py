@@ -16,6 +16,7 @@ from gradmgr.errors import CallbackResultError, UnsupportedGraphError
 from . import prerecord, split
 from .engine import run_engine
 from .flags import FLAGS, GRAD_MODE
+from .grads import zeros_like_cheaply
 from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -53,20 +54,10 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
         return None
     stand_in = tape._stand_ins.get(key)
     if stand_in is None or stand_in.shape != grad.shape:
-        stand_in = tape._stand_ins[key] = _zeros_like(grad)
+        stand_in = tape._stand_ins[key] = zeros_like_cheaply(grad)
     return stand_in
 
 
-def _zeros_like(grad: torch.Tensor) -> torch.Tensor:
-    """Zeros shaped like ``grad`` in one element of memory."""
-    key = (grad.dtype, grad.device)
-    zero = _ZEROS.get(key)
-    if zero is None:
-        zero = _ZEROS[key] = torch.zeros((), dtype=grad.dtype, device=grad.device)
-    return zero.expand(grad.shape)
-
-
-_ZEROS: Dict[Any, torch.Tensor] = {}
 
 
 def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
