@@ -11,7 +11,9 @@ and PyTorch's own split, ``stage_backward_input`` then ``stage_backward_weight``
 ``torch.distributed.pipelining`` (private functions; the row is left out where they are
 missing). Any split runs the engine again for the weights (once per group of weights no path
 joins, e.g. once per layer of an MLP), which costs a fixed amount per run on top of the same
-arithmetic: the "torch split" column shows what that costs without gradmgr.
+arithmetic: the "torch split" column shows what that costs without gradmgr. The "floor" column
+is the least an exact split costs: gradmgr's own plan and boundary hooks, then the engine runs
+called directly, with nothing else of gradmgr around them (no recording, no attach, no manager).
 
     python bench/bench_split.py [--quick]
 """
@@ -96,8 +98,40 @@ def _plain_torch(model: nn.Module, x0: torch.Tensor, dy: torch.Tensor,
     variants = {"torch single": torch_single}
     if stage_backward_input is not None:
         variants["torch split"] = torch_split
+    variants["floor"] = _engine_floor(copy.deepcopy(model), x0, dy)
+    models["floor"] = variants["floor"].model
     params.update({k: list(m.parameters()) for k, m in models.items() if k in variants})
     return variants
+
+
+def _engine_floor(model: nn.Module, x0: torch.Tensor, dy: torch.Tensor) -> Callable[[], None]:
+    """An exact split with nothing of gradmgr but its plan and boundary hooks (see the module
+    docstring): the first part, then one engine run per group, all straight to the engine."""
+    from gradmgr.backends.torch import split as split_impl
+    from gradmgr.backends.torch.engine import run_engine
+    from gradmgr.backends.torch.graph import split_plan
+    from torch.autograd.graph import GradientEdge
+
+    weights = list(model.parameters())
+
+    def floor() -> None:
+        x = x0.clone().requires_grad_()
+        out = model(x)
+        plan = split_plan([out], [x], weights)
+        hooks = {}
+        for node in plan.boundary:
+            hooks[node] = split_impl._Handover("")
+            node.register_prehook(hooks[node])
+        run_engine([out], [dy], True, False, [x], accumulate=True)
+        for hook in hooks.values():
+            hook.state = split_impl._REPLAY
+        for nodes, _, tensors in plan.groups:  # one boundary node each, in these models
+            i, zero = hooks[nodes[0]].stand_in()
+            run_engine([GradientEdge(nodes[0], i)], [zero], False, False, tensors,
+                       accumulate=True)
+
+    floor.model = model  # type: ignore[attr-defined]
+    return floor
 
 
 def main(argv=None) -> int:
@@ -108,7 +142,8 @@ def main(argv=None) -> int:
     print(__doc__.split("\n\n")[0])
     print(machine_info(["torch"]) + ", torch threads: 1")
     print(f"{'model':>9} {'samples':>7} {'single us':>10} {'split us':>9} {'ratio':>6} "
-          f"{'torch single us':>15} {'torch split us':>14} {'torch ratio':>11}")
+          f"{'torch single us':>15} {'torch split us':>14} {'torch ratio':>11} "
+          f"{'floor us':>8} {'floor ratio':>11}")
     rows = []
     for name, (model, x0) in cases().items():
         variants, setups = step_fns(model, x0)
@@ -120,15 +155,18 @@ def main(argv=None) -> int:
         own = t.get("torch split")
         own_text = (f"{own.median * 1e6:14.1f} {own.median / plain:11.3f}" if own is not None
                     else f"{'-':>14} {'-':>11}")
+        floor = t["floor"].median
         print(f"{name:>9} {n:7d} {t['single'].median * 1e6:10.1f} "
-              f"{t['split'].median * 1e6:9.1f} {ratio:6.3f} {plain * 1e6:15.1f} {own_text}",
-              flush=True)
-        rows.append((name, ratio, None if own is None else own.median / plain))
+              f"{t['split'].median * 1e6:9.1f} {ratio:6.3f} {plain * 1e6:15.1f} {own_text} "
+              f"{floor * 1e6:8.1f} {floor / t['single'].median:11.3f}", flush=True)
+        rows.append((name, ratio, None if own is None else own.median / plain,
+                     floor / t["single"].median))
     print()
-    for name, ratio, own_ratio in rows:
+    for name, ratio, own_ratio, floor_ratio in rows:
         result(f"torch {name} split/single backward", ratio, TARGET)
         if own_ratio is not None:
             result(f"torch {name} PyTorch's own split/single (reference)", own_ratio)
+        result(f"torch {name} exact-split floor/gradmgr single (reference)", floor_ratio)
     return 0
 
 

@@ -29,28 +29,36 @@ def grad_node(t: torch.Tensor) -> Any:
 
 
 def walk(roots: Iterable[Any]) -> Dict[Any, List[Any]]:
-    """Every node reachable from ``roots``, mapped to its parents (nodes that feed it)."""
+    """Every node reachable from ``roots``, mapped to its parents (nodes that feed it, once per
+    edge)."""
     parents: Dict[Any, List[Any]] = {}
-    stack = [(r, None) for r in roots if r is not None]
+    stack = []
+    for root in roots:
+        if root is not None and root not in parents:
+            parents[root] = []
+            stack.append(root)
     while stack:
-        node, parent = stack.pop()
-        seen = node in parents
-        entry = parents.setdefault(node, [])
-        if parent is not None:
-            entry.append(parent)
-        if seen:
-            continue
+        node = stack.pop()
         for child, _ in node.next_functions:
             if child is not None:
-                stack.append((child, node))
+                feeders = parents.get(child)
+                if feeders is None:
+                    parents[child] = [node]
+                    stack.append(child)
+                else:
+                    feeders.append(node)
     return parents
+
+
+_ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 
 def node_lookup(parents: Dict[Any, List[Any]]) -> Any:
     """``node_of(t)``: the node of ``t``'s gradient if it is in the walk ``parents``, else
     None. Leaves' nodes come from the walk itself (``get_gradient_edge`` would make a view of
     every tensor asked about)."""
-    accumulators = {id(n.variable): n for n in parents if type(n).__name__ == "AccumulateGrad"}
+    accumulators = {id(n.variable): n for n in parents if type(n) is _ACCUMULATE_GRAD
+                    or _ACCUMULATE_GRAD is None and type(n).__name__ == "AccumulateGrad"}
 
     def node_of(t: torch.Tensor) -> Any:
         node = t.grad_fn if t.grad_fn is not None else accumulators.get(id(t))

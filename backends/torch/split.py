@@ -28,34 +28,37 @@ from gradmgr.errors import GradMgrWarning
 from .grads import zeros_like_cheaply
 from .graph import graph_root, split_plan
 
+_CAPTURE, _KEEP, _REPLAY, _DONE = range(4)
+
 
 class _Handover:
     """Node pre-hook on one boundary node for the life of a split backward: records the
     gradients the node gets in the first part (after its tensor hooks), and while the rest runs
     returns them instead of what the engine gives it there (a zero stand-in, see
-    :meth:`stand_in`)."""
+    :meth:`stand_in`). Inert once the split is done (a retained graph may be run again)."""
 
-    __slots__ = ("grads", "replay", "_stand_in", "_name")
+    __slots__ = ("grads", "state", "_stand_in", "_name")
 
     def __init__(self, name: str) -> None:
-        self.grads: Optional[tuple] = None
-        self.replay = False
+        self.grads: tuple = ()
+        self.state = _CAPTURE
         self._stand_in: Optional[torch.Tensor] = None
         self._name = name
 
     def __call__(self, grad_outputs: tuple) -> Optional[tuple]:
-        if self.replay:
+        state = self.state
+        if state == _REPLAY:
             if any(g is not None and g is not self._stand_in for g in grad_outputs):
                 self._check_hooks_kept_zero(grad_outputs)
             return self.grads
-        if self.grads is None:
-            self.grads = grad_outputs
+        if state == _CAPTURE:
+            self.grads, self.state = grad_outputs, _KEEP
         return None
 
     def stand_in(self) -> Optional[Tuple[int, torch.Tensor]]:
         """``(input, zero stand-in)`` to start the rest from this node (an input that got a
         gradient in the first part), or None when it got none (it has nothing to give)."""
-        for i, grad in enumerate(self.grads or ()):
+        for i, grad in enumerate(self.grads):
             if grad is not None:
                 self._stand_in = zeros_like_cheaply(grad)
                 return i, self._stand_in
@@ -83,9 +86,11 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
     """Run the first part on ``tape`` (delivering the first tensors' gradients to their sinks)
     and return what the rest needs."""
     first_ids = {id(t) for t in first}
+    now, later = [], []
+    for t in inputs:
+        (now if id(t) in first_ids else later).append(t)
+    plan = split_plan(outputs, now, later)
     entry_of = {id(t): e for t, e in zip(inputs, entries)}
-    plan = split_plan(outputs, [t for t in inputs if id(t) in first_ids],
-                      [t for t in inputs if id(t) not in first_ids])
     rest = Rest(tape, plan, outputs, seeds, entry_of, retain_graph)
     if plan.now:
         try:
@@ -104,18 +109,23 @@ class Rest:
 
     def __init__(self, tape: Any, plan: Any, outputs: List[torch.Tensor],
                  seeds: List[torch.Tensor], entry_of: dict, retain_graph: bool) -> None:
-        self._tape, self._plan, self._seeds, self._entry_of = tape, plan, seeds, entry_of
-        self._retain = retain_graph
-        self._roots = [GradientEdge(graph_root(y), y.output_nr) for y in outputs]
-        self._handovers = {node: _Handover(node.name()) for node in plan.boundary}
-        self._handles = [node.register_prehook(hook) for node, hook in self._handovers.items()]
+        self._tape, self._plan, self._seeds = tape, plan, seeds
+        self._entry_of, self._retain = entry_of, retain_graph
+        # Outputs the first part does not reach start the rest too (their nodes, not the
+        # tensors: those may be large, and the caller may be done with them).
+        self._roots = {i: GradientEdge(graph_root(outputs[i]), outputs[i].output_nr)
+                       for _, indices, _ in plan.groups for i in indices}
+        self._handovers = {}
+        for node in plan.boundary:
+            hook = self._handovers[node] = _Handover(node.name())
+            node.register_prehook(hook)
 
     def run(self, may_accumulate: bool) -> None:
         """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`."""
-        plan, tape, handovers = self._plan, self._tape, self._handovers
+        plan, tape, handovers, entry_of = self._plan, self._tape, self._handovers, self._entry_of
         try:
             for hook in handovers.values():
-                hook.replay = True
+                hook.state = _REPLAY
             for nodes, root_indices, tensors in plan.groups:
                 edges, grads, drops = [], [], []
                 for node in nodes:
@@ -135,16 +145,16 @@ class Rest:
                     grads.append(self._seeds[i])
                 if edges and tensors:
                     tape.run(edges, grads, self._retain, False, tensors,
-                             [self._entry_of[id(t)] for t in tensors], drops,
+                             [entry_of[id(t)] for t in tensors], drops,
                              accumulate=may_accumulate and tape.none_eager(tensors))
         finally:
             self.release()
 
     def release(self) -> None:
-        """Let go of the recorded gradients, the hooks and the graph."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._handovers = [], {}
+        """Let go of the recorded gradients and the graph; the hooks stay behind, inert."""
+        for hook in self._handovers.values():
+            hook.state, hook.grads, hook._stand_in = _DONE, (), None
+        self._handovers = {}
         self._plan = self._roots = self._seeds = self._entry_of = None
 
 
