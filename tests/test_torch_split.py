@@ -379,3 +379,31 @@ def test_a_dropped_split_leaves_the_retained_graph_to_a_plain_backward():
     got = torch.autograd.grad(out, list(model.parameters()))
     for g, w in zip(got, want[1:]):
         assert torch.equal(g, w)
+
+
+def test_checkpointed_layers_recomputed_in_finish_see_the_recording_flags():
+    """Non-reentrant checkpointing recomputes a region again when ``finish()`` runs its
+    boundary nodes, after the recording ended and gave the stage input back its
+    ``requires_grad=False``; the recompute then saved other tensors and PyTorch raised
+    CheckpointError. The rest now holds the recording's flags while it runs."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, x0 = mlp(), torch.randn(5, 8)
+
+    def forward(x):
+        h = checkpoint(lambda t: model[1](model[0](t)), x, use_reentrant=False)
+        h = checkpoint(lambda t: model[3](model[2](t)), h, use_reentrant=False)
+        return model[4](h).square().sum()
+
+    xr = x0.clone().requires_grad_()
+    want = torch.autograd.grad(forward(xr), [xr, *model.parameters()])
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        x = x0.clone()
+        gm.attach(x)
+        rest = gm.backward_split(forward(x), first=[x])
+    assert not x.requires_grad
+    rest.finish()
+    assert not x.requires_grad
+    for got, w in zip([x.grad, *(p.grad for p in model.parameters())], want):
+        assert torch.equal(got, w)

@@ -18,6 +18,7 @@ the first part, so every gradient (and a retained ``.grad``) is what one backwar
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +26,7 @@ from torch.autograd.graph import GradientEdge
 
 from gradmgr.errors import GradMgrWarning
 
+from .flags import FLAGS
 from .grads import zeros_like_cheaply
 from .graph import graph_root, split_plan
 
@@ -82,16 +84,16 @@ class _Handover:
 
 def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor],
                entries: List[Any], inputs: List[torch.Tensor], first: Sequence[Any],
-               retain_graph: bool) -> Rest:
+               retain_graph: bool, flagged: Sequence[torch.Tensor] = ()) -> Rest:
     """Run the first part on ``tape`` (delivering the first tensors' gradients to their sinks)
-    and return what the rest needs."""
+    and return what the rest needs. ``flagged``: inputs the recording made require grad."""
     first_ids = {id(t) for t in first}
     now, later = [], []
     for t in inputs:
         (now if id(t) in first_ids else later).append(t)
     plan = split_plan(outputs, now, later)
     entry_of = {id(t): e for t, e in zip(inputs, entries)}
-    rest = Rest(tape, plan, outputs, seeds, entry_of, retain_graph)
+    rest = Rest(tape, plan, outputs, seeds, entry_of, retain_graph, flagged)
     if plan.now:
         try:
             # The boundary nodes run again in the rest: keep what they saved. The manager
@@ -108,9 +110,14 @@ class Rest:
     """The second part of a split backward, run once by :meth:`run`."""
 
     def __init__(self, tape: Any, plan: Any, outputs: List[torch.Tensor],
-                 seeds: List[torch.Tensor], entry_of: dict, retain_graph: bool) -> None:
+                 seeds: List[torch.Tensor], entry_of: dict, retain_graph: bool,
+                 flagged: Sequence[torch.Tensor] = ()) -> None:
         self._tape, self._plan, self._seeds = tape, plan, seeds
         self._entry_of, self._retain = entry_of, retain_graph
+        # The recording turned requires_grad on for these inputs, and the rest runs after it
+        # ended: a checkpointed region recomputed there must see the flags it was recorded
+        # with, or it saves other tensors and torch.utils.checkpoint refuses.
+        self._flagged = [weakref.ref(t) for t in flagged]
         # Outputs the first part does not reach start the rest too (their nodes, not the
         # tensors: those may be large, and the caller may be done with them).
         self._roots = {i: GradientEdge(graph_root(outputs[i]), outputs[i].output_nr)
@@ -123,6 +130,8 @@ class Rest:
     def run(self, may_accumulate: bool) -> None:
         """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`."""
         plan, tape, handovers, entry_of = self._plan, self._tape, self._handovers, self._entry_of
+        flagged = [t for t in (ref() for ref in self._flagged)
+                   if t is not None and FLAGS.acquire(t)]
         try:
             for hook in handovers.values():
                 hook.state = _REPLAY
@@ -148,6 +157,8 @@ class Rest:
                              [entry_of[id(t)] for t in tensors], drops,
                              accumulate=may_accumulate and tape.none_eager(tensors))
         finally:
+            for t in flagged:
+                FLAGS.release(t)
             self.release()
 
     def release(self) -> None:
@@ -156,6 +167,7 @@ class Rest:
             hook.state, hook.grads, hook._stand_in = _DONE, (), None
         self._handovers = {}
         self._plan = self._roots = self._seeds = self._entry_of = None
+        self._flagged = []
 
 
 def _dropping(mask: List[bool]) -> Any:

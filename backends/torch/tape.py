@@ -376,7 +376,8 @@ class TorchTape(Tape):
         if prepared is None:
             return None
         outputs, seeds, entries, inputs = prepared
-        return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph)
+        return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph,
+                                self._flagged)
 
     def _inputs(self) -> tuple:
         """The watched tensors that require grad now, with their entries, in watch order."""
