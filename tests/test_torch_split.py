@@ -407,3 +407,28 @@ def test_checkpointed_layers_recomputed_in_finish_see_the_recording_flags():
     assert not x.requires_grad
     for got, w in zip([x.grad, *(p.grad for p in model.parameters())], want):
         assert torch.equal(got, w)
+
+
+def test_a_split_inside_a_compiled_region_is_refused_before_anything_runs():
+    """A torch.compile'd stage is one backward node holding both the input and the weight
+    gradients. With the default (inductor) backend PyTorch gives wrong weight gradients when
+    that node runs a second time for other outputs (seen with donated buffers off; with them
+    on, PyTorch raises its own error), so gradmgr refuses such a split up front, whatever the
+    backend (aot_eager here, which compiles in a second), and leaves every ``.grad`` alone."""
+    import torch._functorch.config as functorch_config
+
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    gm = GradManager().attach(model.parameters())
+    with functorch_config.patch(donated_buffer=False), gm:
+        x = torch.randn(3, 8)
+        gm.attach(x)
+        out = compiled(x).sum()
+        with pytest.raises(UnsupportedGraphError, match="torch.compile"):
+            gm.backward_split(out, first=[x])
+    assert x.grad is None and all(p.grad is None for p in model.parameters())
+    with gm:  # the manager records and differentiates the next step as usual
+        x = torch.randn(3, 8)
+        gm.attach(x)
+        gm.backward(compiled(x).sum())
+    assert x.grad is not None and all(p.grad is not None for p in model.parameters())

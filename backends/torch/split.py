@@ -24,13 +24,22 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
-from gradmgr.errors import GradMgrWarning
+from gradmgr.errors import GradMgrWarning, UnsupportedGraphError
 
 from .flags import FLAGS
 from .grads import zeros_like_cheaply
 from .graph import graph_root, split_plan
 
 _CAPTURE, _KEEP, _REPLAY, _DONE = range(4)
+
+_COMPILED_BOUNDARY = (
+    "backward_split: the first tensors' gradient path and the rest's meet inside a "
+    "torch.compile'd region (its backward is one CompiledFunctionBackward node). A split runs "
+    "such a node twice, needing other outputs each time, and with the default (inductor) "
+    "backend PyTorch computes wrong gradients in the second run (two torch.autograd.grad calls "
+    "over a compiled region do the same). Use "
+    "gm.backward() for this stage, or leave the layers that hold attached weights uncompiled"
+)
 
 
 class _Handover:
@@ -92,6 +101,8 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
     for t in inputs:
         (now if id(t) in first_ids else later).append(t)
     plan = split_plan(outputs, now, later)
+    if any(type(node).__name__ == "CompiledFunctionBackward" for node in plan.boundary):
+        raise UnsupportedGraphError(_COMPILED_BOUNDARY)
     entry_of = {id(t): e for t, e in zip(inputs, entries)}
     rest = Rest(tape, plan, outputs, seeds, entry_of, retain_graph, flagged)
     if plan.now:
