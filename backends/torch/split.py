@@ -109,8 +109,9 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
         try:
             # The boundary nodes run again in the rest: keep what they saved. The manager
             # accumulates the first part right after it, so the engine may do that itself.
-            tape.run(outputs, seeds, True, False, plan.now, [entry_of[id(t)] for t in plan.now],
-                     accumulate=tape.none_eager(plan.now))
+            accumulate = tape.none_eager(plan.now)
+            entries = () if accumulate else [entry_of[id(t)] for t in plan.now]
+            tape.run(outputs, seeds, True, False, plan.now, entries, accumulate=accumulate)
         except BaseException:
             rest.release()
             raise
@@ -164,9 +165,10 @@ class Rest:
                     edges.append(self._roots[i])
                     grads.append(self._seeds[i])
                 if edges and tensors:
-                    tape.run(edges, grads, self._retain, False, tensors,
-                             [entry_of[id(t)] for t in tensors], drops,
-                             accumulate=may_accumulate and tape.none_eager(tensors))
+                    accumulate = may_accumulate and tape.none_eager(tensors)
+                    entries = () if accumulate else [entry_of[id(t)] for t in tensors]
+                    tape.run(edges, grads, self._retain, False, tensors, entries, drops,
+                             accumulate=accumulate)
         finally:
             for t in flagged:
                 FLAGS.release(t)

@@ -310,7 +310,7 @@ class TorchTape(Tape):
         ``accumulate`` (only when no tensor of ``inputs`` is eager and nothing runs between
         computing and accumulating, or when a backward delegate takes the sinks' place): the
         engine accumulates into ``.grad`` itself, which is what a plain ``loss.backward()``
-        costs, and no sink is called."""
+        costs, and no sink is called (``entries`` is not used then)."""
         handles = [getattr(node, kind)(fn) for node, kind, fn in node_hooks]
         try:
             if accumulate:
@@ -338,7 +338,7 @@ class TorchTape(Tape):
         """No tensor of ``tensors`` is delivered by a hook (callbacks, or a non-leaf), so the
         engine may accumulate them itself (:meth:`run`'s ``accumulate``)."""
         eager = self._eager
-        return not any(id(t) in eager for t in tensors)
+        return not eager or not any(id(t) in eager for t in tensors)
 
     def _run_capturing(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor],
                        retain: bool, create_graph: bool, inputs: List[torch.Tensor],
