@@ -605,7 +605,9 @@ class GradManager:
         allreduce still overlaps), then runs the after-backward callbacks once, resolves
         Futures and accumulates. Both parts together give what ``backward(y, dy)`` gives, bit
         for bit where each weight's gradient arrives by one path. Attached tensors on a path to
-        a ``first`` tensor (an attached activation below it) are computed in the first part.
+        a ``first`` tensor (an attached activation below it) are computed in the first part,
+        and so are those below a ``first`` intermediate with no ``first`` tensor below it
+        (the first part stops there).
 
         Example:
             >>> import torch
@@ -682,13 +684,16 @@ class GradManager:
                 )
         return items
 
-    def _finish_split(self, rest: Any, step: int) -> None:
-        """:meth:`DeferredBackward.finish`: the rest of a split backward, in its own scope."""
+    def _check_can_finish(self) -> None:
         if self._backwarding:
             raise RuntimeError(
                 "cannot finish a split backward while a backward of the same manager runs; "
                 "finish it before or after"
             )
+
+    def _finish_split(self, rest: Any, step: int) -> None:
+        """:meth:`DeferredBackward.finish`: the rest of a split backward, in its own scope."""
+        self._check_can_finish()
         stack = _state.state.backwarding
         stack.append(self)
         self._backwarding = True

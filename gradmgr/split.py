@@ -63,6 +63,7 @@ class DeferredBackward:
         manager = self._manager()
         if manager is None:
             raise RuntimeError("the GradManager of this split backward no longer exists")
+        manager._check_can_finish()  # before this is spent: refused, it can be finished later
         rest, self._rest = self._rest, None
         self._done = True
         manager._finish_split(rest, self._step)

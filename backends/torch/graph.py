@@ -183,25 +183,30 @@ def _older_operations(parents: Dict[Any, List[Any]], target: Any, seq: Dict[Any,
 class SplitPlan:
     """How to cut one backward into a first part (the ``now`` tensors) and the rest.
 
-    The first part runs the engine with ``inputs=now``: it executes exactly the nodes on paths
-    from the outputs to the ``now`` tensors (``first_nodes``). The rest continues from the
-    *boundary*: the nodes of the first part that also feed nodes only the rest needs (their
-    incoming gradients are captured during the first part, and they run again in the rest,
-    computing only the outputs the rest needs), and outputs the first part does not reach.
-    The rest's tensors fall into independent groups (connected through the nodes only they
-    need); each group is one engine run, so no run recomputes what another needs.
+    The first part runs the engine with ``inputs=now`` from the outputs that reach them
+    (``first_outputs``): it executes the nodes on paths from those outputs to the ``now``
+    tensors (``first_nodes``). The rest continues from the *boundary*: the nodes of the first
+    part that also feed nodes only the rest needs (their incoming gradients are captured during
+    the first part, and they run again in the rest, computing only the outputs the rest needs),
+    and outputs the first part does not reach. The rest's tensors fall into independent groups
+    (connected through the nodes only they need); each group is one engine run, so no run
+    recomputes what another needs.
 
     Attributes:
-        now: tensors the first part computes (including rest tensors on a first-part path).
+        now: tensors the first part computes: the chosen ones, and others whose gradient only
+            the first part can give (on a path to a chosen tensor, or below a chosen
+            intermediate, where the first part stops).
+        first_outputs: positions of the outputs the first part starts from.
         groups: ``(boundary nodes, root outputs, tensors)`` per engine run of the rest.
         first_nodes: the nodes the first part executes.
     """
 
-    __slots__ = ("now", "groups", "first_nodes")
+    __slots__ = ("now", "first_outputs", "groups", "first_nodes")
 
-    def __init__(self, now: List[Any], groups: List[Tuple[List[Any], List[int], List[Any]]],
-                 first_nodes: set) -> None:
-        self.now, self.groups, self.first_nodes = now, groups, first_nodes
+    def __init__(self, now: List[Any], first_outputs: List[int],
+                 groups: List[Tuple[List[Any], List[int], List[Any]]], first_nodes: set) -> None:
+        self.now, self.first_outputs = now, first_outputs
+        self.groups, self.first_nodes = groups, first_nodes
 
     @property
     def boundary(self) -> List[Any]:
@@ -221,18 +226,50 @@ def _upward(parents: Dict[Any, List[Any]], starts: Iterable[Any]) -> set:
     return seen
 
 
+def _below(starts: Iterable[Any]) -> set:
+    """Every node reachable from ``starts`` (not the starts themselves, unless reached)."""
+    seen: set = set()
+    stack = [child for node in starts for child, _ in node.next_functions if child is not None]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+    return seen
+
+
 def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
-               rest: Sequence[torch.Tensor]) -> SplitPlan:
-    """One walk of the graph from ``outputs``; see :class:`SplitPlan`."""
+               rest: Sequence[torch.Tensor], snapshots: Optional[Dict[int, Any]] = None
+               ) -> SplitPlan:
+    """One walk of the graph from ``outputs``; see :class:`SplitPlan`. ``snapshots``: the node
+    whose gradient an attached non-leaf takes (its grad_fn when attached), by ``id``."""
     roots = [graph_root(y) for y in outputs]
     parents = walk(roots)
-    node_of = node_lookup(parents)
-    first = _upward(parents, (node_of(t) for t in now))
+    lookup = node_lookup(parents)
+    if snapshots:
+        def node_of(t: torch.Tensor) -> Any:
+            node = snapshots.get(id(t))
+            return lookup(t) if node is None else node if node in parents else None
+    else:
+        node_of = lookup
+    now_nodes = [node for node in map(node_of, now) if node is not None]
+    first = _upward(parents, now_nodes)
+    # At a chosen intermediate with no chosen tensor below it the first part takes the
+    # gradient and stops (the engine captures there without running the node): tensors below
+    # it get their gradient in the first part too, or no part would run that node for them.
+    below = _below(n for n in now_nodes if n.next_functions and not any(
+        child in first for child, _ in n.next_functions)) if snapshots else ()
     moved, later = [], []
     for t in rest:
         node = node_of(t)
         if node is not None:
-            (moved if node in first else later).append((t, node))
+            (moved if node in first or node in below else later).append((t, node))
+    if below and any(node in below for _, node in moved):
+        first = _upward(parents, [*now_nodes, *(node for _, node in moved)])
+        still = []
+        for t, node in later:
+            (moved if node in first else still).append((t, node))
+        later = still
 
     # Climb from each later tensor's node through the nodes only the rest needs, stopping at
     # first-part nodes (the boundary). Climbs that meet, at a node or at a boundary node, are
@@ -275,4 +312,5 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
         group(label[node])[2].append(t)
     ordered = sorted(groups.values(), key=lambda g: -max(
         [n._sequence_nr() for n in g[0]] + [roots[i]._sequence_nr() for i in g[1]], default=0))
-    return SplitPlan([*now, *(t for t, _ in moved)], ordered, first)
+    first_outputs = [i for i, root in enumerate(roots) if root in first]
+    return SplitPlan([*now, *(t for t, _ in moved)], first_outputs, ordered, first)

@@ -28,7 +28,7 @@ from gradmgr.errors import GradMgrWarning, UnsupportedGraphError
 
 from .flags import FLAGS
 from .grads import zeros_like_cheaply
-from .graph import graph_root, split_plan
+from .graph import split_plan
 
 _CAPTURE, _KEEP, _REPLAY, _DONE = range(4)
 
@@ -45,35 +45,32 @@ _COMPILED_BOUNDARY = (
 class _Handover:
     """Node pre-hook on one boundary node for the life of a split backward: records the
     gradients the node gets in the first part (after its tensor hooks), and while the rest runs
-    returns them instead of what the engine gives it there (a zero stand-in, see
-    :meth:`stand_in`). Inert once the split is done (a retained graph may be run again)."""
+    its group returns them instead of what the engine gives it there (zero stand-ins, see
+    :meth:`stand_ins`). Inert once the split is done (a retained graph may be run again)."""
 
-    __slots__ = ("grads", "state", "_stand_in", "_name")
+    __slots__ = ("grads", "state", "_stand_ins", "_name")
 
     def __init__(self, name: str) -> None:
         self.grads: tuple = ()
         self.state = _CAPTURE
-        self._stand_in: Optional[torch.Tensor] = None
+        self._stand_ins: tuple = ()
         self._name = name
 
     def __call__(self, grad_outputs: tuple) -> Optional[tuple]:
         state = self.state
         if state == _REPLAY:
-            if any(g is not None and g is not self._stand_in for g in grad_outputs):
+            if any(g is not None and g is not s for g, s in zip(grad_outputs, self._stand_ins)):
                 self._check_hooks_kept_zero(grad_outputs)
             return self.grads
         if state == _CAPTURE:
             self.grads, self.state = grad_outputs, _KEEP
         return None
 
-    def stand_in(self) -> Optional[Tuple[int, torch.Tensor]]:
-        """``(input, zero stand-in)`` to start the rest from this node (an input that got a
-        gradient in the first part), or None when it got none (it has nothing to give)."""
-        for i, grad in enumerate(self.grads):
-            if grad is not None:
-                self._stand_in = zeros_like_cheaply(grad)
-                return i, self._stand_in
-        return None
+    def stand_ins(self) -> List[Tuple[int, torch.Tensor]]:
+        """``(input, zero stand-in)`` for each input of the node that got a gradient in the
+        first part: the rest starts the node from these (none: it has nothing to give)."""
+        self._stand_ins = tuple(None if g is None else zeros_like_cheaply(g) for g in self.grads)
+        return [(i, z) for i, z in enumerate(self._stand_ins) if z is not None]
 
     def _check_hooks_kept_zero(self, grad_outputs: tuple) -> None:
         """A hook on the node's output tensor changed the zero stand-in: harmless for every
@@ -100,18 +97,25 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
     now, later = [], []
     for t in inputs:
         (now if id(t) in first_ids else later).append(t)
-    plan = split_plan(outputs, now, later)
+    snapshots = None
+    if tape._snapshots[0]:  # attached non-leaves take their gradient at their snapshot
+        snapshots = {id(t): e.edge.node for t, e in zip(inputs, entries) if e.edge is not None}
+    plan = split_plan(outputs, now, later, snapshots)
     if any(type(node).__name__ == "CompiledFunctionBackward" for node in plan.boundary):
         raise UnsupportedGraphError(_COMPILED_BOUNDARY)
     entry_of = {id(t): e for t, e in zip(inputs, entries)}
     rest = Rest(tape, plan, outputs, seeds, entry_of, retain_graph, flagged)
-    if plan.now:
+    if plan.now and plan.first_outputs:
         try:
             # The boundary nodes run again in the rest: keep what they saved. The manager
             # accumulates the first part right after it, so the engine may do that itself.
+            # Only outputs that reach the first tensors: the rest starts the others (hooks on
+            # them would run twice).
             accumulate = tape.none_eager(plan.now)
             entries = () if accumulate else [entry_of[id(t)] for t in plan.now]
-            tape.run(outputs, seeds, True, False, plan.now, entries, accumulate=accumulate)
+            tape.run([outputs[i] for i in plan.first_outputs],
+                     [seeds[i] for i in plan.first_outputs], True, False, plan.now, entries,
+                     accumulate=accumulate, only=True)
         except BaseException:
             rest.release()
             raise
@@ -130,10 +134,15 @@ class Rest:
         # ended: a checkpointed region recomputed there must see the flags it was recorded
         # with, or it saves other tensors and torch.utils.checkpoint refuses.
         self._flagged = [weakref.ref(t) for t in flagged]
-        # Outputs the first part does not reach start the rest too (their nodes, not the
-        # tensors: those may be large, and the caller may be done with them).
-        self._roots = {i: GradientEdge(graph_root(outputs[i]), outputs[i].output_nr)
-                       for _, indices, _ in plan.groups for i in indices}
+        # Outputs the first part does not reach start the rest too, each through a view node
+        # made now (its node, not the tensor, which may be large): hooks on the output's own
+        # node then run inside the rest's engine task, after the tape has claimed it.
+        self._roots = {}
+        for _, indices, _ in plan.groups:
+            for i in indices:
+                with torch.enable_grad():
+                    view = outputs[i].view_as(outputs[i])
+                self._roots[i] = GradientEdge(view.grad_fn, 0)
         self._handovers = {}
         for node in plan.boundary:
             hook = self._handovers[node] = _Handover(node.name())
@@ -142,33 +151,43 @@ class Rest:
     def run(self, may_accumulate: bool) -> None:
         """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`."""
         plan, tape, handovers, entry_of = self._plan, self._tape, self._handovers, self._entry_of
+        # A group of several boundary nodes runs the first-part nodes between them, which may
+        # be another group's: keep what they saved for that group's run.
+        retain = self._retain or any(len(nodes) > 1 for nodes, _, _ in plan.groups)
         flagged = [t for t in (ref() for ref in self._flagged)
                    if t is not None and FLAGS.acquire(t)]
         try:
-            for hook in handovers.values():
-                hook.state = _REPLAY
             for nodes, root_indices, tensors in plan.groups:
                 edges, grads, drops = [], [], []
                 for node in nodes:
-                    root = handovers[node].stand_in()
-                    if root is None:
-                        continue
-                    edges.append(GradientEdge(node, root[0]))
-                    grads.append(root[1])
+                    hook = handovers[node]
+                    for i, zero in hook.stand_ins():
+                        edges.append(GradientEdge(node, i))
+                        grads.append(zero)
                     # A boundary node's first-part child can lead on to another boundary
-                    # node of the same group (never back to itself): drop what it would get.
+                    # node of the same group (never back to itself), and the engine runs the
+                    # nodes between them: they get zeros, as the boundary nodes' own hooks do.
                     if len(nodes) > 1:
                         mask = [child in plan.first_nodes for child, _ in node.next_functions]
                         if any(mask):
-                            drops.append((node, "register_hook", _dropping(mask)))
+                            drops.append((node, "register_hook", _zeroing(mask)))
                 for i in root_indices:
                     edges.append(self._roots[i])
                     grads.append(self._seeds[i])
-                if edges and tensors:
-                    accumulate = may_accumulate and tape.none_eager(tensors)
-                    entries = () if accumulate else [entry_of[id(t)] for t in tensors]
-                    tape.run(edges, grads, self._retain, False, tensors, entries, drops,
-                             accumulate=accumulate)
+                if not (edges and tensors):
+                    continue
+                accumulate = may_accumulate and tape.none_eager(tensors)
+                entries = () if accumulate else [entry_of[id(t)] for t in tensors]
+                # Only this group's boundary nodes hand over: another group's may lie between
+                # two of them (a weight used on both sides of it), and passes zeros on there.
+                for node in nodes:
+                    handovers[node].state = _REPLAY
+                try:
+                    tape.run(edges, grads, retain, False, tensors, entries, drops,
+                             accumulate=accumulate, only=True)
+                finally:
+                    for node in nodes:
+                        handovers[node].state = _KEEP
         finally:
             for t in flagged:
                 FLAGS.release(t)
@@ -177,15 +196,17 @@ class Rest:
     def release(self) -> None:
         """Let go of the recorded gradients and the graph; the hooks stay behind, inert."""
         for hook in self._handovers.values():
-            hook.state, hook.grads, hook._stand_in = _DONE, (), None
+            hook.state, hook.grads, hook._stand_ins = _DONE, (), ()
         self._handovers = {}
         self._plan = self._roots = self._seeds = self._entry_of = None
         self._flagged = []
 
 
-def _dropping(mask: List[bool]) -> Any:
-    """A node hook that drops the node's gradients toward first-part nodes (``mask``)."""
+def _zeroing(mask: List[bool]) -> Any:
+    """A node hook that replaces the node's gradients toward first-part nodes (``mask``) with
+    zeros (the first part accounted for them)."""
     def hook(grad_inputs: Any, grad_outputs: Any) -> Any:
-        return tuple(None if drop else g for drop, g in zip(mask, grad_inputs))
+        return tuple(zeros_like_cheaply(g) if drop and g is not None else g
+                     for drop, g in zip(mask, grad_inputs))
 
     return hook

@@ -46,7 +46,7 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     if tape is None or not tape._running or _graph_task_id() != tape._task:
         return None
     sink = tape._eager.get(key)
-    if sink is None:
+    if sink is None or tape._only is not None and key not in tape._only:
         return None
     tape._fired.add(key)
     if (_run_callbacks(sink, grad) is grad or not leaf
@@ -161,6 +161,9 @@ class TorchTape(Tape):
         self._hooks_suspended = False
         self._running = False
         self._task: Optional[int] = None  # its graph task, once the engine started it
+        # ids of the tensors a part of a split backward delivers (None: all watched ones).
+        # The split's other parts run some of the same nodes, whose hooks must not deliver.
+        self._only: Optional[set] = None
         self._recording = False
         self._grad_mode_thread = 0
         self._record_seq = 0
@@ -301,7 +304,8 @@ class TorchTape(Tape):
 
     def run(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor], retain: bool,
             create_graph: bool, inputs: List[torch.Tensor], entries: List[_Entry],
-            node_hooks: Sequence[Tuple[Any, str, Any]] = (), accumulate: bool = False) -> None:
+            node_hooks: Sequence[Tuple[Any, str, Any]] = (), accumulate: bool = False,
+            only: bool = False) -> None:
         """Run the engine for the gradients of ``inputs`` (``outputs``: tensors or gradient
         edges) and deliver them to their sinks: eager ones from tensor hooks while the engine
         runs, the others when it returns. ``node_hooks``: ``(node, "register_hook" or
@@ -310,7 +314,8 @@ class TorchTape(Tape):
         ``accumulate`` (only when no tensor of ``inputs`` is eager and nothing runs between
         computing and accumulating, or when a backward delegate takes the sinks' place): the
         engine accumulates into ``.grad`` itself, which is what a plain ``loss.backward()``
-        costs, and no sink is called (``entries`` is not used then)."""
+        costs, and no sink is called (``entries`` is not used then). ``only``: deliver to no
+        watched tensor but ``inputs`` (a part of a split backward)."""
         handles = [getattr(node, kind)(fn) for node, kind, fn in node_hooks]
         try:
             if accumulate:
@@ -318,11 +323,14 @@ class TorchTape(Tape):
                 return
             engine_inputs = inputs if not self._snapshots[0] else [
                 t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
+            if only:
+                self._only = {id(t) for t in inputs}
             grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs,
                                         engine_inputs)
         except RuntimeError as error:
             _refuse_reentrant_checkpoint(error)
         finally:
+            self._only = None
             for handle in handles:
                 handle.remove()
         fired = self._fired
@@ -409,7 +417,10 @@ class TorchTape(Tape):
             hooks = tensor._backward_hooks
             if hooks is not None and len(hooks) > 1:
                 handle = handles.get(id(tensor))
-                if handle is not None and next(reversed(hooks)) != handle.id:
+                # (Not in this dict after an in-place op: the tape's hook stayed with the
+                # snapshot's node, and the user's later ones went to the new node's dict.)
+                if (handle is not None and handle.id in hooks
+                        and next(reversed(hooks)) != handle.id):
                     # The engine walks the dict in insertion order: re-insert at the end.
                     hooks[handle.id] = hooks.pop(handle.id)
 
