@@ -432,3 +432,38 @@ def test_a_split_inside_a_compiled_region_is_refused_before_anything_runs():
         gm.attach(x)
         gm.backward(compiled(x).sum())
     assert x.grad is not None and all(p.grad is not None for p in model.parameters())
+
+
+def test_a_boundary_node_with_several_outputs_restarts_from_each():
+    """A custom Function with two outputs, both used, takes the stage input and a weight: its
+    node has two inputs, and the rest must start it from both (from one, the engine refused to
+    take the other's recorded gradient)."""
+    class TwoOut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w, (x * 2) @ w
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            x, w = ctx.saved_tensors
+            gx = ga @ w.t() + 2 * (gb @ w.t()) if ctx.needs_input_grad[0] else None
+            gw = x.t() @ ga + (2 * x).t() @ gb if ctx.needs_input_grad[1] else None
+            return gx, gw
+
+    torch.manual_seed(0)
+    w, x0 = torch.randn(3, 3, requires_grad=True), torch.randn(2, 3)
+
+    def loss(x):
+        a, b = TwoOut.apply(x, w)
+        return torch.tanh(a).sum() + (b * b).sum()
+
+    xr = x0.clone().requires_grad_()
+    want = torch.autograd.grad(loss(xr), [xr, w])
+    gm = GradManager().attach(w)
+    with gm:
+        x = x0.clone()
+        gm.attach(x)
+        rest = gm.backward_split(loss(x), first=[x])
+    rest.finish()
+    assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
