@@ -123,10 +123,10 @@ def _engine_floor(model: nn.Module, x0: torch.Tensor, dy: torch.Tensor) -> Calla
             hooks[node] = split_impl._Handover("")
             node.register_prehook(hooks[node])
         run_engine([out], [dy], True, False, [x], accumulate=True)
-        for hook in hooks.values():
-            hook.state = split_impl._REPLAY
         for nodes, _, tensors in plan.groups:  # one boundary node each, in these models
-            i, zero = hooks[nodes[0]].stand_in()
+            hook = hooks[nodes[0]]
+            hook.state = split_impl._REPLAY
+            (i, zero), = hook.stand_ins()
             run_engine([GradientEdge(nodes[0], i)], [zero], False, False, tensors,
                        accumulate=True)
 
