@@ -58,6 +58,20 @@ def stage_step(model, x0, split, callbacks=None, dy_of=None):
     return x_grad, [p.grad for p in model.parameters()]
 
 
+def split_and_engine(loss, x0, weights):
+    """``loss(x)`` differentiated by one split backward (``x``, attached while recording, in
+    ``first``) and by ``torch.autograd.grad``: ``([x.grad, *weights' .grad], engine's)``."""
+    xr = x0.clone().requires_grad_()
+    want = torch.autograd.grad(loss(xr), [xr, *weights])
+    gm = GradManager().attach(weights)
+    with gm:
+        x = x0.clone()
+        gm.attach(x)
+        rest = gm.backward_split(loss(x), first=[x])
+    rest.finish()
+    return [x.grad, *(w.grad for w in weights)], list(want)
+
+
 @pytest.mark.parametrize("build, shape", [(mlp, (5, 8)), (cnn, (2, 3, 8, 8))], ids=["mlp", "cnn"])
 @pytest.mark.parametrize("callbacks", [None, lambda t, g: g * 0.5], ids=["plain", "callback"])
 def test_split_equals_single_backward_bit_for_bit(build, shape, callbacks):
@@ -208,17 +222,9 @@ def test_outputs_that_do_not_depend_on_the_first_tensors():
     def loss(x):
         return model(x).sum() + sum((p ** 2).sum() for p in model.parameters())
 
-    xr = x0.clone().requires_grad_()
-    engine = torch.autograd.grad(loss(xr), [xr, *model.parameters()])
-    gm = GradManager().attach(model.parameters())
-    with gm:
-        x = x0.clone()
-        gm.attach(x)
-        rest = gm.backward_split(loss(x), first=[x])
-    rest.finish()
-    assert torch.equal(x.grad, engine[0])
-    for p, e in zip(model.parameters(), engine[1:]):
-        assert torch.equal(p.grad, e)
+    got, want = split_and_engine(loss, x0, list(model.parameters()))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 def test_a_weight_used_twice_gets_the_whole_gradient():
@@ -231,16 +237,9 @@ def test_a_weight_used_twice_gets_the_whole_gradient():
     def forward(x):
         return torch.tanh(torch.tanh(x @ w) @ w).sum()
 
-    xr = x0.clone().requires_grad_()
-    engine = torch.autograd.grad(forward(xr), [xr, w])
-    gm = GradManager().attach(w)
-    with gm:
-        x = x0.clone()
-        gm.attach(x)
-        rest = gm.backward_split(forward(x), first=[x])
-    rest.finish()
-    assert torch.equal(x.grad, engine[0])
-    torch.testing.assert_close(w.grad, engine[1], rtol=1e-6, atol=1e-7)
+    (x_grad, w_grad), (x_want, w_want) = split_and_engine(forward, x0, [w])
+    assert torch.equal(x_grad, x_want)
+    torch.testing.assert_close(w_grad, w_want, rtol=1e-6, atol=1e-7)
 
 
 def test_accumulation_over_micro_batches_equals_plain_backward():
@@ -458,12 +457,5 @@ def test_a_boundary_node_with_several_outputs_restarts_from_each():
         a, b = TwoOut.apply(x, w)
         return torch.tanh(a).sum() + (b * b).sum()
 
-    xr = x0.clone().requires_grad_()
-    want = torch.autograd.grad(loss(xr), [xr, w])
-    gm = GradManager().attach(w)
-    with gm:
-        x = x0.clone()
-        gm.attach(x)
-        rest = gm.backward_split(loss(x), first=[x])
-    rest.finish()
-    assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
+    got, want = split_and_engine(loss, x0, [w])
+    assert all(torch.equal(g, e) for g, e in zip(got, want))

@@ -253,6 +253,25 @@ def frozen_after(schedule: Sequence[Any], upto: int) -> set:
 
 
 # --------------------------------------------------------------------------- the runner
+def attach_chain(gm: Any, tensor: Any, chain: List[Any], split_attach: bool) -> None:
+    """Attach ``tensor`` with its callback ``chain``: in one ``attach()``, or with
+    ``split_attach`` in two (the second appends to the first, S2)."""
+    if split_attach:
+        gm.attach(tensor, callbacks=chain[: len(chain) // 2])
+        chain = chain[len(chain) // 2:]
+    gm.attach(tensor, callbacks=chain)
+
+
+def attach_leaves(program: Any, leaves: List[Any], attach: Callable[[int, Any], None]) -> None:
+    """The user's leaf hooks registered before ``attach()``, the attached leaves not attached
+    late (``attach(vid, leaf)``), then the leaf hooks registered after."""
+    add_leaf_hooks(program, leaves, before=True)
+    for vid in program.attached_leaves():
+        if not program.leaves[vid].late:
+            attach(vid, leaves[vid])
+    add_leaf_hooks(program, leaves, before=False)
+
+
 def run_managed(
     program: Program,
     eng: Engine,
@@ -295,16 +314,9 @@ def run_managed(
         expect_tensor(chain, tensor)
         if wrap_chain is not None:
             chain = wrap_chain(vid, chain)
-        if program.split_attach:
-            gm.attach(tensor, callbacks=chain[: len(chain) // 2])
-            chain = chain[len(chain) // 2:]
-        gm.attach(tensor, callbacks=chain)
+        attach_chain(gm, tensor, chain, program.split_attach)
 
-    add_leaf_hooks(program, leaves, before=True)
-    for vid in program.attached_leaves():
-        if not program.leaves[vid].late:
-            attach(vid, leaves[vid])
-    add_leaf_hooks(program, leaves, before=False)
+    attach_leaves(program, leaves, attach)
     if program.post_hooks:
         for vid, leaf in enumerate(program.leaves):
             if leaf.kind in ("param", "free"):

@@ -65,6 +65,8 @@ torch = pytest.importorskip("torch")
 
 from diff_harness import (  # noqa: E402
     CallLog,
+    attach_chain,
+    attach_leaves,
     describe,
     expect_tensor,
     layout_problems,
@@ -316,17 +318,9 @@ def run_case(case: SplitCase, split: bool) -> Run:
     def attach(vid, tensor):
         chain = make_chain(program.chain(vid), vid, log, ENG, "gm", owner=gm)
         expect_tensor(chain, tensor)
-        chain = wrap(chain)
-        if program.split_attach:
-            gm.attach(tensor, callbacks=chain[: len(chain) // 2])
-            chain = chain[len(chain) // 2:]
-        gm.attach(tensor, callbacks=chain)
+        attach_chain(gm, tensor, wrap(chain), program.split_attach)
 
-    add_leaf_hooks(program, leaves0, before=True)
-    for vid in program.attached_leaves():
-        if not program.leaves[vid].late:
-            attach(vid, leaves0[vid])
-    add_leaf_hooks(program, leaves0, before=False)
+    attach_leaves(program, leaves0, attach)
     if program.post_hooks:
         for vid in shared:
             leaves0[vid].register_post_accumulate_grad_hook(
