@@ -5,7 +5,8 @@ activations: what the previous stage waits for) while a pre-hook on every bounda
 :class:`.graph.SplitPlan`) records the gradients it computes with. The rest runs the engine
 again from those nodes for the remaining tensors (the weights), one run per independent group,
 and the same pre-hooks hand the recorded gradients back; a boundary node's outputs toward
-first-part nodes are dropped there, since the first part already accounted for them. Together
+first-part nodes are not computed there (the engine does not need them), or are zeros in a
+group of several boundary nodes, since the first part already accounted for them. Together
 they compute what one backward computes, and no node's work is done twice: a boundary node
 computes its first-part outputs in the first run and its other outputs in the second.
 
@@ -37,8 +38,8 @@ _COMPILED_BOUNDARY = (
     "torch.compile'd region (its backward is one CompiledFunctionBackward node). A split runs "
     "such a node twice, needing other outputs each time, and with the default (inductor) "
     "backend PyTorch computes wrong gradients in the second run (two torch.autograd.grad calls "
-    "over a compiled region do the same). Use "
-    "gm.backward() for this stage, or leave the layers that hold attached weights uncompiled"
+    "over a compiled region do the same). Use gm.backward() for this stage, or leave the "
+    "layers that hold attached weights uncompiled"
 )
 
 
