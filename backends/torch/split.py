@@ -76,8 +76,10 @@ class _Handover:
     def _check_hooks_kept_zero(self, grad_outputs: tuple) -> None:
         """A hook on the node's output tensor changed the zero stand-in: harmless for every
         gradient (the recorded ones replace it), but a ``retain_grad()`` on that tensor adds
-        what the hook returned, so say so where that is not zero."""
-        if any(g is not None and bool(g.any()) for g in grad_outputs):
+        what the hook returned, so say so where that is not zero. (Zeros passed on to it from
+        another boundary node of its group become nan where the forward overflowed, 0 * inf:
+        not a hook's doing, so only finite values count.)"""
+        if any(g is not None and bool((g.isfinite() & (g != 0)).any()) for g in grad_outputs):
             warnings.warn(
                 f"a gradient hook on the output of {self._name} returned a non-zero gradient "
                 "for a zero one: a split backward's finish() calls hooks on that tensor again "
