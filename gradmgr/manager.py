@@ -692,8 +692,8 @@ class GradManager:
             )
 
     def _finish_split(self, rest: Any, step: int) -> None:
-        """:meth:`DeferredBackward.finish`: the rest of a split backward, in its own scope."""
-        self._check_can_finish()
+        """:meth:`DeferredBackward.finish` (after :meth:`_check_can_finish`): the rest of a
+        split backward, in its own scope."""
         stack = _state.state.backwarding
         stack.append(self)
         self._backwarding = True

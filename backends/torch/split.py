@@ -114,11 +114,9 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
             # accumulates the first part right after it, so the engine may do that itself.
             # Only outputs that reach the first tensors: the rest starts the others (hooks on
             # them would run twice).
-            accumulate = tape.none_eager(plan.now)
-            entries = () if accumulate else [entry_of[id(t)] for t in plan.now]
-            tape.run([outputs[i] for i in plan.first_outputs],
-                     [seeds[i] for i in plan.first_outputs], True, False, plan.now, entries,
-                     accumulate=accumulate, only=True)
+            _run_part(tape, [outputs[i] for i in plan.first_outputs],
+                      [seeds[i] for i in plan.first_outputs], True, plan.now, entry_of, (),
+                      may_accumulate=True)
         except BaseException:
             rest.release()
             raise
@@ -179,15 +177,13 @@ class Rest:
                     grads.append(self._seeds[i])
                 if not (edges and tensors):
                     continue
-                accumulate = may_accumulate and tape.none_eager(tensors)
-                entries = () if accumulate else [entry_of[id(t)] for t in tensors]
                 # Only this group's boundary nodes hand over: another group's may lie between
                 # two of them (a weight used on both sides of it), and passes zeros on there.
                 for node in nodes:
                     handovers[node].state = _REPLAY
                 try:
-                    tape.run(edges, grads, retain, False, tensors, entries, drops,
-                             accumulate=accumulate, only=True)
+                    _run_part(tape, edges, grads, retain, tensors, entry_of, drops,
+                              may_accumulate)
                 finally:
                     for node in nodes:
                         handovers[node].state = _KEEP
@@ -203,6 +199,17 @@ class Rest:
         self._handovers = {}
         self._plan = self._roots = self._seeds = self._entry_of = None
         self._flagged = []
+
+
+def _run_part(tape: Any, outputs: List[Any], seeds: List[torch.Tensor], retain: bool,
+              tensors: List[torch.Tensor], entry_of: dict, node_hooks: Sequence[Any],
+              may_accumulate: bool) -> None:
+    """One engine run of a split backward, delivering to ``tensors`` only; the engine
+    accumulates into ``.grad`` itself where ``may_accumulate`` and none of them is eager."""
+    accumulate = may_accumulate and tape.none_eager(tensors)
+    entries = () if accumulate else [entry_of[id(t)] for t in tensors]
+    tape.run(outputs, seeds, retain, False, tensors, entries, node_hooks, accumulate=accumulate,
+             only=True)
 
 
 def _zeroing(mask: List[bool]) -> Any:

@@ -58,8 +58,6 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     return stand_in
 
 
-
-
 def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
     """Feed a tensor's callback chain, refusing a chain that changed the gradient in place:
     the engine may still need that tensor for other gradients, and another attached tensor
