@@ -459,3 +459,34 @@ def test_a_boundary_node_with_several_outputs_restarts_from_each():
 
     got, want = split_and_engine(loss, x0, [w])
     assert all(torch.equal(g, e) for g, e in zip(got, want))
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_autocast_a_frozen_layer_and_finish_in_another_thread(amp):
+    """What a pipeline stage combines: bf16 autocast, a frozen weight, callbacks, and the
+    weight part finished by a worker thread. Against ``torch.autograd.grad`` on the same
+    graph shape, bit for bit (the callback halves: exact in binary); the frozen weight gets
+    no gradient."""
+    import threading
+
+    model, x0 = mlp(), torch.randn(5, 8)
+    model[2].weight.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def loss(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return model(x).float().square().sum()
+
+    xr = x0.clone().requires_grad_()
+    want = torch.autograd.grad(loss(xr), [xr, *trainable])
+    gm = GradManager().attach(model.parameters(), callbacks=[lambda t, g: g * 0.5])
+    with gm:
+        x = x0.clone()
+        gm.attach(x, callbacks=[lambda t, g: g * 0.5])
+        rest = gm.backward_split(loss(x), first=[x])
+    worker = threading.Thread(target=rest.finish)
+    worker.start()
+    worker.join()
+    assert rest.done and model[2].weight.grad is None
+    for got, w in zip([x.grad, *(p.grad for p in trainable)], want):
+        assert torch.equal(got, w * 0.5)
