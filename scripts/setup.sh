@@ -89,6 +89,22 @@ stamp_of() {  # what the environment was built from: a change re-runs the instal
   cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16
 }
 
+pip_install() {  # pip_install VENV-PYTHON PIP-ARGS...
+  # torch 2.8 for Python <= 3.10 exists on the index only as a CUDA build: several GB of nvidia-*
+  # wheels come over the network on every fresh machine, and a dropped connection must not end
+  # the set-up. pip keeps finished wheels in its cache, so a retry fetches only what failed.
+  local py=$1; shift
+  local attempt attempts=4 resume=()
+  if "$py" -m pip install --help 2>/dev/null | grep -q -- '--resume-retries'; then resume=(--resume-retries 20); fi
+  for attempt in $(seq "$attempts"); do
+    if "$py" -m pip install -q --retries 10 ${resume[@]+"${resume[@]}"} "$@"; then return 0; fi
+    [ "$attempt" -lt "$attempts" ] || break
+    say "pip install failed (attempt $attempt of $attempts, usually the network): trying again in $((attempt * 20)) s"
+    sleep $((attempt * 20))
+  done
+  die "pip install $* failed $attempts times (pip's message is above). When the network is back, run 'make setup' again: it goes on from what is installed."
+}
+
 setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
   local dir=$1 py=$2 check=$3; shift 3
   local stamp; stamp="$(stamp_of) $*"
@@ -98,8 +114,8 @@ setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
   fi
   make_venv "$dir" "$py"
   say "installing into $dir: $*"
-  "$dir/bin/python" -m pip install -q --upgrade pip
-  "$dir/bin/python" -m pip install -q "$@"
+  pip_install "$dir/bin/python" --upgrade pip
+  pip_install "$dir/bin/python" "$@"
   "$dir/bin/python" -c "import $check"
   echo "$stamp" >"$dir/.gradmgr-stamp"
   say "$dir ready"
