@@ -590,6 +590,38 @@ def test_user_hook_on_an_attached_intermediate_counts_without_callbacks_too():
     assert torch.equal(h.grad, ref_h.grad) and torch.equal(w.grad, ref_w.grad)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["backward", "backward_split"])
+def test_retain_grad_on_an_attached_intermediate_is_refused_before_any_gradient(split):
+    """PyTorch writes a retained .grad and the manager adds its own: h.grad held 2x the
+    gradient (10 where backward() gives 5). Refused before the engine runs, nothing written,
+    the recording released; without retain_grad() the manager's .grad equals the engine's."""
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    gm = GradManager().attach(x)
+
+    def step(retain: bool) -> torch.Tensor:
+        with gm:
+            h = x * 2
+            gm.attach(h)
+            if retain:
+                h.retain_grad()
+            y = (h * 5).sum()
+            if split:
+                gm.backward_split(y, first=[h]).finish()
+            else:
+                gm.backward(y)
+        return h
+
+    with pytest.raises(UnsupportedGraphError, match=r"retain_grad\(\).*twice"):
+        step(retain=True)
+    assert x.grad is None and not gm._recording
+    h = step(retain=False)
+    ref_x = torch.tensor([1.0, 2.0], requires_grad=True)
+    ref_h = ref_x * 2
+    ref_h.retain_grad()
+    (ref_h * 5).sum().backward()
+    assert torch.equal(h.grad, ref_h.grad) and torch.equal(x.grad, ref_x.grad)
+
+
 def test_a_gradient_that_is_the_users_dy_is_copied():
     x, o = torch.tensor([1.0], requires_grad=True), torch.tensor([1.0], requires_grad=True)
     gm = GradManager().attach(x).attach(o, callbacks=identity)

@@ -106,6 +106,20 @@ _REENTRANT_CHECKPOINT = (
 )
 
 
+def _refuse_retained_grads(inputs: Sequence[torch.Tensor], entries: Sequence[_Entry]) -> None:
+    """Refuse an attached non-leaf that also has ``retain_grad()``: PyTorch would write its
+    ``.grad`` and the manager would add its gradient again, doubling it silently."""
+    for tensor, entry in zip(inputs, entries):
+        if entry.edge is not None and tensor.retains_grad:
+            raise UnsupportedGraphError(
+                f"gradmgr: an attached non-leaf tensor (shape {tuple(tensor.shape)}) also has "
+                "retain_grad(): PyTorch would write its .grad and the GradManager would add "
+                "the same gradient again, so .grad would hold it twice. Drop the "
+                "retain_grad() call (the manager writes that .grad, after the tensor's "
+                "attached callbacks), or do not attach the tensor"
+            )
+
+
 def _input_without_flag(tensor: torch.Tensor) -> bool:
     """A leaf whose gradient is wanted although it does not require grad: an input. A
     ``Parameter`` with ``requires_grad=False`` is frozen instead, and gets no gradient (as
@@ -272,6 +286,8 @@ class TorchTape(Tape):
         entries, inputs = self._inputs()
         if not inputs:
             return None
+        if self._snapshots[0]:
+            _refuse_retained_grads(inputs, entries)
         if not self._checked or prerecord.check_mode() == "always":
             self._check_graph(outputs, inputs, entries)
         return outputs, seeds, entries, inputs

@@ -803,8 +803,8 @@ def split_cases(draw, program_strategy, max_steps: int = 1, checkpoint: Optional
     if extra:
         program = dataclasses.replace(program, hooks=program.hooks + tuple(
             (v, draw(st.sampled_from((2.0, -1.0, 0.5))), True) for v in extra))
-    # retain_grad() on an attached tensor doubles its .grad in any backward (gradmgr and the
-    # engine both write it): only on tensors that are not attached
+    # retain_grad() on an attached tensor is refused (both gradmgr and the engine would write
+    # its .grad; test_torch_correctness checks the error): only on tensors that are not attached
     retain = tuple(v for v in hookable if v not in attached_ops and draw(st.integers(0, 3)) == 3)
     watch = tuple(sorted({v for v, _, _ in program.hooks if v in hookable} | set(retain)))
     attached = program.attached()
