@@ -642,3 +642,90 @@ def test_an_output_view_without_gradient_path_raises_like_torch():
         with gm, pytest.raises(RuntimeError, match="no gradient path"):
             y = checkpoint(lambda: w[0:1], use_reentrant=True)
             gm.backward([y, -w[0:1]], [torch.ones(1), torch.ones(1)])
+
+
+# ----------------------------------------------------------------------------- found by probes
+def test_a_large_sparse_gradient_replaced_by_a_callback_stays_sparse_for_the_engine():
+    """A callback's result on a gradient of >= 64 KiB made the tape hand the engine a dense
+    zero stand-in; for a sparse gradient PyTorch refused it ("hook has changed the type")."""
+    idx = torch.tensor([[1, 2, 3, 2]])
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(1000, 64, sparse=True)  # 256 KB dense
+    emb = torch.nn.Embedding(1000, 64, sparse=True)
+    emb.load_state_dict(ref.state_dict())
+    ref.weight.register_hook(lambda g: g * 0.5)
+    gm = GradManager().attach(emb.weight, callbacks=lambda t, g: g * 0.5)
+    for _ in range(2):
+        ref(idx).sum().backward()
+        with gm:
+            gm.backward(emb(idx).sum())
+    assert emb.weight.grad.layout == torch.sparse_coo
+    assert torch.equal(emb.weight.grad.to_dense(), ref.weight.grad.to_dense())
+
+
+def _in_place_on_the_view(h, v):
+    v.mul_(3)
+    return h.sum()  # before the fix: v.grad None, though h[0] = 3 * v
+
+
+def _in_place_after_a_use(h, v):
+    z = v * 2
+    v.mul_(3)
+    return z.sum() + h.sum()  # before the fix: v.grad 2, true gradient 2 + 3
+
+
+def _in_place_on_the_base(h, v):
+    z = v * 2
+    h.add_(1)
+    return z.sum() + (v * 5).sum()  # the later v is h[0] after the add: 2 only, or 2 + 5?
+
+
+@pytest.mark.parametrize("program", [_in_place_on_the_view, _in_place_after_a_use,
+                                     _in_place_on_the_base])
+def test_an_attached_view_changed_in_place_is_refused(program):
+    """PyTorch rebuilds a view's base history around an in-place op, so the attached value's
+    node misses the paths through it: its gradient was None or a part of the true one."""
+    w = torch.ones(2, 3, requires_grad=True)
+    gm = GradManager().attach(w)
+    with pytest.raises(UnsupportedGraphError, match="is a view.*changed in place"), gm:
+        h = w * 1
+        v = h[0]
+        gm.attach(v)
+        gm.backward(program(h, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "accessing .grad of a non-leaf"
+        assert w.grad is None and v.grad is None and not gm._recording
+    with gm:  # the same program without the view: the snapshot's gradient, as before
+        h = w * 1
+        v = h[0].clone()
+        gm.attach(v)
+        gm.backward((v * 2).sum() + h.sum())
+    assert torch.equal(v.grad, torch.full((3,), 2.0))
+    assert torch.equal(w.grad, torch.tensor([[3.0] * 3, [1.0] * 3]))
+
+
+@pytest.mark.parametrize("unfreeze", ["before the recording", "while recording"])
+def test_a_parameter_attached_frozen_then_unfrozen_gets_its_callback_from_the_engine(unfreeze):
+    """Its tensor hook was never added, so the callback ran after the engine (no overlap) in
+    grad mode: a weight-decay callback ``g + wd * t`` left a .grad with a graph, growing with
+    each accumulation."""
+    w = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    in_engine = []
+
+    def decay(t, g):
+        in_engine.append(torch._C._current_graph_task_id() != -1)
+        return g + 0.1 * t
+
+    gm = GradManager().attach(w, callbacks=decay)
+    ref = torch.nn.Parameter(torch.ones(3))
+    ref.register_hook(lambda g: g + 0.1 * ref)
+    if unfreeze == "before the recording":
+        w.requires_grad_(True)
+    for _ in range(2):
+        with gm:
+            w.requires_grad_(True)
+            gm.backward((w * 3).sum())
+        (ref * 3).sum().backward()
+    assert in_engine == [True, True]
+    assert w.grad.grad_fn is None and not w.grad.requires_grad
+    assert torch.equal(w.grad, ref.grad)

@@ -41,6 +41,7 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     engine does not hold it until it returns (it would keep it as the result for ``inputs=``,
     which the tape ignores for this tensor). Smaller ones are left with the engine: handing a
     tensor back costs the engine about 6 us, more than holding a small gradient is worth.
+    So are sparse ones: the engine refuses a hook that changes a gradient's layout.
     """
     tape = tape_ref()
     if tape is None or not tape._running or _graph_task_id() != tape._task:
@@ -50,7 +51,8 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
         return None
     tape._fired.add(key)
     if (_run_callbacks(sink, grad) is grad or not leaf
-            or grad.numel() * grad.element_size() < STAND_IN_BYTES):
+            or grad.numel() * grad.element_size() < STAND_IN_BYTES
+            or grad.layout != torch.strided):
         return None
     stand_in = tape._stand_ins.get(key)
     if stand_in is None or stand_in.shape != grad.shape:
@@ -106,17 +108,37 @@ _REENTRANT_CHECKPOINT = (
 )
 
 
-def _refuse_retained_grads(inputs: Sequence[torch.Tensor], entries: Sequence[_Entry]) -> None:
-    """Refuse an attached non-leaf that also has ``retain_grad()``: PyTorch would write its
-    ``.grad`` and the manager would add its gradient again, doubling it silently."""
+def _check_non_leaves(inputs: Sequence[torch.Tensor], entries: Sequence[_Entry]) -> None:
+    """Refuse attached non-leaves whose gradient PyTorch cannot give exactly:
+
+    - one that also has ``retain_grad()``: PyTorch would write its ``.grad`` and the manager
+      would add its gradient again, doubling it;
+    - a view changed in place since it was attached (itself, or the tensor it views: they
+      share a version counter). PyTorch then rebuilds the base's history around the in-place
+      operation, so the attached value's node misses every path through it: the gradient
+      would be None or a part of the true one.
+    """
     for tensor, entry in zip(inputs, entries):
-        if entry.edge is not None and tensor.retains_grad:
+        if entry.edge is None:
+            continue
+        shape = tuple(tensor.shape)
+        if tensor.retains_grad:
             raise UnsupportedGraphError(
-                f"gradmgr: an attached non-leaf tensor (shape {tuple(tensor.shape)}) also has "
+                f"gradmgr: an attached non-leaf tensor (shape {shape}) also has "
                 "retain_grad(): PyTorch would write its .grad and the GradManager would add "
                 "the same gradient again, so .grad would hold it twice. Drop the "
                 "retain_grad() call (the manager writes that .grad, after the tensor's "
                 "attached callbacks), or do not attach the tensor"
+            )
+        if tensor._version != entry.version and tensor._is_view():
+            raise UnsupportedGraphError(
+                f"gradmgr: an attached tensor (shape {shape}) is a view, and it or the tensor "
+                "it views was changed in place after attach() (for example v.mul_(3), "
+                "relu(inplace=True), or an assignment into the base). PyTorch then "
+                "differentiates the in-place operation through the base, bypassing the "
+                "attached value, so its gradient would be None or only part of it. Attach a "
+                "tensor that is not a view (clone() it and compute with the clone), or "
+                "write the in-place operation out of place (v = v * 3)"
             )
 
 
@@ -132,7 +154,7 @@ class _Entry:
     """One watched tensor: weakly held, with its sink and snapshot sequence number, and for a
     non-leaf the gradient edge it had when watched."""
 
-    __slots__ = ("ref", "sink", "eager", "since", "edge")
+    __slots__ = ("ref", "sink", "eager", "since", "edge", "version")
 
     def __init__(self, ref: weakref.ref, sink: GradSink, eager: bool, since: Optional[int],
                  edge: Optional[GradientEdge]):
@@ -144,6 +166,7 @@ class _Entry:
         # tensor after attach() does not move it (S8's snapshot); its tensor hook (on the same
         # node) delivers it, after the user's own hooks.
         self.edge = edge
+        self.version = None if edge is None else ref()._version  # see _check_non_leaves
 
 
 class TorchTape(Tape):
@@ -168,6 +191,8 @@ class TorchTape(Tape):
         self._flagged: List[torch.Tensor] = []
         self._needs_flag: Dict[int, weakref.ref] = {}
         self._handles: Dict[int, Any] = {}
+        # Eager tensors with no hook yet: their requires_grad was off (a frozen Parameter).
+        self._hookless: Dict[int, weakref.ref] = {}
         # No hooks on the tensors while backwards are delegated (each would cost the engine a
         # Python call per tensor); put back by the first backward that delivers to sinks.
         self._hooks_suspended = False
@@ -214,11 +239,26 @@ class TorchTape(Tape):
             self._eager.pop(key, None)
 
     def _ensure_hook(self, tensor: torch.Tensor, key: int) -> None:
-        # A leaf whose requires_grad is off cannot take a hook yet; start() adds it.
-        if key not in self._handles and tensor.requires_grad and not self._hooks_suspended:
-            self._handles[key] = tensor.register_hook(
-                functools.partial(_hook, weakref.ref(self), key, tensor.is_leaf)
-            )
+        if key in self._handles or self._hooks_suspended:
+            return
+        if not tensor.requires_grad:  # cannot take a hook yet: _add_missing_hooks adds it
+            self._hookless[key] = self._entries[key].ref
+            return
+        self._hookless.pop(key, None)
+        self._handles[key] = tensor.register_hook(
+            functools.partial(_hook, weakref.ref(self), key, tensor.is_leaf)
+        )
+
+    def _add_missing_hooks(self) -> None:
+        """Hooks for eager tensors that require grad now but did not when watched (a frozen
+        Parameter unfrozen after attach()): without one, their callbacks would run after the
+        engine returns instead of as their gradient is ready."""
+        for key, ref in list(self._hookless.items()):
+            tensor = ref()
+            if tensor is None or key not in self._eager:
+                del self._hookless[key]
+            elif tensor.requires_grad:
+                self._ensure_hook(tensor, key)
 
     def _resume_hooks(self) -> None:
         self._hooks_suspended = False
@@ -228,9 +268,9 @@ class TorchTape(Tape):
                 self._ensure_hook(tensor, key)
 
     def _forget_for(self, key: int):
-        entries, eager, handles, needs_flag, order, stand_ins = (
+        entries, eager, handles, needs_flag, order, stand_ins, hookless = (
             self._entries, self._eager, self._handles, self._needs_flag, self._order,
-            self._stand_ins,
+            self._stand_ins, self._hookless,
         )
         snapshots = self._snapshots  # (not self: the tape must not keep itself alive)
 
@@ -244,6 +284,7 @@ class TorchTape(Tape):
                 eager.pop(key, None)
                 stand_ins.pop(key, None)
                 handles.pop(key, None)  # the hook died with the tensor
+                hookless.pop(key, None)
                 needs_flag.pop(key, None)
 
         return forget
@@ -287,7 +328,7 @@ class TorchTape(Tape):
         if not inputs:
             return None
         if self._snapshots[0]:
-            _refuse_retained_grads(inputs, entries)
+            _check_non_leaves(inputs, entries)
         if not self._checked or prerecord.check_mode() == "always":
             self._check_graph(outputs, inputs, entries)
         return outputs, seeds, entries, inputs
@@ -348,13 +389,15 @@ class TorchTape(Tape):
             for handle in handles:
                 handle.remove()
         fired = self._fired
-        for tensor, entry, grad in zip(inputs, entries, grads):
-            if grad is None:
-                continue
-            if not entry.eager:
-                entry.sink(grad)
-            elif id(tensor) not in fired:  # its hook could not fire (added mid-backward)
-                _run_callbacks(entry.sink, grad)
+        # Callbacks see the grad mode they see in a hook, where the engine sets it.
+        with torch.set_grad_enabled(create_graph):
+            for tensor, entry, grad in zip(inputs, entries, grads):
+                if grad is None:
+                    continue
+                if not entry.eager:
+                    entry.sink(grad)
+                elif id(tensor) not in fired:  # its hook could not fire (added mid-backward)
+                    _run_callbacks(entry.sink, grad)
 
     def none_eager(self, tensors: Sequence[torch.Tensor]) -> bool:
         """No tensor of ``tensors`` is delivered by a hook (callbacks, or a non-leaf), so the
@@ -372,6 +415,8 @@ class TorchTape(Tape):
                               accumulate=False)
         if self._hooks_suspended:
             self._resume_hooks()
+        if self._hookless:
+            self._add_missing_hooks()
         self._hooks_last(inputs)
         # Each output seen through a view made now: its node is this backward's alone, so the
         # task that runs it is this backward's, also when another thread differentiates the
