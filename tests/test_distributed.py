@@ -234,7 +234,7 @@ def test_ranks_that_attach_different_tensors_fail_clearly_on_every_rank(torch_ra
         "shapes": ("position 0", "rank 0 has float32[4, 4]", "rank 1 has float32[5, 4]"),
         "freeze": ("position 2", "rank 0 has float32[8, 16]", "rank 1 has float32[8]"),
     }
-    for out in torch_ranks:
+    for rank, out in enumerate(torch_ranks):
         for name, parts in expected.items():
             message = str(out[f"mismatch_{name}"])
             for part in parts:
@@ -248,6 +248,11 @@ def test_ranks_that_attach_different_tensors_fail_clearly_on_every_rank(torch_ra
             assert "after-backward callbacks" in paths
         else:
             assert paths == "no error"
+        for name, values in (("reduce", ("'mean'", "'sum'")), ("compression", ("'fp16'", "'bf16'")),
+                             ("bucket_bytes", ("1048576", "16"))):
+            message = str(out[f"mismatch_option_{name}"])
+            assert "would reduce them differently" in message, (name, message)
+            assert f"{name}={values[rank]}" in message, (name, message)
         # the process group is intact afterwards: 1 + 2
         np.testing.assert_array_equal(out["mismatch_after"], [3.0])
 

@@ -348,8 +348,15 @@ class AllreduceCallback:
     def _verify(self, state: _ManagerState, tensors: List[Any], native: bool) -> None:
         if self.verify:
             verify_plan(state.transport, state.ops, tensors,
-                        "with the allreduce callback, trainable",
-                        mode=_NATIVE_MODE if native else "")
+                        "with the allreduce callback, trainable", mode=self._mode(native))
+
+    def _mode(self, native: bool) -> str:
+        """How this rank reduces, compared across ranks with the planned tensors: ranks that
+        differ here would sum mismatched buffers (gradients silently wrong, or a crash in
+        the transport when the sizes differ)."""
+        path = "torch's C++ Reducer" if native else "gradmgr's buckets"
+        return (f"{path}, reduce={self.reduce!r}, compression={self.compression!r}, "
+                f"bucket_bytes={self.bucket_bytes}")
 
     def _native_possible(self, gm: Any, state: _ManagerState, tensors: List[Any]) -> bool:
         """Whether plain backwards can go to torch's C++ reducer (DDP's), which reduces exactly
@@ -464,8 +471,6 @@ class AllreduceCallback:
             self._launch(state, step, b, unused)
         return missing
 
-
-_NATIVE_MODE = "reduced by torch's C++ Reducer"
 
 
 def _native_still_possible(gm: Any, tensors: List[Any]) -> bool:

@@ -3,9 +3,10 @@
 Ranks whose bucket plans differ would reduce mismatched buffers: gradients silently swapped
 between tensors of equal size, or a crash inside the transport for unequal sizes. So whenever
 a rank (re)plans its buckets, all ranks compare a fingerprint of the planned tensors (count,
-then shape and dtype of each, in order) in one small collective that has the same size on every
-rank; if they differ, a few more collectives find the first differing tensor, and every rank
-raises the same error naming it.
+then shape and dtype of each, in order) and of how they are reduced (path, reduce, compression,
+bucket size) in one small collective that has the same size on every rank; if they differ, a
+few more collectives find the first differing tensor, and every rank raises an error naming it
+(or, for the same tensors, its own reduction settings).
 """
 
 from __future__ import annotations
@@ -102,13 +103,14 @@ def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], wh
                    [c for t in tensors for c in _chunks(describe(ops, t))]
                    + [0.0] * (_CHUNKS * (longest - len(tensors))), like)
     position = _first_difference(rows, counts, longest)
-    if position == longest:  # the same tensors: the ranks chose different reduction paths
+    if position == longest:  # the same tensors: the ranks would reduce them differently
         return (f"the ranks planned the same tensors for data-parallel reduction, but they "
-                f"would reduce them differently: some ranks with torch's C++ Reducer, others "
-                f"with gradmgr's own buckets (rank {rank}: "
-                f"{'the C++ Reducer' if mode else 'gradmgr'}). Every rank must attach the same "
-                f"callbacks to the same tensors, register the same after-backward callbacks "
-                f"and pass the same native= option (or set GRADMGR_NATIVE_REDUCER alike)")
+                f"would reduce them differently (rank {rank}: {mode}; the other ranks' errors "
+                f"show theirs). Every rank must create the allreduce callback with the same "
+                f"reduce=, compression=, bucket_bytes= and native= options (or set "
+                f"GRADMGR_NATIVE_REDUCER alike), attach the same callbacks to the same tensors "
+                f"and register the same after-backward callbacks: the C++ Reducer serves a "
+                f"step only where nothing else needs the per-tensor callbacks")
     shown = tensors[position] if position < len(tensors) else None
     row = [0.0] * (3 + _MAX_DIMS)
     if shown is not None:

@@ -277,6 +277,23 @@ def mismatches(out: dict, rank: int, world: int) -> None:
         out["mismatch_paths"] = np.array("no error")
     except RankMismatchError as exc:
         out["mismatch_paths"] = np.array(str(exc))
+    # The same tensors, but callbacks made with different options: mean on one rank and sum
+    # on the other gave every rank a wrong gradient, fp16 against bf16 summed bit patterns,
+    # and different bucket sizes crashed gloo (SIGABRT) on gradmgr's buckets.
+    options = {
+        "reduce": ({"reduce": "mean"}, {"reduce": "sum"}),
+        "compression": ({"compression": "fp16"}, {"compression": "bf16"}),
+        "bucket_bytes": ({"bucket_bytes": 2**20, "native": False},
+                         {"bucket_bytes": 16, "native": False}),
+    }
+    for name, per_rank in options.items():
+        gm = GradManager().attach(held, callbacks=[make_allreduce_cb(**per_rank[rank % 2])])
+        try:
+            with gm:
+                gm.backward(sum((t * 1.0).sum() for t in held))
+            out[f"mismatch_option_{name}"] = np.array("no error")
+        except RankMismatchError as exc:
+            out[f"mismatch_option_{name}"] = np.array(str(exc))
     check = torch.ones(1) * (rank + 1)
     dist.all_reduce(check)
     out["mismatch_after"] = check.numpy()
