@@ -1290,3 +1290,39 @@ def test_compiled_callback_with_autocast_grad_scaler_and_fused_adamw():
         opt.zero_grad()
     assert_same(ref.parameters(), ours.parameters(), "param")
 
+
+
+def test_a_reducer_that_failed_to_rebuild_raises_the_transport_error_again(gloo_one_rank,
+                                                                           monkeypatch):
+    """After a backward raised midway, the next recording rebuilds torch's reducer; when that
+    raised (a process group broken by a rank that failed), every later step raised
+    AttributeError ('NoneType' object has no attribute 'tensors') instead."""
+    from gradmgr.distributed import make_allreduce_cb
+    from gradmgr.distributed import reducer as reducer_module
+
+    x, _ = data()
+    ref, ours = mlp(), mlp()
+    cb = make_allreduce_cb("mean")
+    gm = GradManager().attach(ours.parameters(), callbacks=[cb])
+    step(gm, lambda: ours(x).pow(2).mean())
+    assert cb._states[gm].native
+    weight = next(ours.parameters())
+    handle = weight.register_hook(lambda g: (_ for _ in ()).throw(ValueError("user hook")))
+    with pytest.raises(ValueError, match="user hook"):
+        step(gm, lambda: ours(x).pow(2).mean())
+    handle.remove()
+
+    class BrokenGroup(reducer_module.TorchReducer):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(reducer_module, "TorchReducer", BrokenGroup)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            step(gm, lambda: ours(x).pow(2).mean())
+    monkeypatch.undo()
+    for p in ours.parameters():
+        p.grad = None
+    step(gm, lambda: ours(x).pow(2).mean())
+    ref(x).pow(2).mean().backward()
+    assert_same_grads(ref, ours)

@@ -313,10 +313,14 @@ class AllreduceCallback:
         if (plan is None or state.epoch != gm.attach_epoch
                 or not _still_planned(state, plan)):
             self._plan(gm, state, first=plan is None, at_record=at_record)
-        if state.native and not _native_still_possible(gm, state.reducer.tensors):
+        reducer = state.reducer
+        if state.native and reducer is not None and not _native_still_possible(gm,
+                                                                               reducer.tensors):
             self._verify(state, state.plan.tensors(), native=False)
             self._set_native(state, False)
-        elif state.native and state.reducer.broken:  # a backward raised midway
+        elif state.native and (reducer is None or reducer.broken):
+            # A backward raised midway, or rebuilding the reducer raised (a broken process
+            # group): build it again, so that this step raises the transport's error again.
             self._set_native(state, True)
         sync = self._sync and not is_paused(gm)
         steps = state.steps
