@@ -93,6 +93,7 @@ class GradManager:
         self._future_sources: Dict[int, Any] = {}  # who returned each pending Future
         self._backwarding = False
         self._after_backward_callbacks: List[Callable[[], None]] = []
+        self._error_callbacks: List[Callable[[], None]] = []
         self._record_callbacks: List[Callable[[], None]] = []
         self._backward_delegate: Optional[Callable[[], Any]] = None
 
@@ -466,6 +467,25 @@ class GradManager:
 
     _register_after_backward_callback = register_after_backward_callback  # MegEngine's name
 
+    def register_backward_error_callback(self, callback: Callable[[], None]) -> GradManager:
+        """Call ``callback()`` when a backward (or a split backward's first part or
+        ``finish()``) raises, before the error propagates; ``step`` is still that backward's.
+        For work the after-backward callbacks would have finished: an allreduce callback
+        launches the step's remaining collectives there, so other ranks do not wait on them.
+        An error the callback raises is chained to the backward's. Registrations persist."""
+        if not callable(callback):
+            raise TypeError(f"backward error callback must be callable, not {type(callback)}")
+        self._error_callbacks.append(callback)
+        return self
+
+    def _backward_failed(self, error: BaseException) -> None:
+        for callback in self._error_callbacks:
+            try:
+                callback()
+            except BaseException as raised:  # keep the backward's error; note this one
+                raised.__context__ = error.__context__
+                error.__context__ = raised
+
     def register_record_callback(self, callback: Callable[[], None]) -> GradManager:
         """Call ``callback()`` at the start of every recording (``record()`` / ``with``),
         before anything is recorded; an exception ends that recording. Registrations persist.
@@ -556,6 +576,9 @@ class GradManager:
                 callback()
             if self._gradients:
                 self._accumulate_gradients()
+        except BaseException as error:
+            self._backward_failed(error)
+            raise
         finally:
             self._backwarding = False
             if scope is not None:
@@ -661,6 +684,9 @@ class GradManager:
                     )
                 rest = self._tape.backward_split(ys, dys, first_list, retain_graph=retain_graph)
             self._accumulate_gradients()
+        except BaseException as error:
+            self._backward_failed(error)
+            raise
         finally:
             self._backwarding = False
             if scope is not None:
@@ -708,6 +734,9 @@ class GradManager:
             for callback in self._after_backward_callbacks:
                 callback()
             self._accumulate_gradients()
+        except BaseException as error:
+            self._backward_failed(error)
+            raise
         finally:
             self._gradients = {}
             self._future_sources = {}

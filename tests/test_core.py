@@ -234,6 +234,29 @@ def test_after_backward_callback_exception_propagates_and_releases(fk):
     gm.release()
 
 
+def test_backward_error_callbacks_run_when_a_backward_raises_and_keep_its_error(fk):
+    x = fk.tensor(2.0)
+    seen = []
+    gm = GradManager().attach(x, callbacks=lambda t, g: g)
+    gm.register_backward_error_callback(lambda: seen.append(gm.step))
+
+    def failing_callback():
+        raise OSError("transport down")
+
+    gm.register_backward_error_callback(failing_callback)
+    with gm:
+        gm.backward(x * x)
+    assert seen == [] and grad_of(x) == approx(4.0)
+    gm.register_after_backward_callback(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError) as raised, gm:
+        step = gm.step
+        gm.backward(x * x)
+    assert seen == [step] and grad_of(x) == approx(4.0) and not gm._recording
+    assert isinstance(raised.value.__context__, OSError)  # the callback's error, chained
+    with pytest.raises(TypeError, match="callable"):
+        gm.register_backward_error_callback("not a function")
+
+
 # ----------------------------------------------------------------------------- S1/S2 attach
 def test_attach_keeps_first_order_without_duplicates(fk):
     a, b, c = fk.tensor(1.0), fk.tensor(2.0), fk.tensor(3.0)

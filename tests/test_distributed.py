@@ -309,6 +309,17 @@ def test_a_backward_that_raises_midway_leaves_nothing_behind(torch_ranks):
                       what=f"step {step} param {i}")
 
 
+def test_a_backward_that_raises_on_one_rank_fails_that_step_on_every_rank(torch_ranks):
+    for rank, out in enumerate(torch_ranks):
+        failed = "ValueError" if rank == 1 else "RankFailedError"
+        assert list(out["onefail_errors"]) == ["none", failed, "none", "none"], rank
+        assert bool(out["onefail_grad_kept"])
+        for step in (0, 2, 3):
+            for i in MLP:
+                close(out[f"onefail{step}_gm{i}"], out[f"onefail{step}_ddp{i}"], rtol=0,
+                      what=f"rank {rank} step {step} param {i}")
+
+
 def test_frozen_parameter_gets_no_gradient_and_stays_put(torch_ranks):
     for out in torch_ranks:
         assert bool(out["frozen_grad_is_none"]) and not bool(out["frozen_moved"])
@@ -342,7 +353,9 @@ class _Handle:
 
 class FakeTransport:
     """Test double for a 2-rank world whose other rank's contribution is ``other`` (already
-    divided like ours); logs each launch. The real engines are tested by the spawned ranks."""
+    divided like ours) everywhere but in the last element, a bucket's failure marker, where it
+    is 0 (the other rank's backward did not fail); logs each launch. The real engines are
+    tested by the spawned ranks."""
 
     def __init__(self, log: list, other: float) -> None:
         self.log, self.other = log, other
@@ -352,7 +365,9 @@ class FakeTransport:
 
     def allreduce_async(self, flat):
         self.log.append(("launch", flat.numel()))
-        return _Handle(flat + self.other)
+        peer = torch.full_like(flat, self.other)
+        peer[-1] = 0
+        return _Handle(flat + peer)
 
 
 # The fake peer adds a constant to every buffer, so it cannot take part in the cross-rank plan

@@ -10,7 +10,7 @@ Example:
 
 from .allreduce import AllreduceCallback, make_allreduce_cb
 from .bucket import Bucket, BucketPlan
-from .consistency import RankMismatchError, SparseGradientError
+from .consistency import RankFailedError, RankMismatchError, SparseGradientError
 from .launch import free_port, run_ranks, spawn_local
 from .sync import broadcast, data_parallel, no_sync
 from .transport import (
@@ -28,6 +28,7 @@ __all__ = [
     "Handle",
     "MegEngineTransport",
     "MegEngineViaTorchTransport",
+    "RankFailedError",
     "RankMismatchError",
     "SparseGradientError",
     "TorchTransport",

@@ -7,12 +7,12 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
 
 from .._state import get_backwarding_grad_manager
 from ..future import Future
 from .bucket import Bucket, BucketPlan
-from .consistency import SparseGradientError, sparse_message, verify_plan
+from .consistency import RankFailedError, SparseGradientError, sparse_message, verify_plan
 from .ops import TensorOps, ops_for
 from .sync import broadcast, is_paused
 from .transport import (
@@ -33,11 +33,14 @@ _MAX_OPEN_STEPS = 1024  # steps begun but not flushed (split backwards pending, 
 class _Reduction:
     """One launched bucket; unpacks the reduced buffer on first use."""
 
-    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "_parts", "_flags", "_lock")
+    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "_last", "_parts", "_flags",
+                 "_lock")
 
-    def __init__(self, ops: TensorOps, handle: Handle, bucket: Bucket, compressed: bool) -> None:
+    def __init__(self, ops: TensorOps, handle: Handle, bucket: Bucket, compressed: bool,
+                 last: bool) -> None:
         self._ops, self._handle, self._bucket = ops, handle, bucket
         self._compressed = compressed
+        self._last = last  # the step's last bucket: it tells whether a rank failed
         self._parts: Optional[List[Any]] = None
         self._flags: Any = None
         self._lock = threading.Lock()
@@ -48,7 +51,16 @@ class _Reduction:
                 flat = self._handle.wait()
                 if self._compressed:
                     flat = self._ops.cast(flat, self._bucket.key[0])
-                self._parts, self._flags = self._ops.unpack(flat, self._bucket)
+                parts, flags = self._ops.unpack(flat, self._bucket)
+                if self._last and self._ops.failed_somewhere(flags):
+                    raise RankFailedError(_RANK_FAILED)
+                self._parts, self._flags = parts, flags
+
+    def drain(self) -> None:
+        """Wait for the collective, for a rank whose backward failed: its error, not the
+        transport's, is the one to report."""
+        with contextlib.suppress(Exception):  # the backward's own error propagates
+            self._handle.wait()
 
     def result(self, slot: int) -> Any:
         if self._parts is None:
@@ -221,9 +233,11 @@ class AllreduceCallback:
             where = step.plan.where.get(id(tensor))
             if where is None:
                 raise RuntimeError(
-                    "allreduce callback: got a gradient for a tensor that was not trainable "
-                    "when this recording started (attach and unfreeze tensors between "
-                    "recordings, not during one)"
+                    "allreduce callback: got a gradient for a tensor that was not planned when "
+                    "this recording started: the callback plans its buckets then, alike on "
+                    "every rank, so attach and unfreeze tensors between recordings, not during "
+                    "one. An intermediate (an activation attached while recording) cannot be "
+                    "reduced by it: reduce it with a callback of your own"
                 )
             if getattr(grad, "is_sparse", False):
                 raise SparseGradientError(sparse_message(tensor.shape))
@@ -268,6 +282,11 @@ class AllreduceCallback:
                 if cb is not None and manager is not None:
                     cb._flush(manager)
 
+            def abort() -> None:
+                cb, manager = me(), gm_ref()
+                if cb is not None and manager is not None:
+                    cb._abort(manager)
+
             def delegate() -> Any:
                 cb, manager = me(), gm_ref()
                 if cb is None or manager is None:
@@ -276,6 +295,7 @@ class AllreduceCallback:
 
             gm.register_record_callback(on_record)
             gm.register_after_backward_callback(flush)
+            gm.register_backward_error_callback(abort)
             if self.native:
                 gm.set_backward_delegate(delegate)
 
@@ -417,20 +437,38 @@ class AllreduceCallback:
                 return
             self._launch(state, step, b, ())
 
-    def _launch(self, state: _ManagerState, step: _Step, b: int, unused: List[int]) -> None:
+    def _launch(self, state: _ManagerState, step: _Step, b: int, unused: Sequence[int],
+                failed: bool = False) -> None:
         ops, bucket = state.ops, step.plan.buckets[b]
         buffer = step.buffers[b]
         if buffer is None:
             buffer = ops.new_buffer(bucket, step.plan.tensors()[bucket.members[0]])
-        flat = buffer.finish(unused)
+        flat = buffer.finish(unused, failed)
         step.buffers[b] = None
         if self.reduce == "mean":
             flat = ops.scale(flat, 1.0 / state.transport.world_size())
         if self.compression is not None:
             flat = ops.compress(flat, self.compression)
         handle = state.transport.allreduce_async(flat)
-        step.launched[b] = _Reduction(ops, handle, bucket, self.compression is not None)
+        step.launched[b] = _Reduction(ops, handle, bucket, self.compression is not None,
+                                      b == len(step.plan.buckets) - 1)
         step.next_launch = b + 1
+
+    def _abort(self, gm: Any) -> None:
+        """``gm``'s backward raised: launch this step's remaining buckets with the failure
+        marker set, so the other ranks' reductions of the step complete (instead of pairing
+        with this rank's next step) and they raise :class:`RankFailedError` rather than use
+        incomplete sums; then wait for all of them."""
+        with self._lock:
+            state = self._states.get(gm)
+            step = state.steps.pop(gm.step, None) if state is not None else None
+            if step is None or not step.sync:
+                return
+            for b in range(step.next_launch, len(step.plan.buckets)):
+                self._launch(state, step, b, (), failed=True)
+        for reduction in step.launched:
+            if reduction is not None:
+                reduction.drain()
 
     def _flush(self, gm: Any) -> None:
         with self._lock:
@@ -520,6 +558,14 @@ def _still_planned(state: _ManagerState, plan: BucketPlan) -> bool:
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+_RANK_FAILED = (
+    "another rank's backward raised during this data-parallel step (its own error says why), "
+    "so the step's reduced gradients are incomplete; no rank uses them, and .grad keeps what "
+    "it held before the step. Skip the step on every rank (catch this error where that rank "
+    "catches its own), or stop all ranks"
+)
 
 
 class _Pending(Future):

@@ -23,7 +23,8 @@ class Bucket:
     """Members (positions in the plan) reduced as one flat buffer of one dtype and device.
 
     The buffer holds the small members first, then the large ones (each region in member
-    order), then one "used" flag per member: ``offsets[slot]`` is where member ``slot`` starts,
+    order), then one "used" flag per member, then a "this rank failed" marker (see
+    ``TensorOps.new_buffer``): ``offsets[slot]`` is where member ``slot`` starts,
     ``small`` lists the small members' slots, ``numel`` the elements before the flags.
     """
 

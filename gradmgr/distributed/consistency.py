@@ -25,6 +25,11 @@ class RankMismatchError(RuntimeError):
     """The ranks planned different tensors for one allreduce callback; raised on every rank."""
 
 
+class RankFailedError(RuntimeError):
+    """Another rank's backward raised during this data-parallel step: the step's reduced
+    gradients are incomplete, so no rank uses them (``.grad`` keeps what it held before)."""
+
+
 class SparseGradientError(TypeError):
     """The allreduce callback reduces dense gradients only; a tensor got a sparse one."""
 

@@ -1,8 +1,9 @@
 """The handful of tensor operations data parallelism needs, per framework (imported lazily).
 
 Bucketing packs gradients into one flat buffer (with one "used here" flag per gradient at the
-end), casts it for compression and unpacks the reduced buffer; the cross-rank checks and the
-initial broadcast move small vectors and whole parameter sets. These adapters do that for
+end, then a "this rank failed" marker), casts it for compression and unpacks the reduced
+buffer; the cross-rank checks and the initial broadcast move small vectors and whole parameter
+sets. These adapters do that for
 PyTorch and MegEngine tensors.
 """
 
@@ -35,19 +36,25 @@ class TensorOps:
     def new_buffer(self, bucket: Any, like: Any) -> Any:
         """A :class:`BucketBuffer`-like object that assembles one step's buffer of ``bucket``
         (its dtype and device those of ``like``): ``put(slot, grad, local)`` for each member
-        (``grad`` or ``local`` None: left out), then ``finish(unused) -> flat``: the members'
-        values laid out as ``bucket.layout`` says, then one flag per member, 1, or 0 for the
-        slots in ``unused``."""
+        (``grad`` or ``local`` None: left out), then ``finish(unused, failed) -> flat``: the
+        members' values laid out as ``bucket.layout`` says, then one flag per member, 1, or 0
+        for the slots in ``unused``, then the failure marker: 1 if ``failed``, else 0."""
         raise NotImplementedError
 
     def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
         """The members' parts of a reduced buffer, in slot order (views where the framework
-        has them), and the flags."""
+        has them), and the flags (the failure marker last)."""
         raise NotImplementedError
 
     def flag(self, flags: Any, i: int) -> float:
         """The i-th flag as a Python float (on a GPU: a device-to-host copy)."""
         raise NotImplementedError
+
+    def failed_somewhere(self, flags: Any) -> bool:
+        """Whether some rank sent this buffer with its failure marker set (its backward
+        raised): the sum over ranks of 0s and (scaled) 1s is 0 exactly when none did, in any
+        wire dtype."""
+        return self.flag(flags, -1) != 0
 
     def scale(self, flat: Any, factor: float) -> Any:
         return flat * factor
@@ -106,7 +113,8 @@ class TorchOps(TensorOps):
         return _TorchBuffer(bucket, like)
 
     def unpack(self, flat, bucket):
-        pieces = flat.split([*(bucket.sizes[slot] for slot in bucket.layout), len(bucket.sizes)])
+        pieces = flat.split([*(bucket.sizes[slot] for slot in bucket.layout),
+                             len(bucket.sizes) + 1])
         parts: List[Any] = [None] * len(bucket.sizes)
         for piece, slot in zip(pieces, bucket.layout):
             parts[slot] = piece.view(bucket.shapes[slot])
@@ -230,7 +238,7 @@ class _TorchBuffer:
         if spare is not None and storage_unshared(spare):
             self.flat = spare
         else:
-            self.flat = bucket.spare = torch.empty(bucket.numel + len(bucket.sizes),
+            self.flat = bucket.spare = torch.empty(bucket.numel + len(bucket.sizes) + 1,
                                                    dtype=like.dtype, device=like.device)
         return self.flat
 
@@ -254,7 +262,7 @@ class _TorchBuffer:
                 if grad is not None and local is not None:
                     view.add_(local)
 
-    def finish(self, unused: Sequence[int]) -> Any:
+    def finish(self, unused: Sequence[int], failed: bool = False) -> Any:
         import torch
         from torch._utils import _flatten_dense_tensors
 
@@ -271,6 +279,8 @@ class _TorchBuffer:
             flags.fill_(1)
             for slot in unused:
                 flags[slot] = 0  # a kernel on the device, no host round trip
+            if not failed:
+                flags[-1] = 0
         self.parts = []
         return flat
 
@@ -290,7 +300,7 @@ class _MegEngineBuffer:
         else:
             self.parts[slot] = grad + local
 
-    def finish(self, unused: Sequence[int]) -> Any:
+    def finish(self, unused: Sequence[int], failed: bool = False) -> Any:
         import megengine.functional as F
         import numpy as np
 
@@ -301,8 +311,9 @@ class _MegEngineBuffer:
             if part is None:
                 part = F.zeros((bucket.sizes[slot],), dtype=like.dtype, device=like.device)
             pieces.append(part.reshape(-1))
-        flags = np.ones(len(bucket.sizes), dtype=np.dtype(like.dtype))
+        flags = np.ones(len(bucket.sizes) + 1, dtype=np.dtype(like.dtype))
         flags[list(unused)] = 0
+        flags[-1] = 1 if failed else 0
         pieces.append(F.copy(_mge_tensor(flags), like.device))
         self.parts = []
         return F.concat(pieces)

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr import GradManager
 from gradmgr.distributed import (
+    RankFailedError,
     RankMismatchError,
     broadcast,
     data_parallel,
@@ -422,6 +423,45 @@ def recovery(out: dict, rank: int, world: int) -> None:
             m.zero_grad(set_to_none=True)
 
 
+def one_rank_fails(out: dict, rank: int, world: int) -> None:
+    """A backward that raises on one rank only, on gradmgr's buckets (small ones, so some go
+    out before the failure): that rank launched the step's other buckets marked failed, so
+    the other rank raised RankFailedError instead of pairing this step with the failed rank's
+    next one (every later gradient silently wrong). Nobody's .grad changed; the steps after
+    equal DDP's."""
+    net_gm, net_ddp = Net(), Net()
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    cb = make_allreduce_cb("mean", bucket_bytes=64, native=False)
+    gm = GradManager().attach(net_gm.parameters(), callbacks=[cb])
+    failing = [False]
+
+    def maybe_fail(grad):
+        if failing[0]:
+            raise ValueError("a hook failed on this rank")
+        return grad
+
+    net_gm.mlp[0].weight.register_hook(maybe_fail)  # the first layer: its gradient comes last
+    errors, kept = [], True
+    for step in range(4):
+        failing[0] = step == 1 and rank == 1
+        x, y = local_batch(step, rank, world)
+        try:
+            with gm:
+                gm.backward(net_gm(x, y))
+            errors.append("none")
+        except (ValueError, RankFailedError) as exc:
+            errors.append(type(exc).__name__)
+            kept = kept and all(p.grad is None for p in net_gm.parameters())
+        if step != 1:
+            ddp(x, y).backward()
+            save(out, f"onefail{step}_gm", grads(net_gm))
+            save(out, f"onefail{step}_ddp", grads(net_ddp))
+        for m in (net_gm, net_ddp):
+            m.zero_grad(set_to_none=True)
+    out["onefail_errors"] = np.array(errors)
+    out["onefail_grad_kept"] = np.array(kept)
+
+
 class _Fp16Transport:
     """A user's transport that sends fp16 (lossy): the plan check must still pass."""
 
@@ -504,6 +544,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     initial_sync(out, rank, world)
     mismatches(out, rank, world)
     recovery(out, rank, world)
+    one_rank_fails(out, rank, world)
     kept_gradients(out, rank, world)
     sparse(out, rank, world)
     replan_inside_window(out, rank, world)
