@@ -65,6 +65,16 @@ def save(out: dict, prefix: str, values: list) -> None:
             out[f"{prefix}{i}"] = v
 
 
+def ddp_step_and_save(out: dict, name: str, net_gm: Net, ddp: DDP, x, y) -> None:
+    """DDP's backward of the same batch; both models' gradients saved as ``{name}_gm{i}`` and
+    ``{name}_ddp{i}``, then dropped (zero_grad with set_to_none)."""
+    ddp(x, y).backward()
+    save(out, f"{name}_gm", grads(net_gm))
+    save(out, f"{name}_ddp", grads(ddp.module))
+    for m in (net_gm, ddp.module):
+        m.zero_grad(set_to_none=True)
+
+
 def gm_step(net: Net, cb, rank: int, world: int, step: int = 0, use_extra: bool = False):
     gm = GradManager().attach(net.parameters(), callbacks=[cb])
     x, y = local_batch(step, rank, world)
@@ -257,27 +267,26 @@ def mismatches(out: dict, rank: int, world: int) -> None:
         "shapes": lambda: list(nn.Linear(4, 4 if rank == 0 else 5).parameters()),
         "freeze": lambda: _frozen_on_rank_1(rank),
     }
-    for name, tensors in cases.items():
-        held = tensors()  # the manager holds tensors weakly
-        gm = GradManager().attach(held, callbacks=[make_allreduce_cb("mean")])
+
+    def step_error(gm: GradManager, held: list) -> np.ndarray:
         try:
             with gm:
                 gm.backward(sum((t * 1.0).sum() for t in held))
-            out[f"mismatch_{name}"] = np.array("no error")
+            return np.array("no error")
         except RankMismatchError as exc:
-            out[f"mismatch_{name}"] = np.array(str(exc))
+            return np.array(str(exc))
+
+    for name, tensors in cases.items():
+        held = tensors()  # the manager holds tensors weakly
+        gm = GradManager().attach(held, callbacks=[make_allreduce_cb("mean")])
+        out[f"mismatch_{name}"] = step_error(gm, held)
     # The same tensors, but rank 0 has an after-backward callback of its own: there the
     # gradients must go through gradmgr's buckets, elsewhere they may go to torch's reducer.
     held = [a, b]
     gm = GradManager().attach(held, callbacks=[make_allreduce_cb("mean")])
     if rank == 0:
         gm.register_after_backward_callback(lambda: None)
-    try:
-        with gm:
-            gm.backward(sum((t * 1.0).sum() for t in held))
-        out["mismatch_paths"] = np.array("no error")
-    except RankMismatchError as exc:
-        out["mismatch_paths"] = np.array(str(exc))
+    out["mismatch_paths"] = step_error(gm, held)
     # The same tensors, but callbacks made with different options: mean on one rank and sum
     # on the other gave every rank a wrong gradient, fp16 against bf16 summed bit patterns,
     # and different bucket sizes crashed gloo (SIGABRT) on gradmgr's buckets.
@@ -289,12 +298,7 @@ def mismatches(out: dict, rank: int, world: int) -> None:
     }
     for name, per_rank in options.items():
         gm = GradManager().attach(held, callbacks=[make_allreduce_cb(**per_rank[rank % 2])])
-        try:
-            with gm:
-                gm.backward(sum((t * 1.0).sum() for t in held))
-            out[f"mismatch_option_{name}"] = np.array("no error")
-        except RankMismatchError as exc:
-            out[f"mismatch_option_{name}"] = np.array(str(exc))
+        out[f"mismatch_option_{name}"] = step_error(gm, held)
     check = torch.ones(1) * (rank + 1)
     dist.all_reduce(check)
     out["mismatch_after"] = check.numpy()
@@ -327,11 +331,7 @@ def hooks_and_split(out: dict, rank: int, world: int) -> None:
             else:
                 gm.backward(net_gm(x, y))
         paths.append(cb._states[gm].native)
-        ddp(x, y).backward()
-        save(out, f"mixed{step}_gm", grads(net_gm))
-        save(out, f"mixed{step}_ddp", grads(net_ddp))
-        for m in (net_gm, net_ddp):
-            m.zero_grad(set_to_none=True)
+        ddp_step_and_save(out, f"mixed{step}", net_gm, ddp, x, y)
     out["mixed_paths"] = np.array(paths)
     out["mixed_hook_steps"] = np.array(sorted(seen))
     for step, grad in seen.items():
@@ -416,11 +416,7 @@ def recovery(out: dict, rank: int, world: int) -> None:
         x, y = local_batch(step, rank, world)
         with gm:
             gm.backward(net_gm(x, y))
-        ddp(x, y).backward()
-        save(out, f"recovery{step}_gm", grads(net_gm))
-        save(out, f"recovery{step}_ddp", grads(net_ddp))
-        for m in (net_gm, net_ddp):
-            m.zero_grad(set_to_none=True)
+        ddp_step_and_save(out, f"recovery{step}", net_gm, ddp, x, y)
 
 
 def one_rank_fails(out: dict, rank: int, world: int) -> None:
@@ -453,11 +449,7 @@ def one_rank_fails(out: dict, rank: int, world: int) -> None:
             errors.append(type(exc).__name__)
             kept = kept and all(p.grad is None for p in net_gm.parameters())
         if step != 1:
-            ddp(x, y).backward()
-            save(out, f"onefail{step}_gm", grads(net_gm))
-            save(out, f"onefail{step}_ddp", grads(net_ddp))
-        for m in (net_gm, net_ddp):
-            m.zero_grad(set_to_none=True)
+            ddp_step_and_save(out, f"onefail{step}", net_gm, ddp, x, y)
     out["onefail_errors"] = np.array(errors)
     out["onefail_grad_kept"] = np.array(kept)
 
