@@ -121,10 +121,9 @@ def _check_non_leaves(inputs: Sequence[torch.Tensor], entries: Sequence[_Entry])
     for tensor, entry in zip(inputs, entries):
         if entry.edge is None:
             continue
-        shape = tuple(tensor.shape)
         if tensor.retains_grad:
             raise UnsupportedGraphError(
-                f"gradmgr: an attached non-leaf tensor (shape {shape}) also has "
+                f"gradmgr: an attached non-leaf tensor (shape {tuple(tensor.shape)}) also has "
                 "retain_grad(): PyTorch would write its .grad and the GradManager would add "
                 "the same gradient again, so .grad would hold it twice. Drop the "
                 "retain_grad() call (the manager writes that .grad, after the tensor's "
@@ -132,9 +131,9 @@ def _check_non_leaves(inputs: Sequence[torch.Tensor], entries: Sequence[_Entry])
             )
         if tensor._version != entry.version and tensor._is_view():
             raise UnsupportedGraphError(
-                f"gradmgr: an attached tensor (shape {shape}) is a view, and it or the tensor "
-                "it views was changed in place after attach() (for example v.mul_(3), "
-                "relu(inplace=True), or an assignment into the base). PyTorch then "
+                f"gradmgr: an attached tensor (shape {tuple(tensor.shape)}) is a view, and it "
+                "or the tensor it views was changed in place after attach() (for example "
+                "v.mul_(3), relu(inplace=True), or an assignment into the base). PyTorch then "
                 "differentiates the in-place operation through the base, bypassing the "
                 "attached value, so its gradient would be None or only part of it. Attach a "
                 "tensor that is not a view (clone() it and compute with the clone), or "

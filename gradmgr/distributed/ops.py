@@ -3,8 +3,7 @@
 Bucketing packs gradients into one flat buffer (with one "used here" flag per gradient at the
 end, then a "this rank failed" marker), casts it for compression and unpacks the reduced
 buffer; the cross-rank checks and the initial broadcast move small vectors and whole parameter
-sets. These adapters do that for
-PyTorch and MegEngine tensors.
+sets. These adapters do that for PyTorch and MegEngine tensors.
 """
 
 from __future__ import annotations
