@@ -89,20 +89,58 @@ stamp_of() {  # what the environment was built from: a change re-runs the instal
   cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16
 }
 
-pip_install() {  # pip_install VENV-PYTHON PIP-ARGS...
+pip_install() {  # pip_install VENV-PYTHON PIP-ARGS...; tries ${PIP_ATTEMPTS:-4} times, returns pip's status
   # torch 2.8 for Python <= 3.10 exists on the index only as a CUDA build: several GB of nvidia-*
   # wheels come over the network on every fresh machine, and a dropped connection must not end
   # the set-up. pip keeps finished wheels in its cache, so a retry fetches only what failed.
   local py=$1; shift
-  local attempt attempts=4 resume=()
-  if "$py" -m pip install --help 2>/dev/null | grep -q -- '--resume-retries'; then resume=(--resume-retries 20); fi
+  local attempt attempts=${PIP_ATTEMPTS:-4} resume=()
+  if "$py" -m pip install --help 2>/dev/null | grep -q -- '--resume-retries'; then resume=(--resume-retries 5); fi
   for attempt in $(seq "$attempts"); do
     if "$py" -m pip install -q --retries 10 ${resume[@]+"${resume[@]}"} "$@"; then return 0; fi
     [ "$attempt" -lt "$attempts" ] || break
     say "pip install failed (attempt $attempt of $attempts, usually the network): trying again in $((attempt * 20)) s"
     sleep $((attempt * 20))
   done
-  die "pip install $* failed $attempts times (pip's message is above). When the network is back, run 'make setup' again: it goes on from what is installed."
+  return 1
+}
+
+pip_install_or_die() {  # pip_install_or_die VENV-PYTHON PIP-ARGS...
+  pip_install "$@" && return 0
+  local py=$1; shift
+  die "pip install $* failed (pip's message is above). When the network is back, run 'make setup' again: it goes on from what is installed."
+}
+
+torch_requirements_but_nccl() {  # torch_requirements_but_nccl VENV-PYTHON: installed torch's needs, one per line
+  "$1" - <<'PY'
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+for line in requires("torch") or []:
+    req = Requirement(line)
+    if req.name != "nvidia-nccl-cu12" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+        print(str(req).split(";")[0])
+PY
+}
+
+install_legacy_torch_without_its_nccl() {  # VENV-PYTHON TORCH-SPEC PIP-ARGS...
+  # Twice CI's download of torch 2.8's pinned nvidia-nccl-cu12 2.27.3 wheel stopped at the same
+  # byte (269.0 of 322.4 MB) on every retry while every other wheel arrived: a truncated copy on
+  # the way, not a flaky link. This CPU-only environment never calls NCCL; torch only needs a
+  # libnccl.so.2 to import. So take torch with its other dependencies, and the nearest NCCL
+  # release whose wheel does arrive. The exact pins then differ from torch's: said loudly below.
+  local py=$1 torch=$2; shift 2
+  local nccl reqs
+  say "FALLBACK: installing $torch without its pinned nvidia-nccl-cu12 wheel, then a neighbouring NCCL 2.27 release"
+  PIP_ATTEMPTS=2 pip_install_or_die "$py" --no-deps "$torch"
+  mapfile -t reqs < <(torch_requirements_but_nccl "$py")
+  PIP_ATTEMPTS=2 pip_install_or_die "$py" "${reqs[@]}" "$@"
+  for nccl in 2.27.5 2.27.7; do
+    if PIP_ATTEMPTS=2 pip_install "$py" --no-deps "nvidia-nccl-cu12==$nccl"; then
+      say "FALLBACK used: .venv has $torch with nvidia-nccl-cu12 $nccl instead of the 2.27.3 it pins ('pip check' says so; the CPU never calls NCCL)"
+      return 0
+    fi
+  done
+  die "no nvidia-nccl-cu12 2.27 wheel could be downloaded; when the network is back, run 'make setup' again"
 }
 
 setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
@@ -114,8 +152,11 @@ setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
   fi
   make_venv "$dir" "$py"
   say "installing into $dir: $*"
-  pip_install "$dir/bin/python" --upgrade pip
-  pip_install "$dir/bin/python" "$@"
+  pip_install_or_die "$dir/bin/python" --upgrade pip
+  if ! PIP_ATTEMPTS=${GRADMGR_PIP_ATTEMPTS:-2} pip_install "$dir/bin/python" "$@"; then
+    [ "$1" = "$LEGACY_TORCH" ] || die "pip install $* failed (pip's message is above). When the network is back, run 'make setup' again."
+    install_legacy_torch_without_its_nccl "$dir/bin/python" "$@"
+  fi
   "$dir/bin/python" -c "import $check"
   echo "$stamp" >"$dir/.gradmgr-stamp"
   say "$dir ready"
