@@ -320,6 +320,32 @@ def test_a_backward_that_raises_on_one_rank_fails_that_step_on_every_rank(torch_
                       what=f"rank {rank} step {step} param {i}")
 
 
+def test_a_plan_changed_on_one_rank_only_fails_the_next_step_on_every_rank(torch_ranks):
+    """Rank 1 alone freezes a parameter, attaches a tensor, or (on the reducer's path) moves
+    to the per-tensor path: the next step raises RankMismatchError on both ranks, leaves .grad
+    alone and the process group intact; once the ranks agree again, gradients equal DDP's."""
+    differences = {
+        "freeze": "rank 0 has float32[8, 16]; rank 1 has float32[8]",
+        "attach": "rank 0 has no tensor there",
+        "hook": "would reduce them differently",
+    }
+    for out in torch_ranks:
+        native = bool(out["native"])
+        for name, difference in differences.items():
+            errors = list(out[f"replan_{name}_errors"])
+            if name == "hook" and not native:  # both ranks were on the per-tensor path
+                assert errors == ["none"] * 3, errors
+                continue
+            assert errors[0] == "none" and errors[2] == "none", (name, errors)
+            assert difference in errors[1], (name, errors[1])
+            assert bool(out[f"replan_{name}_kept"]), name
+            for phase in (0, 2):
+                for i in MLP:
+                    close(out[f"replan_{name}{phase}_gm{i}"], out[f"replan_{name}{phase}_ddp{i}"],
+                          rtol=0, what=f"{name} phase {phase} param {i}")
+        np.testing.assert_array_equal(out["replan_after"], [3.0])
+
+
 def test_frozen_parameter_gets_no_gradient_and_stays_put(torch_ranks):
     for out in torch_ranks:
         assert bool(out["frozen_grad_is_none"]) and not bool(out["frozen_moved"])

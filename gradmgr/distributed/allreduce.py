@@ -12,7 +12,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
 from .._state import get_backwarding_grad_manager
 from ..future import Future
 from .bucket import Bucket, BucketPlan
-from .consistency import RankFailedError, SparseGradientError, sparse_message, verify_plan
+from .consistency import (
+    PlanCheck,
+    RankFailedError,
+    RankMismatchError,
+    SparseGradientError,
+    plan_fingerprint,
+    sparse_message,
+)
 from .ops import TensorOps, ops_for
 from .sync import broadcast, is_paused
 from .transport import (
@@ -77,7 +84,7 @@ class _Step:
     """What one synced backward of one manager has gathered so far."""
 
     __slots__ = ("record_id", "plan", "sync", "buffers", "filled", "count", "launched",
-                 "next_launch")
+                 "next_launch", "check", "mismatch")
 
     def __init__(self, record_id: int, plan: BucketPlan, sync: bool) -> None:
         self.record_id = record_id
@@ -88,11 +95,13 @@ class _Step:
         self.count = [0] * len(plan.buckets)
         self.launched: List[Optional[_Reduction]] = [None] * len(plan.buckets)
         self.next_launch = 0
+        self.check: Optional[PlanCheck] = None  # the ranks' plans compared, not yet read
+        self.mismatch: Optional[BaseException] = None  # they differed: launch nothing
 
 
 class _ManagerState:
     __slots__ = ("plan", "excluded", "epoch", "ops", "transport", "steps", "used", "native",
-                 "reducer")
+                 "reducer", "fingerprint")
 
     def __init__(self, ops: TensorOps) -> None:
         self.plan: Optional[BucketPlan] = None
@@ -107,6 +116,7 @@ class _ManagerState:
         # Whether plain backwards go to torch's C++ reducer (see _native_possible), and it.
         self.native = False
         self.reducer: Any = None
+        self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
 
 
 class AllreduceCallback:
@@ -121,11 +131,12 @@ class AllreduceCallback:
       grad; a frozen parameter is left out and keeps ``.grad`` as it is, as with DDP), in
       reverse attach order, by dtype and device, about ``bucket_bytes`` each (the first at most
       1 MiB, as in DDP, so communication starts early);
-    * whenever that plan changes (first step, attach, freeze, unfreeze), checks across ranks
-      with one small collective that every rank planned the same tensors (count, order,
-      shapes, dtypes); if not, every rank raises
-      :class:`gradmgr.distributed.RankMismatchError` naming the first differing tensor, rather
-      than reducing mismatched buffers;
+    * at every synced step (and the first), launches one small collective that compares
+      every rank's plan (count, order, shapes, dtypes, and how they are reduced); the step
+      reads it before launching anything else, so it overlaps the forward. Where the plans
+      differ (one rank alone attached, froze or unfroze a tensor, say), every rank raises
+      :class:`gradmgr.distributed.RankMismatchError` naming the first differing tensor,
+      rather than reducing mismatched buffers;
     * on the first plan, with ``broadcast=True`` (default), overwrites the planned tensors on
       every rank with rank ``src``'s values, as DDP does when it wraps a model (buffers: see
       :func:`gradmgr.distributed.broadcast` and :func:`gradmgr.distributed.data_parallel`);
@@ -148,8 +159,7 @@ class AllreduceCallback:
     reduced as zeros there, and the result reaches it through ``gm.add_gradient``; one that no
     rank used since the last synced step keeps its ``.grad`` (``None`` stays ``None``), as with
     DDP's ``find_unused_parameters=True``. Every backward of a manager that ``cb`` serves is a
-    collective step that all ranks must take, and so is every ``record()`` where the plan
-    changes.
+    collective step that all ranks must take, and so is every ``record()`` of a synced step.
 
     Example:
         >>> # torch.distributed.init_process_group("gloo", ...) in every process
@@ -171,7 +181,7 @@ class AllreduceCallback:
             the summed buffer).
         broadcast: broadcast the planned tensors from ``src`` at the first recording.
         src: the rank whose values the broadcast spreads.
-        verify: check across ranks that the plans agree whenever a plan is made.
+        verify: check across ranks that the plans agree, at every synced step.
         native: let plain backwards go to torch's C++ ``Reducer`` (DDP's) where nothing else
             needs the per-tensor callbacks: PyTorch tensors, ``"mean"`` without compression
             over the default transport, every attached tensor a leaf whose chain is this
@@ -230,6 +240,8 @@ class AllreduceCallback:
             step = state.steps.get(gm.step)
             if step is None:
                 step = self._prepare(gm, state, at_record=False)
+            if step.check is not None or step.mismatch is not None:
+                self._settle(state, step)
             where = step.plan.where.get(id(tensor))
             if where is None:
                 raise RuntimeError(
@@ -328,18 +340,18 @@ class AllreduceCallback:
 
     # ------------------------------------------------------------------ internals
     def _prepare(self, gm: Any, state: _ManagerState, at_record: bool) -> _Step:
-        """Plan (again) if the trainable attached tensors changed, then start this step."""
+        """Plan (again) if the trainable attached tensors changed, then start this step; a
+        synced step (and the first) launches the comparison of the ranks' plans."""
         plan = state.plan
-        if (plan is None or state.epoch != gm.attach_epoch
-                or not _still_planned(state, plan)):
-            self._plan(gm, state, first=plan is None, at_record=at_record)
+        first = plan is None
+        if first or state.epoch != gm.attach_epoch or not _still_planned(state, plan):
+            self._plan(gm, state)
         reducer = state.reducer
         if state.native and reducer is not None and not _native_still_possible(gm,
                                                                                reducer.tensors):
-            self._verify(state, state.plan.tensors(), native=False)
             self._set_native(state, False)
-        elif state.native and (reducer is None or reducer.broken):
-            # A backward raised midway, or rebuilding the reducer raised (a broken process
+        elif state.native and reducer is not None and reducer.broken:
+            # A backward raised midway, or building the reducer raised (a broken process
             # group): build it again, so that this step raises the transport's error again.
             self._set_native(state, True)
         sync = self._sync and not is_paused(gm)
@@ -347,9 +359,41 @@ class AllreduceCallback:
         if len(steps) >= _MAX_OPEN_STEPS:  # recordings released without a backward
             del steps[min(steps)]
         step = steps[gm.step] = _Step(gm.step, state.plan, sync)
+        plan = state.plan
+        if (self.verify and (sync or first) and plan.buckets
+                and state.transport.world_size() > 1):
+            # Every synced step, not only where this rank re-planned: a rank that alone
+            # attached, froze or unfroze a tensor would otherwise take a collective that the
+            # others do not (and meet their gradient buckets). Read before this step launches
+            # anything else (see _settle), so it overlaps the forward.
+            step.check = PlanCheck(state.transport, state.ops, state.fingerprint,
+                                   plan.tensor(0), request=state.native and state.reducer is None)
+            if first or not at_record:
+                try:
+                    self._settle(state, step)
+                except RankMismatchError:
+                    if at_record:  # the recording ends; no backward will come for this step
+                        del steps[gm.step]
+                    raise
+        if first and at_record and self.broadcast and plan.buckets:
+            broadcast(plan.tensors(), self.src, transport=state.transport)
         return step
 
-    def _plan(self, gm: Any, state: _ManagerState, first: bool, at_record: bool) -> None:
+    def _settle(self, state: _ManagerState, step: _Step) -> None:
+        """Read the step's comparison of plans, once; where they differ, every rank raises
+        (now and whenever this step is touched again) and launches nothing for it."""
+        check = step.check
+        if check is not None:
+            step.check = None
+            if not check.agreed():
+                step.mismatch = check.error(step.plan.tensors(), self._mode(state.native),
+                                            "with the allreduce callback, trainable")
+            elif check.requested and state.native:  # a rank needs a new reducer: all build
+                self._build_reducer(state)
+        if step.mismatch is not None:
+            raise step.mismatch
+
+    def _plan(self, gm: Any, state: _ManagerState) -> None:
         ops = state.ops
         attached = gm.attached_tensors(with_callback=self)
         tensors = [t for t in attached if ops.trainable(t)]
@@ -357,22 +401,14 @@ class AllreduceCallback:
             state.transport = resolve_transport(self._transport_spec, ops.name, self.group)
         native = self._native_possible(gm, state, tensors)
         new_plan = state.plan is None or not state.plan.matches(tensors)
+        if new_plan:
+            first_bytes = min(self.bucket_bytes, _FIRST_BUCKET_BYTES)
+            state.plan = BucketPlan(tensors, ops, self.bucket_bytes, first_bytes)
+            state.used &= {id(t) for t in tensors}
         if new_plan or native != state.native:
-            self._verify(state, tensors, native)
-            if first and at_record and self.broadcast and tensors:
-                broadcast(tensors, self.src, transport=state.transport)
-            if new_plan:
-                first_bytes = min(self.bucket_bytes, _FIRST_BUCKET_BYTES)
-                state.plan = BucketPlan(tensors, ops, self.bucket_bytes, first_bytes)
-                state.used &= {id(t) for t in tensors}
             self._set_native(state, native)  # a reducer for the new plan, or none
         state.excluded = [t for t in attached if not ops.trainable(t)]
         state.epoch = gm.attach_epoch
-
-    def _verify(self, state: _ManagerState, tensors: List[Any], native: bool) -> None:
-        if self.verify:
-            verify_plan(state.transport, state.ops, tensors,
-                        "with the allreduce callback, trainable", mode=self._mode(native))
 
     def _mode(self, native: bool) -> str:
         """How this rank reduces, compared across ranks with the planned tensors: ranks that
@@ -402,15 +438,24 @@ class AllreduceCallback:
             t.requires_grad and str(t.layout) == "torch.strided" for t in tensors)
 
     def _set_native(self, state: _ManagerState, native: bool) -> None:
+        """Choose the path; a reducer for it is built at the next synced step (see
+        :meth:`_build_reducer`)."""
         if state.reducer is not None:  # a no_sync window may be open: keep what it saw used
             state.used.update(state.reducer.used_since_window())
         state.native = native
         state.reducer = None  # its hooks go with it
-        if native:
-            from .reducer import TorchReducer  # imports torch: only for torch tensors
+        state.fingerprint = plan_fingerprint(state.ops, state.plan.tensors(), self._mode(native))
 
-            state.reducer = TorchReducer(state.plan, self.group, self.bucket_bytes,
-                                         min(self.bucket_bytes, _FIRST_BUCKET_BYTES))
+    def _build_reducer(self, state: _ManagerState) -> None:
+        """Building one broadcasts, so all ranks do it at the same synced step: when any rank
+        asks in the step's plan check, or, with no check, where this rank needs one."""
+        from .reducer import TorchReducer  # imports torch: only for torch tensors
+
+        if state.reducer is not None:
+            state.used.update(state.reducer.used_since_window())
+            state.reducer = None
+        state.reducer = TorchReducer(state.plan, self.group, self.bucket_bytes,
+                                     min(self.bucket_bytes, _FIRST_BUCKET_BYTES))
 
     def _native_step(self, gm: Any) -> Optional[_NativeStep]:
         """The backward delegate: this step goes to the reducer when the plan says so and
@@ -419,9 +464,16 @@ class AllreduceCallback:
             state = self._states.get(gm)
             if state is None or not state.native or state.epoch != gm.attach_epoch:
                 return None
-            step = state.steps.pop(gm.step, None)
+            step = state.steps.get(gm.step)
             if step is None:
                 return None
+            if step.sync:
+                self._settle(state, step)  # where it raises, _abort drops the step
+                if state.reducer is None:  # no plan check to agree on building it
+                    self._build_reducer(state)
+            elif state.reducer is None:
+                return None  # not built yet: the per-tensor path accumulates locally
+            del state.steps[gm.step]
             try:
                 state.reducer.begin(step.sync)
             except BaseException:
@@ -442,7 +494,7 @@ class AllreduceCallback:
         ops, bucket = state.ops, step.plan.buckets[b]
         buffer = step.buffers[b]
         if buffer is None:
-            buffer = ops.new_buffer(bucket, step.plan.tensors()[bucket.members[0]])
+            buffer = ops.new_buffer(bucket, step.plan.tensor(bucket.members[0]))
         flat = buffer.finish(unused, failed)
         step.buffers[b] = None
         if self.reduce == "mean":
@@ -462,8 +514,9 @@ class AllreduceCallback:
         with self._lock:
             state = self._states.get(gm)
             step = state.steps.pop(gm.step, None) if state is not None else None
-            if step is None or not step.sync:
-                return
+            if step is None or not step.sync or step.mismatch is not None:
+                return  # nothing launched, or the ranks' plans differ: launch nothing
+            self._settle(state, step)
             for b in range(step.next_launch, len(step.plan.buckets)):
                 self._launch(state, step, b, (), failed=True)
         for reduction in step.launched:
@@ -481,6 +534,7 @@ class AllreduceCallback:
                 del state.steps[gm.step]
             if not step.sync:
                 return
+            self._settle(state, step)
             if state.reducer is not None:  # earlier steps went to the reducer
                 state.used.update(state.reducer.used_since_window())
             missing = self._fill_missing(state, step)

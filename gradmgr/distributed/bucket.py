@@ -107,6 +107,10 @@ class BucketPlan:
         """The planned tensors (None for one that died since)."""
         return [ref() for ref in self._refs]
 
+    def tensor(self, position: int) -> Any:
+        """The planned tensor at ``position`` (None if it died since)."""
+        return self._refs[position]()
+
     def matches(self, tensors: Sequence[Any]) -> bool:
         """True while ``tensors`` are exactly the planned ones, in the same order."""
         return len(tensors) == len(self._refs) and all(

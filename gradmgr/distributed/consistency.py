@@ -1,10 +1,11 @@
 """Checking across ranks that every rank reduces the same tensors, before it matters.
 
 Ranks whose bucket plans differ would reduce mismatched buffers: gradients silently swapped
-between tensors of equal size, or a crash inside the transport for unequal sizes. So whenever
-a rank (re)plans its buckets, all ranks compare a fingerprint of the planned tensors (count,
-then shape and dtype of each, in order) and of how they are reduced (path, reduce, compression,
-bucket size) in one small collective that has the same size on every rank; if they differ, a
+between tensors of equal size, or a crash inside the transport for unequal sizes. So at every
+synced step all ranks compare a fingerprint of the planned tensors (count, then shape and dtype
+of each, in order) and of how they are reduced (path, reduce, compression, bucket size) in one
+small collective that has the same size on every rank, whether or not this rank re-planned: a
+rank that alone changed its plan must not be the only one to communicate. If they differ, a
 few more collectives find the first differing tensor, and every rank raises an error naming it
 (or, for the same tensors, its own reduction settings).
 """
@@ -54,33 +55,60 @@ def _count_chunks(n: int) -> List[int]:
     return [(n >> (8 * i)) & 0xFF for i in range(_COUNT_CHUNKS)]
 
 
-def verify_plan(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str,
-                mode: str = "") -> None:
-    """Raise :class:`RankMismatchError` on every rank unless all ranks plan ``tensors`` alike.
-
-    One collective when they agree: with a transport that knows its ``rank()``, every rank's
-    fingerprint (bytes, 0-255) in its own row of a sum over zeros, which even a transport that
-    sends fp16 or bf16 carries exactly; without, the sum of the fingerprints and of their
-    squares (all ranks agree exactly when ``world * sum(v**2) == sum(v)**2``), which needs a
-    transport that sums float32 exactly.
-    """
-    world = transport.world_size()
-    if world == 1 or not tensors:
-        return
-    fingerprint = _count_chunks(len(tensors)) + _chunks(
+def plan_fingerprint(ops: TensorOps, tensors: Sequence[Any], mode: str) -> List[int]:
+    """What the ranks compare: the count, then shape and dtype of each tensor in order, and
+    how they are reduced; a list of small ints, the same length for any plan."""
+    return _count_chunks(len(tensors)) + _chunks(
         ";".join([describe(ops, t) for t in tensors] + [mode]))
-    rank_of = getattr(transport, "rank", None)
-    if rank_of is not None:
-        rows = _gather(transport, ops, rank_of(), world, fingerprint, tensors[0])
-        if all(row == rows[0] for row in rows):
-            return
-    else:
-        summed = ops.values(transport.allreduce_async(
-            ops.vector(fingerprint + [v * v for v in fingerprint], tensors[0])).wait())
-        n = len(fingerprint)
-        if all(world * summed[n + i] == summed[i] ** 2 for i in range(n)):
-            return
-    raise RankMismatchError(_mismatch_message(transport, ops, tensors, what, world, mode))
+
+
+class PlanCheck:
+    """One rank's side of a comparison of plans across ranks, in flight.
+
+    Launching it is one small collective of the same size on every rank, whatever the plans:
+    with a transport that knows its ``rank()``, every rank's fingerprint (bytes, 0-255) in its
+    own row of a sum over zeros, which even a transport that sends fp16 or bf16 carries
+    exactly; without, the sum of the fingerprints and of their squares (all ranks agree
+    exactly when ``world * sum(v**2) == sum(v)**2``), which needs a transport that sums
+    float32 exactly. One more element carries ``request`` (0 or 1), so that work all ranks
+    must do together (building torch's reducer, which broadcasts) is done by all of them when
+    any asks. :meth:`agreed` waits for it; every rank gets the same answer, so where the plans
+    differ all ranks go on to :meth:`error` together.
+    """
+
+    __slots__ = ("_transport", "_ops", "_world", "_rank", "_width", "_handle", "requested")
+
+    def __init__(self, transport: Any, ops: TensorOps, fingerprint: Sequence[int],
+                 like: Any, request: bool = False) -> None:
+        self._transport, self._ops = transport, ops
+        self._world = world = transport.world_size()
+        rank_of = getattr(transport, "rank", None)
+        self._rank = rank_of() if rank_of is not None else None
+        self._width = width = len(fingerprint)
+        if self._rank is not None:
+            flat = [0] * (world * width)
+            flat[self._rank * width:(self._rank + 1) * width] = fingerprint
+        else:
+            flat = list(fingerprint) + [v * v for v in fingerprint]
+        self._handle = transport.allreduce_async(ops.vector(flat + [int(request)], like))
+        self.requested = False  # by any rank; known once agreed() returned
+
+
+    def agreed(self) -> bool:
+        """Whether every rank planned alike (waits for the collective)."""
+        summed = self._ops.values(self._handle.wait())
+        self.requested = summed.pop() != 0
+        n, world = self._width, self._world
+        if self._rank is not None:
+            rows = [summed[r * n:(r + 1) * n] for r in range(world)]
+            return all(row == rows[0] for row in rows)
+        return all(world * summed[n + i] == summed[i] ** 2 for i in range(n))
+
+    def error(self, tensors: Sequence[Any], mode: str, what: str) -> RankMismatchError:
+        """The error every rank raises where the plans (``tensors`` reduced per ``mode``)
+        differ; a few more collectives (so call it on every rank) find the first difference."""
+        return RankMismatchError(_mismatch_message(self._transport, self._ops, tensors, what,
+                                                   self._world, mode))
 
 
 def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],

@@ -454,6 +454,58 @@ def one_rank_fails(out: dict, rank: int, world: int) -> None:
     out["onefail_grad_kept"] = np.array(kept)
 
 
+def one_rank_changes_plan(out: dict, rank: int, world: int) -> None:
+    """After a step, rank 1 alone freezes a parameter, attaches a new tensor, or registers a
+    post-accumulate-grad hook (which takes it off torch's reducer). Its plan check used to be
+    a collective on that rank only, which met the other rank's gradient buckets: gloo aborted,
+    or gradients were silently wrong. Now the next step raises RankMismatchError on every rank
+    and changes no .grad; once the ranks agree again (rank 1 undoes it, or rank 0 does the
+    same), the steps equal DDP's."""
+    net_gm, net_ddp = Net(), Net()
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    cb = make_allreduce_cb("mean")
+    gm = GradManager().attach(net_gm.parameters(), callbacks=[cb])
+    weight = net_gm.mlp[2].weight
+    new = torch.ones(5, requires_grad=True)
+    hooks: list = []
+
+    def hook() -> None:
+        hooks.append(weight.register_post_accumulate_grad_hook(lambda p: None))
+
+    cases = {  # name: (what rank 1 does alone, then what makes the ranks agree again)
+        "freeze": (lambda: weight.requires_grad_(False), lambda: weight.requires_grad_(True)),
+        "attach": (lambda: gm.attach(new, callbacks=[cb]),
+                   lambda: rank == 0 and gm.attach(new, callbacks=[cb])),
+        "hook": (hook, lambda: rank == 0 and hook()),
+    }
+    step = 0
+    for name, (change, agree) in cases.items():
+        errors = []
+        for phase in range(3):
+            if phase == 1 and rank == 1:
+                change()
+            if phase == 2:
+                agree()
+            x, y = local_batch(step, rank, world)
+            step += 1
+            try:
+                with gm:
+                    gm.backward(net_gm(x, y))
+                errors.append("none")
+            except RankMismatchError as exc:
+                errors.append(str(exc))
+                out[f"replan_{name}_kept"] = np.array(
+                    all(p.grad is None for p in net_gm.parameters()))
+                continue
+            ddp_step_and_save(out, f"replan_{name}{phase}", net_gm, ddp, x, y)
+        out[f"replan_{name}_errors"] = np.array(errors)
+    for handle in hooks:
+        handle.remove()
+    check = torch.ones(1) * (rank + 1)
+    dist.all_reduce(check)
+    out["replan_after"] = check.numpy()
+
+
 class _Fp16Transport:
     """A user's transport that sends fp16 (lossy): the plan check must still pass."""
 
@@ -537,6 +589,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     mismatches(out, rank, world)
     recovery(out, rank, world)
     one_rank_fails(out, rank, world)
+    one_rank_changes_plan(out, rank, world)
     kept_gradients(out, rank, world)
     sparse(out, rank, world)
     replan_inside_window(out, rank, world)
