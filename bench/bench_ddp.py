@@ -1,9 +1,11 @@
 """gradmgr + allreduce callback against PyTorch DDP: step time and peak memory, 2 ranks.
 
-Time: for each model, gradmgr (its default path, torch's C++ Reducer), gradmgr with
-``native=False`` (its own buckets) and DDP train side by side in the same two processes (gloo on
-the CPU, or nccl with ``--device cuda``); every step the variants run in a new random order,
-each step timed alone behind a barrier; the ratios are of medians (below 1: gradmgr is faster).
+Time: for each model, gradmgr (its default path, torch's C++ Reducer), the same with
+``verify="plan"`` (plans compared only where they change, no per-step collective: the "check"
+column is what the per-step check costs), gradmgr with ``native=False`` (its own buckets) and
+DDP train side by side in the same two processes (gloo on the CPU, or nccl with ``--device
+cuda``); every step the variants run in a new random order, each step timed alone behind a
+barrier; the ratios are of medians (below 1: gradmgr is faster).
 
 Memory: the model of 8 x Linear(2048, 2048) (128 MiB of gradients per rank) is wrapped (DDP,
 DDP with ``gradient_as_bucket_view=True``) or attached (gradmgr) and trains 4 steps, in fresh
@@ -102,14 +104,17 @@ def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, 
                steps: int) -> tuple:
     torch.manual_seed(0)
     net_gm, net_py, net_ddp = build().to(device), build().to(device), build().to(device)
-    net_py.load_state_dict(net_gm.state_dict())
-    net_ddp.load_state_dict(net_gm.state_dict())
+    net_nv = build().to(device)
+    for net in (net_py, net_ddp, net_nv):
+        net.load_state_dict(net_gm.state_dict())
     gm = GradManager().attach(net_gm.parameters(), callbacks=[make_allreduce_cb("mean")])
+    gm_nv = GradManager().attach(net_nv.parameters(),
+                                 callbacks=[make_allreduce_cb("mean", verify="plan")])
     # the same callback kept off torch's C++ reducer: gradmgr's own buckets
     gm_py = GradManager().attach(net_py.parameters(),
                                  callbacks=[make_allreduce_cb("mean", native=False)])
     ddp = DDP(net_ddp)
-    nets = {"gradmgr": net_gm, "buckets": net_py, "ddp": net_ddp}
+    nets = {"gradmgr": net_gm, "plan-only": net_nv, "buckets": net_py, "ddp": net_ddp}
     opts = {k: torch.optim.SGD(net.parameters(), lr=1e-3) for k, net in nets.items()}
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(BATCH, WIDTH[name], generator=g).to(device)
@@ -119,6 +124,10 @@ def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, 
         with gm:
             gm.backward(((net_gm(x) - y) ** 2).mean())
 
+    def step_nv() -> None:
+        with gm_nv:
+            gm_nv.backward(((net_nv(x) - y) ** 2).mean())
+
     def step_py() -> None:
         with gm_py:
             gm_py.backward(((net_py(x) - y) ** 2).mean())
@@ -126,7 +135,7 @@ def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, 
     def step_ddp() -> None:
         ((ddp(x) - y) ** 2).mean().backward()
 
-    fns = {"gradmgr": step_gm, "buckets": step_py, "ddp": step_ddp}
+    fns = {"gradmgr": step_gm, "plan-only": step_nv, "buckets": step_py, "ddp": step_ddp}
     times: Dict[str, List[float]] = {k: [] for k in fns}
     order = random.Random(0)
     warmup = 5
@@ -143,11 +152,12 @@ def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, 
             sync(device)
             if i >= warmup:
                 times[variant].append(time.perf_counter() - start)
-    same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in
-               zip(net_gm.parameters(), net_py.parameters(), net_ddp.parameters()))
-    gm_ms, py_ms, ddp_ms = (statistics.median(times[v]) * 1e3
-                            for v in ("gradmgr", "buckets", "ddp"))
-    return name, sum(1 for _ in net_gm.parameters()), steps, gm_ms, py_ms, ddp_ms, same
+    same = all(torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d) for a, b, c, d in
+               zip(net_gm.parameters(), net_py.parameters(), net_ddp.parameters(),
+                   net_nv.parameters()))
+    gm_ms, nv_ms, py_ms, ddp_ms = (statistics.median(times[v]) * 1e3
+                                   for v in ("gradmgr", "plan-only", "buckets", "ddp"))
+    return name, sum(1 for _ in net_gm.parameters()), steps, gm_ms, nv_ms, py_ms, ddp_ms, same
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -252,14 +262,18 @@ def main(argv: list = None) -> int:
             return 1
         with open(out) as f:
             rows = [line.split() for line in f]
-    print("gradmgr: the default (plain backwards reduced by torch's C++ Reducer); buckets: "
-          "the same callback with native=False (gradmgr's own buckets, per-tensor callbacks)")
-    print(f"\n{'model':>14} {'tensors':>7} {'steps':>5} {'gradmgr ms':>10} {'buckets ms':>10} "
-          f"{'DDP ms':>8} {'ratio':>6} {'buckets':>7}  params equal")
-    for name, tensors, n, gm_ms, py_ms, ddp_ms, same in rows:
+    print("gradmgr: the default (plain backwards reduced by torch's C++ Reducer); plan-only: the "
+          "same with verify='plan' (no per-step plan check); buckets: the same callback with "
+          "native=False (gradmgr's own buckets, per-tensor callbacks); ratio and buckets: to DDP; "
+          "check: gradmgr / plan-only")
+    print(f"\n{'model':>14} {'tensors':>7} {'steps':>5} {'gradmgr ms':>10} {'plan-only':>9} "
+          f"{'buckets ms':>10} {'DDP ms':>8} {'ratio':>6} {'check':>6} {'buckets':>7}  "
+          f"params equal")
+    for name, tensors, n, gm_ms, nv_ms, py_ms, ddp_ms, same in rows:
         ratio = float(gm_ms) / float(ddp_ms)
-        print(f"{name:>14} {tensors:>7} {n:>5} {float(gm_ms):>10.3f} {float(py_ms):>10.3f} "
-              f"{float(ddp_ms):>8.3f} {ratio:>6.3f} {float(py_ms) / float(ddp_ms):>7.3f}  {same}")
+        print(f"{name:>14} {tensors:>7} {n:>5} {float(gm_ms):>10.3f} {float(nv_ms):>9.3f} "
+              f"{float(py_ms):>10.3f} {float(ddp_ms):>8.3f} {ratio:>6.3f} "
+              f"{float(gm_ms) / float(nv_ms):>6.3f} {float(py_ms) / float(ddp_ms):>7.3f}  {same}")
         verdict = "OK" if ratio <= TIME_TARGET else "MISS"
         print(f"{RESULT_PREFIX} ddp {args.device} {name} gradmgr/DDP time {ratio:.3f} "
               f"(target <= {TIME_TARGET}) {verdict}")

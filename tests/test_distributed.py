@@ -233,6 +233,7 @@ def test_ranks_that_attach_different_tensors_fail_clearly_on_every_rank(torch_ra
         "swapped": ("position 0", "rank 0 has float32[4]", "rank 1 has float32[6]"),
         "shapes": ("position 0", "rank 0 has float32[4, 4]", "rank 1 has float32[5, 4]"),
         "freeze": ("position 2", "rank 0 has float32[8, 16]", "rank 1 has float32[8]"),
+        "all_frozen": ("position 0", "rank 0 has float32[3]", "rank 1 has no tensor there"),
     }
     for rank, out in enumerate(torch_ranks):
         for name, parts in expected.items():
@@ -346,6 +347,13 @@ def test_a_plan_changed_on_one_rank_only_fails_the_next_step_on_every_rank(torch
         np.testing.assert_array_equal(out["replan_after"], [3.0])
 
 
+def test_a_refused_first_step_still_broadcasts_once_the_ranks_agree(torch_ranks):
+    for out in torch_ranks:
+        assert list(out["first_refused_errors"]) == ["mismatch", "none"]
+        np.testing.assert_array_equal(out["first_refused_w"], [1.0, 1.0, 1.0])  # rank 0's
+        np.testing.assert_array_equal(out["first_refused_g"], [2.0, 2.0, 2.0])  # d(w*w) = 2w
+
+
 def test_frozen_parameter_gets_no_gradient_and_stays_put(torch_ranks):
     for out in torch_ranks:
         assert bool(out["frozen_grad_is_none"]) and not bool(out["frozen_moved"])
@@ -394,6 +402,50 @@ class FakeTransport:
         peer = torch.full_like(flat, self.other)
         peer[-1] = 0
         return _Handle(flat + peer)
+
+
+class MirrorTransport:
+    """Test double for a 2-rank world whose other rank sends exactly what this one sends (so
+    the plan check agrees); logs the size of each collective."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def world_size(self) -> int:
+        return 2
+
+    def allreduce_async(self, flat):
+        self.log.append(flat.numel())
+        return _Handle(flat * 2)
+
+
+PLAN_CHECK_SIZE = 2 * (3 + 8) + 1  # fingerprint and its squares (no rank()), the request flag
+
+
+@pytest.mark.parametrize("verify, expected", [("step", [1, 1, 1, 0, 1]),
+                                              ("plan", [1, 0, 1, 0, 0])])
+def test_the_plan_check_runs_every_synced_step_or_only_where_the_plan_changed(verify, expected):
+    """verify="step" (the default) compares plans at every synced step, so a change on one
+    rank alone is caught; "plan" only where this rank re-planned (the first step, and after a
+    freeze). No check in a no_sync step (step 3). Gradients are the same either way."""
+    w, v = torch.ones(3, requires_grad=True), torch.ones(2, requires_grad=True)
+    log: list = []
+    cb = make_allreduce_cb("mean", transport=MirrorTransport(log), verify=verify,
+                           broadcast=False)
+    gm = GradManager().attach([w, v], callbacks=[cb])
+    checks = []
+    for step in range(5):
+        if step == 2:
+            v.requires_grad_(False)
+        log.clear()
+        with cb.no_sync() if step == 3 else contextlib.nullcontext(), gm:
+            loss = (w * 2).sum() + ((v * 3).sum() if v.requires_grad else 0)
+            gm.backward(loss)
+        checks.append(log.count(PLAN_CHECK_SIZE))
+        if step != 3:  # mean of two equal ranks' 2 (plus the no_sync step's local 2)
+            np.testing.assert_array_equal(w.grad, [4.0 if step == 4 else 2.0] * 3)
+            w.grad = None
+    assert checks == expected
 
 
 # The fake peer adds a constant to every buffer, so it cannot take part in the cross-rank plan
@@ -470,6 +522,8 @@ def test_bad_arguments_raise_clear_errors():
         make_allreduce_cb(compression="int8")
     with pytest.raises(ValueError, match="bucket_bytes"):
         make_allreduce_cb(bucket_bytes=0)
+    with pytest.raises(ValueError, match="verify must be True, 'step', 'plan' or False"):
+        make_allreduce_cb(verify="always")
     with pytest.raises(TypeError, match="allreduce_async"):
         make_allreduce_cb(transport=object())
     with pytest.raises(ValueError, match="unknown transport"):

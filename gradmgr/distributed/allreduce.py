@@ -7,7 +7,7 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Union
 
 from .._state import get_backwarding_grad_manager
 from ..future import Future
@@ -32,6 +32,7 @@ from .transport import (
 )
 
 _REDUCE = ("mean", "sum")
+_VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
 _COMPRESSION = (None, "fp16", "bf16")
 _FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigger buckets
 _MAX_OPEN_STEPS = 1024  # steps begun but not flushed (split backwards pending, or no backward)
@@ -101,7 +102,7 @@ class _Step:
 
 class _ManagerState:
     __slots__ = ("plan", "excluded", "epoch", "ops", "transport", "steps", "used", "native",
-                 "reducer", "fingerprint")
+                 "reducer", "fingerprint", "started")
 
     def __init__(self, ops: TensorOps) -> None:
         self.plan: Optional[BucketPlan] = None
@@ -117,6 +118,7 @@ class _ManagerState:
         self.native = False
         self.reducer: Any = None
         self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
+        self.started = False  # the first recording's check and broadcast are done
 
 
 class AllreduceCallback:
@@ -181,7 +183,12 @@ class AllreduceCallback:
             the summed buffer).
         broadcast: broadcast the planned tensors from ``src`` at the first recording.
         src: the rank whose values the broadcast spreads.
-        verify: check across ranks that the plans agree, at every synced step.
+        verify: compare the ranks' plans: ``True`` or ``"step"``, at every synced step (one
+            small collective each, overlapping the forward; catches a change made on one
+            rank alone); ``"plan"``, only at steps where this rank re-planned (no per-step
+            cost, but a rank that alone attaches, freezes or unfreezes a tensor then takes a
+            collective the others do not: gloo aborts, or gradients are wrong); ``False``:
+            never.
         native: let plain backwards go to torch's C++ ``Reducer`` (DDP's) where nothing else
             needs the per-tensor callbacks: PyTorch tensors, ``"mean"`` without compression
             over the default transport, every attached tensor a leaf whose chain is this
@@ -200,7 +207,7 @@ class AllreduceCallback:
         *,
         broadcast: bool = True,
         src: int = 0,
-        verify: bool = True,
+        verify: Union[bool, str] = True,
         native: Optional[bool] = None,
     ) -> None:
         if reduce not in _REDUCE:
@@ -209,6 +216,8 @@ class AllreduceCallback:
             raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if not isinstance(verify, (bool, str)) or verify not in _VERIFY:
+            raise ValueError(f"verify must be True, 'step', 'plan' or False, got {verify!r}")
         check_transport(transport)
         self.reduce = reduce
         self.group = group
@@ -216,7 +225,7 @@ class AllreduceCallback:
         self.compression = compression
         self.broadcast = broadcast
         self.src = src
-        self.verify = verify
+        self.verify: Optional[str] = _VERIFY[verify]
         self.native = (os.environ.get("GRADMGR_NATIVE_REDUCER", "1") != "0"
                        if native is None else native)
         self._transport_spec = transport
@@ -342,9 +351,9 @@ class AllreduceCallback:
     def _prepare(self, gm: Any, state: _ManagerState, at_record: bool) -> _Step:
         """Plan (again) if the trainable attached tensors changed, then start this step; a
         synced step (and the first) launches the comparison of the ranks' plans."""
-        plan = state.plan
-        first = plan is None
-        if first or state.epoch != gm.attach_epoch or not _still_planned(state, plan):
+        plan, fingerprint = state.plan, state.fingerprint
+        first = not state.started
+        if plan is None or state.epoch != gm.attach_epoch or not _still_planned(state, plan):
             self._plan(gm, state)
         reducer = state.reducer
         if state.native and reducer is not None and not _native_still_possible(gm,
@@ -360,14 +369,21 @@ class AllreduceCallback:
             del steps[min(steps)]
         step = steps[gm.step] = _Step(gm.step, state.plan, sync)
         plan = state.plan
-        if (self.verify and (sync or first) and plan.buckets
-                and state.transport.world_size() > 1):
+        # A tensor to put the check on (its device): planned, else attached but frozen.
+        like = plan.tensor(0) if plan.buckets else next(iter(state.excluded), None)
+        request = state.native and state.reducer is None
+        if self.verify == "step":
             # Every synced step, not only where this rank re-planned: a rank that alone
             # attached, froze or unfroze a tensor would otherwise take a collective that the
             # others do not (and meet their gradient buckets). Read before this step launches
             # anything else (see _settle), so it overlaps the forward.
-            step.check = PlanCheck(state.transport, state.ops, state.fingerprint,
-                                   plan.tensor(0), request=state.native and state.reducer is None)
+            wanted = sync or first
+        else:  # "plan": only where this rank re-planned, trusting all ranks to do so alike
+            wanted = self.verify == "plan" and (
+                first or request or state.fingerprint is not fingerprint)
+        if wanted and like is not None and state.transport.world_size() > 1:
+            step.check = PlanCheck(state.transport, state.ops, state.fingerprint, like,
+                                   request=request)
             if first or not at_record:
                 try:
                     self._settle(state, step)
@@ -375,8 +391,10 @@ class AllreduceCallback:
                     if at_record:  # the recording ends; no backward will come for this step
                         del steps[gm.step]
                     raise
-        if first and at_record and self.broadcast and plan.buckets:
-            broadcast(plan.tensors(), self.src, transport=state.transport)
+        if first and at_record:
+            if self.broadcast and plan.buckets:
+                broadcast(plan.tensors(), self.src, transport=state.transport)
+            state.started = True
         return step
 
     def _settle(self, state: _ManagerState, step: _Step) -> None:

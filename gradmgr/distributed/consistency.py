@@ -76,11 +76,12 @@ class PlanCheck:
     differ all ranks go on to :meth:`error` together.
     """
 
-    __slots__ = ("_transport", "_ops", "_world", "_rank", "_width", "_handle", "requested")
+    __slots__ = ("_transport", "_ops", "_like", "_world", "_rank", "_width", "_handle",
+                 "requested")
 
     def __init__(self, transport: Any, ops: TensorOps, fingerprint: Sequence[int],
                  like: Any, request: bool = False) -> None:
-        self._transport, self._ops = transport, ops
+        self._transport, self._ops, self._like = transport, ops, like
         self._world = world = transport.world_size()
         rank_of = getattr(transport, "rank", None)
         self._rank = rank_of() if rank_of is not None else None
@@ -108,7 +109,7 @@ class PlanCheck:
         """The error every rank raises where the plans (``tensors`` reduced per ``mode``)
         differ; a few more collectives (so call it on every rank) find the first difference."""
         return RankMismatchError(_mismatch_message(self._transport, self._ops, tensors, what,
-                                                   self._world, mode))
+                                                   self._world, mode, self._like))
 
 
 def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],
@@ -122,14 +123,14 @@ def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[flo
 
 
 def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str,
-                      world: int, mode: str) -> str:
+                      world: int, mode: str, like: Any) -> str:
     advice = (f"Every rank must attach the same tensors ({what}) in the same order, with the "
               f"same shapes, dtypes and requires_grad flags (freeze a parameter on every rank "
               f"or on none).")
     rank_of = getattr(transport, "rank", None)
     if rank_of is None:
         return f"the ranks planned different tensors for data-parallel reduction. {advice}"
-    rank, like = rank_of(), tensors[0]
+    rank = rank_of()
     counts = [int(row[0]) for row in _gather(transport, ops, rank, world, [len(tensors)], like)]
     longest = max(counts)
     rows = _gather(transport, ops, rank, world,

@@ -266,6 +266,8 @@ def mismatches(out: dict, rank: int, world: int) -> None:
         "swapped": lambda: [a, b] if rank == 0 else [b, a],
         "shapes": lambda: list(nn.Linear(4, 4 if rank == 0 else 5).parameters()),
         "freeze": lambda: _frozen_on_rank_1(rank),
+        # nothing trainable on rank 1: it took no part in the check, and gloo aborted
+        "all_frozen": lambda: [torch.ones(3, requires_grad=rank == 0)],
     }
 
     def step_error(gm: GradManager, held: list) -> np.ndarray:
@@ -506,6 +508,27 @@ def one_rank_changes_plan(out: dict, rank: int, world: int) -> None:
     out["replan_after"] = check.numpy()
 
 
+def first_step_refused(out: dict, rank: int, world: int) -> None:
+    """The ranks disagree at the very first step (rank 1 has one more trainable tensor): it is
+    refused on both; once they agree, the first broadcast still happens (w starts as 1 on
+    rank 0 and 2 on rank 1)."""
+    w = torch.full((3,), float(rank + 1), requires_grad=True)
+    extra = torch.ones(2, requires_grad=rank == 1)
+    gm = GradManager().attach([w, extra], callbacks=[make_allreduce_cb("mean")])
+    errors = []
+    for _ in range(2):
+        try:
+            with gm:
+                gm.backward((w * w).sum())
+            errors.append("none")
+        except RankMismatchError:
+            errors.append("mismatch")
+        extra.requires_grad_(False)
+    out["first_refused_errors"] = np.array(errors)
+    out["first_refused_w"] = w.detach().numpy().copy()
+    out["first_refused_g"] = w.grad.numpy().copy()
+
+
 class _Fp16Transport:
     """A user's transport that sends fp16 (lossy): the plan check must still pass."""
 
@@ -590,6 +613,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     recovery(out, rank, world)
     one_rank_fails(out, rank, world)
     one_rank_changes_plan(out, rank, world)
+    first_step_refused(out, rank, world)
     kept_gradients(out, rank, world)
     sparse(out, rank, world)
     replan_inside_window(out, rank, world)
