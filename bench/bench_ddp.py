@@ -277,6 +277,8 @@ def main(argv: list = None) -> int:
         verdict = "OK" if ratio <= TIME_TARGET else "MISS"
         print(f"{RESULT_PREFIX} ddp {args.device} {name} gradmgr/DDP time {ratio:.3f} "
               f"(target <= {TIME_TARGET}) {verdict}")
+        print(f"{RESULT_PREFIX} ddp {args.device} {name} per-step plan check "
+              f"gradmgr/plan-only time {float(gm_ms) / float(nv_ms):.3f}")
     peaks = measure_memory(runs, args.device)
     kind = "max_memory_allocated" if args.device == "cuda" else "peak RSS (VmHWM)"
     print(f"\nmemory: 8 x Linear(2048, 2048), {world} ranks, {kind} above the model, "
