@@ -406,7 +406,9 @@ class AllreduceCallback:
             if not check.agreed():
                 step.mismatch = check.error(step.plan.tensors(), self._mode(state.native),
                                             "with the allreduce callback, trainable")
-            elif check.requested and state.native:  # a rank needs a new reducer: all build
+            elif check.requested and state.native and step.sync:
+                # A rank needs a new reducer: all build one, at a step every rank settles (a
+                # no_sync step with no gradient on some rank might never settle its check).
                 self._build_reducer(state)
         if step.mismatch is not None:
             raise step.mismatch
