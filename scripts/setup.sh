@@ -105,10 +105,14 @@ pip_install() {  # pip_install VENV-PYTHON PIP-ARGS...; tries ${PIP_ATTEMPTS:-4}
   return 1
 }
 
+pip_failed() {  # pip_failed PIP-ARGS...
+  die "pip install $* failed (pip's message is above). When the network is back, run 'make setup' again: it goes on from what is installed."
+}
+
 pip_install_or_die() {  # pip_install_or_die VENV-PYTHON PIP-ARGS...
   pip_install "$@" && return 0
-  local py=$1; shift
-  die "pip install $* failed (pip's message is above). When the network is back, run 'make setup' again: it goes on from what is installed."
+  shift
+  pip_failed "$@"
 }
 
 torch_requirements_but_nccl() {  # torch_requirements_but_nccl VENV-PYTHON: installed torch's needs, one per line
@@ -154,7 +158,7 @@ setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
   say "installing into $dir: $*"
   pip_install_or_die "$dir/bin/python" --upgrade pip
   if ! PIP_ATTEMPTS=${GRADMGR_PIP_ATTEMPTS:-2} pip_install "$dir/bin/python" "$@"; then
-    [ "$1" = "$LEGACY_TORCH" ] || die "pip install $* failed (pip's message is above). When the network is back, run 'make setup' again."
+    [ "$1" = "$LEGACY_TORCH" ] || pip_failed "$@"
     install_legacy_torch_without_its_nccl "$dir/bin/python" "$@"
   fi
   "$dir/bin/python" -c "import $check"

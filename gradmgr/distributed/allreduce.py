@@ -426,7 +426,7 @@ class AllreduceCallback:
             state.plan = BucketPlan(tensors, ops, self.bucket_bytes, first_bytes)
             state.used &= {id(t) for t in tensors}
         if new_plan or native != state.native:
-            self._set_native(state, native)  # a reducer for the new plan, or none
+            self._set_native(state, native)  # drops the old plan's reducer
         state.excluded = [t for t in attached if not ops.trainable(t)]
         state.epoch = gm.attach_epoch
 
@@ -460,10 +460,8 @@ class AllreduceCallback:
     def _set_native(self, state: _ManagerState, native: bool) -> None:
         """Choose the path; a reducer for it is built at the next synced step (see
         :meth:`_build_reducer`)."""
-        if state.reducer is not None:  # a no_sync window may be open: keep what it saw used
-            state.used.update(state.reducer.used_since_window())
+        _drop_reducer(state)
         state.native = native
-        state.reducer = None  # its hooks go with it
         state.fingerprint = plan_fingerprint(state.ops, state.plan.tensors(), self._mode(native))
 
     def _build_reducer(self, state: _ManagerState) -> None:
@@ -471,9 +469,7 @@ class AllreduceCallback:
         asks in the step's plan check, or, with no check, where this rank needs one."""
         from .reducer import TorchReducer  # imports torch: only for torch tensors
 
-        if state.reducer is not None:
-            state.used.update(state.reducer.used_since_window())
-            state.reducer = None
+        _drop_reducer(state)
         state.reducer = TorchReducer(state.plan, self.group, self.bucket_bytes,
                                      min(self.bucket_bytes, _FIRST_BUCKET_BYTES))
 
@@ -587,6 +583,11 @@ class AllreduceCallback:
             self._launch(state, step, b, unused)
         return missing
 
+
+def _drop_reducer(state: _ManagerState) -> None:
+    if state.reducer is not None:  # a no_sync window may be open: keep what it saw used
+        state.used.update(state.reducer.used_since_window())
+    state.reducer = None  # its hooks go with it
 
 
 def _native_still_possible(gm: Any, tensors: List[Any]) -> bool:

@@ -85,15 +85,13 @@ class PlanCheck:
         self._world = world = transport.world_size()
         rank_of = getattr(transport, "rank", None)
         self._rank = rank_of() if rank_of is not None else None
-        self._width = width = len(fingerprint)
+        self._width = len(fingerprint)
         if self._rank is not None:
-            flat = [0] * (world * width)
-            flat[self._rank * width:(self._rank + 1) * width] = fingerprint
+            flat = _own_row(self._rank, world, fingerprint)
         else:
             flat = list(fingerprint) + [v * v for v in fingerprint]
         self._handle = transport.allreduce_async(ops.vector(flat + [int(request)], like))
         self.requested = False  # by any rank; known once agreed() returned
-
 
     def agreed(self) -> bool:
         """Whether every rank planned alike (waits for the collective)."""
@@ -101,7 +99,7 @@ class PlanCheck:
         self.requested = summed.pop() != 0
         n, world = self._width, self._world
         if self._rank is not None:
-            rows = [summed[r * n:(r + 1) * n] for r in range(world)]
+            rows = _rows(summed, world, n)
             return all(row == rows[0] for row in rows)
         return all(world * summed[n + i] == summed[i] ** 2 for i in range(n))
 
@@ -115,10 +113,21 @@ class PlanCheck:
 def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],
             like: Any) -> List[List[float]]:
     """Every rank's ``row`` (same length on all ranks), by a sum over zeros elsewhere."""
+    flat = _own_row(rank, world, row)
+    summed = ops.values(transport.allreduce_async(ops.vector(flat, like)).wait())
+    return _rows(summed, world, len(row))
+
+
+def _own_row(rank: int, world: int, row: Sequence[float]) -> List[float]:
+    """``row`` in this rank's place among ``world`` rows of zeros (summed over ranks: every
+    rank's row)."""
     width = len(row)
     flat = [0.0] * (world * width)
     flat[rank * width:(rank + 1) * width] = row
-    summed = ops.values(transport.allreduce_async(ops.vector(flat, like)).wait())
+    return flat
+
+
+def _rows(summed: List[float], world: int, width: int) -> List[List[float]]:
     return [summed[r * width:(r + 1) * width] for r in range(world)]
 
 
