@@ -1,8 +1,10 @@
 """The contract between the framework-neutral core and one framework's adapter.
 
-A backend answers questions about tensors (is this a tensor of mine? may it be attached?) and
-creates one :class:`Tape` per :class:`~gradmgr.GradManager`. The core never imports a framework;
-everything framework-specific goes through these two classes.
+A backend answers questions about tensors (is this a tensor of mine? may it be attached?),
+creates one :class:`Tape` per :class:`~gradmgr.GradManager`, and hands out its data-parallel
+adapters (:meth:`Backend.tensor_ops`, :meth:`Backend.transport`; their contract is in
+:mod:`gradmgr.distributed.contract`). The core never imports a framework; everything
+framework-specific goes through these.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     ClassVar,
@@ -22,6 +25,11 @@ from typing import (
     Tuple,
 )
 
+from .errors import UnsupportedBackendError
+
+if TYPE_CHECKING:  # the data-parallel contract (a module that imports nothing)
+    from .distributed.contract import TensorOps, Transport
+
 GradSink = Callable[[Any], Any]
 """``sink(grad)`` delivers a tensor's gradient to its manager (running its callbacks) and
 returns what the manager keeps for it (None if nothing)."""
@@ -32,17 +40,17 @@ class Capabilities:
     """What a backend supports; tests skip by capability with a reason."""
 
     higher_order: bool = False
-    """Nested managers give second derivatives (S10)."""
+    """Nested managers give second derivatives (contract point 10)."""
     cuda: bool = False
-    """Tensors on CUDA devices work (S13)."""
+    """Tensors on CUDA devices work (contract point 13)."""
     exact_pre_record_semantics: bool = False
-    """Operations done before ``record()`` never contribute gradient (S9). When False the backend
-    detects the case and warns instead."""
+    """Operations done before ``record()`` never contribute gradient (contract point 9). When
+    False the backend detects the case and warns instead."""
     requires_grad_flag: bool = False
     """Tensors carry a ``requires_grad`` flag that attach/release manage."""
     threads: bool = False
-    """Managers work in any thread (S12). When False, recording outside the main thread raises
-    a RuntimeError that says so."""
+    """Managers work in any thread (contract point 12). When False, recording outside the main
+    thread raises a RuntimeError that says so."""
     backward_in_callback: bool = False
     """A callback may run another manager's whole record/backward. When False that raises a
     RuntimeError that says so."""
@@ -84,11 +92,6 @@ class Tape(ABC):
         for a tape without ``persistent_watch``. Override to make that loop cheaper."""
         for tensor, sink, eager in items:
             self.watch(tensor, sink, eager)
-
-    def watch_late(self, tensor: Any, sink: GradSink, eager: bool) -> None:
-        """Like :meth:`watch`, for a tensor attached while already recording (S8): its
-        snapshot is taken now rather than at :meth:`start`."""
-        self.watch(tensor, sink, eager)
 
     @abstractmethod
     def backward(
@@ -208,6 +211,26 @@ class Backend(ABC):
         """Those of ``tensors`` that a backward from ``ys`` would give a gradient."""
         raise NotImplementedError(f"backend {self.name!r} cannot inspect its graph")
 
-    def device_of(self, tensor: Any) -> Optional[str]:
-        """A printable device name, for messages."""
-        return None
+    # ------------------------------------------------------------ data parallelism
+    def tensor_ops(self) -> TensorOps:
+        """The tensor operations data parallelism needs (bucketing, the cross-rank checks, the
+        initial broadcast). A backend without data parallelism keeps this default."""
+        raise UnsupportedBackendError(
+            f"the {self.name!r} backend has no data-parallel adapters: data parallelism needs "
+            f"its Backend to implement tensor_ops() and transport() (see "
+            f"gradmgr.distributed.contract)"
+        )
+
+    transport_names: ClassVar[Sequence[str]] = ()
+    """The names :meth:`transport` accepts besides None."""
+
+    def transport(self, group: Any = None, name: Optional[str] = None) -> Transport:
+        """The collectives for this framework's tensors over ``group`` (None: all ranks): the
+        default one, or the one called ``name`` (one of :attr:`transport_names`)."""
+        self.tensor_ops()  # raises the same error for a backend without data parallelism
+        raise UnsupportedBackendError(f"the {self.name!r} backend has no transport")
+
+    def unknown_transport(self, name: str) -> ValueError:
+        """The error for a transport name this backend does not know."""
+        return ValueError(f"unknown transport {name!r} for {self.name} tensors; choose one of "
+                          f"{sorted(self.transport_names)}, or pass a transport object")

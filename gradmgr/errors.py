@@ -24,3 +24,8 @@ class UnsupportedGraphError(RuntimeError):
     """The recorded computation uses something the backend cannot differentiate with
     GradManager semantics (for example reentrant activation checkpointing on PyTorch); the
     message says what to use instead."""
+
+
+class UnsupportedBackendError(TypeError):
+    """The tensors' backend does not implement what was asked (data parallelism needs
+    ``Backend.tensor_ops()`` and ``Backend.transport()``)."""

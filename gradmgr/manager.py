@@ -353,10 +353,8 @@ class GradManager:
             self._ensure_tape()  # recording began before the backend was known
             if not tape.persistent_watch:
                 return  # _ensure_tape watched it
-        if tape.persistent_watch:
+        if tape.persistent_watch or self._taping:
             tape.watch(tensor, spec.sink, bool(spec.callbacks))
-        elif self._taping:
-            tape.watch_late(tensor, spec.sink, bool(spec.callbacks))
 
     def _warn_if_started_late(self) -> None:
         later = [m for m in self._recording_list
@@ -466,6 +464,11 @@ class GradManager:
         return self
 
     _register_after_backward_callback = register_after_backward_callback  # MegEngine's name
+
+    @property
+    def after_backward_callbacks(self) -> tuple:
+        """The registered after-backward callbacks, in order."""
+        return tuple(self._after_backward_callbacks)
 
     def register_backward_error_callback(self, callback: Callable[[], None]) -> GradManager:
         """Call ``callback()`` when a backward (or a split backward's first part or

@@ -27,14 +27,13 @@ if not dist.is_available():
 
 from dist_workers.data import batch, weights  # noqa: E402
 
-from gradmgr import Future, GradManager  # noqa: E402
+from gradmgr import Future, GradManager, get_backend  # noqa: E402
 from gradmgr.distributed import (  # noqa: E402
     AllreduceCallback,
     BucketPlan,
     free_port,
     make_allreduce_cb,
 )
-from gradmgr.distributed.ops import ops_for  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REL, ABS = 1e-5, 1e-6
@@ -508,7 +507,7 @@ def test_replans_when_attached_tensors_change():
 
 def test_bucket_plan_separates_dtypes_and_reverses_order():
     ts = [torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(4), torch.zeros(8)]
-    plan = BucketPlan(ts, ops_for("torch"), bucket_bytes=32)
+    plan = BucketPlan(ts, get_backend("torch").tensor_ops(), bucket_bytes=32)
     assert [(b.key[0], b.members) for b in plan.buckets] == [
         ("float32", [3]), ("float32", [2, 0]), ("float64", [1])]
     assert [b.nbytes for b in plan.buckets] == [32, 32, 32]
@@ -526,8 +525,11 @@ def test_bad_arguments_raise_clear_errors():
         make_allreduce_cb(verify="always")
     with pytest.raises(TypeError, match="allreduce_async"):
         make_allreduce_cb(transport=object())
-    with pytest.raises(ValueError, match="unknown transport"):
-        AllreduceCallback(transport="carrier-pigeon")
+    # transport names are the backend's: checked once the tensors' backend is known
+    gm = GradManager().attach(torch.ones(1, requires_grad=True),
+                              callbacks=[AllreduceCallback(transport="carrier-pigeon")])
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon' for torch"):
+        gm.record()
     with pytest.raises(RuntimeError, match="during backward"):
         make_allreduce_cb()(torch.ones(1), torch.ones(1))
 

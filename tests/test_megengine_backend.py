@@ -80,7 +80,7 @@ def test_shape_ones_like_device_and_accumulate():
     x = mge.Tensor(np.arange(6, dtype="float32").reshape(2, 3))
     assert backend.shape(x) == (2, 3)
     np.testing.assert_array_equal(backend.ones_like(x).numpy(), np.ones((2, 3), "float32"))
-    assert backend.device_of(x) == str(x.device)
+    assert f"device {x.device}" in backend.describe(x)  # the device, for messages
     assert x.grad is None
     backend.accumulate(x, mge.Tensor(np.full((2, 3), 2.0, "float32")))
     backend.accumulate(x, mge.Tensor(np.full((2, 3), 0.5, "float32")))

@@ -1,6 +1,7 @@
 """Data-parallel training with gradmgr: allreduce callbacks over existing collective engines.
 
-Importing this package imports no framework; torch / megengine are imported on first use.
+Importing this package imports no framework; each backend's adapters (tensor operations and
+transports, :mod:`gradmgr.distributed.contract`) are imported on first use.
 
 Example:
     >>> from gradmgr.distributed import make_allreduce_cb
@@ -10,28 +11,21 @@ Example:
 
 from .allreduce import AllreduceCallback, make_allreduce_cb
 from .bucket import Bucket, BucketPlan
-from .consistency import RankFailedError, RankMismatchError, SparseGradientError
+from .contract import Handle, TensorOps, Transport
+from .errors import RankFailedError, RankMismatchError, SparseGradientError
 from .launch import free_port, run_ranks, spawn_local
-from .sync import broadcast, data_parallel, no_sync
-from .transport import (
-    Handle,
-    MegEngineTransport,
-    MegEngineViaTorchTransport,
-    TorchTransport,
-    Transport,
-)
+from .sync import broadcast, no_sync
+from .wrap import data_parallel
 
 __all__ = [
     "AllreduceCallback",
     "Bucket",
     "BucketPlan",
     "Handle",
-    "MegEngineTransport",
-    "MegEngineViaTorchTransport",
     "RankFailedError",
     "RankMismatchError",
     "SparseGradientError",
-    "TorchTransport",
+    "TensorOps",
     "Transport",
     "broadcast",
     "data_parallel",

@@ -1,35 +1,29 @@
-"""The data-parallel allreduce callback: bucketed, launched during backward, overlapping it."""
+"""The data-parallel allreduce callback: bucketed, launched during backward, overlapping it.
+
+The callback is a state machine per manager it serves: at every recording it plans (again, if
+the trainable attached tensors changed), compares the plan across ranks and starts the step;
+during the backward each gradient goes into its bucket (:mod:`.steps`) or, where the backend's
+own reducer can take the whole backward over, the step is handed to it; after the backward the
+remaining buckets go out. Everything framework-specific comes from the backend's adapters
+(:mod:`gradmgr.distributed.contract`).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Union
+from typing import Any, Dict, Iterator, List, Optional, Set, Union
 
 from .._state import get_backwarding_grad_manager
-from ..future import Future
-from .bucket import Bucket, BucketPlan
-from .consistency import (
-    PlanCheck,
-    RankFailedError,
-    RankMismatchError,
-    SparseGradientError,
-    plan_fingerprint,
-    sparse_message,
-)
-from .ops import TensorOps, ops_for
+from .bucket import BucketPlan
+from .consistency import PlanCheck, plan_fingerprint
+from .contract import NativePath, NativeReducer, TensorOps, Transport
+from .errors import RankMismatchError, SparseGradientError, sparse_message
+from .steps import PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
-from .transport import (
-    Handle,
-    TorchTransport,
-    Transport,
-    TransportSpec,
-    check_transport,
-    resolve_transport,
-)
+from .transport import TransportSpec, check_transport, resolve_transport
 
 _REDUCE = ("mean", "sum")
 _VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
@@ -38,87 +32,31 @@ _FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigge
 _MAX_OPEN_STEPS = 1024  # steps begun but not flushed (split backwards pending, or no backward)
 
 
-class _Reduction:
-    """One launched bucket; unpacks the reduced buffer on first use."""
-
-    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "_last", "_parts", "_flags",
-                 "_lock")
-
-    def __init__(self, ops: TensorOps, handle: Handle, bucket: Bucket, compressed: bool,
-                 last: bool) -> None:
-        self._ops, self._handle, self._bucket = ops, handle, bucket
-        self._compressed = compressed
-        self._last = last  # the step's last bucket: it tells whether a rank failed
-        self._parts: Optional[List[Any]] = None
-        self._flags: Any = None
-        self._lock = threading.Lock()
-
-    def _unpack(self) -> None:
-        with self._lock:
-            if self._parts is None:
-                flat = self._handle.wait()
-                if self._compressed:
-                    flat = self._ops.cast(flat, self._bucket.key[0])
-                parts, flags = self._ops.unpack(flat, self._bucket)
-                if self._last and self._ops.failed_somewhere(flags):
-                    raise RankFailedError(_RANK_FAILED)
-                self._parts, self._flags = parts, flags
-
-    def drain(self) -> None:
-        """Wait for the collective, for a rank whose backward failed: its error, not the
-        transport's, is the one to report."""
-        with contextlib.suppress(Exception):  # the backward's own error propagates
-            self._handle.wait()
-
-    def result(self, slot: int) -> Any:
-        if self._parts is None:
-            self._unpack()
-        return self._parts[slot]
-
-    def used_anywhere(self, slot: int) -> bool:
-        if self._parts is None:
-            self._unpack()
-        return self._ops.flag(self._flags, slot) != 0
-
-
-class _Step:
-    """What one synced backward of one manager has gathered so far."""
-
-    __slots__ = ("record_id", "plan", "sync", "buffers", "filled", "count", "launched",
-                 "next_launch", "check", "mismatch")
-
-    def __init__(self, record_id: int, plan: BucketPlan, sync: bool) -> None:
-        self.record_id = record_id
-        self.plan = plan
-        self.sync = sync
-        self.buffers: List[Any] = [None] * len(plan.buckets)  # see TensorOps.new_buffer
-        self.filled: List[List[bool]] = [[False] * len(b.members) for b in plan.buckets]
-        self.count = [0] * len(plan.buckets)
-        self.launched: List[Optional[_Reduction]] = [None] * len(plan.buckets)
-        self.next_launch = 0
-        self.check: Optional[PlanCheck] = None  # the ranks' plans compared, not yet read
-        self.mismatch: Optional[BaseException] = None  # they differed: launch nothing
-
-
 class _ManagerState:
-    __slots__ = ("plan", "excluded", "epoch", "ops", "transport", "steps", "used", "native",
-                 "reducer", "fingerprint", "started")
+    """What the callback keeps per manager it serves."""
 
-    def __init__(self, ops: TensorOps) -> None:
+    __slots__ = ("backend", "ops", "transport", "wire", "plan", "excluded", "epoch", "steps",
+                 "used", "native_path", "native", "reducer", "fingerprint", "started",
+                 "flush")
+
+    def __init__(self, backend: Any, ops: TensorOps) -> None:
+        self.backend = backend
+        self.ops = ops
+        self.transport: Optional[Transport] = None
+        self.wire: Optional[Wire] = None
         self.plan: Optional[BucketPlan] = None
         self.excluded: List[Any] = []  # attached with this callback but frozen at planning
         self.epoch = -1  # the manager's attach_epoch the plan was made for
-        self.ops = ops
-        self.transport: Optional[Transport] = None
         # Steps by recording: a split backward finishes its step after the next recording
         # has started its own (GradManager.backward_split).
-        self.steps: Dict[int, _Step] = {}
+        self.steps: Dict[int, Step] = {}
         self.used: Set[int] = set()  # ids with a local gradient since the last synced step
-        # Whether plain backwards go to torch's C++ reducer (see _native_possible), and it.
-        self.native = False
-        self.reducer: Any = None
+        self.native_path: Optional[NativePath] = None  # the backend's reducer, if any
+        self.native = False  # plain backwards go to it (see _native_possible)
+        self.reducer: Optional[NativeReducer] = None
         self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
         self.started = False  # the first recording's check and broadcast are done
+        self.flush: Any = None  # the after-backward callback registered for this manager
 
 
 class AllreduceCallback:
@@ -148,8 +86,8 @@ class AllreduceCallback:
     :class:`gradmgr.Future`; each bucket is reduced as soon as all its members are in, in the
     same order on every rank, so communication overlaps the rest of the backward. An
     after-backward callback launches the remaining buckets. Where ``native`` allows, a plain
-    ``gm.backward`` skips all of that and torch's C++ reducer does the same work (see
-    :mod:`gradmgr.distributed.reducer`).
+    ``gm.backward`` skips all of that and the framework's own reducer does the same work
+    (torch's C++ ``Reducer``, DDP's: see :mod:`gradmgr.backends.torch.reducer`).
 
     What ``.grad`` holds afterwards is exactly what DDP's gives: every rank's ``.grad`` (from
     earlier ``no_sync`` steps, or kept from before) plus its new gradient, averaged over the
@@ -176,11 +114,12 @@ class AllreduceCallback:
         bucket_bytes: target bucket size in bytes (a bucket closes once it reaches it).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype sent over the wire (a mean
             is divided by the world size before the cast, so fp16 rarely overflows).
-        transport: None (pick from the tensors' framework: torch.distributed; for MegEngine its
-            own collectives when initialised, else torch.distributed through numpy), a name
-            (``"torch"``, ``"megengine"``, ``"megengine-via-torch"``) or any object with
-            ``world_size()`` and ``allreduce_async(flat) -> handle`` (``handle.wait()`` returns
-            the summed buffer).
+        transport: None (the tensors' backend picks: torch.distributed for PyTorch; for
+            MegEngine its own collectives when initialised, else torch.distributed through
+            host memory), a name the backend knows (``"torch"``, ``"megengine"``,
+            ``"megengine-via-torch"``) or any object with ``world_size()`` and
+            ``allreduce_async(flat) -> handle`` (``handle.wait()`` returns the summed buffer;
+            see :class:`gradmgr.distributed.contract.Transport`).
         broadcast: broadcast the planned tensors from ``src`` at the first recording.
         src: the rank whose values the broadcast spreads.
         verify: compare the ranks' plans: ``True`` or ``"step"``, at every synced step (one
@@ -189,12 +128,13 @@ class AllreduceCallback:
             cost, but a rank that alone attaches, freezes or unfreezes a tensor then takes a
             collective the others do not: gloo aborts, or gradients are wrong); ``False``:
             never.
-        native: let plain backwards go to torch's C++ ``Reducer`` (DDP's) where nothing else
-            needs the per-tensor callbacks: PyTorch tensors, ``"mean"`` without compression
-            over the default transport, every attached tensor a leaf whose chain is this
-            callback alone (or empty), no other after-backward callback. Same results, DDP's
-            cost; it holds the planned tensors while bound. None: on unless the environment
-            sets ``GRADMGR_NATIVE_REDUCER=0``.
+        native: let plain backwards go to the framework's own reducer (on PyTorch, torch's
+            C++ ``Reducer``, DDP's) where nothing else needs the per-tensor callbacks:
+            ``"mean"`` without compression over the backend's default transport, every
+            attached tensor's chain this callback alone (or empty), no other after-backward
+            callback, and what the backend asks (PyTorch: leaves, dense, no
+            post-accumulate-grad hook). Same results, DDP's cost; it holds the planned tensors
+            while bound. None: on unless the environment sets ``GRADMGR_NATIVE_REDUCER=0``.
     """
 
     def __init__(
@@ -260,26 +200,12 @@ class AllreduceCallback:
                     "one. An intermediate (an activation attached while recording) cannot be "
                     "reduced by it: reduce it with a callback of your own"
                 )
-            if getattr(grad, "is_sparse", False):
-                raise SparseGradientError(sparse_message(tensor.shape))
+            if state.ops.is_sparse(grad):
+                raise SparseGradientError(sparse_message(state.ops.shape(tensor)))
             if not step.sync:
-                state.used.add(id(tensor))  # for the next synced step (see _fill_missing)
+                state.used.add(id(tensor))  # for the next synced step (see Step.launch_missing)
                 return grad
-            b, slot = where
-            if step.filled[b][slot]:
-                raise RuntimeError(
-                    "allreduce callback called twice for one tensor in one backward: attach "
-                    "each tensor with a given allreduce callback only once"
-                )
-            step.filled[b][slot] = True
-            buffer = step.buffers[b]
-            if buffer is None:
-                buffer = step.buffers[b] = state.ops.new_buffer(step.plan.buckets[b], tensor)
-            buffer.put(slot, grad, state.ops.local_grad(tensor))
-            step.count[b] += 1
-            if step.count[b] == len(step.plan.buckets[b].members):
-                self._launch_ready(state, step)
-            return _Pending(step.launched, b, slot, False)
+            return step.put(state.wire, tensor, grad, *where)
 
     def bind(self, gm: Any) -> None:
         """Register this callback's record and after-backward work with ``gm``; attaching
@@ -289,36 +215,14 @@ class AllreduceCallback:
                 return
             if gm.backend is None:
                 raise RuntimeError("allreduce callback: bind a manager once it has tensors")
-            self._states[gm] = _ManagerState(ops_for(gm.backend.name))
-            gm_ref, me = weakref.ref(gm), weakref.ref(self)
-
-            def on_record() -> None:
-                cb, manager = me(), gm_ref()
-                if cb is not None and manager is not None:
-                    with cb._lock:
-                        cb._prepare(manager, cb._states[manager], at_record=True)
-
-            def flush() -> None:
-                cb, manager = me(), gm_ref()
-                if cb is not None and manager is not None:
-                    cb._flush(manager)
-
-            def abort() -> None:
-                cb, manager = me(), gm_ref()
-                if cb is not None and manager is not None:
-                    cb._abort(manager)
-
-            def delegate() -> Any:
-                cb, manager = me(), gm_ref()
-                if cb is None or manager is None:
-                    return None
-                return cb._native_step(manager)
-
-            gm.register_record_callback(on_record)
-            gm.register_after_backward_callback(flush)
-            gm.register_backward_error_callback(abort)
+            state = self._states[gm] = _ManagerState(gm.backend, gm.backend.tensor_ops())
+            hooks = _Hooks(self, gm)
+            state.flush = hooks.flush
+            gm.register_record_callback(hooks.record)
+            gm.register_after_backward_callback(hooks.flush)
+            gm.register_backward_error_callback(hooks.abort)
             if self.native:
-                gm.set_backward_delegate(delegate)
+                gm.set_backward_delegate(hooks.delegate)
 
     __gradmgr_bind__ = bind
 
@@ -347,28 +251,32 @@ class AllreduceCallback:
         state = self._states.get(gm)
         return list(state.plan.buckets) if state is not None and state.plan is not None else []
 
-    # ------------------------------------------------------------------ internals
-    def _prepare(self, gm: Any, state: _ManagerState, at_record: bool) -> _Step:
+    def path(self, gm: Any) -> Optional[str]:
+        """How ``gm``'s plain backwards are reduced now: ``"reducer"`` (the framework's own,
+        see ``native``), ``"buckets"`` (gradmgr's), or None before the first recording."""
+        state = self._states.get(gm)
+        if state is None or state.plan is None:
+            return None
+        return "reducer" if state.native else "buckets"
+
+    def transport_of(self, gm: Any) -> Optional[Transport]:
+        """The transport reducing ``gm``'s gradients, or None before the first recording."""
+        state = self._states.get(gm)
+        return None if state is None else state.transport
+
+    # ------------------------------------------------------------------ a step begins
+    def _prepare(self, gm: Any, state: _ManagerState, at_record: bool) -> Step:
         """Plan (again) if the trainable attached tensors changed, then start this step; a
         synced step (and the first) launches the comparison of the ranks' plans."""
-        plan, fingerprint = state.plan, state.fingerprint
+        fingerprint = state.fingerprint
         first = not state.started
-        if plan is None or state.epoch != gm.attach_epoch or not _still_planned(state, plan):
-            self._plan(gm, state)
-        reducer = state.reducer
-        if state.native and reducer is not None and not _native_still_possible(gm,
-                                                                               reducer.tensors):
-            self._set_native(state, False)
-        elif state.native and reducer is not None and reducer.broken:
-            # A backward raised midway, or building the reducer raised (a broken process
-            # group): build it again, so that this step raises the transport's error again.
-            self._set_native(state, True)
+        self._replan_if_needed(gm, state)
         sync = self._sync and not is_paused(gm)
         steps = state.steps
         if len(steps) >= _MAX_OPEN_STEPS:  # recordings released without a backward
             del steps[min(steps)]
-        step = steps[gm.step] = _Step(gm.step, state.plan, sync)
         plan = state.plan
+        step = steps[gm.step] = Step(plan, sync)
         # A tensor to put the check on (its device): planned, else attached but frozen.
         like = plan.tensor(0) if plan.buckets else next(iter(state.excluded), None)
         request = state.native and state.reducer is None
@@ -397,7 +305,27 @@ class AllreduceCallback:
             state.started = True
         return step
 
-    def _settle(self, state: _ManagerState, step: _Step) -> None:
+    def _replan_if_needed(self, gm: Any, state: _ManagerState) -> None:
+        plan = state.plan
+        if (plan is None or state.epoch != gm.attach_epoch
+                or not state.ops.all_trainable(self._planned(state))
+                or state.ops.any_trainable(state.excluded)):
+            self._plan(gm, state)
+        reducer = state.reducer
+        if state.native and reducer is not None:
+            if not self._native_still_possible(gm, state, reducer.tensors):
+                self._set_native(state, False)
+            elif reducer.broken:
+                # A backward raised midway, or building the reducer raised (a broken process
+                # group): build it again, so that this step raises the transport's error again.
+                self._set_native(state, True)
+
+    @staticmethod
+    def _planned(state: _ManagerState) -> List[Any]:
+        # The reducer holds the planned tensors: no weak references to follow.
+        return state.plan.tensors() if state.reducer is None else state.reducer.tensors
+
+    def _settle(self, state: _ManagerState, step: Step) -> None:
         """Read the step's comparison of plans, once; where they differ, every rank raises
         (now and whenever this step is touched again) and launches nothing for it."""
         check = step.check
@@ -418,7 +346,9 @@ class AllreduceCallback:
         attached = gm.attached_tensors(with_callback=self)
         tensors = [t for t in attached if ops.trainable(t)]
         if state.transport is None:
-            state.transport = resolve_transport(self._transport_spec, ops.name, self.group)
+            state.transport = resolve_transport(self._transport_spec, state.backend, self.group)
+            state.wire = Wire(ops, state.transport, self.reduce == "mean", self.compression)
+            state.native_path = ops.native_path(state.transport) if self.native else None
         native = self._native_possible(gm, state, tensors)
         new_plan = state.plan is None or not state.plan.matches(tensors)
         if new_plan:
@@ -434,28 +364,31 @@ class AllreduceCallback:
         """How this rank reduces, compared across ranks with the planned tensors: ranks that
         differ here would sum mismatched buffers (gradients silently wrong, or a crash in
         the transport when the sizes differ)."""
-        path = "torch's C++ Reducer" if native else "gradmgr's buckets"
+        path = "the framework's own reducer" if native else "gradmgr's buckets"
         return (f"{path}, reduce={self.reduce!r}, compression={self.compression!r}, "
                 f"bucket_bytes={self.bucket_bytes}")
 
+    # ------------------------------------------------------------------ the reducer's path
     def _native_possible(self, gm: Any, state: _ManagerState, tensors: List[Any]) -> bool:
-        """Whether plain backwards can go to torch's C++ reducer (DDP's), which reduces exactly
-        what the Python buckets would, at DDP's cost: PyTorch's own transport, ``"mean"``
-        without compression, and nothing else needing the per-tensor callbacks (every attached
-        tensor a leaf whose chain is this callback alone, or empty; no other after-backward
-        callback, checked at each recording)."""
-        if not (self.native and tensors and state.ops.name == "torch" and self.reduce == "mean"
-                and self.compression is None and type(state.transport) is TorchTransport):
+        """Whether plain backwards can go to the backend's own reducer, which reduces exactly
+        what the buckets would: ``"mean"`` without compression, nothing else needing the
+        per-tensor callbacks (every attached tensor's chain this callback alone, or empty; no
+        other after-backward callback), and what the backend's path asks of the tensors."""
+        path = state.native_path
+        if not (path is not None and tensors and self.reduce == "mean"
+                and self.compression is None):
             return False
-        from .reducer import available  # imports torch: only for torch tensors
+        chains = gm.callback_chains()
+        if any(callbacks and callbacks != (self,) for _, callbacks in chains):
+            return False
+        return (gm.after_backward_callbacks == (state.flush,)
+                and path.accepts([t for t, _ in chains], tensors))
 
-        if not available():
-            return False
-        for tensor, callbacks in gm.callback_chains():
-            if not tensor.is_leaf or (callbacks and callbacks != (self,)):
-                return False
-        return _native_still_possible(gm, tensors) and all(
-            t.requires_grad and str(t.layout) == "torch.strided" for t in tensors)
+    def _native_still_possible(self, gm: Any, state: _ManagerState, tensors: List[Any]) -> bool:
+        """What can change between recordings without a new plan: the manager's after-backward
+        callbacks, and what the backend's path checks at every recording."""
+        return (gm.after_backward_callbacks == (state.flush,)
+                and state.native_path.still_accepts(tensors))
 
     def _set_native(self, state: _ManagerState, native: bool) -> None:
         """Choose the path; a reducer for it is built at the next synced step (see
@@ -467,11 +400,9 @@ class AllreduceCallback:
     def _build_reducer(self, state: _ManagerState) -> None:
         """Building one broadcasts, so all ranks do it at the same synced step: when any rank
         asks in the step's plan check, or, with no check, where this rank needs one."""
-        from .reducer import TorchReducer  # imports torch: only for torch tensors
-
         _drop_reducer(state)
-        state.reducer = TorchReducer(state.plan, self.group, self.bucket_bytes,
-                                     min(self.bucket_bytes, _FIRST_BUCKET_BYTES))
+        state.reducer = state.native_path.build(state.plan, self.bucket_bytes,
+                                                min(self.bucket_bytes, _FIRST_BUCKET_BYTES))
 
     def _native_step(self, gm: Any) -> Optional[_NativeStep]:
         """The backward delegate: this step goes to the reducer when the plan says so and
@@ -497,47 +428,18 @@ class AllreduceCallback:
                 raise
             return _NativeStep(state, step.sync)
 
-    def _launch_ready(self, state: _ManagerState, step: _Step) -> None:
-        buckets = step.plan.buckets
-        while step.next_launch < len(buckets):
-            b = step.next_launch
-            if step.count[b] < len(buckets[b].members):
-                return
-            self._launch(state, step, b, ())
-
-    def _launch(self, state: _ManagerState, step: _Step, b: int, unused: Sequence[int],
-                failed: bool = False) -> None:
-        ops, bucket = state.ops, step.plan.buckets[b]
-        buffer = step.buffers[b]
-        if buffer is None:
-            buffer = ops.new_buffer(bucket, step.plan.tensor(bucket.members[0]))
-        flat = buffer.finish(unused, failed)
-        step.buffers[b] = None
-        if self.reduce == "mean":
-            flat = ops.scale(flat, 1.0 / state.transport.world_size())
-        if self.compression is not None:
-            flat = ops.compress(flat, self.compression)
-        handle = state.transport.allreduce_async(flat)
-        step.launched[b] = _Reduction(ops, handle, bucket, self.compression is not None,
-                                      b == len(step.plan.buckets) - 1)
-        step.next_launch = b + 1
-
+    # ------------------------------------------------------------------ a step ends
     def _abort(self, gm: Any) -> None:
-        """``gm``'s backward raised: launch this step's remaining buckets with the failure
-        marker set, so the other ranks' reductions of the step complete (instead of pairing
-        with this rank's next step) and they raise :class:`RankFailedError` rather than use
-        incomplete sums; then wait for all of them."""
+        """``gm``'s backward raised: this rank still takes part in the step's collectives,
+        with the failure marker set (see :meth:`Step.launch_failed`)."""
         with self._lock:
             state = self._states.get(gm)
             step = state.steps.pop(gm.step, None) if state is not None else None
             if step is None or not step.sync or step.mismatch is not None:
                 return  # nothing launched, or the ranks' plans differ: launch nothing
             self._settle(state, step)
-            for b in range(step.next_launch, len(step.plan.buckets)):
-                self._launch(state, step, b, (), failed=True)
-        for reduction in step.launched:
-            if reduction is not None:
-                reduction.drain()
+            step.launch_failed(state.wire)
+        step.drain()
 
     def _flush(self, gm: Any) -> None:
         with self._lock:
@@ -553,49 +455,49 @@ class AllreduceCallback:
             self._settle(state, step)
             if state.reducer is not None:  # earlier steps went to the reducer
                 state.used.update(state.reducer.used_since_window())
-            missing = self._fill_missing(state, step)
+            missing = step.launch_missing(state.wire, state.used)
             state.used.clear()
         for tensor, b, slot in missing:
-            gm.add_gradient(tensor, _Pending(step.launched, b, slot, True))
+            gm.add_gradient(tensor, PendingGradient(step.launched, b, slot, True))
 
-    def _fill_missing(self, state: _ManagerState, step: _Step) -> List[tuple]:
-        """Members with no gradient this step on this rank contribute what their ``.grad``
-        holds (or zeros), flagged unused unless they had a gradient since the last sync; then
-        every bucket not yet launched goes out."""
-        missing = []
-        tensors = step.plan.tensors()
-        for b in range(step.next_launch, len(step.plan.buckets)):
-            bucket = step.plan.buckets[b]
-            unused = []
-            for slot, position in enumerate(bucket.members):
-                if step.filled[b][slot]:
-                    continue
-                tensor = tensors[position]
-                if tensor is None:
-                    raise RuntimeError("an attached tensor died during its allreduce step")
-                buffer = step.buffers[b]
-                if buffer is None:
-                    buffer = step.buffers[b] = state.ops.new_buffer(bucket, tensor)
-                buffer.put(slot, None, state.ops.local_grad(tensor))
-                if id(tensor) not in state.used:
-                    unused.append(slot)
-                missing.append((tensor, b, slot))
-            self._launch(state, step, b, unused)
-        return missing
+
+class _Hooks:
+    """The callback's work registered with one manager; holds both weakly (the manager holds
+    these functions)."""
+
+    __slots__ = ("_cb", "_gm")
+
+    def __init__(self, cb: AllreduceCallback, gm: Any) -> None:
+        self._cb, self._gm = weakref.ref(cb), weakref.ref(gm)
+
+    def _both(self) -> tuple:
+        return self._cb(), self._gm()
+
+    def record(self) -> None:
+        cb, gm = self._both()
+        if cb is not None and gm is not None:
+            with cb._lock:
+                cb._prepare(gm, cb._states[gm], at_record=True)
+
+    def flush(self) -> None:
+        cb, gm = self._both()
+        if cb is not None and gm is not None:
+            cb._flush(gm)
+
+    def abort(self) -> None:
+        cb, gm = self._both()
+        if cb is not None and gm is not None:
+            cb._abort(gm)
+
+    def delegate(self) -> Any:
+        cb, gm = self._both()
+        return None if cb is None or gm is None else cb._native_step(gm)
 
 
 def _drop_reducer(state: _ManagerState) -> None:
     if state.reducer is not None:  # a no_sync window may be open: keep what it saw used
         state.used.update(state.reducer.used_since_window())
     state.reducer = None  # its hooks go with it
-
-
-def _native_still_possible(gm: Any, tensors: List[Any]) -> bool:
-    """What can change between recordings without a new plan: the manager's one after-backward
-    callback is the flush an allreduce callback registered (bind() registers exactly one per
-    manager), and no planned tensor has a post-accumulate-grad hook (the reducer would run
-    after it, so it would see the local gradient instead of the reduced one)."""
-    return len(gm._after_backward_callbacks) == 1 and not any(map(_POST_HOOKS, tensors))
 
 
 class _NativeStep:
@@ -616,63 +518,6 @@ class _NativeStep:
         self._state.reducer.abort()
 
 
-def _still_planned(state: _ManagerState, plan: BucketPlan) -> bool:
-    """The planned tensors are alive and trainable, the frozen ones still frozen."""
-    ops = state.ops
-    if ops.name != "torch":
-        return True  # only PyTorch tensors can be frozen
-    # The reducer holds the planned tensors: no weak references to follow.
-    tensors = plan.tensors() if state.reducer is None else state.reducer.tensors
-    try:
-        if not all(map(_REQUIRES_GRAD, tensors)):
-            return False
-    except AttributeError:  # None: a planned tensor died
-        return False
-    return not any(t.requires_grad for t in state.excluded)
-
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
-
-
-_RANK_FAILED = (
-    "another rank's backward raised during this data-parallel step (its own error says why), "
-    "so the step's reduced gradients are incomplete; no rank uses them, and .grad keeps what "
-    "it held before the step. Skip the step on every rank (catch this error where that rank "
-    "catches its own), or stop all ranks"
-)
-
-
-class _Pending(Future):
-    """The reduced gradient of one bucket member: the tensor's complete new ``.grad``
-    (``replaces_grad``), or None for a tensor that no rank used since the last sync."""
-
-    __slots__ = ("_launched", "_bucket", "_slot", "_maybe_unused")
-
-    replaces_grad = True
-
-    def __init__(self, launched: List[Optional[_Reduction]], bucket: int, slot: int,
-                 maybe_unused: bool) -> None:
-        self._launched, self._bucket, self._slot = launched, bucket, slot
-        self._maybe_unused = maybe_unused
-
-    def get(self, timeout: Optional[float] = None) -> Any:
-        reduction = self._launched[self._bucket]  # filled in place when the bucket launches
-        if reduction is None:
-            raise RuntimeError(
-                "allreduce bucket never launched: the manager's after-backward flush did not run"
-            )
-        if self._maybe_unused and not reduction.used_anywhere(self._slot):
-            return None
-        return reduction.result(self._slot)
-
-    def done(self) -> bool:
-        return self._launched[self._bucket] is not None
-
-    def set(self, value: Any) -> None:
-        raise TypeError("an allreduce result is set by its collective, not by set()")
-
-
 def make_allreduce_cb(
     reduce: str = "mean",
     group: Any = None,
@@ -682,7 +527,7 @@ def make_allreduce_cb(
     **options: Any,
 ) -> AllreduceCallback:
     """A data-parallel allreduce callback; see :class:`AllreduceCallback` (``options``:
-    ``broadcast``, ``src``, ``verify``).
+    ``broadcast``, ``src``, ``verify``, ``native``).
 
     Example:
         >>> cb = make_allreduce_cb("mean", bucket_bytes=4 * 2**20)

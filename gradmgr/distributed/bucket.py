@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .ops import TensorOps
+from .contract import TensorOps
 
 LARGE_BYTES = 2**18
 """Members of at least this size are copied into the bucket's buffer as soon as their gradient
@@ -69,9 +69,10 @@ class BucketPlan:
 
     Example:
         >>> import torch
-        >>> from gradmgr.distributed.ops import ops_for
+        >>> from gradmgr import get_backend
         >>> ts = [torch.zeros(4), torch.zeros(4), torch.zeros(4)]
-        >>> [b.members for b in BucketPlan(ts, ops_for("torch"), bucket_bytes=32).buckets]
+        >>> ops = get_backend("torch").tensor_ops()
+        >>> [b.members for b in BucketPlan(ts, ops, bucket_bytes=32).buckets]
         [[2, 1], [0]]
     """
 

@@ -15,31 +15,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any, List, Optional, Sequence
 
-from .ops import TensorOps
+from .contract import TensorOps
+from .errors import RankMismatchError
 
 _CHUNKS = 8  # a 64-bit fingerprint as 8-bit chunks: sums stay exact in float32
 _COUNT_CHUNKS = 3  # tensor counts below 2**24
 _MAX_DIMS = 8
-
-
-class RankMismatchError(RuntimeError):
-    """The ranks planned different tensors for one allreduce callback; raised on every rank."""
-
-
-class RankFailedError(RuntimeError):
-    """Another rank's backward raised during this data-parallel step: the step's reduced
-    gradients are incomplete, so no rank uses them (``.grad`` keeps what it held before)."""
-
-
-class SparseGradientError(TypeError):
-    """The allreduce callback reduces dense gradients only; a tensor got a sparse one."""
-
-
-def sparse_message(shape: Sequence[int]) -> str:
-    return (f"the allreduce callback reduces dense gradients only, and a tensor of shape "
-            f"{list(shape)} got a sparse one (nn.Embedding(sparse=True) or "
-            f"F.embedding(..., sparse=True)?): make it dense (sparse=False), or reduce that "
-            f"tensor with DDP, which handles sparse gradients")
 
 
 def describe(ops: TensorOps, tensor: Any) -> str:

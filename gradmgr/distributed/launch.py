@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import sys
-from typing import Any, Callable
+import traceback
+from typing import Any, Callable, List
 
 
 def free_port() -> int:
@@ -15,26 +17,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
-    """Run ``fn(rank, world, port, *args)`` in ``world`` local processes; return an exit code.
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple) -> None:
+    try:
+        fn(rank, world, port, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # skip atexit handlers that could wait on the other ranks
 
-    Uses ``torch.multiprocessing.spawn``; ``port`` is free for the rendezvous
-    (``init_process_group(init_method=f"tcp://127.0.0.1:{port}")``), and gloo is told to use the
-    loopback interface unless ``GLOO_SOCKET_IFNAME`` is already set. A failed rank is reported
-    on stderr and gives exit code 1.
+
+def spawn_local(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
+    """Run ``fn(rank, world, port, *args)`` in ``world`` new local processes; return an exit
+    code (0: every rank returned; 1: a rank failed, reported on stderr, and the others were
+    stopped).
+
+    ``port`` is free for the rendezvous (``init_process_group(init_method=
+    f"tcp://127.0.0.1:{port}")``), and gloo is told to use the loopback interface unless
+    ``GLOO_SOCKET_IFNAME`` is already set. ``fn`` must be importable by a new process (a
+    module-level function), as with ``torch.multiprocessing.spawn``.
 
     Example:
         >>> # sys.exit(spawn_local(train, 2, steps))  # train(rank, world, port, steps)
     """
-    import torch.multiprocessing as mp
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:
-        print(f"a rank failed: {exc}", file=sys.stderr)
+    context = multiprocessing.get_context("spawn")  # no forked framework state
+    port = free_port()
+    procs: List[Any] = [context.Process(target=_rank_main, args=(fn, r, world, port, args),
+                                        name=f"rank {r}") for r in range(world)]
+    for p in procs:
+        p.start()
+    failed = _wait_for_all(procs)
+    if failed:
+        print(f"a rank failed: {failed} (exit code {failed.exitcode}); the others were stopped",
+              file=sys.stderr)
         return 1
     return 0
+
+
+def _wait_for_all(procs: List[Any]) -> Any:
+    """Join every process; at the first that fails, stop the others. Returns it, or None."""
+    from multiprocessing.connection import wait
+
+    running = list(procs)
+    while running:
+        wait([p.sentinel for p in running])
+        for p in [p for p in running if not p.is_alive()]:
+            running.remove(p)
+            p.join()
+            if p.exitcode != 0:
+                for other in running:
+                    other.terminate()
+                for other in running:
+                    other.join()
+                return p
+    return None
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
@@ -49,4 +85,3 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
         fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, *args)
         return 0
     return spawn_local(fn, world, *args)
-

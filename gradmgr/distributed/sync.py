@@ -1,5 +1,5 @@
-"""What DistributedDataParallel does besides reducing gradients: broadcasting parameters and
-buffers, and skipping communication for gradient accumulation (``no_sync``)."""
+"""Two things DistributedDataParallel does besides reducing gradients: broadcasting parameters
+and buffers, and skipping communication for gradient accumulation (``no_sync``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any, Dict, Iterator, List
 
 from ..manager import GradManager
 from ..registry import backend_for
-from .ops import ops_for
 from .transport import TransportSpec, resolve_transport
 
 _paused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -72,8 +71,8 @@ def broadcast(tensors: Any, src: int = 0, *, group: Any = None,
     backend = backend_for(items[0])
     if backend is None:
         raise TypeError(f"broadcast() expects tensors or a module, got {type(items[0]).__name__}")
-    ops = ops_for(backend.name)
-    chosen = resolve_transport(transport, ops.name, group)
+    ops = backend.tensor_ops()
+    chosen = resolve_transport(transport, backend, group)
     groups: Dict[Any, List[Any]] = {}
     for t in items:
         groups.setdefault(ops.key(t), []).append(t)
@@ -94,62 +93,4 @@ def broadcast(tensors: Any, src: int = 0, *, group: Any = None,
         ops.assign(members, flat)
 
 
-def data_parallel(
-    module: Any,
-    reduce: str = "mean",
-    *,
-    broadcast_buffers: bool = True,
-    src: int = 0,
-    group: Any = None,
-    bucket_bytes: int = 25 * 2**20,
-    compression: Any = None,
-    transport: TransportSpec = None,
-) -> GradManager:
-    """A GradManager that trains ``module`` data-parallel, set up as
-    ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
-    now (the buffers only with ``broadcast_buffers``), the trainable parameters are attached
-    with an allreduce callback, and (with ``broadcast_buffers``) the buffers are broadcast
-    again when a recording starts, as DDP does at the forward: at the first recording after a
-    synchronised one (not inside a :func:`no_sync` accumulation window).
-
-    Example:
-        >>> # gm = data_parallel(model)
-        >>> # with gm:
-        >>> #     gm.backward(loss_fn(model(x), y))   # .grad: the mean over ranks
-        >>> # with no_sync(gm): ...                    # gradient accumulation
-    """
-    from .allreduce import AllreduceCallback
-
-    cb = AllreduceCallback(reduce, group, bucket_bytes, compression, transport,
-                           broadcast=False, src=src)
-    buffers = list(module.buffers())
-    broadcast(list(module.parameters()) + (buffers if broadcast_buffers else []), src,
-              group=group, transport=transport)
-    gm = GradManager().attach(list(module.parameters()), callbacks=[cb])
-    if broadcast_buffers and buffers:
-        gm.register_record_callback(_BufferSync(gm, buffers, src, group, transport))
-    return gm
-
-
-class _BufferSync:
-    """Broadcast buffers when a recording starts, as DDP does at the forward: at the first
-    recording after a synced one, not again inside a ``no_sync`` accumulation window."""
-
-    def __init__(self, gm: GradManager, buffers: List[Any], src: int, group: Any,
-                 transport: TransportSpec) -> None:
-        self._gm = weakref.ref(gm)
-        self._buffers, self._src, self._group, self._transport = buffers, src, group, transport
-        self._after_sync = True
-
-    def __call__(self) -> None:
-        gm = self._gm()
-        if gm is None:
-            return
-        if self._after_sync:
-            broadcast(self._buffers, self._src, group=self._group, transport=self._transport)
-        self._after_sync = not is_paused(gm)
-
-
-__all__: List[str] = ["broadcast", "data_parallel", "no_sync"]
-
-
+__all__: List[str] = ["broadcast", "is_paused", "no_sync"]

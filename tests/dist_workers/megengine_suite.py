@@ -66,7 +66,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     cb = make_allreduce_cb("mean")
     ps, gm = run(cb, rank, world)
     save(out, "mean_g", ps)
-    out["transport"] = np.array(type(cb._states[gm].transport).__name__)
+    out["transport"] = np.array(type(cb.transport_of(gm)).__name__)
     ps, _ = run(make_allreduce_cb("sum"), rank, world)
     save(out, "sum_g", ps)
     cb = make_allreduce_cb("mean", bucket_bytes=200)

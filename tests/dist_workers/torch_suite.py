@@ -106,7 +106,7 @@ def train(out: dict, rank: int, world: int) -> None:
         if step == 0:
             # which path reduced: torch's C++ reducer, or gradmgr's buckets
             # (GRADMGR_NATIVE_REDUCER=0, see test_distributed.torch_ranks)
-            out["native"] = np.array(cb._states[gm].native)
+            out["native"] = np.array(cb.path(gm) == "reducer")
             save(out, "mean_g", grads(net_gm))
             save(out, "ddp_g", grads(net_ddp))
             out["mean_dtypes"] = np.array([str(p.grad.dtype) for p in net_gm.parameters()
@@ -332,7 +332,7 @@ def hooks_and_split(out: dict, rank: int, world: int) -> None:
                 gm.backward_split(net_gm(x, y), first=[x]).finish()
             else:
                 gm.backward(net_gm(x, y))
-        paths.append(cb._states[gm].native)
+        paths.append(cb.path(gm) == "reducer")
         ddp_step_and_save(out, f"mixed{step}", net_gm, ddp, x, y)
     out["mixed_paths"] = np.array(paths)
     out["mixed_hook_steps"] = np.array(sorted(seen))

@@ -1,4 +1,5 @@
-"""The allreduce callback's fast path on PyTorch: torch's own C++ ``Reducer`` (what DDP runs).
+"""The allreduce callback's fast path on PyTorch: torch's own C++ ``Reducer`` (what DDP runs),
+through torch.distributed's private hooks into it (``_autograd_hook``, ``_rebuild_buckets``).
 
 A Python callback per tensor costs microseconds per tensor, which DDP does not pay: its reducer
 hooks the gradient accumulators in C++. When nothing else needs the per-tensor callbacks (see
@@ -26,8 +27,10 @@ from typing import Any, Collection, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .bucket import BucketPlan
-from .consistency import SparseGradientError, sparse_message
+from gradmgr.distributed.contract import NativePath
+from gradmgr.distributed.errors import SparseGradientError, sparse_message
+
+from .transport import TorchTransport
 
 
 def available() -> bool:
@@ -38,13 +41,46 @@ def available() -> bool:
                                             "_push_all_rebuilt_params", "prepare_for_backward"))
 
 
+def native_path(transport: Any) -> Optional[NativePath]:
+    """The reducer path over ``transport`` where it is torch.distributed's own transport (the
+    reducer talks to the process group itself) and this torch has what it needs."""
+    if type(transport) is not TorchTransport or not available():
+        return None
+    return TorchNativePath(transport.group)
+
+
+_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+class TorchNativePath:
+    """When torch's reducer can take a step over (see :class:`gradmgr.distributed.contract.
+    NativePath`): the engine accumulates into ``.grad`` itself on this path, so every attached
+    tensor must be a leaf; the planned ones dense and trainable; and none may have a
+    post-accumulate-grad hook (the reducer runs after it, so it would see the local gradient
+    instead of the reduced one)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
+        return (all(t.is_leaf for t in attached)
+                and all(t.requires_grad and t.layout == torch.strided for t in planned)
+                and self.still_accepts(planned))
+
+    def still_accepts(self, planned: Sequence[Any]) -> bool:
+        return not any(map(_POST_HOOKS, planned))
+
+    def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int) -> TorchReducer:
+        return TorchReducer(plan, self.group, bucket_bytes, first_bucket_bytes)
+
+
 class TorchReducer:
     """One torch ``Reducer`` over a bucket plan's tensors, plus the used-flags tensor.
 
     Holds the planned tensors strongly (the C++ reducer does), as DDP holds its module.
     """
 
-    def __init__(self, plan: BucketPlan, group: Any, bucket_bytes: int,
+    def __init__(self, plan: Any, group: Any, bucket_bytes: int,
                  first_bucket_bytes: int) -> None:
         planned = plan.tensors()
         if any(t is None for t in planned):

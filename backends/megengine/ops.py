@@ -1,0 +1,98 @@
+"""The tensor operations data parallelism needs on MegEngine, and its bucket buffer."""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import megengine
+import megengine.functional as F
+import numpy as np
+
+from gradmgr.distributed.contract import TensorOps
+
+
+class MegEngineOps(TensorOps):
+    """MegEngine tensors have no ``requires_grad`` flag: every attached tensor is trainable."""
+
+    def key(self, tensor: Any) -> Tuple[str, str]:
+        return np.dtype(tensor.dtype).name, str(tensor.device)
+
+    def nbytes(self, tensor: Any) -> int:
+        return int(tensor.size) * np.dtype(tensor.dtype).itemsize
+
+    def all_trainable(self, tensors: Sequence[Any]) -> bool:
+        return True  # nothing to freeze; a tensor that died changes the manager's attach_epoch
+
+    def any_trainable(self, tensors: Sequence[Any]) -> bool:
+        return False  # nothing was left out as frozen
+
+    def new_buffer(self, bucket: Any, like: Any) -> MegEngineBuffer:
+        return MegEngineBuffer(bucket, like)
+
+    def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
+        parts: List[Any] = [None] * len(bucket.sizes)
+        for slot in bucket.layout:
+            start = bucket.offsets[slot]
+            parts[slot] = flat[start:start + bucket.sizes[slot]].reshape(bucket.shapes[slot])
+        return parts, flat[bucket.numel:]
+
+    def flag(self, flags: Any, i: int) -> float:
+        return float(flags[i].numpy())
+
+    def cast(self, flat: Any, dtype: str) -> Any:
+        if dtype == "bfloat16":
+            raise ValueError(
+                "bf16 compression needs a bfloat16 dtype, which MegEngine tensors lack; "
+                "use compression='fp16'"
+            )
+        return flat.astype(dtype)
+
+    def vector(self, values: Sequence[float], like: Any) -> Any:
+        return F.copy(megengine.Tensor(np.asarray(list(values), dtype="float32")), like.device)
+
+    def values(self, vector: Any) -> List[float]:
+        return [float(v) for v in vector.numpy().tolist()]
+
+    def flatten(self, tensors: Sequence[Any]) -> Any:
+        return F.concat([t.reshape(-1) for t in tensors])
+
+    def assign(self, tensors: Sequence[Any], flat: Any) -> None:
+        start = 0
+        for t in tensors:
+            n = int(t.size)
+            t._reset(flat[start:start + n].reshape(t.shape))
+            start += n
+
+
+MEGENGINE_OPS = MegEngineOps()
+
+
+class MegEngineBuffer:
+    """A bucket's parts, concatenated by ``finish`` (MegEngine tensors are values)."""
+
+    __slots__ = ("bucket", "like", "parts")
+
+    def __init__(self, bucket: Any, like: Any) -> None:
+        self.bucket, self.like = bucket, like
+        self.parts: List[Any] = [None] * len(bucket.sizes)
+
+    def put(self, slot: int, grad: Any, local: Any) -> None:
+        if grad is None or local is None:
+            self.parts[slot] = grad if local is None else local
+        else:
+            self.parts[slot] = grad + local
+
+    def finish(self, unused: Sequence[int], failed: bool = False) -> Any:
+        bucket, like = self.bucket, self.like
+        pieces = []
+        for slot in bucket.layout:
+            part = self.parts[slot]
+            if part is None:
+                part = F.zeros((bucket.sizes[slot],), dtype=like.dtype, device=like.device)
+            pieces.append(part.reshape(-1))
+        flags = np.ones(len(bucket.sizes) + 1, dtype=np.dtype(like.dtype))
+        flags[list(unused)] = 0
+        flags[-1] = 1 if failed else 0
+        pieces.append(F.copy(megengine.Tensor(flags), like.device))
+        self.parts = []
+        return F.concat(pieces)

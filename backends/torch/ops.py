@@ -1,0 +1,156 @@
+"""The tensor operations data parallelism needs on PyTorch, and its bucket buffer."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch._utils import _flatten_dense_tensors
+
+from gradmgr.distributed.contract import NativePath, TensorOps
+
+from .grads import storage_unshared
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class TorchOps(TensorOps):
+    def key(self, tensor: Any) -> Tuple[str, str]:
+        return str(tensor.dtype).replace("torch.", ""), str(tensor.device)
+
+    def nbytes(self, tensor: Any) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    def trainable(self, tensor: Any) -> bool:
+        return tensor.requires_grad
+
+    def all_trainable(self, tensors: Sequence[Any]) -> bool:
+        try:  # one C-level pass: it runs at every recording
+            return all(map(_REQUIRES_GRAD, tensors))
+        except AttributeError:  # None: a tensor died
+            return False
+
+    def any_trainable(self, tensors: Sequence[Any]) -> bool:
+        return any(t.requires_grad for t in tensors if t is not None)
+
+    def is_sparse(self, grad: Any) -> bool:
+        return grad.is_sparse
+
+    def local_grad(self, tensor: Any) -> Any:
+        if tensor.is_leaf:
+            return tensor.grad
+        with warnings.catch_warnings():  # reading .grad of a non-leaf warns
+            warnings.simplefilter("ignore")
+            return tensor.grad
+
+    def new_buffer(self, bucket: Any, like: Any) -> TorchBuffer:
+        return TorchBuffer(bucket, like)
+
+    def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
+        pieces = flat.split([*(bucket.sizes[slot] for slot in bucket.layout),
+                             len(bucket.sizes) + 1])
+        parts: List[Any] = [None] * len(bucket.sizes)
+        for piece, slot in zip(pieces, bucket.layout):
+            parts[slot] = piece.view(bucket.shapes[slot])
+        return parts, pieces[-1]
+
+    def flag(self, flags: Any, i: int) -> float:
+        return float(flags[i])
+
+    def scale(self, flat: Any, factor: float) -> Any:
+        return flat.mul_(factor)  # flat is a fresh buffer from a BucketBuffer
+
+    def cast(self, flat: Any, dtype: str) -> Any:
+        return flat.to(getattr(torch, dtype))
+
+    def vector(self, values: Sequence[float], like: Any) -> Any:
+        return torch.tensor(list(values), dtype=torch.float32).to(like.device)
+
+    def values(self, vector: Any) -> List[float]:
+        return [float(v) for v in vector.cpu().tolist()]
+
+    def flatten(self, tensors: Sequence[Any]) -> Any:
+        with torch.no_grad():
+            return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+    def assign(self, tensors: Sequence[Any], flat: Any) -> None:
+        with torch.no_grad():
+            start = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[start:start + n].view(t.shape))
+                start += n
+
+    def native_path(self, transport: Any) -> Optional[NativePath]:
+        from .reducer import native_path  # torch.distributed's private reducer API
+
+        return native_path(transport)
+
+
+TORCH_OPS = TorchOps()
+
+
+class TorchBuffer:
+    """A bucket's buffer, allocated when its first member arrives: a large member is copied in
+    at once (the engine's gradient is then freed, as with DDP's bucket views), small ones are
+    kept and packed in one copy by ``finish``."""
+
+    __slots__ = ("bucket", "like", "flat", "parts")
+
+    def __init__(self, bucket: Any, like: Any) -> None:
+        self.bucket, self.like = bucket, like
+        self.flat: Any = None
+        self.parts: List[Any] = [None] * len(bucket.sizes)
+
+    def _allocate(self) -> Any:
+        """The bucket's last buffer if nothing holds it any more (the previous step's ``.grad``
+        views were dropped, as ``zero_grad()`` does, and its collective is done), else a new
+        one: a steady training loop then allocates no gradient memory, as DDP's persistent
+        buckets do."""
+        like, bucket = self.like, self.bucket
+        spare = bucket.spare
+        if spare is not None and storage_unshared(spare):
+            self.flat = spare
+        else:
+            self.flat = bucket.spare = torch.empty(bucket.numel + len(bucket.sizes) + 1,
+                                                   dtype=like.dtype, device=like.device)
+        return self.flat
+
+    def put(self, slot: int, grad: Any, local: Any) -> None:
+        bucket = self.bucket
+        if not bucket.large[slot]:
+            if grad is None or local is None:
+                self.parts[slot] = grad if local is None else local
+            else:
+                self.parts[slot] = grad + local  # as AccumulateGrad's local + grad, bit for bit
+            return
+        flat = self.flat if self.flat is not None else self._allocate()
+        view = flat.narrow(0, bucket.offsets[slot], bucket.sizes[slot]).view(bucket.shapes[slot])
+        with torch.no_grad():
+            if grad is None and local is None:
+                view.zero_()
+            else:
+                view.copy_(grad if grad is not None else local)
+                if grad is not None and local is not None:
+                    view.add_(local)
+
+    def finish(self, unused: Sequence[int], failed: bool = False) -> Any:
+        bucket = self.bucket
+        flat = self.flat if self.flat is not None else self._allocate()
+        with torch.no_grad():
+            if bucket.small:
+                pieces = [self.parts[slot] if self.parts[slot] is not None
+                          else torch.zeros(bucket.shapes[slot], dtype=flat.dtype,
+                                           device=flat.device)
+                          for slot in bucket.small]
+                flat[:bucket.small_numel].copy_(_flatten_dense_tensors(pieces))
+            flags = flat[bucket.numel:]
+            flags.fill_(1)
+            for slot in unused:
+                flags[slot] = 0  # a kernel on the device, no host round trip
+            if not failed:
+                flags[-1] = 0
+        self.parts = []
+        return flat

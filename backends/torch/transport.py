@@ -1,0 +1,74 @@
+"""Collectives over ``torch.distributed`` (gloo on CPU, nccl on CUDA, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+def initialised_dist() -> Any:
+    """``torch.distributed``, after checking that a process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl', ...) in every process "
+            "before the first backward, or pass transport= to make_allreduce_cb"
+        )
+    return dist
+
+
+class TorchWork:
+    """A collective in flight; ``wait()`` returns the buffer it reduces in place."""
+
+    __slots__ = ("_work", "_flat")
+
+    def __init__(self, work: Any, flat: Any) -> None:
+        self._work, self._flat = work, flat
+
+    def wait(self) -> Any:
+        self._work.wait()
+        return self._flat
+
+
+class TorchCollective:
+    """What transports over ``torch.distributed`` share: the process group, rank and size,
+    starting a sum and broadcasting a host or device buffer."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def world_size(self) -> int:
+        return initialised_dist().get_world_size(self.group)
+
+    def rank(self) -> int:
+        return initialised_dist().get_rank(self.group)
+
+    def start_sum(self, buffer: Any) -> Any:
+        d = initialised_dist()
+        return d.all_reduce(buffer, op=d.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def broadcast_in_place(self, buffer: Any, src: int) -> None:
+        d = initialised_dist()
+        root = src if self.group is None else d.get_global_rank(self.group, src)
+        d.broadcast(buffer, src=root, group=self.group)
+
+
+class TorchTransport(TorchCollective):
+    """``torch.distributed.all_reduce(async_op=True)`` on torch tensors (gloo, nccl, ...).
+
+    Example:
+        >>> # torch.distributed.init_process_group("gloo", ...)
+        >>> # cb = make_allreduce_cb("mean", transport=TorchTransport())
+    """
+
+    def allreduce_async(self, flat: Any) -> TorchWork:
+        return TorchWork(self.start_sum(flat), flat)
+
+    def broadcast(self, flat: Any, src: int) -> Any:
+        self.broadcast_in_place(flat, src)
+        return flat
+
+
+def dist_initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()

@@ -1,0 +1,183 @@
+"""What a backend hands out for data parallelism: the adapter contract of ``gradmgr.distributed``.
+
+:meth:`gradmgr.Backend.tensor_ops` returns a :class:`TensorOps` (the handful of tensor operations
+bucketing needs) and :meth:`gradmgr.Backend.transport` a :class:`Transport` (the collectives).
+The core (planning, buckets, the cross-rank check, the callback's state machine) talks to a
+framework only through these, so a new engine, or a test double, plugs in by implementing them.
+This module imports nothing: the backends implement it, the core uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, List, Optional, Protocol, Sequence, Tuple
+
+_COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+class Handle(Protocol):
+    """A collective in flight."""
+
+    def wait(self) -> Any:
+        """Block until the collective is done; return the reduced buffer."""
+
+
+class Transport(Protocol):
+    """Starts collectives over flat buffers and hands back something to wait on::
+
+        handle = transport.allreduce_async(flat)   # starts the sum over ranks, returns at once
+        reduced = handle.wait()                    # same type, dtype and device as ``flat``
+
+    Optional methods: ``rank() -> int`` (names ranks in errors about ranks that disagree, and
+    carries the plan check exactly through lossy wires) and ``broadcast(flat, src) -> flat``
+    (the initial sync; without it a sum with zeros from the other ranks is used, which turns
+    -0.0 into 0.0).
+    """
+
+    def world_size(self) -> int:
+        """Number of processes taking part (the divisor of a mean)."""
+
+    def allreduce_async(self, flat: Any) -> Handle:
+        """Start summing ``flat`` over all processes; ``flat`` may be reduced in place."""
+
+
+class BucketBuffer(Protocol):
+    """Assembles one step's flat buffer of one bucket (see :meth:`TensorOps.new_buffer`)."""
+
+    def put(self, slot: int, grad: Any, local: Any) -> None:
+        """Member ``slot``'s new gradient ``grad`` plus its ``.grad`` so far ``local`` (either
+        None: left out; both None: zeros)."""
+
+    def finish(self, unused: Sequence[int], failed: bool = False) -> Any:
+        """The flat buffer: the members' values laid out as ``bucket.layout`` says, one flag per
+        member (1, or 0 for the slots in ``unused``), then the failure marker (1 if
+        ``failed``)."""
+
+
+class NativeReducer(Protocol):
+    """A framework's own reducer running whole backwards (torch's C++ ``Reducer``)."""
+
+    tensors: List[Any]
+    """The planned tensors, held strongly (the reducer holds them)."""
+    broken: bool
+    """A backward failed midway, or building it raised: build a new one."""
+
+    def begin(self, sync: bool) -> None:
+        """Before a backward's engine run."""
+
+    def finish(self, sync: bool, used: Collection[int] = ()) -> None:
+        """After the engine accumulated into ``.grad``: reduce (a synced step); ``used``: ids
+        of tensors that had a local gradient in earlier steps the Python path took."""
+
+    def abort(self) -> None:
+        """The backward raised: this reducer's step can never finish."""
+
+    def used_since_window(self) -> List[int]:
+        """Ids of the tensors whose ``.grad`` changed since the accumulation window opened
+        (and close it)."""
+
+
+class NativePath(Protocol):
+    """How a backend's own reducer can take whole backwards over from the Python buckets."""
+
+    def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
+        """Whether it can reduce ``planned`` (checked when planning; ``attached``: every tensor
+        the manager holds, which the engine accumulates into directly on this path)."""
+
+    def still_accepts(self, planned: Sequence[Any]) -> bool:
+        """What may change between recordings without a new plan (checked at each one)."""
+
+    def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int) -> NativeReducer:
+        """A reducer over the plan's tensors (collective: every rank builds one together)."""
+
+
+class TensorOps:
+    """Framework-specific tensor operations for data parallelism (one instance per backend).
+
+    Subclasses implement the methods that raise ``NotImplementedError``; the others have
+    defaults that fit a framework whose tensors are values with a ``.grad`` attribute.
+    """
+
+    def key(self, tensor: Any) -> Tuple[str, str]:
+        """``(dtype name, device name)``: gradients sharing a key share a bucket."""
+        raise NotImplementedError
+
+    def shape(self, tensor: Any) -> Tuple[int, ...]:
+        return tuple(int(n) for n in tensor.shape)
+
+    def nbytes(self, tensor: Any) -> int:
+        raise NotImplementedError
+
+    def dtype_name(self, tensor: Any) -> str:
+        return self.key(tensor)[0]
+
+    def trainable(self, tensor: Any) -> bool:
+        """Whether the tensor gets gradients now (a frozen one is left out of the buckets)."""
+        return True
+
+    def all_trainable(self, tensors: Sequence[Any]) -> bool:
+        """Whether every tensor is alive (not None) and trainable; checked at every recording,
+        so a framework whose tensors can be frozen should make it cheap."""
+        return all(t is not None and self.trainable(t) for t in tensors)
+
+    def any_trainable(self, tensors: Sequence[Any]) -> bool:
+        return any(t is not None and self.trainable(t) for t in tensors)
+
+    def is_sparse(self, grad: Any) -> bool:
+        """A sparse gradient, which the buckets cannot reduce."""
+        return False
+
+    def local_grad(self, tensor: Any) -> Any:
+        """What ``tensor.grad`` holds (None if nothing)."""
+        return tensor.grad
+
+    def new_buffer(self, bucket: Any, like: Any) -> BucketBuffer:
+        """A buffer for one step of ``bucket``, with the dtype and device of ``like``."""
+        raise NotImplementedError
+
+    def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
+        """The members' parts of a reduced buffer, in slot order (views where the framework
+        has them), and the flags (the failure marker last)."""
+        raise NotImplementedError
+
+    def flag(self, flags: Any, i: int) -> float:
+        """The i-th flag as a Python float (on a GPU: a device-to-host copy)."""
+        raise NotImplementedError
+
+    def failed_somewhere(self, flags: Any) -> bool:
+        """Whether some rank sent this buffer with its failure marker set: the sum over ranks
+        of 0s and (scaled) 1s is 0 exactly when none did, in any wire dtype."""
+        return self.flag(flags, -1) != 0
+
+    def scale(self, flat: Any, factor: float) -> Any:
+        """``flat * factor`` (in place where ``flat`` is a fresh buffer)."""
+        return flat * factor
+
+    def cast(self, flat: Any, dtype: str) -> Any:
+        raise NotImplementedError
+
+    def compress(self, flat: Any, compression: str) -> Any:
+        """``flat`` in the wire dtype of ``compression`` (``"fp16"`` or ``"bf16"``)."""
+        return self.cast(flat, _COMPRESSED[compression])
+
+    def vector(self, values: Sequence[float], like: Any) -> Any:
+        """A float32 vector on ``like``'s device (for the small cross-rank collectives)."""
+        raise NotImplementedError
+
+    def values(self, vector: Any) -> List[float]:
+        raise NotImplementedError
+
+    def flatten(self, tensors: Sequence[Any]) -> Any:
+        """The tensors' values in one 1-D buffer (for a broadcast)."""
+        raise NotImplementedError
+
+    def assign(self, tensors: Sequence[Any], flat: Any) -> None:
+        """Overwrite ``tensors`` in place with the values of a :meth:`flatten`ed buffer."""
+        raise NotImplementedError
+
+    def native_path(self, transport: Any) -> Optional[NativePath]:
+        """The framework's own reducer over ``transport``, or None (the default: gradmgr's
+        buckets do the work)."""
+        return None
+
+
+__all__ = ["BucketBuffer", "Handle", "NativePath", "NativeReducer", "TensorOps", "Transport"]

@@ -1,0 +1,207 @@
+"""One data-parallel step of one manager on gradmgr's own buckets: gradients go into their
+bucket's buffer as they arrive, each full bucket is launched at once (in plan order, the same on
+every rank), and each tensor gets a Future of its reduced gradient."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, List, Optional, Sequence, Set, Tuple
+
+from ..future import Future
+from .bucket import BucketPlan
+from .contract import Handle, TensorOps, Transport
+from .errors import RankFailedError
+
+RANK_FAILED = (
+    "another rank's backward raised during this data-parallel step (its own error says why), "
+    "so the step's reduced gradients are incomplete; no rank uses them, and .grad keeps what "
+    "it held before the step. Skip the step on every rank (catch this error where that rank "
+    "catches its own), or stop all ranks"
+)
+
+
+class Reduction:
+    """One launched bucket; unpacks the reduced buffer on first use."""
+
+    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "_last", "_parts", "_flags",
+                 "_lock")
+
+    def __init__(self, ops: TensorOps, handle: Handle, bucket: Any, compressed: bool,
+                 last: bool) -> None:
+        self._ops, self._handle, self._bucket = ops, handle, bucket
+        self._compressed = compressed
+        self._last = last  # the step's last bucket: it tells whether a rank failed
+        self._parts: Optional[List[Any]] = None
+        self._flags: Any = None
+        self._lock = threading.Lock()
+
+    def _unpack(self) -> None:
+        with self._lock:
+            if self._parts is None:
+                flat = self._handle.wait()
+                if self._compressed:
+                    flat = self._ops.cast(flat, self._bucket.key[0])
+                parts, flags = self._ops.unpack(flat, self._bucket)
+                if self._last and self._ops.failed_somewhere(flags):
+                    raise RankFailedError(RANK_FAILED)
+                self._parts, self._flags = parts, flags
+
+    def drain(self) -> None:
+        """Wait for the collective, for a rank whose backward failed: its error, not the
+        transport's, is the one to report."""
+        with contextlib.suppress(Exception):  # the backward's own error propagates
+            self._handle.wait()
+
+    def result(self, slot: int) -> Any:
+        if self._parts is None:
+            self._unpack()
+        return self._parts[slot]
+
+    def used_anywhere(self, slot: int) -> bool:
+        if self._parts is None:
+            self._unpack()
+        return self._ops.flag(self._flags, slot) != 0
+
+
+class PendingGradient(Future):
+    """The reduced gradient of one bucket member: the tensor's complete new ``.grad``
+    (``replaces_grad``), or None for a tensor that no rank used since the last sync."""
+
+    __slots__ = ("_launched", "_bucket", "_slot", "_maybe_unused")
+
+    replaces_grad = True
+
+    def __init__(self, launched: List[Optional[Reduction]], bucket: int, slot: int,
+                 maybe_unused: bool) -> None:
+        self._launched, self._bucket, self._slot = launched, bucket, slot
+        self._maybe_unused = maybe_unused
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        reduction = self._launched[self._bucket]  # filled in place when the bucket launches
+        if reduction is None:
+            raise RuntimeError(
+                "allreduce bucket never launched: the manager's after-backward flush did not run"
+            )
+        if self._maybe_unused and not reduction.used_anywhere(self._slot):
+            return None
+        return reduction.result(self._slot)
+
+    def done(self) -> bool:
+        return self._launched[self._bucket] is not None
+
+    def set(self, value: Any) -> None:
+        raise TypeError("an allreduce result is set by its collective, not by set()")
+
+
+class Wire:
+    """How a step's buckets travel: the transport, the ops, and what is done to a buffer
+    before it leaves (divided for a mean, cast for compression)."""
+
+    __slots__ = ("ops", "transport", "mean", "compression")
+
+    def __init__(self, ops: TensorOps, transport: Transport, mean: bool,
+                 compression: Optional[str]) -> None:
+        self.ops, self.transport = ops, transport
+        self.mean, self.compression = mean, compression
+
+    def send(self, flat: Any, bucket: Any, last: bool) -> Reduction:
+        ops = self.ops
+        if self.mean:
+            flat = ops.scale(flat, 1.0 / self.transport.world_size())
+        if self.compression is not None:
+            flat = ops.compress(flat, self.compression)
+        handle = self.transport.allreduce_async(flat)
+        return Reduction(ops, handle, bucket, self.compression is not None, last)
+
+
+class Step:
+    """What one backward of one manager has gathered so far (a synced one launches buckets;
+    a ``no_sync`` one only notes which tensors got a gradient)."""
+
+    __slots__ = ("plan", "sync", "buffers", "filled", "count", "launched", "next_launch",
+                 "check", "mismatch")
+
+    def __init__(self, plan: BucketPlan, sync: bool) -> None:
+        self.plan = plan
+        self.sync = sync
+        self.buffers: List[Any] = [None] * len(plan.buckets)  # BucketBuffer, once needed
+        self.filled: List[List[bool]] = [[False] * len(b.members) for b in plan.buckets]
+        self.count = [0] * len(plan.buckets)
+        self.launched: List[Optional[Reduction]] = [None] * len(plan.buckets)
+        self.next_launch = 0
+        self.check: Any = None  # the ranks' plans compared (PlanCheck), not yet read
+        self.mismatch: Optional[BaseException] = None  # they differed: launch nothing
+
+    def put(self, wire: Wire, tensor: Any, grad: Any, b: int, slot: int) -> PendingGradient:
+        """Member ``slot`` of bucket ``b`` got its gradient: into the buffer, and every bucket
+        now complete (in plan order) goes out."""
+        if self.filled[b][slot]:
+            raise RuntimeError(
+                "allreduce callback called twice for one tensor in one backward: attach "
+                "each tensor with a given allreduce callback only once"
+            )
+        self.filled[b][slot] = True
+        ops = wire.ops
+        self._buffer(ops, b, tensor).put(slot, grad, ops.local_grad(tensor))
+        self.count[b] += 1
+        if self.count[b] == len(self.plan.buckets[b].members):
+            self._launch_ready(wire)
+        return PendingGradient(self.launched, b, slot, False)
+
+    def _buffer(self, ops: TensorOps, b: int, like: Any) -> Any:
+        buffer = self.buffers[b]
+        if buffer is None:
+            buffer = self.buffers[b] = ops.new_buffer(self.plan.buckets[b], like)
+        return buffer
+
+    def _launch_ready(self, wire: Wire) -> None:
+        buckets = self.plan.buckets
+        while self.next_launch < len(buckets):
+            b = self.next_launch
+            if self.count[b] < len(buckets[b].members):
+                return
+            self.launch(wire, b, ())
+
+    def launch(self, wire: Wire, b: int, unused: Sequence[int], failed: bool = False) -> None:
+        bucket = self.plan.buckets[b]
+        flat = self._buffer(wire.ops, b, self.plan.tensor(bucket.members[0])).finish(unused,
+                                                                                     failed)
+        self.buffers[b] = None
+        self.launched[b] = wire.send(flat, bucket, b == len(self.plan.buckets) - 1)
+        self.next_launch = b + 1
+
+    def launch_failed(self, wire: Wire) -> None:
+        """This rank's backward raised: launch the remaining buckets with the failure marker
+        set, so the other ranks' reductions of the step complete (instead of pairing with this
+        rank's next step) and they raise RankFailedError rather than use incomplete sums."""
+        for b in range(self.next_launch, len(self.plan.buckets)):
+            self.launch(wire, b, (), failed=True)
+
+    def drain(self) -> None:
+        """Wait for every launched bucket (a failed rank's, whose own error is reported)."""
+        for reduction in self.launched:
+            if reduction is not None:
+                reduction.drain()
+
+    def launch_missing(self, wire: Wire, used: Set[int]) -> List[Tuple[Any, int, int]]:
+        """Members with no gradient in this step on this rank contribute what their ``.grad``
+        holds (or zeros), flagged unused unless they are in ``used`` (ids of the tensors with
+        a gradient since the last synced step); then every bucket not yet launched goes out.
+        Returns ``(tensor, bucket, slot)`` of those members."""
+        missing = []
+        tensors = self.plan.tensors()
+        for b in range(self.next_launch, len(self.plan.buckets)):
+            unused = []
+            for slot, position in enumerate(self.plan.buckets[b].members):
+                if self.filled[b][slot]:
+                    continue
+                tensor = tensors[position]
+                if tensor is None:
+                    raise RuntimeError("an attached tensor died during its allreduce step")
+                self._buffer(wire.ops, b, tensor).put(slot, None, wire.ops.local_grad(tensor))
+                if id(tensor) not in used:
+                    unused.append(slot)
+                missing.append((tensor, b, slot))
+            self.launch(wire, b, unused)
+        return missing
