@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import warnings
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Optional
 
 from .errors import GradMgrWarning
-
-if TYPE_CHECKING:
-    from .manager import GradManager
 
 
 class UnfinishedBackwardWarning(GradMgrWarning):
@@ -17,14 +13,21 @@ class UnfinishedBackwardWarning(GradMgrWarning):
     never got their gradients, and its after-backward callbacks never ran."""
 
 
+class FinishRefused(RuntimeError):
+    """Raised by a finish function before it started anything: the handle stays finishable."""
+
+
+_PENDING, _DONE, _FAILED = range(3)
+
+
 class DeferredBackward:
     """What :meth:`GradManager.backward_split` left for later: ``finish()`` computes the
     gradients of the other attached tensors, runs their callbacks, the manager's after-backward
     callbacks and Futures, and accumulates into ``.grad``, exactly once.
 
-    It keeps only what that needs (the captured gradients at the split, and the graph below
-    them); the manager may record other computations meanwhile, several deferred backwards may
-    be outstanding, and they may be finished in any order.
+    It keeps only what that needs (its manager, the captured gradients at the split and the
+    graph below them); the manager may record other computations meanwhile, several deferred
+    backwards may be outstanding, and they may be finished in any order.
 
     Example:
         >>> # with gm:
@@ -34,18 +37,18 @@ class DeferredBackward:
         >>> # rest.finish()                            # weight gradients, when there is time
     """
 
-    __slots__ = ("_manager", "_rest", "_step", "_done", "__weakref__")
+    __slots__ = ("_finish", "_rest", "_step", "_state", "__weakref__")
 
-    def __init__(self, manager: GradManager, rest: Any, step: int) -> None:
-        self._manager = weakref.ref(manager)
+    def __init__(self, finish: Callable[[Any, int], None], rest: Any, step: int) -> None:
+        self._finish = finish  # the manager's: holding it keeps the manager alive
         self._rest = rest
         self._step = step
-        self._done = False
+        self._state = _PENDING
 
     @property
     def done(self) -> bool:
         """True once :meth:`finish` ran."""
-        return self._done
+        return self._state == _DONE
 
     @property
     def step(self) -> int:
@@ -56,22 +59,37 @@ class DeferredBackward:
         """Compute and deliver the rest of the gradients.
 
         Raises:
-            RuntimeError: already finished, the manager is gone, or its own backward is running.
+            RuntimeError: already finished, or an earlier ``finish()`` failed (its gradients
+                are lost), or the manager's own backward is running (then it can be finished
+                later).
         """
-        if self._done:
+        if self._state == _DONE:
             raise RuntimeError("this split backward was already finished: call finish() once")
-        manager = self._manager()
-        if manager is None:
-            raise RuntimeError("the GradManager of this split backward no longer exists")
-        manager._check_can_finish()  # before this is spent: refused, it can be finished later
-        rest, self._rest = self._rest, None
-        self._done = True
-        manager._finish_split(rest, self._step)
+        if self._state == _FAILED:
+            raise RuntimeError(
+                "an earlier finish() of this split backward raised (its error said why) after "
+                "the rest of the backward had started: the gradients it was computing were not "
+                "accumulated and are lost. Run the micro-batch's forward and backward again"
+            )
+        try:
+            self._finish(self._rest, self._step)
+        except FinishRefused:
+            raise  # nothing started: it can be finished later
+        except BaseException:
+            self._spent(_FAILED)
+            raise
+        self._spent(_DONE)
+
+    def _spent(self, state: int) -> None:
+        rest: Optional[Any] = self._rest
+        self._rest, self._state = None, state
+        if rest is not None:
+            rest.release()  # what it kept on the graph (a retained graph outlives it)
 
     def __del__(self) -> None:
         if self._rest is not None:
-            self._rest.release()  # what it kept on the graph (a retained graph outlives it)
-        if not self._done and self._manager() is not None:
+            self._rest.release()
+        if self._state == _PENDING:
             warnings.warn(
                 "a split backward was never finished: call finish() on what "
                 "GradManager.backward_split returned, or the tensors it left for later get no "

@@ -251,7 +251,7 @@ def test_backward_error_callbacks_run_when_a_backward_raises_and_keep_its_error(
     with pytest.raises(ZeroDivisionError) as raised, gm:
         step = gm.step
         gm.backward(x * x)
-    assert seen == [step] and grad_of(x) == approx(4.0) and not gm._recording
+    assert seen == [step] and grad_of(x) == approx(4.0) and not gm.is_recording
     assert isinstance(raised.value.__context__, OSError)  # the callback's error, chained
     with pytest.raises(TypeError, match="callable"):
         gm.register_backward_error_callback("not a function")

@@ -157,7 +157,7 @@ def test_group_start_failure_leaves_no_global_state():
             group.record()
         assert not Grad.grouping
         assert len(Grad.stack) == 1  # only busy's own Grad remains
-    assert not fresh._recording
+    assert not fresh.is_recording
     busy.release()
     with busy:
         busy.backward(x * x)

@@ -1,0 +1,142 @@
+"""The tensors attached to one manager: a weak reference and a callback chain each, in
+first-attach order, and the checks ``attach()`` makes before it changes anything."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from .backend import Backend
+from .errors import AttachError
+from .registry import backend_for
+
+Callback = Callable[[Any, Any], Any]
+"""``cb(tensor, grad) -> grad`` (or a Future of a grad)."""
+
+
+class AttachSpec:
+    """One attached tensor: a weak reference to it, its callback chain, and the sink its tape
+    delivers its gradient to."""
+
+    __slots__ = ("tensor", "callbacks", "sink", "__weakref__")
+
+    def __init__(self, tensor: weakref.ref, callbacks: List[Callback]) -> None:
+        self.tensor = tensor
+        self.callbacks = callbacks
+        self.sink: Callable[[Any], Any] = _no_sink
+
+
+def _no_sink(grad: Any) -> Any:
+    return None
+
+
+class Attachments:
+    """Specs by ``id(tensor)``; a spec disappears when its tensor dies (contract point 3).
+    ``epoch`` changes whenever a tensor is attached, gets more callbacks, or dies."""
+
+    __slots__ = ("_specs", "epoch", "__weakref__")
+
+    def __init__(self) -> None:
+        self._specs: Dict[int, AttachSpec] = {}
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def spec_of(self, tensor: Any) -> Optional[AttachSpec]:
+        """The spec of ``tensor`` if it is attached (not merely a dead tensor's id)."""
+        spec = self._specs.get(id(tensor))
+        return spec if spec is not None and spec.tensor() is tensor else None
+
+    def get(self, key: int) -> Optional[AttachSpec]:
+        return self._specs.get(key)
+
+    def add(self, tensor: Any, callbacks: List[Callback]) -> Tuple[AttachSpec, bool, bool]:
+        """Attach ``tensor`` or append to its chain; returns ``(spec, new, became_eager)``
+        (``became_eager``: it had no callbacks and now has some)."""
+        key = id(tensor)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = AttachSpec(self._weak(tensor, key), list(callbacks))
+            self.epoch += 1
+            return spec, True, False
+        had_callbacks = bool(spec.callbacks)
+        spec.callbacks.extend(callbacks)
+        if callbacks:
+            self.epoch += 1
+        return spec, False, bool(callbacks) and not had_callbacks
+
+    def _weak(self, tensor: Any, key: int) -> weakref.ref:
+        attachments = weakref.ref(self)  # tensors outlive managers: no cycle through them
+
+        def forget(ref: weakref.ref) -> None:
+            owner = attachments()
+            if owner is not None:
+                spec = owner._specs.get(key)
+                if spec is not None and spec.tensor is ref:
+                    del owner._specs[key]
+                    owner.epoch += 1
+
+        return weakref.ref(tensor, forget)
+
+    def live(self) -> Iterator[Tuple[Any, AttachSpec]]:
+        """``(tensor, spec)`` of every live attached tensor, in first-attach order."""
+        for spec in list(self._specs.values()):
+            tensor = spec.tensor()
+            if tensor is not None:
+                yield tensor, spec
+
+    def tensors(self, with_callback: Optional[Callback] = None) -> List[Any]:
+        return [t for t, spec in self.live()
+                if with_callback is None or any(cb == with_callback for cb in spec.callbacks)]
+
+
+def check_callbacks(callbacks: Any) -> List[Callback]:
+    if callbacks is None:
+        return []
+    if callable(callbacks):
+        return [callbacks]
+    try:
+        callback_list = list(callbacks)
+    except TypeError:
+        raise TypeError(
+            f"callbacks must be a callable or a list of callables, "
+            f"not {type(callbacks).__name__}"
+        ) from None
+    for cb in callback_list:
+        if not callable(cb):
+            raise TypeError(
+                f"each callback must be callable as cb(tensor, grad) -> grad; "
+                f"got {type(cb).__name__}"
+            )
+    return callback_list
+
+
+def check_tensors(tensors: Any, backend: Optional[Backend]) -> Tuple[List[Any], Backend]:
+    """The tensors to attach and their backend, after checking every one of them (so a bad
+    call leaves no trace); ``backend``: the manager's, if known."""
+    if backend_for(tensors) is not None:
+        tensor_list = [tensors]
+    else:
+        try:
+            tensor_list = list(tensors)
+        except TypeError:
+            raise AttachError(
+                f"attach() expects a tensor or an iterable of tensors, "
+                f"got {type(tensors).__module__}.{type(tensors).__qualname__}"
+            ) from None
+    for tensor in tensor_list:
+        found = backend_for(tensor)
+        if found is None:
+            raise AttachError(
+                f"only tensors can be attached; got {type(tensor).__module__}."
+                f"{type(tensor).__qualname__} (is its framework's backend installed?)"
+            )
+        if backend is not None and found is not backend:
+            raise TypeError(
+                f"one GradManager cannot mix frameworks: it holds {backend.name} tensors "
+                f"and was given a {found.name} tensor; use one manager per framework"
+            )
+        found.check_attachable(tensor)
+        backend = found
+    return tensor_list, backend

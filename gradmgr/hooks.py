@@ -1,0 +1,122 @@
+"""What a library registers with a manager to build on its steps (the data-parallel callback
+does): work at the start of every recording, after every backward, when a backward raises, and
+a delegate that may take whole backwards over."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, TypeVar
+
+Self = TypeVar("Self", bound="StepHooks")
+
+
+def _callable(callback: Any, what: str) -> None:
+    if not callable(callback):
+        raise TypeError(f"{what} must be callable, not {type(callback)}")
+
+
+class StepHooks:
+    """The registration half of :class:`gradmgr.GradManager` (registrations persist)."""
+
+    def __init__(self) -> None:
+        self._record_callbacks: List[Callable[[], None]] = []
+        self._after_backward_callbacks: List[Callable[[], None]] = []
+        self._error_callbacks: List[Callable[[], None]] = []
+        self._backward_delegate: Optional[Callable[[], Any]] = None
+
+    def register_record_callback(self: Self, callback: Callable[[], None]) -> Self:
+        """Call ``callback()`` at the start of every recording (``record()`` / ``with``),
+        before anything is recorded; an exception ends that recording. Registrations persist.
+
+        Example:
+            >>> from gradmgr import GradManager
+            >>> gm = GradManager().register_record_callback(lambda: print("step starts"))
+            >>> with gm:
+            ...     pass
+            step starts
+        """
+        _callable(callback, "record callback")
+        self._record_callbacks.append(callback)
+        return self
+
+    def register_after_backward_callback(self: Self, callback: Callable[[], None]) -> Self:
+        """Call ``callback()`` after every backward's gradients are computed, before Futures
+        resolve and before anything is accumulated into ``.grad``. Registrations persist.
+
+        Example:
+            >>> from gradmgr import GradManager
+            >>> gm = GradManager().register_after_backward_callback(lambda: print("computed"))
+            >>> with gm:
+            ...     gm.backward()
+            computed
+        """
+        _callable(callback, "after-backward callback")
+        self._after_backward_callbacks.append(callback)
+        return self
+
+    _register_after_backward_callback = register_after_backward_callback  # MegEngine's name
+
+    @property
+    def after_backward_callbacks(self) -> tuple:
+        """The registered after-backward callbacks, in order."""
+        return tuple(self._after_backward_callbacks)
+
+    def register_backward_error_callback(self: Self, callback: Callable[[], None]) -> Self:
+        """Call ``callback()`` when a backward (or a split backward's first part or
+        ``finish()``) raises, before the error propagates; ``step`` is still that backward's.
+        For work the after-backward callbacks would have finished: an allreduce callback
+        launches the step's remaining collectives there, so other ranks do not wait on them.
+        An error the callback raises is chained to the backward's. Registrations persist.
+
+        Example:
+            >>> from gradmgr import GradManager
+            >>> gm = GradManager().register_backward_error_callback(lambda: print("failed"))
+        """
+        _callable(callback, "backward error callback")
+        self._error_callbacks.append(callback)
+        return self
+
+    def set_backward_delegate(self: Self, delegate: Optional[Callable[[], Any]]) -> Self:
+        """Let ``delegate`` take over whole backwards (None: stop): the data-parallel callback
+        uses it to hand a step to PyTorch's C++ reducer.
+
+        At the start of every ``backward`` (not ``backward_split``), ``delegate()`` returns
+        None (this backward runs as usual) or an object with ``finish()`` and ``abort()``. Then
+        the engine accumulates every attached tensor's gradient straight into ``.grad`` (no
+        callback and no after-backward callback runs), after which ``finish()`` is called, or
+        ``abort()`` if the backward raised. Only a backend whose tape has
+        ``backward_accumulating`` (PyTorch) can be delegated to.
+
+        Example:
+            >>> import torch
+            >>> from gradmgr import GradManager
+            >>> class Count:
+            ...     calls = 0
+            ...     def finish(self): Count.calls += 1
+            ...     def abort(self): pass
+            >>> w = torch.ones(2, requires_grad=True)
+            >>> gm = GradManager().attach(w).set_backward_delegate(Count)
+            >>> with gm:
+            ...     gm.backward((w * 3).sum())
+            >>> w.grad, Count.calls
+            (tensor([3., 3.]), 1)
+        """
+        if delegate is not None:
+            _callable(delegate, "backward delegate")
+        self._backward_delegate = delegate
+        return self
+
+    def _run_record_callbacks(self) -> None:
+        for callback in self._record_callbacks:
+            callback()
+
+    def _run_after_backward_callbacks(self) -> None:
+        for callback in self._after_backward_callbacks:
+            callback()
+
+    def _run_error_callbacks(self, error: BaseException) -> None:
+        for callback in self._error_callbacks:
+            try:
+                callback()
+            except BaseException as raised:  # keep the backward's error; note this one
+                raised.__context__ = error.__context__
+                error.__context__ = raised
