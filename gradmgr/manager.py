@@ -208,7 +208,8 @@ class GradManager(StepHooks):
         self._recording = _Recording(group, managers)
         managers.append(self)
         try:
-            self._run_record_callbacks()  # before the tape snapshots anything
+            if self._record_callbacks:
+                self._run_record_callbacks()  # before the tape snapshots anything
             if self._backend is None:
                 candidates = imported_backends()
                 if len(candidates) == 1:
@@ -320,7 +321,9 @@ class GradManager(StepHooks):
             RuntimeError: not recording.
             ValueError: ``y`` and ``dy`` differ in length or in a shape.
         """
-        self._require_recording("backward(y)")
+        recording = self._recording
+        if recording is None:
+            self._require_recording("backward(y)")
         try:
             with _Backwarding(self, self._step) as scope:
                 ys, dys = self._outputs(y, dy)
@@ -329,9 +332,10 @@ class GradManager(StepHooks):
                 if delegated is not None:
                     self._run_delegated(ys, dys, delegated)
                     return
-                tape = self._recording.tape
+                tape = recording.tape
                 if ys and tape is not None:
-                    create_graph, retain_graph = self._nesting()
+                    create_graph, retain_graph = (
+                        (False, False) if len(recording.managers) == 1 else self._nesting())
                     tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
                                   may_accumulate=not self._after_backward_callbacks)
                 self._end_backward()
@@ -346,13 +350,17 @@ class GradManager(StepHooks):
             )
 
     def _outputs(self, y: Any, dy: Any) -> tuple:
-        ys, dys, backend = check_outputs(y, dy, self._backend)
+        backend = self._backend
+        if dy is None and backend is not None and backend_for(y) is backend:
+            return [y], [backend.ones_like(y)]  # the common call: backward(loss)
+        ys, dys, backend = check_outputs(y, dy, backend)
         self._use_backend(backend)
         return ys, dys
 
     def _end_backward(self) -> None:
         """After the engine: after-backward callbacks, then Futures and ``.grad``."""
-        self._run_after_backward_callbacks()
+        if self._after_backward_callbacks:
+            self._run_after_backward_callbacks()
         delivery = self._delivery
         if delivery.gradients:
             delivery.accumulate(self._backend, self._attached)
@@ -373,10 +381,8 @@ class GradManager(StepHooks):
 
     def _nesting(self) -> tuple:
         """``(create_graph, retain_graph)`` for this manager's backward while this thread's
-        recording managers hold others too."""
+        recording managers hold others too (alone, it is ``(False, False)``)."""
         recording = self._recording
-        if len(recording.managers) == 1:  # only this manager: nobody records this backward
-            return False, False
         # A manager whose own backward is running (this one runs inside its callback) can no
         # longer differentiate anything recorded now.
         others = [m for m in recording.managers if m is not self and m._delivery is None]

@@ -134,8 +134,8 @@ def test_reuse_with_temporaries_leaks_nothing():
     assert len(gm.attached_tensors()) == len(list(model.parameters()))
     assert _live_tensors() <= baseline, "live tensors grew over 1000 iterations"
     tape = gm._tape
-    assert len(tape._entries) == len(list(model.parameters()))
-    assert len(tape._handles) == 0  # only the temporaries had callbacks, and they are gone
+    assert len(tape.watched.entries) == len(list(model.parameters()))
+    assert len(tape.watched.handles) == 0  # only the temporaries had callbacks, and they are gone
 
 
 def test_hooks_ignore_plain_backward_and_die_with_manager():

@@ -613,7 +613,7 @@ def test_retain_grad_on_an_attached_intermediate_is_refused_before_any_gradient(
 
     with pytest.raises(UnsupportedGraphError, match=r"retain_grad\(\).*twice"):
         step(retain=True)
-    assert x.grad is None and not gm._recording
+    assert x.grad is None and not gm.is_recording
     h = step(retain=False)
     ref_x = torch.tensor([1.0, 2.0], requires_grad=True)
     ref_h = ref_x * 2
@@ -694,7 +694,7 @@ def test_an_attached_view_changed_in_place_is_refused(program):
         gm.backward(program(h, v))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's "accessing .grad of a non-leaf"
-        assert w.grad is None and v.grad is None and not gm._recording
+        assert w.grad is None and v.grad is None and not gm.is_recording
     with gm:  # the same program without the view: the snapshot's gradient, as before
         h = w * 1
         v = h[0].clone()

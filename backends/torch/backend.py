@@ -10,8 +10,11 @@ from gradmgr.backend import Backend, Capabilities, Tape
 from gradmgr.errors import AttachError
 
 from . import grads
+from .compile import keep_dynamo_out
 from .graph import reachable_leaves
 from .tape import TorchTape
+
+keep_dynamo_out()
 
 
 class TorchBackend(Backend):

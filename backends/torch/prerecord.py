@@ -51,6 +51,10 @@ def check_mode() -> str:
     return _mode
 
 
+def checks_every_backward() -> bool:
+    return _mode == "always"
+
+
 def warn_if_pre_record(parents: Dict[Any, List[Any]], inputs: List[torch.Tensor],
                        since: List[int]) -> bool:
     """Warn if an attached tensor's gradient mixes recorded operations with older ones (see

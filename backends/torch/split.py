@@ -101,7 +101,7 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
     for t in inputs:
         (now if id(t) in first_ids else later).append(t)
     snapshots = None
-    if tape._snapshots[0]:  # attached non-leaves take their gradient at their snapshot
+    if tape.has_snapshots:  # attached non-leaves take their gradient at their snapshot
         snapshots = {id(t): e.edge.node for t, e in zip(inputs, entries) if e.edge is not None}
     plan = split_plan(outputs, now, later, snapshots)
     if any(type(node).__name__ == "CompiledFunctionBackward" for node in plan.boundary):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import functools
-import operator
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -18,9 +17,7 @@ from .engine import run_engine
 from .flags import FLAGS, GRAD_MODE
 from .grads import zeros_like_cheaply
 from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
+from .watched import Entry, Watched, input_without_flag
 
 _graph_task_id = torch._C._current_graph_task_id
 
@@ -46,7 +43,7 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     tape = tape_ref()
     if tape is None or not tape._running or _graph_task_id() != tape._task:
         return None
-    sink = tape._eager.get(key)
+    sink = tape.watched.eager.get(key)
     if sink is None or tape._only is not None and key not in tape._only:
         return None
     tape._fired.add(key)
@@ -54,9 +51,10 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
             or grad.numel() * grad.element_size() < STAND_IN_BYTES
             or grad.layout != torch.strided):
         return None
-    stand_in = tape._stand_ins.get(key)
+    stand_ins = tape.watched.stand_ins
+    stand_in = stand_ins.get(key)
     if stand_in is None or stand_in.shape != grad.shape:
-        stand_in = tape._stand_ins[key] = zeros_like_cheaply(grad)
+        stand_in = stand_ins[key] = zeros_like_cheaply(grad)
     return stand_in
 
 
@@ -108,7 +106,7 @@ _REENTRANT_CHECKPOINT = (
 )
 
 
-def _check_non_leaves(inputs: Sequence[torch.Tensor], entries: Sequence[_Entry]) -> None:
+def check_non_leaves(inputs: Sequence[torch.Tensor], entries: Sequence[Entry]) -> None:
     """Refuse attached non-leaves whose gradient PyTorch cannot give exactly:
 
     - one that also has ``retain_grad()``: PyTorch would write its ``.grad`` and the manager
@@ -141,33 +139,6 @@ def _check_non_leaves(inputs: Sequence[torch.Tensor], entries: Sequence[_Entry])
             )
 
 
-def _input_without_flag(tensor: torch.Tensor) -> bool:
-    """A leaf whose gradient is wanted although it does not require grad: an input. A
-    ``Parameter`` with ``requires_grad=False`` is frozen instead, and gets no gradient (as
-    with ``loss.backward()`` and DDP)."""
-    return (tensor.is_leaf and not tensor.requires_grad
-            and not isinstance(tensor, torch.nn.Parameter))
-
-
-class _Entry:
-    """One watched tensor: weakly held, with its sink and snapshot sequence number, and for a
-    non-leaf the gradient edge it had when watched."""
-
-    __slots__ = ("ref", "sink", "eager", "since", "edge", "version")
-
-    def __init__(self, ref: weakref.ref, sink: GradSink, eager: bool, since: Optional[int],
-                 edge: Optional[GradientEdge]):
-        self.ref = ref
-        self.sink = sink
-        self.eager = eager
-        self.since = since  # None: snapshot at record() time
-        # A non-leaf's gradient is taken at this edge, so that an in-place operation on the
-        # tensor after attach() does not move it (S8's snapshot); its tensor hook (on the same
-        # node) delivers it, after the user's own hooks.
-        self.edge = edge
-        self.version = None if edge is None else ref()._version  # see _check_non_leaves
-
-
 class TorchTape(Tape):
     """One manager's watched tensors and recording state on PyTorch.
 
@@ -178,20 +149,9 @@ class TorchTape(Tape):
     persistent_watch = True
 
     def __init__(self) -> None:
-        self._entries: Dict[int, _Entry] = {}
-        # [entries, weakrefs] of the watched tensors when all were alive and required grad at
-        # the last backward; emptied whenever a tensor is watched or dies.
-        self._order: List[Any] = []
-        self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
-        self._eager: Dict[int, GradSink] = {}
-        self._fired: set = set()
-        self._snapshots = [0]  # how many entries have a snapshot edge (non-leaf tensors)
-        self._stand_ins: Dict[int, torch.Tensor] = {}  # see _hook
-        self._flagged: List[torch.Tensor] = []
-        self._needs_flag: Dict[int, weakref.ref] = {}
-        self._handles: Dict[int, Any] = {}
-        # Eager tensors with no hook yet: their requires_grad was off (a frozen Parameter).
-        self._hookless: Dict[int, weakref.ref] = {}
+        self.watched = Watched()
+        self._fired: set = set()  # keys whose hook delivered in the running backward
+        self._flagged: List[torch.Tensor] = []  # inputs this recording turned requires_grad on
         # No hooks on the tensors while backwards are delegated (each would cost the engine a
         # Python call per tensor); put back by the first backward that delivers to sinks.
         self._hooks_suspended = False
@@ -201,50 +161,52 @@ class TorchTape(Tape):
         # The split's other parts run some of the same nodes, whose hooks must not deliver.
         self._only: Optional[set] = None
         self._recording = False
+        self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._grad_mode_thread = 0
         self._record_seq = 0
-        self._checked = False
+        self._checked = False  # the graph was checked (each manager's first backward)
         self._warned = False
-        weakref.finalize(self, _remove_handles, self._handles, self._entries)
+        weakref.finalize(self, self.watched.remove_hooks)
+
+    @property
+    def has_snapshots(self) -> bool:
+        """Some watched tensor is a non-leaf, whose gradient is taken at its snapshot edge."""
+        return self.watched.snapshots > 0
 
     # -- watching ---------------------------------------------------------------------
     def watch(self, tensor: torch.Tensor, sink: GradSink, eager: bool) -> None:
         key = id(tensor)
-        entry = self._entries.get(key)
+        watched = self.watched
+        entry = watched.entries.get(key)
         if entry is None or entry.ref() is not tensor:
             since = None
             if self._recording:
                 self._late = True
                 since = current_sequence_nr() if prerecord.check_mode() != "off" else 0
-            edge = None if tensor.grad_fn is None else GradientEdge(tensor.grad_fn,
-                                                                    tensor.output_nr)
-            entry = _Entry(weakref.ref(tensor, self._forget_for(key)), sink, eager, since, edge)
-            self._entries[key] = entry
-            if edge is not None:
-                self._snapshots[0] += 1
-            self._order.clear()
-            if _input_without_flag(tensor):
-                self._needs_flag[key] = entry.ref
+            entry = watched.add(tensor, sink, eager, since)
+            if input_without_flag(tensor):
+                watched.needs_flag[key] = entry.ref
                 if self._recording:
                     self._acquire_flag(tensor)
-        elif _input_without_flag(tensor) and key not in self._needs_flag:
-            self._needs_flag[key] = entry.ref  # the user turned the flag off after attaching
+        elif input_without_flag(tensor) and key not in watched.needs_flag:
+            watched.needs_flag[key] = entry.ref  # the user turned the flag off after attaching
         entry.sink = sink
         eager = entry.eager = eager or entry.edge is not None
         if eager:
-            self._eager[key] = sink
+            watched.eager[key] = sink
             self._ensure_hook(tensor, key)
         else:
-            self._eager.pop(key, None)
+            watched.eager.pop(key, None)
 
     def _ensure_hook(self, tensor: torch.Tensor, key: int) -> None:
-        if key in self._handles or self._hooks_suspended:
+        watched = self.watched
+        if key in watched.handles or self._hooks_suspended:
             return
         if not tensor.requires_grad:  # cannot take a hook yet: _add_missing_hooks adds it
-            self._hookless[key] = self._entries[key].ref
+            watched.hookless[key] = watched.entries[key].ref
             return
-        self._hookless.pop(key, None)
-        self._handles[key] = tensor.register_hook(
+        watched.hookless.pop(key, None)
+        watched.handles[key] = tensor.register_hook(
             functools.partial(_hook, weakref.ref(self), key, tensor.is_leaf)
         )
 
@@ -252,41 +214,21 @@ class TorchTape(Tape):
         """Hooks for eager tensors that require grad now but did not when watched (a frozen
         Parameter unfrozen after attach()): without one, their callbacks would run after the
         engine returns instead of as their gradient is ready."""
-        for key, ref in list(self._hookless.items()):
+        hookless = self.watched.hookless
+        for key, ref in list(hookless.items()):
             tensor = ref()
-            if tensor is None or key not in self._eager:
-                del self._hookless[key]
+            if tensor is None or key not in self.watched.eager:
+                del hookless[key]
             elif tensor.requires_grad:
                 self._ensure_hook(tensor, key)
 
     def _resume_hooks(self) -> None:
         self._hooks_suspended = False
-        for key in self._eager:
-            tensor = self._entries[key].ref()
+        watched = self.watched
+        for key in watched.eager:
+            tensor = watched.entries[key].ref()
             if tensor is not None:
                 self._ensure_hook(tensor, key)
-
-    def _forget_for(self, key: int):
-        entries, eager, handles, needs_flag, order, stand_ins, hookless = (
-            self._entries, self._eager, self._handles, self._needs_flag, self._order,
-            self._stand_ins, self._hookless,
-        )
-        snapshots = self._snapshots  # (not self: the tape must not keep itself alive)
-
-        def forget(dead: weakref.ref) -> None:
-            entry = entries.get(key)
-            if entry is not None and entry.ref is dead:
-                del entries[key]
-                if entry.edge is not None:
-                    snapshots[0] -= 1
-                order.clear()
-                eager.pop(key, None)
-                stand_ins.pop(key, None)
-                handles.pop(key, None)  # the hook died with the tensor
-                hookless.pop(key, None)
-                needs_flag.pop(key, None)
-
-        return forget
 
     def _acquire_flag(self, tensor: torch.Tensor) -> None:
         if FLAGS.acquire(tensor):
@@ -300,16 +242,80 @@ class TorchTape(Tape):
                 "so backward() would compute no gradient; record outside inference mode"
             )
         self._recording = True
-        if self._entries and self._wants_pre_record_check():
+        watched = self.watched
+        if watched.entries and self._wants_pre_record_check():
             self._record_seq = current_sequence_nr()  # a later attach() takes its own
-        if self._needs_flag:
-            for key, ref in list(self._needs_flag.items()):
+        if watched.needs_flag:
+            for key, ref in list(watched.needs_flag.items()):
                 tensor = ref()
                 if tensor is not None:
                     self._acquire_flag(tensor)
-                    if key in self._eager:
+                    if key in watched.eager:
                         self._ensure_hook(tensor, key)
         self._grad_mode_thread = GRAD_MODE.start(self)
+
+    def stop(self) -> None:
+        if not self._recording:
+            return
+        self._recording = False
+        self._running = False
+        if self._grad_mode_thread:
+            GRAD_MODE.stop(self, self._grad_mode_thread)
+            self._grad_mode_thread = 0
+        if self._flagged:
+            flagged, self._flagged = self._flagged, []
+            for tensor in flagged:
+                FLAGS.release(tensor)
+        if self._late:
+            self._late = False
+            for entry in self.watched.entries.values():
+                entry.since = None
+
+    # -- backward ---------------------------------------------------------------------
+    def backward(
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
+        may_accumulate: bool = False,
+    ) -> None:
+        if (may_accumulate and not create_graph and self._checked and len(ys) == 1
+                and not self.watched.eager and not self.watched.snapshots
+                and not prerecord.checks_every_backward()):
+            # The usual step (no callbacks, nothing to check): what loss.backward() costs.
+            if ys[0].requires_grad:
+                inputs = self.watched.trainable()[1]
+                if inputs:
+                    try:
+                        run_engine(ys, dys, retain_graph, False, inputs, accumulate=True)
+                    except RuntimeError as error:
+                        _refuse_reentrant_checkpoint(error)
+            return
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is not None:
+            outputs, seeds, entries, inputs = prepared
+            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
+                     accumulate=may_accumulate and not self.watched.eager and not create_graph)
+
+    def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
+                              create_graph: bool, retain_graph: bool) -> None:
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is None:
+            return
+        outputs, seeds, entries, inputs = prepared
+        if self.watched.snapshots:
+            raise RuntimeError("a delegated backward cannot take a non-leaf tensor's gradient")
+        if not self._hooks_suspended:
+            self._hooks_suspended = True
+            self.watched.remove_hooks()
+        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
+                 accumulate=True)
+
+    def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
+                       retain_graph: bool) -> Any:
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is None:
+            return None
+        outputs, seeds, entries, inputs = prepared
+        return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph,
+                                self._flagged)
 
     def _prepare_backward(self, ys: Sequence[Any], dys: Sequence[Any]) -> Optional[tuple]:
         """``(outputs, seeds, entries, inputs)`` of a backward (the outputs that require grad
@@ -323,41 +329,17 @@ class TorchTape(Tape):
             seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
             if not outputs:
                 return None
-        entries, inputs = self._inputs()
+        entries, inputs = self.watched.trainable()
         if not inputs:
             return None
-        if self._snapshots[0]:
-            _check_non_leaves(inputs, entries)
-        if not self._checked or prerecord.check_mode() == "always":
+        if self.watched.snapshots:
+            check_non_leaves(inputs, entries)
+        if not self._checked or prerecord.checks_every_backward():
             self._check_graph(outputs, inputs, entries)
         return outputs, seeds, entries, inputs
 
-    def backward(
-        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
-        may_accumulate: bool = False,
-    ) -> None:
-        prepared = self._prepare_backward(ys, dys)
-        if prepared is not None:
-            outputs, seeds, entries, inputs = prepared
-            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
-                     accumulate=may_accumulate and not self._eager and not create_graph)
-
-    def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
-                              create_graph: bool, retain_graph: bool) -> None:
-        prepared = self._prepare_backward(ys, dys)
-        if prepared is None:
-            return
-        outputs, seeds, entries, inputs = prepared
-        if self._snapshots[0]:
-            raise RuntimeError("a delegated backward cannot take a non-leaf tensor's gradient")
-        if not self._hooks_suspended:
-            self._hooks_suspended = True
-            _remove_handles(self._handles, self._entries)
-        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
-                 accumulate=True)
-
     def run(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor], retain: bool,
-            create_graph: bool, inputs: List[torch.Tensor], entries: List[_Entry],
+            create_graph: bool, inputs: List[torch.Tensor], entries: List[Entry],
             node_hooks: Sequence[Tuple[Any, str, Any]] = (), accumulate: bool = False,
             only: bool = False) -> None:
         """Run the engine for the gradients of ``inputs`` (``outputs``: tensors or gradient
@@ -375,7 +357,7 @@ class TorchTape(Tape):
             if accumulate:
                 run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=True)
                 return
-            engine_inputs = inputs if not self._snapshots[0] else [
+            engine_inputs = inputs if not self.watched.snapshots else [
                 t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
             if only:
                 self._only = {id(t) for t in inputs}
@@ -401,22 +383,21 @@ class TorchTape(Tape):
     def none_eager(self, tensors: Sequence[torch.Tensor]) -> bool:
         """No tensor of ``tensors`` is delivered by a hook (callbacks, or a non-leaf), so the
         engine may accumulate them itself (:meth:`run`'s ``accumulate``)."""
-        eager = self._eager
-        return not eager or not any(id(t) in eager for t in tensors)
+        return self.watched.none_eager(list(tensors))
 
     def _run_capturing(self, outputs: Sequence[Any], seeds: Sequence[torch.Tensor],
                        retain: bool, create_graph: bool, inputs: List[torch.Tensor],
                        engine_inputs: Sequence[Any]) -> Sequence[Optional[torch.Tensor]]:
         """Run the engine returning the gradients at ``engine_inputs`` (the tensors of
         ``inputs``, or their snapshot edges); hooks feed the eager sinks meanwhile."""
-        if not self._eager:
+        if not self.watched.eager:
             return run_engine(outputs, seeds, retain, create_graph, engine_inputs,
                               accumulate=False)
         if self._hooks_suspended:
             self._resume_hooks()
-        if self._hookless:
+        if self.watched.hookless:
             self._add_missing_hooks()
-        self._hooks_last(inputs)
+        self.watched.hooks_last(inputs)
         # Each output seen through a view made now: its node is this backward's alone, so the
         # task that runs it is this backward's, also when another thread differentiates the
         # same tensor (a shared parameter as an output) at the same time.
@@ -435,59 +416,13 @@ class TorchTape(Tape):
             for handle in handles:
                 handle.remove()
 
-    # -- split backward ---------------------------------------------------------------
-    def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
-                       retain_graph: bool) -> Any:
-        prepared = self._prepare_backward(ys, dys)
-        if prepared is None:
-            return None
-        outputs, seeds, entries, inputs = prepared
-        return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph,
-                                self._flagged)
-
-    def _inputs(self) -> tuple:
-        """The watched tensors that require grad now, with their entries, in watch order."""
-        if self._order:  # the usual step: the same tensors as last time, all still trainable
-            entries, refs = self._order
-            inputs = [ref() for ref in refs]
-            try:
-                if all(map(_REQUIRES_GRAD, inputs)):
-                    return entries, inputs
-            except AttributeError:  # None: a tensor died since
-                pass
-        entries, inputs = [], []
-        for entry in self._entries.values():
-            tensor = entry.ref()
-            if tensor is not None and tensor.requires_grad:
-                entries.append(entry)
-                inputs.append(tensor)
-        if len(entries) == len(self._entries):
-            self._order[:] = [entries, [entry.ref for entry in entries]]
-        else:
-            self._order.clear()
-        return entries, inputs
-
-    def _hooks_last(self, inputs: List[torch.Tensor]) -> None:
-        """Move this tape's hook after hooks the user registered later, so that callbacks see
-        the gradient AccumulateGrad would get (tensor hooks run in registration order)."""
-        handles = self._handles
-        for tensor in inputs:
-            hooks = tensor._backward_hooks
-            if hooks is not None and len(hooks) > 1:
-                handle = handles.get(id(tensor))
-                # (Not in this dict after an in-place op: the tape's hook stayed with the
-                # snapshot's node, and the user's later ones went to the new node's dict.)
-                if (handle is not None and handle.id in hooks
-                        and next(reversed(hooks)) != handle.id):
-                    # The engine walks the dict in insertion order: re-insert at the end.
-                    hooks[handle.id] = hooks.pop(handle.id)
-
+    # -- the graph check --------------------------------------------------------------
     def _wants_pre_record_check(self) -> bool:
         mode = prerecord.check_mode()
         return mode != "off" and not self._warned and (mode == "always" or not self._checked)
 
     def _check_graph(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
-                     entries: List[_Entry]) -> None:
+                     entries: List[Entry]) -> None:
         """One walk of the graph: refuse what gradmgr cannot differentiate, and warn where the
         result differs from MegEngine's (each manager's first backward; every backward in
         "always" mode)."""
@@ -504,56 +439,3 @@ class TorchTape(Tape):
         self._checked = True
         if prerecord.warn_if_pre_record(parents, inputs, since):
             self._warned = True
-
-    def stop(self) -> None:
-        if not self._recording:
-            return
-        self._recording = False
-        self._running = False
-        if self._grad_mode_thread:
-            GRAD_MODE.stop(self, self._grad_mode_thread)
-            self._grad_mode_thread = 0
-        if self._flagged:
-            flagged, self._flagged = self._flagged, []
-            for tensor in flagged:
-                FLAGS.release(tensor)
-        if self._late:
-            self._late = False
-            for entry in self._entries.values():
-                entry.since = None
-
-
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
-
-
-def _eager_under_compile(method: Any) -> Any:
-    """``method``, run eagerly when torch.compile traces a function that calls it (dynamo
-    rewrites the tape's weak references into the tensors themselves, and cannot trace
-    ``threading.get_ident``); outside compilation, one cheap test instead of
-    ``torch.compiler.disable``'s frame switching on every call."""
-    disabled = torch.compiler.disable(method)
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
-            return disabled(*args, **kwargs)
-        return method(*args, **kwargs)
-
-    return run
-
-
-for _name in ("start", "stop", "_inputs", "_run_capturing", "watch", "backward_split"):
-    setattr(TorchTape, _name, _eager_under_compile(getattr(TorchTape, _name)))
-
-
-def _remove_handles(handles: Dict[int, Any], entries: Dict[int, _Entry]) -> None:
-    """Remove this tape's tensor hooks. Removing a handle leaves an empty hook dict, and
-    PyTorch still calls into Python for it in every backward (about 3 us per tensor), so a
-    tensor left with no Python hook gets none at all (which drops that call)."""
-    for key, handle in list(handles.items()):
-        handle.remove()
-        entry = entries.get(key)
-        tensor = None if entry is None else entry.ref()
-        if tensor is not None and not tensor._backward_hooks:
-            tensor._backward_hooks = None
-    handles.clear()
