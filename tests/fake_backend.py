@@ -54,9 +54,10 @@ _local = _ThreadState()
 
 
 class FakeTensor:
-    """An immutable vector (or scalar) of floats with a ``.grad`` slot."""
+    """An immutable vector (or scalar) of floats with a ``.grad`` slot. ``requires_grad=False``
+    freezes it, as a frozen PyTorch parameter: no tape tracks it, so it gets no gradient."""
 
-    __slots__ = ("data", "shape", "dtype", "grad", "__weakref__")
+    __slots__ = ("data", "shape", "dtype", "grad", "requires_grad", "__weakref__")
 
     def __init__(self, data: Any, dtype: str = "float32") -> None:
         if isinstance(data, (list, tuple)):
@@ -65,6 +66,7 @@ class FakeTensor:
             self.data, self.shape = [float(data)], ()
         self.dtype = dtype
         self.grad: Optional[FakeTensor] = None
+        self.requires_grad = True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.data if self.shape else self.data[0]})"
@@ -201,7 +203,7 @@ class FakeTape(Tape):
         self.known[id(tensor)] = tensor
 
     def _tracks(self, t: FakeTensor) -> bool:
-        return self.known.get(id(t)) is t
+        return self.known.get(id(t)) is t and t.requires_grad
 
     def _may_record(self) -> bool:
         """Inside a backward only earlier-started tapes outside its group record, and only
@@ -284,6 +286,9 @@ class FakeBackend(Backend):
         higher_order=True, exact_pre_record_semantics=True, threads=True, backward_in_callback=True
     )
 
+    default_transport = threading.local()
+    """Each rank thread's transport (``value``), set by ``fake_distributed.run_ranks``."""
+
     def __init__(self) -> None:
         self.tapes: List[FakeTape] = []  # every tape made, so tests can inspect them
 
@@ -314,6 +319,20 @@ class FakeBackend(Backend):
         tape = FakeTape()
         self.tapes.append(tape)
         return tape
+
+    def tensor_ops(self) -> Any:
+        from fake_distributed import FAKE_OPS
+
+        return FAKE_OPS
+
+    def transport(self, group: Any = None, name: Optional[str] = None) -> Any:
+        if name is not None:
+            raise self.unknown_transport(name)
+        transport = group if group is not None else getattr(self.default_transport, "value",
+                                                             None)
+        if transport is None:
+            raise RuntimeError("no fake ranks are running: use fake_distributed.run_ranks")
+        return transport
 
     @contextlib.contextmanager
     def recording_group(self) -> Iterator[None]:

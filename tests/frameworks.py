@@ -17,6 +17,13 @@ class Framework:
 
     name: str  # the gradmgr backend name
     supports_cuda = False
+    can_freeze = False  # tensors have a requires_grad flag that freezes them
+
+    def freeze(self, t: Any) -> None:
+        raise NotImplementedError(f"{self.name} tensors cannot be frozen")
+
+    def unfreeze(self, t: Any) -> None:
+        raise NotImplementedError(f"{self.name} tensors cannot be frozen")
 
     # tensors -------------------------------------------------------------
     def tensor(self, data: Any, requires_grad: bool = False, dtype: str = "float32") -> Any:
@@ -103,6 +110,13 @@ class Framework:
 
 class TorchFramework(Framework):
     name = "torch"
+    can_freeze = True
+
+    def freeze(self, t):
+        t.requires_grad_(False)
+
+    def unfreeze(self, t):
+        t.requires_grad_(True)
 
     def __init__(self, device: str = "cpu") -> None:
         import torch
@@ -189,7 +203,51 @@ def _nonleaf_grad(t):
         return t.grad
 
 
+class FakeFramework(Framework):
+    """The pure-Python fake framework (``fake_backend``): vectors and scalars, elementwise
+    ``*`` and ``+``, ``sin``, ``cos``, ``exp`` and ``sum``; Python floats (double precision)."""
+
+    name = "fake"
+    can_freeze = True
+
+    def __init__(self) -> None:
+        import fake_backend
+
+        self.ops = fake_backend
+        self.kind = fake_backend.register().backend_cls.tensor_type
+
+    def tensor(self, data, requires_grad=False, dtype="float32"):
+        values = np.asarray(data, dtype="float64")
+        return self.kind(values.tolist() if values.ndim else float(values), dtype)
+
+    def parameter(self, data):
+        return self.tensor(data)
+
+    def numpy(self, t):
+        return np.asarray(t.data if t.shape else t.data[0], dtype="float64")
+
+    def sin(self, x):
+        return self.ops.sin(x)
+
+    def cos(self, x):
+        return self.ops.cos(x)
+
+    def exp(self, x):
+        return self.ops.exp(x)
+
+    def sum(self, x):
+        return self.ops.sum_(x)
+
+    def freeze(self, t):
+        t.requires_grad = False
+
+    def unfreeze(self, t):
+        t.requires_grad = True
+
+
 def make_framework(name: str, device: str = "cpu") -> Framework:
+    if name == "fake":
+        return FakeFramework()
     if name == "torch":
         return TorchFramework(device)
     if name == "megengine":

@@ -15,7 +15,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -26,58 +25,18 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 from dist_workers.data import batch, weights  # noqa: E402
+from ranks import spawn  # noqa: E402
 
 from gradmgr import Future, GradManager, get_backend  # noqa: E402
 from gradmgr.distributed import (  # noqa: E402
     AllreduceCallback,
     BucketPlan,
-    free_port,
     make_allreduce_cb,
 )
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REL, ABS = 1e-5, 1e-6
 MLP = range(2, 8)  # Net.parameters(): extra, never, then the MLP's 6 tensors
-
-
-# ---------------------------------------------------------------------- spawning
-def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: float = 240,
-          **env_extra: str):
-    """Run ``dist_workers.<suite>`` on ``world`` ranks; return each rank's saved arrays."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-               **env_extra)
-    port = free_port()
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
-                for r in range(world)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "dist_workers.run", suite, str(r), str(world),
-                 str(port), str(outdir), backend],
-                cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT,
-            )
-            for r in range(world)
-        ]
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    codes = [p.returncode for p in procs]
-    if codes != [0] * world:
-        tails = []
-        for r in range(world):
-            with open(os.path.join(outdir, f"log{r}.txt")) as f:
-                tails.append(f"--- rank {r} (exit {codes[r]}):\n" + f.read()[-3000:])
-        pytest.fail(f"{suite} ranks failed or timed out after {timeout} s:\n" + "\n".join(tails))
-    return [dict(np.load(os.path.join(outdir, f"rank{r}.npz"))) for r in range(world)]
 
 
 def close(actual, expected, rtol=REL, atol=ABS, what=""):

@@ -1,0 +1,223 @@
+"""Data parallelism for the pure-Python fake framework: its tensor operations and an in-process
+transport whose ranks are threads.
+
+This is what a backend must hand out for ``gradmgr.distributed`` (see
+:mod:`gradmgr.distributed.contract`), written against nothing but the contract, so that the
+data-parallel contract tests (``tests/test_dp_contract.py``) run without any framework.
+
+Collectives match by launch order, as gloo's do: the i-th collective a rank launches meets the
+i-th of every other rank. One whose size differs between ranks raises on every rank (a real
+transport would abort the process or mix buffers), so a misaligned step shows as an error.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import traceback
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+from gradmgr.distributed.contract import TensorOps
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks launched collectives of different sizes at the same position."""
+
+
+class ThreadWorld:
+    """The ranks of one job, threads of this process; ``transport(rank)`` is one rank's view."""
+
+    def __init__(self, world: int, timeout: float = 60.0) -> None:
+        self.world = world
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._slots: Dict[int, Dict[int, Any]] = {}  # collective index -> rank -> contribution
+        self._launched = [0] * world
+        self.log: List[Tuple[int, str, int]] = []  # (rank, kind, size) of every launch
+
+    def transport(self, rank: int) -> ThreadTransport:
+        return ThreadTransport(self, rank)
+
+    def launch(self, rank: int, kind: str, payload: Any, size: int) -> int:
+        with self._cond:
+            index = self._launched[rank]
+            self._launched[rank] += 1
+            self._slots.setdefault(index, {})[rank] = (kind, size, payload)
+            self.log.append((rank, kind, size))
+            self._cond.notify_all()
+            return index
+
+    def gather(self, index: int) -> List[Any]:
+        """Every rank's contribution to collective ``index``, once all launched it."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._slots[index]) == self.world,
+                                       self.timeout):
+                raise TimeoutError(f"collective {index}: not every rank launched it "
+                                   f"(launched: {sorted(self._slots[index])})")
+            parts = [self._slots[index][r] for r in range(self.world)]
+        if len({(kind, size) for kind, size, _ in parts}) > 1:
+            raise CollectiveMismatch(f"collective {index}: the ranks launched "
+                                     f"{[(kind, size) for kind, size, _ in parts]}")
+        return [payload for _, _, payload in parts]
+
+
+class _Handle:
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self._finish = finish
+        self._value: Any = None
+        self._done = False
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._value, self._done = self._finish(), True
+        return self._value
+
+
+class ThreadTransport:
+    """One rank's collectives in a :class:`ThreadWorld` (sums in rank order, as gloo's ring
+    does for two ranks)."""
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self._world, self._rank = world, rank
+
+    def world_size(self) -> int:
+        return self._world.world
+
+    def rank(self) -> int:
+        return self._rank
+
+    def allreduce_async(self, flat: Any) -> _Handle:
+        values = list(flat.data)
+        index = self._world.launch(self._rank, "allreduce", values, len(values))
+
+        def finish() -> Any:
+            contributions = self._world.gather(index)
+            summed = [sum(column) for column in zip(*contributions)]
+            flat.data[:] = summed  # in place, as gloo reduces
+            return flat
+
+        return _Handle(finish)
+
+    def broadcast(self, flat: Any, src: int) -> Any:
+        index = self._world.launch(self._rank, "broadcast", list(flat.data), len(flat.data))
+        flat.data[:] = self._world.gather(index)[src]
+        return flat
+
+
+def run_ranks(world: int, fn: Callable[[int, ThreadWorld], Any], timeout: float = 60.0) -> list:
+    """``fn(rank, world)`` in ``world`` threads with the fake backend's default transport set
+    to that rank's; returns each rank's result, or raises the first error with its traceback."""
+    from fake_backend import FakeBackend
+
+    group = ThreadWorld(world, timeout)
+    results: List[Any] = [None] * world
+    errors: List[str] = []
+
+    def main(rank: int) -> None:
+        FakeBackend.default_transport.value = group.transport(rank)
+        try:
+            results[rank] = fn(rank, group)
+        except BaseException:
+            errors.append(f"rank {rank}:\n{traceback.format_exc()}")
+        finally:
+            FakeBackend.default_transport.value = None
+
+    threads = [threading.Thread(target=main, args=(r,), name=f"rank {r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"a rank did not finish within {timeout} s")
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
+
+
+def _float16(value: float) -> float:
+    return struct.unpack("e", struct.pack("e", value))[0]
+
+
+class FakeOps(TensorOps):
+    """The fake framework's tensors are lists of floats; a frozen one has
+    ``requires_grad=False``."""
+
+    def key(self, tensor: Any) -> Tuple[str, str]:
+        return tensor.dtype, "cpu"
+
+    def shape(self, tensor: Any) -> Tuple[int, ...]:
+        return tuple(tensor.shape)
+
+    def nbytes(self, tensor: Any) -> int:
+        return 4 * len(tensor.data)
+
+    def trainable(self, tensor: Any) -> bool:
+        return tensor.requires_grad
+
+    def new_buffer(self, bucket: Any, like: Any) -> FakeBuffer:
+        return FakeBuffer(bucket, type(like))
+
+    def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
+        kind = type(flat)
+        parts: List[Any] = [None] * len(bucket.sizes)
+        for slot in bucket.layout:
+            start = bucket.offsets[slot]
+            values = flat.data[start:start + bucket.sizes[slot]]
+            parts[slot] = kind(values if bucket.shapes[slot] else values[0])
+        return parts, flat.data[bucket.numel:]
+
+    def flag(self, flags: Any, i: int) -> float:
+        return float(flags[i])
+
+    def scale(self, flat: Any, factor: float) -> Any:
+        flat.data[:] = [v * factor for v in flat.data]
+        return flat
+
+    def cast(self, flat: Any, dtype: str) -> Any:
+        cast = _float16 if dtype in ("float16", "bfloat16") else float
+        return type(flat)([cast(v) for v in flat.data], dtype=dtype)
+
+    def vector(self, values: Sequence[float], like: Any) -> Any:
+        return type(like)([float(v) for v in values])
+
+    def values(self, vector: Any) -> List[float]:
+        return list(vector.data)
+
+    def flatten(self, tensors: Sequence[Any]) -> Any:
+        return type(tensors[0])([v for t in tensors for v in t.data])
+
+    def assign(self, tensors: Sequence[Any], flat: Any) -> None:
+        start = 0
+        for t in tensors:
+            t.data[:] = flat.data[start:start + len(t.data)]
+            start += len(t.data)
+
+
+class FakeBuffer:
+    """A bucket's parts (values), concatenated by ``finish``."""
+
+    def __init__(self, bucket: Any, kind: type) -> None:
+        self.bucket, self.kind = bucket, kind
+        self.parts: List[Any] = [None] * len(bucket.sizes)
+
+    def put(self, slot: int, grad: Any, local: Any) -> None:
+        if grad is None or local is None:
+            self.parts[slot] = grad if local is None else local
+        else:
+            self.parts[slot] = [a + b for a, b in zip(grad.data, local.data)]
+
+    def finish(self, unused: Sequence[int], failed: bool = False) -> Any:
+        bucket = self.bucket
+        values: List[float] = []
+        for slot in bucket.layout:
+            part = self.parts[slot]
+            if part is None:
+                values.extend([0.0] * bucket.sizes[slot])
+            else:
+                values.extend(part if isinstance(part, list) else part.data)
+        flags = [0.0 if slot in unused else 1.0 for slot in range(len(bucket.sizes))]
+        self.parts = []
+        return self.kind(values + flags + [1.0 if failed else 0.0])
+
+
+FAKE_OPS = FakeOps()

@@ -1,0 +1,66 @@
+"""Running a suite of ``tests/dist_workers`` on several local ranks (processes over gloo), with
+bounded timeouts: a rank that fails or hangs fails the test with every rank's log."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gradmgr.distributed import free_port
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: float = 240,
+          **env_extra: str) -> list:
+    """Run ``dist_workers.<suite>`` on ``world`` ranks; return what each rank saved
+    (``rank{r}.npz`` as a dict of arrays, or ``rank{r}.pkl`` unpickled)."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+               **env_extra)
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
+                for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "dist_workers.run", suite, str(r), str(world),
+                 str(port), str(outdir), backend],
+                cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT,
+            )
+            for r in range(world)
+        ]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    codes = [p.returncode for p in procs]
+    if codes != [0] * world:
+        tails = []
+        for r in range(world):
+            with open(os.path.join(outdir, f"log{r}.txt")) as f:
+                tails.append(f"--- rank {r} (exit {codes[r]}):\n" + f.read()[-3000:])
+        pytest.fail(f"{suite} ranks failed or timed out after {timeout} s:\n" + "\n".join(tails))
+    return [_load(outdir, r) for r in range(world)]
+
+
+def _load(outdir, rank: int):
+    pickled = os.path.join(outdir, f"rank{rank}.pkl")
+    if os.path.exists(pickled):
+        with open(pickled, "rb") as f:
+            return pickle.load(f)
+    return dict(np.load(os.path.join(outdir, f"rank{rank}.npz")))

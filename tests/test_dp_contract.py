@@ -1,0 +1,122 @@
+"""The data-parallel contract, the same scenarios (``dp_scenarios.py``) on every backend: the
+pure-Python fake one (ranks are threads, its transport is in-process: no framework at all),
+PyTorch and MegEngine (ranks are processes over torch.distributed gloo).
+
+Tolerances: against references computed without data parallelism from every rank's data,
+``rtol=2e-6, atol=1e-7`` (float32 summed in another order; the fake framework computes in
+float64); across ranks, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_distributed import run_ranks
+from frameworks import make_framework
+from ranks import spawn
+
+from dp_scenarios import run_all
+
+WORLD = 2
+REL, ABS = 2e-6, 1e-7
+
+
+def close(got, want, what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None, f"{what}[{i}]: expected no gradient, got {g}"
+        else:
+            assert g is not None, f"{what}[{i}]: expected a gradient, got None"
+            np.testing.assert_allclose(g, w, rtol=REL, atol=ABS, err_msg=f"{what}[{i}]")
+
+
+def same_on_every_rank(results, scenario: str, key: str = "got") -> None:
+    first = results[0][scenario][key]
+    for rank, out in enumerate(results[1:], 1):
+        for i, (a, b) in enumerate(zip(first, out[scenario][key])):
+            assert (a is None) == (b is None), f"{scenario} {key}[{i}] rank {rank}"
+            if a is not None:
+                np.testing.assert_array_equal(a, b, err_msg=f"{scenario} {key}[{i}] rank {rank}")
+
+
+@pytest.fixture(scope="module", params=["fake", "torch", "megengine"])
+def backend(request, tmp_path_factory):
+    """Every rank's results of every scenario, for one backend."""
+    name = request.param
+    if name == "fake":
+        fw = make_framework("fake")
+        return name, run_ranks(WORLD, lambda rank, world: run_all(fw, rank, WORLD))
+    pytest.importorskip(name, reason=f"{name} is not installed in this environment")
+    pytest.importorskip("torch", reason="the ranks talk over torch.distributed (gloo)")
+    out = tmp_path_factory.mktemp(f"contract_{name}")
+    return name, spawn("contract_suite", out, WORLD, GRADMGR_CONTRACT_FRAMEWORK=name)
+
+
+def test_the_mean_over_ranks_whatever_the_buckets(backend):
+    name, results = backend
+    for out in results:
+        close(out["mean_in_buckets"]["got"], out["mean_in_buckets"]["want"], name)
+        assert out["mean_in_buckets"]["buckets"] >= 2
+        close(out["summed"]["got"], out["summed"]["want"], f"{name} sum")
+    same_on_every_rank(results, "mean_in_buckets")
+    same_on_every_rank(results, "summed")
+
+
+def test_no_sync_accumulates_and_the_synced_step_reduces_it_all(backend):
+    name, results = backend
+    for out in results:
+        scenario = out["accumulated_without_sync"]
+        close(scenario["got"], scenario["want"], name)
+    same_on_every_rank(results, "accumulated_without_sync")
+
+
+def test_the_first_recording_broadcasts_rank_0s_values(backend):
+    name, results = backend
+    for out in results:
+        scenario = out["broadcast_first"]
+        for got, want in zip(scenario["got_values"], scenario["want_values"]):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        close(scenario["got"], scenario["want"], name)
+
+
+def test_tensors_unused_on_some_or_all_ranks(backend):
+    name, results = backend
+    for out in results:
+        close(out["unused_tensors"]["got"], out["unused_tensors"]["want"], name)
+    same_on_every_rank(results, "unused_tensors")
+
+
+def test_ranks_that_attach_different_tensors_fail_on_every_rank(backend):
+    name, results = backend
+    for rank, out in enumerate(results):
+        scenario = out["ranks_that_differ"]
+        assert len(scenario["errors"]) == 1, f"{name} rank {rank}: no RankMismatchError"
+        assert "planned different tensors" in scenario["errors"][0]
+        assert scenario["refused"] == [None, None, None]
+        close(scenario["got"], scenario["want"], f"{name} after the mismatch")
+
+
+def test_a_rank_whose_backward_raises_fails_the_step_everywhere(backend):
+    name, results = backend
+    assert [out["a_failing_rank"]["raised"] for out in results] == [
+        ["RankFailedError"], ["ValueError"]]
+    for out in results:
+        scenario = out["a_failing_rank"]
+        assert scenario["kept"] == [None, None, None], name
+        close(scenario["got"], scenario["want"], f"{name} the next step")
+
+
+def test_frozen_tensors_are_left_out_and_a_freeze_on_one_rank_is_refused(backend):
+    name, results = backend
+    if name == "megengine":
+        assert all("frozen_tensors" not in out for out in results)
+        return  # MegEngine tensors have no requires_grad flag to freeze
+    for rank, out in enumerate(results):
+        frozen = out["frozen_tensors"]
+        assert frozen["frozen"][1] is None, name
+        close(frozen["frozen"][::2], frozen["want_frozen"], f"{name} frozen")
+        close(frozen["got"], frozen["want"], f"{name} unfrozen")
+        alone = out["frozen_on_one_rank"]
+        assert len(alone["errors"]) == 1 and "difference is at position 1" in alone["errors"][0]
+        assert alone["refused"] == [None, None, None]
