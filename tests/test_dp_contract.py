@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from dp_scenarios import run_all
 from fake_distributed import run_ranks
 from frameworks import make_framework
 from ranks import spawn
-
-from dp_scenarios import run_all
 
 WORLD = 2
 REL, ABS = 2e-6, 1e-7
@@ -112,7 +111,7 @@ def test_frozen_tensors_are_left_out_and_a_freeze_on_one_rank_is_refused(backend
     if name == "megengine":
         assert all("frozen_tensors" not in out for out in results)
         return  # MegEngine tensors have no requires_grad flag to freeze
-    for rank, out in enumerate(results):
+    for out in results:
         frozen = out["frozen_tensors"]
         assert frozen["frozen"][1] is None, name
         close(frozen["frozen"][::2], frozen["want_frozen"], f"{name} frozen")
