@@ -1,6 +1,6 @@
 """What a library registers with a manager to build on its steps (the data-parallel callback
-does): work at the start of every recording, after every backward, when a backward raises, and
-a delegate that may take whole backwards over."""
+does): work at the start of every recording, after every backward, when a backward raises, when
+a recording ends, and a delegate that may take whole backwards over."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class StepHooks:
         self._record_callbacks: List[Callable[[], None]] = []
         self._after_backward_callbacks: List[Callable[[], None]] = []
         self._error_callbacks: List[Callable[[], None]] = []
+        self._release_callbacks: List[Callable[[bool], None]] = []
         self._backward_delegate: Optional[Callable[[], Any]] = None
 
     def register_record_callback(self: Self, callback: Callable[[], None]) -> Self:
@@ -75,6 +76,24 @@ class StepHooks:
         self._error_callbacks.append(callback)
         return self
 
+    def register_release_callback(self: Self, callback: Callable[[bool], None]) -> Self:
+        """Call ``callback(backward_ran)`` when a recording ends (``release()``, the end of a
+        ``with`` block or of a backward), after the manager stopped recording;
+        ``backward_ran`` tells whether a backward (or a split backward's first part) ran in
+        it. The data-parallel callback completes the step of a recording that ended without
+        one. Registrations persist.
+
+        Example:
+            >>> from gradmgr import GradManager
+            >>> gm = GradManager().register_release_callback(lambda ran: print("ran:", ran))
+            >>> with gm:
+            ...     pass
+            ran: False
+        """
+        _callable(callback, "release callback")
+        self._release_callbacks.append(callback)
+        return self
+
     def set_backward_delegate(self: Self, delegate: Optional[Callable[[], Any]]) -> Self:
         """Let ``delegate`` take over whole backwards (None: stop): the data-parallel callback
         uses it to hand a step to PyTorch's C++ reducer.
@@ -112,6 +131,16 @@ class StepHooks:
     def _run_after_backward_callbacks(self) -> None:
         for callback in self._after_backward_callbacks:
             callback()
+
+    def _run_release_callbacks(self, backward_ran: bool) -> None:
+        first_error = None
+        for callback in self._release_callbacks:
+            try:
+                callback(backward_ran)
+            except BaseException as error:  # every callback runs; the first error propagates
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def _run_error_callbacks(self, error: BaseException) -> None:
         for callback in self._error_callbacks:

@@ -33,12 +33,13 @@ class _Recording:
     this thread's recording managers it joined, and its started tape (the manager's, or a
     provisional one; None until the backend is known)."""
 
-    __slots__ = ("group", "managers", "tape")
+    __slots__ = ("group", "managers", "tape", "backward_ran")
 
     def __init__(self, group: Optional[GradManagerGroup], managers: List[GradManager]) -> None:
         self.group = group
         self.managers = managers  # the recording thread's (a backward may run in another)
         self.tape: Optional[Tape] = None
+        self.backward_ran = False
 
 
 class GradManager(StepHooks):
@@ -299,6 +300,8 @@ class GradManager(StepHooks):
             managers.remove(self)
         if recording.tape is not None:
             recording.tape.stop()
+        if self._release_callbacks:
+            self._run_release_callbacks(recording.backward_ran)
 
     def __enter__(self) -> GradManager:
         self.record()
@@ -324,6 +327,7 @@ class GradManager(StepHooks):
         recording = self._recording
         if recording is None:
             self._require_recording("backward(y)")
+        recording.backward_ran = True
         try:
             with _Backwarding(self, self._step) as scope:
                 ys, dys = self._outputs(y, dy)
@@ -452,6 +456,7 @@ class GradManager(StepHooks):
                 (``capabilities.split_backward``), or an outer manager records this backward.
         """
         self._require_recording("backward_split(y, first=...)")
+        self._recording.backward_ran = True
         step, rest = self._step, None
         try:
             with _Backwarding(self, step) as scope:

@@ -14,6 +14,7 @@ from gradmgr.distributed.contract import NativePath, TensorOps
 from .grads import storage_unshared
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
 
 
 class TorchOps(TensorOps):
@@ -44,6 +45,24 @@ class TorchOps(TensorOps):
         with warnings.catch_warnings():  # reading .grad of a non-leaf warns
             warnings.simplefilter("ignore")
             return tensor.grad
+
+    def grad_snapshot(self, tensors: Sequence[Any]) -> Any:
+        """``(.grad of each tensor, the versions of those that have one)``: an in-place
+        accumulation keeps the object and changes its version."""
+        grads = _grads(tensors)
+        if not any(g is not None for g in grads):
+            return grads, None  # the usual step (after zero_grad(set_to_none=True))
+        return grads, [None if g is None else g._version for g in grads]
+
+    def grads_changed(self, tensors: Sequence[Any], snapshot: Any) -> bool:
+        if snapshot is None:
+            return False
+        before, versions = snapshot
+        now = _grads(tensors)
+        if versions is None:
+            return any(g is not None for g in now)
+        return any(g is not old or (old is not None and old._version != version)
+                   for g, old, version in zip(now, before, versions))
 
     def new_buffer(self, bucket: Any, like: Any) -> TorchBuffer:
         return TorchBuffer(bucket, like)
@@ -90,6 +109,12 @@ class TorchOps(TensorOps):
 
 
 TORCH_OPS = TorchOps()
+
+
+def _grads(tensors: Sequence[Any]) -> List[Any]:
+    with warnings.catch_warnings():  # reading .grad of a non-leaf warns
+        warnings.simplefilter("ignore")
+        return list(map(_GRAD, tensors))
 
 
 class TorchBuffer:

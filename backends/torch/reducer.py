@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from gradmgr.distributed.contract import NativePath
-from gradmgr.distributed.errors import SparseGradientError, sparse_message
+from gradmgr.distributed.errors import RankFailedError, SparseGradientError, sparse_message
+from gradmgr.distributed.steps import RANK_FAILED
 
 from .transport import TorchTransport
 
@@ -90,7 +91,8 @@ class TorchReducer:
         # out only once they are known) instead of making a bucket, and a collective, alone.
         tensors = [planned[m] for bucket in plan.buckets for m in bucket.members]
         last = tensors[-1]
-        self.flags = torch.zeros(len(tensors), dtype=last.dtype, device=last.device,
+        # One "used" flag per tensor, then a "this rank failed" marker.
+        self.flags = torch.zeros(len(tensors) + 1, dtype=last.dtype, device=last.device,
                                  requires_grad=True)
         self.tensors: List[torch.Tensor] = tensors
         params = tensors[:-1] + [self.flags, last]
@@ -145,10 +147,12 @@ class TorchReducer:
         self._window = self._step = None
         return [id(t) for i, t in enumerate(self.tensors) if i not in unchanged]
 
-    def finish(self, sync: bool, used: Collection[int] = ()) -> None:
+    def finish(self, sync: bool, used: Collection[int] = (), failed: bool = False) -> None:
         """After the engine run: mark what got no gradient in it, and reduce the flags of
         what got one since the window opened (or is in ``used``: ids of tensors that had a
-        gradient in earlier steps the Python path took)."""
+        gradient in earlier steps the Python path took). Where a rank failed (``failed``
+        here, or another rank's marker), ``.grad`` is put back as it was before the step; the
+        other ranks raise RankFailedError."""
         if not sync:
             return
         tensors = self.tensors
@@ -160,9 +164,11 @@ class TorchReducer:
         # A tensor no rank used keeps its .grad; the reducer reads it into the bucket, and
         # then points .grad at the bucket.
         saved = {i: tensors[i].grad for i in unused}
-        flags = torch.ones(len(tensors), dtype=self.flags.dtype, device=self.flags.device)
+        flags = torch.ones(len(tensors) + 1, dtype=self.flags.dtype, device=self.flags.device)
         if unused:
             flags[unused] = 0
+        if not failed:
+            flags[-1] = 0
         self._unmarked = [self._index[i] for i in unreached]
         self.flags.grad = None
         try:
@@ -171,11 +177,24 @@ class TorchReducer:
             _backward_of_one_leaf(self.flags, flags)
         finally:
             self._unmarked = ()
+        reduced = self.flags.grad
+        if failed or reduced[-1].item() != 0:  # (a host read: the step must not be used)
+            for tensor, old in zip(tensors, step[0]):
+                tensor.grad = old
+            if failed:
+                return
+            raise RankFailedError(RANK_FAILED)
         if unused:
-            used_anywhere = self.flags.grad.tolist()
+            used_anywhere = reduced.tolist()
             for i in unused:
                 if not used_anywhere[i]:
                     tensors[i].grad = saved[i]
+
+    def fail_step(self, used: Collection[int] = ()) -> None:
+        """A synced step with no backward on this rank: take part in its collectives with the
+        failure marker set (``.grad`` stays as it is)."""
+        self.begin(True)
+        self.finish(True, used, failed=True)
 
     def abort(self) -> None:
         """The backward failed midway: this reducer's step can never finish. Raises a clear

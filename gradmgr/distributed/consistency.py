@@ -13,7 +13,8 @@ few more collectives find the first differing tensor, and every rank raises an e
 from __future__ import annotations
 
 import hashlib
-from typing import Any, List, Optional, Sequence
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .contract import TensorOps
 from .errors import RankMismatchError
@@ -21,6 +22,10 @@ from .errors import RankMismatchError
 _CHUNKS = 8  # a 64-bit fingerprint as 8-bit chunks: sums stay exact in float32
 _COUNT_CHUNKS = 3  # tensor counts below 2**24
 _MAX_DIMS = 8
+_NAME_BYTES = 48  # a tensor's name (a module's parameter or buffer), truncated, in messages
+
+NameOf = Optional[Callable[[Any], Optional[str]]]
+"""``name_of(tensor)``: its name where known (a module's parameter), for messages."""
 
 
 def describe(ops: TensorOps, tensor: Any) -> str:
@@ -84,11 +89,13 @@ class PlanCheck:
             return all(row == rows[0] for row in rows)
         return all(world * summed[n + i] == summed[i] ** 2 for i in range(n))
 
-    def error(self, tensors: Sequence[Any], mode: str, what: str) -> RankMismatchError:
+    def error(self, tensors: Sequence[Any], mode: str, what: str,
+              name_of: NameOf = None) -> RankMismatchError:
         """The error every rank raises where the plans (``tensors`` reduced per ``mode``)
-        differ; a few more collectives (so call it on every rank) find the first difference."""
+        differ; a few more collectives (so call it on every rank) find the first difference,
+        which ``name_of(tensor)`` names where it knows the tensor."""
         return RankMismatchError(_mismatch_message(self._transport, self._ops, tensors, what,
-                                                   self._world, mode, self._like))
+                                                   self._world, mode, self._like, name_of))
 
 
 def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],
@@ -113,7 +120,7 @@ def _rows(summed: List[float], world: int, width: int) -> List[List[float]]:
 
 
 def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], what: str,
-                      world: int, mode: str, like: Any) -> str:
+                      world: int, mode: str, like: Any, name_of: NameOf = None) -> str:
     advice = (f"Every rank must attach the same tensors ({what}) in the same order, with the "
               f"same shapes, dtypes and requires_grad flags (freeze a parameter on every rank "
               f"or on none).")
@@ -136,24 +143,39 @@ def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], wh
                 f"and register the same after-backward callbacks: the C++ Reducer serves a "
                 f"step only where nothing else needs the per-tensor callbacks")
     shown = tensors[position] if position < len(tensors) else None
-    row = [0.0] * (3 + _MAX_DIMS)
-    if shown is not None:
-        shape = ops.shape(shown)
-        code = _DTYPES.index(ops.dtype_name(shown)) + 1 if ops.dtype_name(shown) in _DTYPES else 0
-        row[:3 + min(len(shape), _MAX_DIMS)] = [1.0, float(code), float(len(shape)),
-                                                *shape[:_MAX_DIMS]]
-    per_rank = []
-    for r, (present, code, ndim, *dims) in enumerate(
-            _gather(transport, ops, rank, world, row, like)):
-        if not present:
-            per_rank.append(f"rank {r} has no tensor there (it planned {counts[r]})")
-        else:
-            dtype = _DTYPES[int(code) - 1] if code else "another dtype"
-            shape = tuple(int(d) for d in dims[:int(ndim)])
-            per_rank.append(f"rank {r} has {dtype}{list(shape)}")
+    rows = _gather(transport, ops, rank, world, _described(ops, shown, name_of), like)
+    per_rank = [f"rank {r} has {_read_description(row)}" if row[0]
+                else f"rank {r} has no tensor there (it planned {counts[r]})"
+                for r, row in enumerate(rows)]
     return (f"the ranks planned different tensors for data-parallel reduction: the first "
             f"difference is at position {position} in attach order: {'; '.join(per_rank)}. "
             f"{advice}")
+
+
+def _described(ops: TensorOps, tensor: Any, name_of: NameOf) -> List[float]:
+    """A tensor as a row of small numbers that survive a sum over zeros: present, dtype code,
+    dimensions, then its name's bytes."""
+    row = [0.0] * (3 + _MAX_DIMS + _NAME_BYTES)
+    if tensor is None:
+        return row
+    shape = ops.shape(tensor)
+    name = ops.dtype_name(tensor)
+    code = _DTYPES.index(name) + 1 if name in _DTYPES else 0
+    row[:3 + min(len(shape), _MAX_DIMS)] = [1.0, float(code), float(len(shape)),
+                                            *shape[:_MAX_DIMS]]
+    label = (name_of(tensor) if name_of is not None else None) or ""
+    encoded = label.encode()[:_NAME_BYTES]
+    row[3 + _MAX_DIMS:3 + _MAX_DIMS + len(encoded)] = [float(b) for b in encoded]
+    return row
+
+
+def _read_description(row: List[float]) -> str:
+    _, code, ndim, *rest = row
+    dims, name = rest[:_MAX_DIMS], rest[_MAX_DIMS:]
+    dtype = _DTYPES[int(code) - 1] if code else "another dtype"
+    shape = [int(d) for d in dims[:int(ndim)]]
+    label = bytes(int(b) for b in name if b).decode(errors="replace")
+    return f"{label} ({dtype}{shape})" if label else f"{dtype}{shape}"
 
 
 _DTYPES = ["float32", "float16", "bfloat16", "float64", "complex64", "complex128", "float8"]
@@ -171,3 +193,20 @@ def _first_difference(rows: List[List[float]], counts: List[int], longest: int) 
             elif chunk != seen:
                 return position
     return longest
+
+
+def names_from(names: Any) -> NameOf:
+    """``name_of(tensor)`` from a module or a mapping (tensors held weakly: by id, checked)."""
+    if names is None:
+        return None
+    if hasattr(names, "named_parameters"):
+        pairs = [*names.named_parameters(), *getattr(names, "named_buffers", list)()]
+    else:
+        pairs = [(name, tensor) for tensor, name in names.items()]
+    table: Dict[int, tuple] = {id(t): (weakref.ref(t), name) for name, t in pairs}
+
+    def name_of(tensor: Any) -> Optional[str]:
+        found = table.get(id(tensor))
+        return found[1] if found is not None and found[0]() is tensor else None
+
+    return name_of

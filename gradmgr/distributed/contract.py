@@ -66,10 +66,16 @@ class NativeReducer(Protocol):
 
     def finish(self, sync: bool, used: Collection[int] = ()) -> None:
         """After the engine accumulated into ``.grad``: reduce (a synced step); ``used``: ids
-        of tensors that had a local gradient in earlier steps the Python path took."""
+        of tensors that had a local gradient in earlier steps the Python path took. Raises
+        RankFailedError (and puts ``.grad`` back as it was) where another rank failed."""
 
     def abort(self) -> None:
         """The backward raised: this reducer's step can never finish."""
+
+    def fail_step(self, used: Collection[int] = ()) -> None:
+        """A synced step with no backward on this rank (its recording ended without one):
+        take part in the step's collectives with the failure marker set, so that the other
+        ranks raise RankFailedError; ``.grad`` stays as it is here."""
 
     def used_since_window(self) -> List[int]:
         """Ids of the tensors whose ``.grad`` changed since the accumulation window opened
@@ -129,6 +135,16 @@ class TensorOps:
     def local_grad(self, tensor: Any) -> Any:
         """What ``tensor.grad`` holds (None if nothing)."""
         return tensor.grad
+
+    def grad_snapshot(self, tensors: Sequence[Any]) -> Any:
+        """What the tensors' ``.grad`` hold now, for :meth:`grads_changed`."""
+        return [self.local_grad(t) for t in tensors]
+
+    def grads_changed(self, tensors: Sequence[Any], snapshot: Any) -> bool:
+        """Whether some tensor's ``.grad`` changed since :meth:`grad_snapshot` (None: no
+        snapshot, False). The default suits frameworks whose tensors are values."""
+        return snapshot is not None and any(
+            self.local_grad(t) is not old for t, old in zip(tensors, snapshot))
 
     def new_buffer(self, bucket: Any, like: Any) -> BucketBuffer:
         """A buffer for one step of ``bucket``, with the dtype and device of ``like``."""

@@ -24,12 +24,21 @@ def no_sync(gm: GradManager) -> Iterator[None]:
     what ``.grad`` holds plus its own gradient, so every rank ends with bit-identical
     gradients, equal to DDP's.
 
+    Entered while ``gm`` records (``with gm, no_sync(gm):``), it raises ``RuntimeError``: that
+    recording already started as a synced one.
+
     Example:
         >>> # for micro in range(k):
         >>> #     with (no_sync(gm) if micro < k - 1 else contextlib.nullcontext()):
         >>> #         with gm:
         >>> #             gm.backward(loss_fn(model(x[micro]), y[micro]))
     """
+    if gm.is_recording:
+        raise RuntimeError(
+            "no_sync(gm) was entered while gm is recording: it applies to recordings that "
+            "start inside it, and this one already started as a synced step. Enter it first: "
+            "`with no_sync(gm), gm:`"
+        )
     _paused[gm] = _paused.get(gm, 0) + 1
     try:
         yield

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, List
+from typing import Any, List, Optional, Union
 
 from ..manager import GradManager
+from ..registry import backend_for
 from .allreduce import AllreduceCallback
+from .consistency import PlanCheck, names_from, plan_fingerprint
 from .sync import broadcast, is_paused
-from .transport import TransportSpec
+from .transport import TransportSpec, resolve_transport
 
 
 def data_parallel(
@@ -21,6 +23,8 @@ def data_parallel(
     bucket_bytes: int = 25 * 2**20,
     compression: Any = None,
     transport: TransportSpec = None,
+    verify: Union[bool, str] = True,
+    native: Optional[bool] = None,
 ) -> GradManager:
     """A GradManager that trains ``module`` data-parallel, set up as
     ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
@@ -29,6 +33,12 @@ def data_parallel(
     again when a recording starts, as DDP does at the forward: at the first recording after a
     synchronised one (not inside a :func:`no_sync` accumulation window).
 
+    Before broadcasting, the ranks compare their modules (every parameter and buffer, in
+    order, with its shape and dtype): where they differ, every rank raises
+    :class:`RankMismatchError` naming the first differing one (``fc2.weight``), as DDP refuses
+    to wrap at once. The other options are :class:`AllreduceCallback`'s; ``verify=False``
+    also skips this first comparison.
+
     Example:
         >>> # gm = data_parallel(model)
         >>> # with gm:
@@ -36,14 +46,36 @@ def data_parallel(
         >>> # with no_sync(gm): ...                    # gradient accumulation
     """
     cb = AllreduceCallback(reduce, group, bucket_bytes, compression, transport,
-                           broadcast=False, src=src)
-    buffers = list(module.buffers())
-    broadcast(list(module.parameters()) + (buffers if broadcast_buffers else []), src,
-              group=group, transport=transport)
-    gm = GradManager().attach(list(module.parameters()), callbacks=[cb])
+                           broadcast=False, src=src, verify=verify, native=native, names=module)
+    params, buffers = list(module.parameters()), list(module.buffers())
+    if verify:
+        _refuse_modules_that_differ(module, params + buffers, group, transport)
+    broadcast(params + (buffers if broadcast_buffers else []), src, group=group,
+              transport=transport)
+    gm = GradManager().attach(params, callbacks=[cb])
     if broadcast_buffers and buffers:
         gm.register_record_callback(_BufferSync(gm, buffers, src, group, transport))
     return gm
+
+
+def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
+                                transport: TransportSpec) -> None:
+    """One collective compares every rank's parameters and buffers; where they differ, a few
+    more find the first difference and every rank raises RankMismatchError naming it."""
+    if not tensors:
+        return
+    backend = backend_for(tensors[0])
+    if backend is None:
+        raise TypeError(f"data_parallel() expects a module of tensors, got "
+                        f"{type(tensors[0]).__name__} parameters")
+    ops, chosen = backend.tensor_ops(), resolve_transport(transport, backend, group)
+    if chosen.world_size() < 2:
+        return
+    mode = "the module's parameters and buffers, in order"
+    check = PlanCheck(chosen, ops, plan_fingerprint(ops, tensors, mode), tensors[0])
+    if not check.agreed():
+        raise check.error(tensors, mode, "their modules' parameters and buffers",
+                          names_from(module))
 
 
 class _BufferSync:

@@ -1,0 +1,345 @@
+"""What one allreduce callback does for one manager: a state machine over its steps.
+
+At every recording it plans (again, if the trainable attached tensors changed), compares the
+plan across ranks and starts the step; during the backward each gradient goes into its bucket
+(:mod:`.steps`), or the backend's own reducer takes the whole backward over; after it, the
+remaining buckets go out. A backward that raises, or a recording released without a backward
+(a rank that skips a bad batch), still takes part in the step's collectives, with the failure
+marker set, so the ranks stay paired and the others raise :class:`RankFailedError`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional, Set
+
+from .bucket import BucketPlan
+from .consistency import NameOf, PlanCheck, plan_fingerprint
+from .contract import NativePath, NativeReducer, TensorOps, Transport
+from .errors import RankMismatchError, SparseGradientError, sparse_message
+from .steps import PendingGradient, Step, Wire
+from .sync import broadcast, is_paused
+from .transport import resolve_transport
+
+FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigger buckets
+_MAX_OPEN_STEPS = 1024  # steps begun but not flushed (split backwards pending)
+
+_HABIT = (
+    "a data-parallel recording ended without gm.backward(), but the attached tensors' .grad "
+    "changed during it: loss.backward() (typed by habit?) computes this rank's gradients "
+    "only, so the ranks' gradients, and then their parameters, would differ. Call "
+    "gm.backward(loss) inside `with gm:` instead; this step's collectives were completed "
+    "without reducing anything, and .grad holds this rank's local gradients"
+)
+
+
+class Synchronizer:
+    """The allreduce callback's work for one manager (the callback keeps one per manager and
+    forwards to it; ``options`` is the callback, read for its settings)."""
+
+    def __init__(self, options: Any, backend: Any, name_of: NameOf = None) -> None:
+        self.options = options
+        self.backend = backend
+        self.ops: TensorOps = backend.tensor_ops()
+        self.name_of = name_of
+        self.lock = threading.RLock()  # CUDA backwards call from engine worker threads
+        self.transport: Optional[Transport] = None
+        self.wire: Optional[Wire] = None
+        self.plan: Optional[BucketPlan] = None
+        self.excluded: List[Any] = []  # attached with the callback but frozen at planning
+        self.epoch = -1  # the manager's attach_epoch the plan was made for
+        # Steps by recording: a split backward finishes its step after the next recording
+        # has started its own (GradManager.backward_split).
+        self.steps: Dict[int, Step] = {}
+        self.used: Set[int] = set()  # ids with a local gradient since the last synced step
+        self.native_path: Optional[NativePath] = None  # the backend's reducer, if any
+        self.native = False  # plain backwards go to it (see _native_possible)
+        self.reducer: Optional[NativeReducer] = None
+        self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
+        self.started = False  # the first recording's check and broadcast are done
+        self.flush_hook: Any = None  # the after-backward callback registered for the manager
+        # Synced steps finished so far: one finishing while another recording is open (a
+        # split backward's finish()) writes .grad during that recording.
+        self.finished = 0
+
+    # ------------------------------------------------------------------ a step begins
+    def prepare(self, gm: Any, at_record: bool) -> Step:
+        """Plan (again) if the trainable attached tensors changed, then start this step; a
+        synced step (and the first) launches the comparison of the ranks' plans. A step that
+        could not start (no process group, the ranks' plans differ at a recording) is not
+        kept: no backward will come for it. (Started by a callback, a refused step stays, so
+        that the rest of the backward raises the same error without another collective.)"""
+        try:
+            return self._start_step(gm, at_record)
+        except BaseException as error:
+            if at_record or not isinstance(error, RankMismatchError):
+                self.steps.pop(gm.step, None)
+            raise
+
+    def _start_step(self, gm: Any, at_record: bool) -> Step:
+        options = self.options
+        fingerprint = self.fingerprint
+        first = not self.started
+        self._replan_if_needed(gm)
+        sync = options.syncing and not is_paused(gm)
+        steps = self.steps
+        if len(steps) >= _MAX_OPEN_STEPS:
+            del steps[min(steps)]
+        plan = self.plan
+        step = steps[gm.step] = Step(plan, sync)
+        if sync and at_record:
+            step.grads_at_record = self.ops.grad_snapshot(self._planned())
+            step.finished_before = self.finished
+        # A tensor to put the check on (its device): planned, else attached but frozen.
+        like = plan.tensor(0) if plan.buckets else next(iter(self.excluded), None)
+        request = self.native and self.reducer is None
+        if options.verify == "step":
+            # Every synced step, not only where this rank re-planned: a rank that alone
+            # attached, froze or unfroze a tensor would otherwise take a collective that the
+            # others do not (and meet their gradient buckets). Read before this step launches
+            # anything else (see settle), so it overlaps the forward.
+            wanted = sync or first
+        else:  # "plan": only where this rank re-planned, trusting all ranks to do so alike
+            wanted = options.verify == "plan" and (
+                first or request or self.fingerprint is not fingerprint)
+        if wanted and like is not None and self.transport.world_size() > 1:
+            step.check = PlanCheck(self.transport, self.ops, self.fingerprint, like,
+                                   request=request)
+            if first or not at_record:
+                self.settle(step)
+        if first and at_record:
+            if options.broadcast and plan.buckets:
+                broadcast(plan.tensors(), options.src, transport=self.transport)
+            self.started = True
+        return step
+
+    def _replan_if_needed(self, gm: Any) -> None:
+        if (self.plan is None or self.epoch != gm.attach_epoch
+                or not self.ops.all_trainable(self._planned())
+                or self.ops.any_trainable(self.excluded)):
+            self._plan(gm)
+        reducer = self.reducer
+        if self.native and reducer is not None:
+            if not self._native_still_possible(gm, reducer.tensors):
+                self._set_native(False)
+            elif reducer.broken:
+                # A backward raised midway, or building the reducer raised (a broken process
+                # group): build it again, so that this step raises the transport's error again.
+                self._set_native(True)
+
+    def _planned(self) -> List[Any]:
+        # The reducer holds the planned tensors: no weak references to follow.
+        return self.plan.tensors() if self.reducer is None else self.reducer.tensors
+
+    def settle(self, step: Step) -> None:
+        """Read the step's comparison of plans, once; where they differ, every rank raises
+        (now and whenever this step is touched again) and launches nothing for it."""
+        check = step.check
+        if check is not None:
+            step.check = None
+            if not check.agreed():
+                step.mismatch = check.error(step.plan.tensors(), self._mode(self.native),
+                                            "with the allreduce callback, trainable",
+                                            self.name_of)
+            elif check.requested and self.native and step.sync:
+                # A rank needs a new reducer: all build one, at a step every rank settles (a
+                # no_sync step with no gradient on some rank might never settle its check).
+                self._build_reducer()
+        if step.mismatch is not None:
+            raise step.mismatch
+
+    def _plan(self, gm: Any) -> None:
+        options, ops = self.options, self.ops
+        attached = gm.attached_tensors(with_callback=options)
+        tensors = [t for t in attached if ops.trainable(t)]
+        if self.transport is None:
+            self.transport = resolve_transport(options.transport_spec, self.backend,
+                                               options.group)
+            self.wire = Wire(ops, self.transport, options.reduce == "mean", options.compression)
+            self.native_path = ops.native_path(self.transport) if options.native else None
+        native = self._native_possible(gm, tensors)
+        new_plan = self.plan is None or not self.plan.matches(tensors)
+        if new_plan:
+            first_bytes = min(options.bucket_bytes, FIRST_BUCKET_BYTES)
+            self.plan = BucketPlan(tensors, ops, options.bucket_bytes, first_bytes)
+            self.used &= {id(t) for t in tensors}
+        if new_plan or native != self.native:
+            self._set_native(native)  # drops the old plan's reducer
+        self.excluded = [t for t in attached if not ops.trainable(t)]
+        self.epoch = gm.attach_epoch
+
+    def _mode(self, native: bool) -> str:
+        """How this rank reduces, compared across ranks with the planned tensors: ranks that
+        differ here would sum mismatched buffers (gradients silently wrong, or a crash in
+        the transport when the sizes differ)."""
+        options = self.options
+        path = "the framework's own reducer" if native else "gradmgr's buckets"
+        return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
+                f"bucket_bytes={options.bucket_bytes}")
+
+    # ------------------------------------------------------------------ the reducer's path
+    def _native_possible(self, gm: Any, tensors: List[Any]) -> bool:
+        """Whether plain backwards can go to the backend's own reducer, which reduces exactly
+        what the buckets would: ``"mean"`` without compression, nothing else needing the
+        per-tensor callbacks (every attached tensor's chain the callback alone, or empty; no
+        other after-backward callback), and what the backend's path asks of the tensors."""
+        path, options = self.native_path, self.options
+        if not (path is not None and tensors and options.reduce == "mean"
+                and options.compression is None):
+            return False
+        chains = gm.callback_chains()
+        if any(callbacks and callbacks != (options,) for _, callbacks in chains):
+            return False
+        return (gm.after_backward_callbacks == (self.flush_hook,)
+                and path.accepts([t for t, _ in chains], tensors))
+
+    def _native_still_possible(self, gm: Any, tensors: List[Any]) -> bool:
+        """What can change between recordings without a new plan: the manager's after-backward
+        callbacks, and what the backend's path checks at every recording."""
+        return (gm.after_backward_callbacks == (self.flush_hook,)
+                and self.native_path.still_accepts(tensors))
+
+    def _set_native(self, native: bool) -> None:
+        """Choose the path; a reducer for it is built at the next synced step (see
+        :meth:`_build_reducer`)."""
+        self._drop_reducer()
+        self.native = native
+        self.fingerprint = plan_fingerprint(self.ops, self.plan.tensors(), self._mode(native))
+
+    def _build_reducer(self) -> None:
+        """Building one broadcasts, so all ranks do it at the same synced step: when any rank
+        asks in the step's plan check, or, with no check, where this rank needs one."""
+        self._drop_reducer()
+        bucket_bytes = self.options.bucket_bytes
+        self.reducer = self.native_path.build(self.plan, bucket_bytes,
+                                              min(bucket_bytes, FIRST_BUCKET_BYTES))
+
+    def _drop_reducer(self) -> None:
+        if self.reducer is not None:  # a no_sync window may be open: keep what it saw used
+            self.used.update(self.reducer.used_since_window())
+        self.reducer = None  # its hooks go with it
+
+    def _reducer_for(self, step: Step) -> None:
+        """Settle a synced step bound for the reducer, building the reducer if no plan check
+        agreed on it (where it raises, the step is dropped by the caller)."""
+        self.settle(step)
+        if self.reducer is None:
+            self._build_reducer()
+
+    def native_step(self, gm: Any) -> Optional[NativeStep]:
+        """The backward delegate: this step goes to the reducer when the plan says so and
+        nothing was attached since the recording started."""
+        with self.lock:
+            if not self.native or self.epoch != gm.attach_epoch:
+                return None
+            step = self.steps.get(gm.step)
+            if step is None:
+                return None
+            if step.sync:
+                self._reducer_for(step)
+            elif self.reducer is None:
+                return None  # not built yet: the per-tensor path accumulates locally
+            del self.steps[gm.step]
+            try:
+                self.reducer.begin(step.sync)
+            except BaseException:
+                self.reducer.abort()
+                raise
+            return NativeStep(self, step.sync)
+
+    # ------------------------------------------------------------------ during the backward
+    def on_gradient(self, gm: Any, tensor: Any, grad: Any) -> Any:
+        with self.lock:
+            step = self.steps.get(gm.step)
+            if step is None:
+                step = self.prepare(gm, at_record=False)
+            if step.check is not None or step.mismatch is not None:
+                self.settle(step)
+            where = step.plan.where.get(id(tensor))
+            if where is None:
+                raise RuntimeError(
+                    "allreduce callback: got a gradient for a tensor that was not planned when "
+                    "this recording started: the callback plans its buckets then, alike on "
+                    "every rank, so attach and unfreeze tensors between recordings, not during "
+                    "one. An intermediate (an activation attached while recording) cannot be "
+                    "reduced by it: reduce it with a callback of your own"
+                )
+            if self.ops.is_sparse(grad):
+                raise SparseGradientError(sparse_message(self.ops.shape(tensor)))
+            if not step.sync:
+                self.used.add(id(tensor))  # for the next synced step (see Step.launch_missing)
+                return grad
+            return step.put(self.wire, tensor, grad, *where)
+
+    # ------------------------------------------------------------------ a step ends
+    def flush(self, gm: Any) -> None:
+        """After the backward: the buckets not launched yet go out."""
+        with self.lock:
+            step = self.steps.pop(gm.step, None)
+            if step is None:
+                step = self.prepare(gm, at_record=False)
+                del self.steps[gm.step]
+            if not step.sync:
+                return
+            self.settle(step)
+            if self.reducer is not None:  # earlier steps went to the reducer
+                self.used.update(self.reducer.used_since_window())
+            missing = step.launch_missing(self.wire, self.used)
+            self.used.clear()
+            self.finished += 1
+        for tensor, b, slot in missing:
+            gm.add_gradient(tensor, PendingGradient(step.launched, b, slot, True))
+
+    def abort(self, gm: Any) -> None:
+        """``gm``'s backward raised: this rank still takes part in the step's collectives,
+        with the failure marker set (see :meth:`Step.launch_failed`)."""
+        with self.lock:
+            step = self.steps.pop(gm.step, None)
+            if step is None or not step.sync or step.mismatch is not None:
+                return  # nothing launched, or the ranks' plans differ: launch nothing
+            self.settle(step)
+            step.launch_failed(self.wire)
+        step.drain()
+
+    def abandon(self, gm: Any) -> None:
+        """``gm``'s recording ended without a backward (its forward raised and the loop skips
+        the batch; or ``loss.backward()`` was typed instead of ``gm.backward(loss)``): complete
+        the step's collectives as a failed one, so the other ranks raise RankFailedError
+        instead of pairing this step with the next; then refuse ``.grad`` that changed."""
+        with self.lock:
+            step = self.steps.pop(gm.step, None)
+            if step is None or not step.sync or step.mismatch is not None:
+                return
+            try:
+                self.settle(step)
+            except RankMismatchError:
+                return  # the others raise it too and launch nothing
+            if self.native:
+                self._reducer_for(step)
+                self.reducer.fail_step(self.used)
+            else:
+                step.launch_failed(self.wire)
+            changed = (step.finished_before == self.finished  # .grad written by gradmgr
+                       and self.ops.grads_changed(self._planned(), step.grads_at_record))
+        step.drain()
+        if changed:
+            raise RuntimeError(_HABIT)
+
+
+class NativeStep:
+    """A backward handed to the reducer (see ``GradManager.set_backward_delegate``)."""
+
+    __slots__ = ("_sync", "_synchronizer")
+
+    def __init__(self, synchronizer: Synchronizer, sync: bool) -> None:
+        self._synchronizer, self._sync = synchronizer, sync
+
+    def finish(self) -> None:
+        synchronizer = self._synchronizer
+        synchronizer.reducer.finish(self._sync, synchronizer.used)
+        if self._sync:
+            synchronizer.used.clear()
+            synchronizer.finished += 1
+
+    def abort(self) -> None:
+        self._synchronizer.reducer.abort()
