@@ -46,6 +46,8 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     tape = tape_ref()
     if tape is None or not tape._running or _graph_task_id() != tape._task:
         return None
+    if grad is None:  # a custom Function's backward gave this input no gradient: as if unused
+        return None
     sink = tape._eager.get(key)
     if sink is None or tape._only is not None and key not in tape._only:
         return None
