@@ -141,9 +141,7 @@ class Rest:
         self._roots = {}
         for _, indices, _ in plan.groups:
             for i in indices:
-                with torch.enable_grad():
-                    view = outputs[i].view_as(outputs[i])
-                self._roots[i] = GradientEdge(view.grad_fn, 0)
+                self._roots[i] = _own_root(outputs[i])
         self._handovers = {}
         for node in plan.boundary:
             hook = self._handovers[node] = _Handover(node.name())
@@ -199,6 +197,16 @@ class Rest:
         self._handovers = {}
         self._plan = self._roots = self._seeds = self._entry_of = None
         self._flagged = []
+
+
+def _own_root(output: Any) -> GradientEdge:
+    """Where the rest starts for an output the first part does not reach: a view's node made
+    now, or the caller's own gradient edge (there is no tensor to view)."""
+    if isinstance(output, GradientEdge):
+        return output
+    with torch.enable_grad():
+        view = output.view_as(output)
+    return GradientEdge(view.grad_fn, 0)
 
 
 def _run_part(tape: Any, outputs: List[Any], seeds: List[torch.Tensor], retain: bool,

@@ -17,7 +17,7 @@ from . import prerecord, split
 from .engine import run_engine
 from .flags import FLAGS, GRAD_MODE
 from .grads import zeros_like_cheaply
-from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
+from .graph import current_sequence_nr, graph_root, node_alive, reentrant_checkpoints, walk
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -81,6 +81,21 @@ def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
 
 def _root_node(output: Any) -> Any:
     return output.node if isinstance(output, GradientEdge) else graph_root(output)
+
+
+def _differentiable(y: Any) -> bool:
+    """An output a backward starts from: a tensor that requires grad, or a gradient edge (the
+    node of an output already dropped, as ``torch.autograd.graph.get_gradient_edge`` gives)."""
+    if not isinstance(y, GradientEdge):
+        return y.requires_grad
+    if not node_alive(y.node):
+        raise ValueError(
+            f"the GradientEdge given as y points to a custom autograd.Function's node "
+            f"({type(y.node).__name__}) that was freed with its output: this PyTorch "
+            f"({torch.__version__}) keeps such a node alive only as long as the output "
+            f"tensor. Keep the output until the backward, or pass the output itself"
+        )
+    return True
 
 
 def _refuse_reentrant_checkpoint(error: RuntimeError) -> None:
@@ -317,12 +332,12 @@ class TorchTape(Tape):
         """``(outputs, seeds, entries, inputs)`` of a backward (the outputs that require grad
         and the watched tensors that do), after the graph check; None: nothing to do."""
         if len(ys) == 1:
-            if not ys[0].requires_grad:
+            if not _differentiable(ys[0]):
                 return None
             outputs, seeds = ys, dys
         else:
-            outputs = [y for y in ys if y.requires_grad]
-            seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
+            outputs = [y for y in ys if _differentiable(y)]
+            seeds = [dy for y, dy in zip(ys, dys) if _differentiable(y)]
             if not outputs:
                 return None
         entries, inputs = self._inputs()
