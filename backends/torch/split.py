@@ -147,12 +147,14 @@ class Rest:
             hook = self._handovers[node] = _Handover(node.name())
             node.register_prehook(hook)
 
-    def run(self, may_accumulate: bool) -> None:
-        """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`."""
+    def run(self, may_accumulate: bool, retain_graph: bool = False) -> None:
+        """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`;
+        ``retain_graph``: keep the graph for another backward (as torch's split offers)."""
         plan, tape, handovers, entry_of = self._plan, self._tape, self._handovers, self._entry_of
         # A group of several boundary nodes runs the first-part nodes between them, which may
         # be another group's: keep what they saved for that group's run.
-        retain = self._retain or any(len(nodes) > 1 for nodes, _, _ in plan.groups)
+        retain = (retain_graph or self._retain
+                  or any(len(nodes) > 1 for nodes, _, _ in plan.groups))
         flagged = [t for t in (ref() for ref in self._flagged)
                    if t is not None and FLAGS.acquire(t)]
         try:
