@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 
 def current_sequence_nr() -> int:
@@ -87,8 +89,11 @@ def reachable_leaves(
     return [t for t in tensors if t.requires_grad and node_of(t) is not None]
 
 
-def graph_root(y: torch.Tensor) -> Any:
-    """The node a backward from ``y`` starts with (``y``'s own AccumulateGrad for a leaf)."""
+def graph_root(y: Any) -> Any:
+    """The node a backward from ``y`` starts with (``y``'s own AccumulateGrad for a leaf, the
+    node of a ``GradientEdge``)."""
+    if isinstance(y, GradientEdge):
+        return y.node
     if y.grad_fn is not None:
         return y.grad_fn
     if y._is_view():
@@ -199,14 +204,18 @@ class SplitPlan:
         first_outputs: positions of the outputs the first part starts from.
         groups: ``(boundary nodes, root outputs, tensors)`` per engine run of the rest.
         first_nodes: the nodes the first part executes.
+        holders: what keeps custom-Function boundary nodes alive once the outputs are
+            dropped, where this torch holds them weakly (see :func:`weak_node_holders`).
     """
 
-    __slots__ = ("now", "first_outputs", "groups", "first_nodes")
+    __slots__ = ("now", "first_outputs", "groups", "first_nodes", "holders")
 
     def __init__(self, now: List[Any], first_outputs: List[int],
-                 groups: List[Tuple[List[Any], List[int], List[Any]]], first_nodes: set) -> None:
+                 groups: List[Tuple[List[Any], List[int], List[Any]]], first_nodes: set,
+                 holders: Sequence[Any] = ()) -> None:
         self.now, self.first_outputs = now, first_outputs
         self.groups, self.first_nodes = groups, first_nodes
+        self.holders = holders
 
     @property
     def boundary(self) -> List[Any]:
@@ -313,4 +322,74 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
     ordered = sorted(groups.values(), key=lambda g: -max(
         [n._sequence_nr() for n in g[0]] + [roots[i]._sequence_nr() for i in g[1]], default=0))
     first_outputs = [i for i, root in enumerate(roots) if root in first]
-    return SplitPlan([*now, *(t for t, _ in moved)], first_outputs, ordered, first)
+    holders = weak_node_holders([n for g in ordered for n in g[0]], parents, roots, outputs)
+    return SplitPlan([*now, *(t for t, _ in moved)], first_outputs, ordered, first, holders)
+
+
+_PY_NODE = torch._C._FunctionBase  # the grad_fn of a custom torch.autograd.Function's output
+
+
+def node_alive(node: Any) -> bool:
+    """False for a custom Function's node freed with its output (its Python object lives on,
+    and the engine would only say "does not require grad" for it)."""
+    try:
+        return node.next_functions is not None
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def python_nodes_held_weakly() -> bool:
+    """Whether a custom Function's node dies with its output although its Python ``grad_fn``
+    object is still held. torch 2.8 does that (the Python object points to the C++ node
+    through a weak pointer, and only the output and the nodes above own it); torch 2.13 keeps
+    the node alive for as long as its Python object lives."""
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g
+
+    with torch.enable_grad():
+        node = Probe.apply(torch.zeros((), requires_grad=True)).grad_fn  # output dropped
+    return node is None or not node_alive(node)
+
+
+def weak_node_holders(nodes: Sequence[Any], parents: Dict[Any, List[Any]], roots: List[Any],
+                      outputs: Sequence[torch.Tensor]) -> List[Any]:
+    """Objects that keep the custom-Function nodes among ``nodes`` alive after the outputs
+    are dropped, on a torch that holds them weakly (:func:`python_nodes_held_weakly`); else
+    nothing. For each such node: the nearest C++ node above it (a C++ node's Python object
+    owns it, and it owns the nodes it feeds), or, for an output's own node, the node of a
+    view of that output made now (it owns no activation)."""
+    weak = [node for node in nodes if isinstance(node, _PY_NODE)]
+    if not weak or not python_nodes_held_weakly():
+        return []
+    output_of = {root: i for i, root in enumerate(roots)}
+    return [_nearest_owner(node, parents, output_of, outputs) for node in weak]
+
+
+def _nearest_owner(node: Any, parents: Dict[Any, List[Any]], output_of: Dict[Any, int],
+                   outputs: Sequence[torch.Tensor]) -> Any:
+    """A strong owner of ``node``: breadth first up the graph through custom-Function nodes
+    (held weakly themselves), so that as few first-part nodes as possible stay alive."""
+    queue, seen = [node], {node}
+    while queue:
+        current = queue.pop(0)
+        if current in output_of:
+            y = outputs[output_of[current]]
+            if isinstance(y, GradientEdge):
+                return y.node  # what the caller's edge holds is all there is
+            with torch.enable_grad():
+                return y.view_as(y).grad_fn
+        for parent in parents[current]:
+            if not isinstance(parent, _PY_NODE):
+                return parent
+            if parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return None  # unreachable: every node of a walk is an output's node or below one

@@ -141,20 +141,20 @@ class Rest:
         self._roots = {}
         for _, indices, _ in plan.groups:
             for i in indices:
-                with torch.enable_grad():
-                    view = outputs[i].view_as(outputs[i])
-                self._roots[i] = GradientEdge(view.grad_fn, 0)
+                self._roots[i] = _own_root(outputs[i])
         self._handovers = {}
         for node in plan.boundary:
             hook = self._handovers[node] = _Handover(node.name())
             node.register_prehook(hook)
 
-    def run(self, may_accumulate: bool) -> None:
-        """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`."""
+    def run(self, may_accumulate: bool, retain_graph: bool = False) -> None:
+        """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`;
+        ``retain_graph``: keep the graph for another backward (as torch's split offers)."""
         plan, tape, handovers, entry_of = self._plan, self._tape, self._handovers, self._entry_of
         # A group of several boundary nodes runs the first-part nodes between them, which may
         # be another group's: keep what they saved for that group's run.
-        retain = self._retain or any(len(nodes) > 1 for nodes, _, _ in plan.groups)
+        retain = (retain_graph or self._retain
+                  or any(len(nodes) > 1 for nodes, _, _ in plan.groups))
         flagged = [t for t in (ref() for ref in self._flagged)
                    if t is not None and FLAGS.acquire(t)]
         try:
@@ -199,6 +199,16 @@ class Rest:
         self._handovers = {}
         self._plan = self._roots = self._seeds = self._entry_of = None
         self._flagged = []
+
+
+def _own_root(output: Any) -> GradientEdge:
+    """Where the rest starts for an output the first part does not reach: a view's node made
+    now, or the caller's own gradient edge (there is no tensor to view)."""
+    if isinstance(output, GradientEdge):
+        return output
+    with torch.enable_grad():
+        view = output.view_as(output)
+    return GradientEdge(view.grad_fn, 0)
 
 
 def _run_part(tape: Any, outputs: List[Any], seeds: List[torch.Tensor], retain: bool,

@@ -16,7 +16,7 @@ from . import prerecord, split
 from .engine import run_engine
 from .flags import FLAGS, GRAD_MODE
 from .grads import zeros_like_cheaply
-from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
+from .graph import current_sequence_nr, graph_root, node_alive, reentrant_checkpoints, walk
 from .watched import Entry, Watched, input_without_flag
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -42,6 +42,8 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     """
     tape = tape_ref()
     if tape is None or not tape._running or _graph_task_id() != tape._task:
+        return None
+    if grad is None:  # a custom Function's backward gave this input no gradient: as if unused
         return None
     sink = tape.watched.eager.get(key)
     if sink is None or tape._only is not None and key not in tape._only:
@@ -77,6 +79,21 @@ def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
 
 def _root_node(output: Any) -> Any:
     return output.node if isinstance(output, GradientEdge) else graph_root(output)
+
+
+def _differentiable(y: Any) -> bool:
+    """An output a backward starts from: a tensor that requires grad, or a gradient edge (the
+    node of an output already dropped, as ``torch.autograd.graph.get_gradient_edge`` gives)."""
+    if not isinstance(y, GradientEdge):
+        return y.requires_grad
+    if not node_alive(y.node):
+        raise ValueError(
+            f"the GradientEdge given as y points to a custom autograd.Function's node "
+            f"({type(y.node).__name__}) that was freed with its output: this PyTorch "
+            f"({torch.__version__}) keeps such a node alive only as long as the output "
+            f"tensor. Keep the output until the backward, or pass the output itself"
+        )
+    return True
 
 
 def _refuse_reentrant_checkpoint(error: RuntimeError) -> None:
@@ -280,7 +297,7 @@ class TorchTape(Tape):
                 and not self.watched.eager and not self.watched.snapshots
                 and not prerecord.checks_every_backward()):
             # The usual step (no callbacks, nothing to check): what loss.backward() costs.
-            if ys[0].requires_grad:
+            if _differentiable(ys[0]):
                 inputs = self.watched.trainable()[1]
                 if inputs:
                     try:
@@ -321,12 +338,12 @@ class TorchTape(Tape):
         """``(outputs, seeds, entries, inputs)`` of a backward (the outputs that require grad
         and the watched tensors that do), after the graph check; None: nothing to do."""
         if len(ys) == 1:
-            if not ys[0].requires_grad:
+            if not _differentiable(ys[0]):
                 return None
             outputs, seeds = ys, dys
         else:
-            outputs = [y for y in ys if y.requires_grad]
-            seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
+            outputs = [y for y in ys if _differentiable(y)]
+            seeds = [dy for y, dy in zip(ys, dys) if _differentiable(y)]
             if not outputs:
                 return None
         entries, inputs = self.watched.trainable()
