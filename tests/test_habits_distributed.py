@@ -119,8 +119,6 @@ def equal_to_ddp(out: dict, name: str, count: int = 8) -> None:
 
 
 # ---------------------------------------------------------------- 1a: loss.backward() by habit
-@pytest.mark.xfail(strict=True, reason="issue 19 item 1a: loss.backward() inside a data-parallel "
-                   "recording reduces nothing and raises nothing")
 @pytest.mark.parametrize("form", ["cb", "dp"])
 def test_habit_backward_raises_on_every_rank(main_ranks, form):
     for rank, out in enumerate(main_ranks.scenario(f"habit_backward_{form}")):
@@ -139,14 +137,12 @@ def test_steps_after_habit_backward_equal_ddp(main_ranks, form):
 
 
 # ---------------------------------------------------------------- 1b: no_sync nested inside
-@pytest.mark.xfail(strict=True, reason="issue 19 item 1b: no_sync(gm) entered while recording "
-                   "syncs anyway, silently")
 @pytest.mark.parametrize("form", ["function", "method"])
 def test_no_sync_inside_recording_is_refused(main_ranks, form):
     for rank, out in enumerate(main_ranks.scenario("nested_no_sync")):
         message = str(out[f"nested_{form}_error"])
-        assert message.startswith("RuntimeError") and "with no_sync(gm), gm:" in message, (
-            rank, message)
+        wanted = "with no_sync(gm), gm:" if form == "function" else "with cb.no_sync(), gm:"
+        assert message.startswith("RuntimeError") and wanted in message, (rank, message)
         assert bool(out[f"nested_{form}_grad_none"]), "refused, yet gradients were accumulated"
 
 
@@ -156,8 +152,6 @@ def test_step_after_nested_no_sync_equals_ddp(main_ranks):
 
 
 # ---------------------------------------------------------------- 1d: models that differ
-@pytest.mark.xfail(strict=True, reason="issue 19 item 1d: data_parallel() broadcasts unequal "
-                   "models without a check")
 def test_data_parallel_refuses_a_layer_of_another_size(wrap_ranks):
     for rank, out in enumerate(wrap_ranks.scenario("wrap_other_layer_size")):
         message = str(out["wrap_size_error"])
@@ -166,8 +160,6 @@ def test_data_parallel_refuses_a_layer_of_another_size(wrap_ranks):
         assert bool(out["wrap_size_untouched"]), f"rank {rank}: a broadcast ran first"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 item 1d: data_parallel() broadcasts unequal "
-                   "models without a check")
 def test_data_parallel_refuses_a_missing_buffer(wrap_ranks):
     for rank, out in enumerate(wrap_ranks.scenario("wrap_missing_buffer")):
         message = str(out["wrap_buffer_error"])
@@ -176,8 +168,6 @@ def test_data_parallel_refuses_a_missing_buffer(wrap_ranks):
         np.testing.assert_array_equal(out["wrap_after"], [3.0])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 item 1d: a step's RankMismatchError names "
-                   "positions, not parameter names")
 def test_step_mismatch_under_data_parallel_names_the_parameter(main_ranks):
     for rank, out in enumerate(main_ranks.scenario("step_mismatch_names")):
         message = str(out["named_error"])
@@ -186,8 +176,6 @@ def test_step_mismatch_under_data_parallel_names_the_parameter(main_ranks):
 
 
 # ---------------------------------------------------------------- 5b: skipping a bad batch
-@pytest.mark.xfail(strict=True, reason="issue 19 item 5b: a rank that skips a batch inside "
-                   "`with gm:` kills a rank inside gloo")
 def test_skipping_a_bad_batch_fails_cleanly_and_training_goes_on(main_ranks):
     outs = main_ranks.scenario("skip_batch")
     assert list(outs[0]["skip_outcomes"]) == ["none", "RankFailedError", "none", "none"]
