@@ -15,7 +15,9 @@ from .errors import (
     AttachError,
     BackendNotFoundError,
     CallbackResultError,
+    CallbackReturnedNoneWarning,
     GradMgrWarning,
+    UnsupportedBackendError,
     UnsupportedGraphError,
 )
 from .future import Future, is_future
@@ -31,6 +33,7 @@ __all__ = [
     "Backend",
     "BackendNotFoundError",
     "CallbackResultError",
+    "CallbackReturnedNoneWarning",
     "Capabilities",
     "DeferredBackward",
     "Future",
@@ -39,6 +42,7 @@ __all__ = [
     "GradMgrWarning",
     "Tape",
     "UnfinishedBackwardWarning",
+    "UnsupportedBackendError",
     "UnsupportedGraphError",
     "backend_for",
     "get_backend",

@@ -3,6 +3,7 @@ first-attach order, and the checks ``attach()`` makes before it changes anything
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -95,6 +96,7 @@ def check_callbacks(callbacks: Any) -> List[Callback]:
     if callbacks is None:
         return []
     if callable(callbacks):
+        _check_signature(callbacks)
         return [callbacks]
     try:
         callback_list = list(callbacks)
@@ -109,7 +111,26 @@ def check_callbacks(callbacks: Any) -> List[Callback]:
                 f"each callback must be callable as cb(tensor, grad) -> grad; "
                 f"got {type(cb).__name__}"
             )
+        _check_signature(cb)
     return callback_list
+
+
+def _check_signature(cb: Any) -> None:
+    """Refuse a callback that cannot take ``(tensor, grad)`` (a tensor hook's ``hook(grad)``,
+    by habit) now, rather than with a bare TypeError in the middle of a backward."""
+    try:
+        signature = inspect.signature(cb)
+    except (TypeError, ValueError):  # a builtin or extension callable: trust it
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(cb, "__qualname__", None) or type(cb).__qualname__
+        raise TypeError(
+            f"gradient callback {name}{signature} cannot be called as cb(tensor, grad) -> grad: "
+            f"gradmgr passes the attached tensor and its gradient (a tensor hook takes only "
+            f"the gradient: wrap it, lambda tensor, grad: hook(grad))"
+        ) from None
 
 
 def check_tensors(tensors: Any, backend: Optional[Backend]) -> Tuple[List[Any], Backend]:
@@ -117,6 +138,18 @@ def check_tensors(tensors: Any, backend: Optional[Backend]) -> Tuple[List[Any], 
     call leaves no trace); ``backend``: the manager's, if known."""
     if backend_for(tensors) is not None:
         tensor_list = [tensors]
+    elif callable(getattr(tensors, "parameters", None)):
+        raise AttachError(
+            f"attach() expects tensors, got a module ({type(tensors).__qualname__}): attach its "
+            f"parameters, gm.attach(model.parameters())"
+        )
+    elif hasattr(tensors, "__array__") and hasattr(tensors, "dtype"):
+        raise AttachError(
+            f"attach() expects a tensor of a framework with a gradmgr backend, got a "
+            f"{type(tensors).__module__}.{type(tensors).__qualname__} (an array, which has no "
+            f"gradients): convert it to a tensor first (torch.from_numpy(a), "
+            f"megengine.tensor(a))"
+        )
     else:
         try:
             tensor_list = list(tensors)

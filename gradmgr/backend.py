@@ -143,6 +143,12 @@ class Backend(ABC):
     def is_tensor(self, obj: Any) -> bool:
         """True if ``obj`` is a tensor of this framework."""
 
+    def is_output(self, obj: Any) -> bool:
+        """True if ``obj`` can be a ``y`` of ``backward(y, dy)``: a tensor, or what else the
+        framework lets a backward start from (PyTorch: a ``GradientEdge``, so that the output
+        itself can be freed first; then ``dy`` must be given)."""
+        return self.is_tensor(obj)
+
     @abstractmethod
     def check_attachable(self, tensor: Any) -> None:
         """Raise ``TypeError`` naming dtype and shape if ``tensor`` cannot get a gradient."""
@@ -157,7 +163,8 @@ class Backend(ABC):
 
     def seed_problem(self, y: Any, dy: Any) -> Optional[str]:
         """Why ``dy`` cannot seed the backward of ``y`` (a phrase such as "has shape (3,) but
-        y has shape (2,)"), or None if it can. The default requires equal shapes."""
+        y has shape (2,)"), or None if it can. The default requires equal shapes (``y`` is a
+        tensor: a backend whose :meth:`is_output` takes more checks those itself)."""
         if self.shape(y) != self.shape(dy):
             return f"has shape {self.shape(dy)} but y has shape {self.shape(y)}"
         return None

@@ -3,10 +3,12 @@ tensor, or a Future of one), checked, then accumulated into ``.grad`` all togeth
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Dict, List
 
 from .backend import Backend
-from .errors import CallbackResultError
+from .errors import CallbackResultError, CallbackReturnedNoneWarning
 from .future import is_future
 
 
@@ -16,6 +18,49 @@ def source_name(source: Any) -> str:
         return source
     name = getattr(source, "__qualname__", None) or type(source).__qualname__
     return f"gradient callback {name}"
+
+
+_warned_none: weakref.WeakSet[Any] = weakref.WeakSet()
+_warned_none_ids: set = set()  # callables that take no weak reference (bound methods: by func)
+
+
+def warn_none(source: Any, described: str) -> None:
+    """A callback (or a Future's source) gave None: the tensor gets no gradient from this
+    backward, as in MegEngine; say so once per callback."""
+    target = getattr(source, "__func__", source)
+    try:
+        if target in _warned_none:
+            return
+        _warned_none.add(target)
+    except TypeError:  # not weakly referenceable, or unhashable
+        if id(target) in _warned_none_ids:
+            return
+        _warned_none_ids.add(id(target))
+    warnings.warn(
+        f"{source_name(source)} returned None for an attached tensor of {described}: the "
+        f"tensor gets no gradient from this backward (MegEngine's rule; .grad keeps what it "
+        f"held). If it should pass the gradient on, return it (warned once per callback)",
+        CallbackReturnedNoneWarning,
+        stacklevel=4,
+    )
+
+
+def note_callback(error: Exception, callback: Any, described: str) -> None:
+    """Add to an error a callback raised which callback it was, on which tensor (the error
+    keeps its type: a loop catches it as before). Library callbacks that bind to managers
+    (the allreduce callback) raise errors that say so themselves."""
+    if getattr(callback, "__gradmgr_bind__", None) is not None or getattr(
+            error, "_gradmgr_noted", False):
+        return
+    note = f"(raised by {source_name(callback)} on an attached tensor of {described})"
+    try:
+        error._gradmgr_noted = True  # once, also when the error passes an outer manager
+    except AttributeError:
+        return
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} {note}",) + error.args[1:]
+    elif hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 class Delivery:
@@ -46,9 +91,9 @@ class Delivery:
             self.future_sources[key] = source
             return
         raise CallbackResultError(
-            f"{source_name(source)} returned {'None' if grad is None else type(grad).__qualname__}"
-            f" for an attached tensor of {backend.describe(tensor)}: it must return the "
-            f"gradient (pass it on unchanged if there is nothing to change) or a Future of it"
+            f"{source_name(source)} returned {type(grad).__qualname__} for an attached tensor "
+            f"of {backend.describe(tensor)}: it must return the gradient (pass it on unchanged "
+            f"if there is nothing to change), a Future of it, or None (no gradient)"
         )
 
     def accumulate(self, backend: Backend, attachments: Any) -> None:
@@ -80,11 +125,16 @@ class Delivery:
             if tensor is None:
                 continue
             replace = False
+            if delivered is None:
+                continue  # a callback gave None: no gradient from this backward
             if not is_tensor(delivered):  # a Future: anything else was refused when delivered
                 replace = getattr(delivered, "replaces_grad", False)
+                source = self.future_sources.get(key)
                 delivered = delivered.get()
-                if replace and delivered is None:
-                    continue  # nothing to deliver (a data-parallel tensor unused everywhere)
+                if delivered is None:
+                    if not replace:  # (a data-parallel tensor unused everywhere says nothing)
+                        warn_none(source, backend.describe(tensor))
+                    continue
                 if not is_tensor(delivered) or grad_problem(tensor, delivered) is not None:
                     self.check(backend, key, tensor, delivered,
                                f"the Future from {source_name(self.future_sources.get(key))}")

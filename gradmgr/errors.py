@@ -29,3 +29,9 @@ class UnsupportedGraphError(RuntimeError):
 class UnsupportedBackendError(TypeError):
     """The tensors' backend does not implement what was asked (data parallelism needs
     ``Backend.tensor_ops()`` and ``Backend.transport()``)."""
+
+
+class CallbackReturnedNoneWarning(GradMgrWarning):
+    """A gradient callback returned None: its tensor gets no gradient from that backward
+    (MegEngine's rule). Warned once per callback: a callback that forgot its ``return``
+    (``clip(g)`` instead of ``return clip(g)``) drops the gradient."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 from . import _state
 from .attachments import Attachments, AttachSpec, Callback, check_callbacks, check_tensors
 from .backend import Backend, Tape
-from .delivery import Delivery
+from .delivery import Delivery, note_callback, warn_none
 from .errors import GradMgrWarning, UnsupportedGraphError
 from .hooks import StepHooks
 from .outputs import as_list, check_outputs
@@ -73,6 +73,7 @@ class GradManager(StepHooks):
         self._tape: Optional[Tape] = None  # the backend's, for the manager's whole life
         self._recording: Optional[_Recording] = None
         self._step = -1  # the latest recording's number
+        self._ended_by_backward = False  # the latest recording ended with its backward
         self._delivery: Optional[Delivery] = None  # while a backward of this manager runs
 
     # ----------------------------------------------------------------- attaching
@@ -180,11 +181,18 @@ class GradManager(StepHooks):
             backend = self._backend
             is_tensor, grad_problem = backend.is_tensor, backend.grad_problem
             for cb in callbacks:
-                given, grad = grad, cb(tensor, grad)
+                try:
+                    given, grad = grad, cb(tensor, grad)
+                except Exception as error:
+                    note_callback(error, cb, backend.describe(tensor))
+                    raise
                 # what a callback passes on unchanged was checked before it
                 if grad is not given and (not is_tensor(grad)
                                           or grad_problem(tensor, grad) is not None):
-                    self._delivery.check(backend, key, tensor, grad, cb)
+                    if grad is None:
+                        warn_none(cb, backend.describe(tensor))
+                    else:
+                        self._delivery.check(backend, key, tensor, grad, cb)
         finally:
             if pushed:
                 stack.pop()
@@ -205,6 +213,7 @@ class GradManager(StepHooks):
                 "already recording: call backward() or release() before record() again"
             )
         self._step = next(_state.record_counter)
+        self._ended_by_backward = False
         managers = _state.state.recording
         self._recording = _Recording(group, managers)
         managers.append(self)
@@ -327,7 +336,7 @@ class GradManager(StepHooks):
         recording = self._recording
         if recording is None:
             self._require_recording("backward(y)")
-        recording.backward_ran = True
+        recording.backward_ran = self._ended_by_backward = True
         try:
             with _Backwarding(self, self._step) as scope:
                 ys, dys = self._outputs(y, dy)
@@ -347,6 +356,13 @@ class GradManager(StepHooks):
             self.release()
 
     def _require_recording(self, call: str) -> None:
+        if self._recording is None and self._ended_by_backward:
+            raise RuntimeError(
+                f"not recording: the first backward() ended the recording, as every backward "
+                f"does (MegEngine's rule), so {call} has nothing to differentiate. For another "
+                f"backward, compute y again in a new recording (`with gm:` or record()); for "
+                f"several outputs at once, pass them together: backward([y1, y2])"
+            )
         if self._recording is None:
             raise RuntimeError(
                 f"no computation history to differentiate: call record() (or use `with gm:`) "
@@ -456,7 +472,7 @@ class GradManager(StepHooks):
                 (``capabilities.split_backward``), or an outer manager records this backward.
         """
         self._require_recording("backward_split(y, first=...)")
-        self._recording.backward_ran = True
+        self._recording.backward_ran = self._ended_by_backward = True
         step, rest = self._step, None
         try:
             with _Backwarding(self, step) as scope:
@@ -505,7 +521,7 @@ class GradManager(StepHooks):
                 f"to compute some gradients now and the others later); use backward()"
             )
 
-    def _finish_split(self, rest: Any, step: int) -> None:
+    def _finish_split(self, rest: Any, step: int, retain_graph: bool) -> None:
         """:meth:`DeferredBackward.finish`: the rest of a split backward, in its own scope."""
         if self._delivery is not None:
             raise FinishRefused(
@@ -515,7 +531,8 @@ class GradManager(StepHooks):
         with _Backwarding(self, step) as scope:
             scope.track(self._backend)
             if rest is not None:
-                rest.run(may_accumulate=not self._after_backward_callbacks)
+                rest.run(may_accumulate=not self._after_backward_callbacks,
+                         retain_graph=retain_graph)
             self._end_backward()
 
     # ----------------------------------------------------------------- the rest

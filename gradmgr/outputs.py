@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple
 
 from .backend import Backend
-from .registry import backend_for
+from .registry import backend_for, backend_of_output
 
 
 def as_list(value: Any) -> List[Any]:
@@ -20,13 +20,13 @@ def check_outputs(y: Any, dy: Any,
                   backend: Optional[Backend]) -> Tuple[List[Any], List[Any], Optional[Backend]]:
     """``(ys, dys, backend)``: the outputs, their seeds (ones where ``dy`` is None) and their
     backend (``backend``, the manager's if known, or the outputs')."""
-    ys = as_list(y)
+    ys = [y] if backend_of_output(y) is not None else as_list(y)  # (an output may be a tuple)
     if not ys:
         if dy is not None and as_list(dy):
             raise ValueError("dy was given but y is empty")
         return [], [], backend
     for t in ys:
-        found = backend_for(t)
+        found = backend_of_output(t)
         if found is None:
             raise TypeError(f"backward() expects tensors as y, got {type(t).__name__}")
         if backend is not None and found is not backend:
@@ -35,6 +35,9 @@ def check_outputs(y: Any, dy: Any,
             )
         backend = found
     if dy is None:
+        if any(not backend.is_tensor(t) for t in ys):
+            raise ValueError("a y that is not a tensor (a GradientEdge) needs its dy: "
+                             "backward(edge, dy)")
         return ys, [backend.ones_like(t) for t in ys], backend
     dys = as_list(dy)
     if len(dys) != len(ys):

@@ -44,6 +44,7 @@ def register_backend(name: str, backend: Union[str, Type[Backend]], tensor_modul
         for module in modules:
             _owners[module] = name
         _by_type.clear()
+        _outputs_by_type.clear()
 
 
 def _load_entry_points() -> None:
@@ -107,13 +108,32 @@ def backend_for(obj: Any) -> Optional[Backend]:
         return found
 
 
-def _detect(cls: type, obj: Any) -> Optional[Backend]:
+def backend_of_output(obj: Any) -> Optional[Backend]:
+    """The backend for which ``obj`` can be a ``y`` of a backward (a tensor, or what else the
+    backend takes: :meth:`Backend.is_output`), or None."""
+    found = backend_for(obj)
+    if found is not None:
+        return found
+    cls = type(obj)
+    try:
+        return _outputs_by_type[cls]
+    except KeyError:
+        pass
+    with _lock:
+        found = _outputs_by_type[cls] = _detect(cls, obj, outputs=True)
+        return found
+
+
+_outputs_by_type: Dict[type, Optional[Backend]] = {}
+
+
+def _detect(cls: type, obj: Any, outputs: bool = False) -> Optional[Backend]:
     for klass in cls.__mro__:
         top = (klass.__module__ or "").partition(".")[0]
         name = _owners.get(top)
         if name is not None and top in sys.modules:
             backend = get_backend(name)
-            if backend.is_tensor(obj):
+            if backend.is_output(obj) if outputs else backend.is_tensor(obj):
                 return backend
     return None
 

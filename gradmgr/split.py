@@ -39,7 +39,7 @@ class DeferredBackward:
 
     __slots__ = ("_finish", "_rest", "_step", "_state", "__weakref__")
 
-    def __init__(self, finish: Callable[[Any, int], None], rest: Any, step: int) -> None:
+    def __init__(self, finish: Callable[[Any, int, bool], None], rest: Any, step: int) -> None:
         self._finish = finish  # the manager's: holding it keeps the manager alive
         self._rest = rest
         self._step = step
@@ -55,8 +55,9 @@ class DeferredBackward:
         """The recording this backward belongs to (``GradManager.step`` at the time)."""
         return self._step
 
-    def finish(self) -> None:
-        """Compute and deliver the rest of the gradients.
+    def finish(self, retain_graph: bool = False) -> None:
+        """Compute and deliver the rest of the gradients; ``retain_graph`` keeps the graph for
+        another backward through it (as ``torch.autograd.backward`` does).
 
         Raises:
             RuntimeError: already finished, or an earlier ``finish()`` failed (its gradients
@@ -72,7 +73,7 @@ class DeferredBackward:
                 "accumulated and are lost. Run the micro-batch's forward and backward again"
             )
         try:
-            self._finish(self._rest, self._step)
+            self._finish(self._rest, self._step, retain_graph)
         except FinishRefused:
             raise  # nothing started: it can be finished later
         except BaseException:

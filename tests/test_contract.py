@@ -6,6 +6,7 @@ Gradients are compared with hand-computed values; float32 tolerance rtol=1e-5, a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import warnings
@@ -459,14 +460,13 @@ def test_s11_grad_is_written_only_after_after_backward_callbacks(fw):
 @pytest.mark.parametrize(
     "result, message",
     [
-        (lambda fw, g: None, "returned None"),
         (lambda fw, g: fw.sum(g), r"got shape \(\)"),
         (lambda fw, g: fw.tensor([1.0, 2.0, 3.0]), r"got shape \(3,\)"),
         (lambda fw, g: fw.tensor([1.0, 2.0], dtype="float16"), "float16"),
         (lambda fw, g: "not a gradient", "returned str"),
         (lambda fw, g: Future.resolved(fw.sum(g)), r"Future from gradient callback.*shape \(\)"),
     ],
-    ids=["none", "scalar", "shape", "dtype", "str", "future"],
+    ids=["scalar", "shape", "dtype", "str", "future"],
 )
 @pytest.mark.parametrize("has_grad", [False, True], ids=["no-grad-yet", "grad-exists"])
 def test_s7_callback_results_that_cannot_be_gradients_raise(fw, result, message, has_grad):
@@ -483,6 +483,32 @@ def test_s7_callback_results_that_cannot_be_gradients_raise(fw, result, message,
     assert "future" in str(info.value).lower() or "bad_callback" in str(info.value)
     assert fw.grad(w) is None if not has_grad else np.array_equal(fw.grad(w), [5.0, 5.0])
     assert get_backwarding_grad_manager() is None
+
+
+@pytest.mark.parametrize("has_grad", [False, True], ids=["no-grad-yet", "grad-exists"])
+def test_s7_a_callback_returning_none_gives_no_gradient_and_warns_once(fw, has_grad):
+    """MegEngine's rule (its own test_attach_temporary relies on it): None from a callback
+    means no gradient from this backward; later callbacks receive the None; ``.grad`` keeps
+    what it held. A forgotten ``return`` gets a warning naming the callback, once."""
+    from gradmgr import CallbackReturnedNoneWarning
+
+    w, v = fw.parameter([1.0, 2.0]), fw.parameter([3.0])
+    if has_grad:
+        fw.set_grad(w, fw.tensor([5.0, 5.0]))
+    seen = []
+
+    def forgot_return(t, g):
+        g * 2.0  # noqa: B018  (the return was forgotten)
+
+    gm = GradManager().attach(w, callbacks=[forgot_return, lambda t, g: (seen.append(g), g)[1]])
+    gm.attach(v)
+    for step in range(2):
+        with pytest.warns(CallbackReturnedNoneWarning, match="forgot_return") if step == 0 \
+                else contextlib.nullcontext(), gm:
+            gm.backward(fw.sum(w * 2.0) + fw.sum(v * v))
+    assert seen == [None, None]
+    assert fw.grad(w) is None if not has_grad else np.array_equal(fw.grad(w), [5.0, 5.0])
+    close(fw.grad(v), [12.0])  # the other tensors' gradients as usual (2 steps of 2v)
 
 
 # ----------------------------------------------------------------------------- S12

@@ -28,8 +28,6 @@ def linear_loss(w):
     return F.sum(F.matmul(x, w, transpose_b=True))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 item 4: backward twice says 'call record()' "
-                   "although the user did record")
 def test_backward_twice_says_the_first_backward_ended_the_recording():
     w = weight()
     gm = GradManager().attach(w)
@@ -41,8 +39,6 @@ def test_backward_twice_says_the_first_backward_ended_the_recording():
     assert "the first backward() ended the recording" in str(info.value), str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 item 4: a one-argument callback gets a bare "
-                   "'takes 1 positional argument' TypeError")
 def test_one_argument_callback_is_told_the_signature():
     w = weight()
     with pytest.raises(TypeError) as info:  # at attach() or at the backward: either is fine
@@ -53,8 +49,6 @@ def test_one_argument_callback_is_told_the_signature():
     assert w.grad is None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 item 4: a callback's error does not say which "
-                   "callback, on which tensor")
 def test_raising_callback_is_named_with_its_tensor():
     def my_check(t, g):
         raise ValueError("found a NaN")
@@ -69,8 +63,6 @@ def test_raising_callback_is_named_with_its_tensor():
     assert isinstance(error, ValueError) or isinstance(error.__cause__, ValueError)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 item 4: attach(model) does not suggest "
-                   "model.parameters()")
 def test_attach_module_suggests_parameters():
     M = pytest.importorskip("megengine.module")
     with pytest.raises(TypeError) as info:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterable, List, Optional
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from gradmgr.backend import Backend, Capabilities, Tape
 from gradmgr.errors import AttachError
@@ -48,9 +49,15 @@ class TorchBackend(Backend):
     def ones_like(self, tensor: Any) -> Any:
         return torch.ones_like(tensor)
 
+    def is_output(self, obj: Any) -> bool:
+        return isinstance(obj, (torch.Tensor, GradientEdge))
+
     def seed_problem(self, y: Any, dy: Any) -> Optional[str]:
         # The manager calls the engine directly (see engine.run_engine), so it checks what
-        # torch.autograd.backward would: the engine itself casts dtypes and rejects devices.
+        # torch.autograd.backward would: the engine itself casts dtypes and rejects devices
+        # (and checks a GradientEdge's dy against its node's input).
+        if isinstance(y, GradientEdge):
+            return None
         problem = super().seed_problem(y, dy)
         if problem is None and y.is_complex() != dy.is_complex():
             problem = (f"has dtype {dy.dtype} but y has dtype {y.dtype}: a complex y needs a "
