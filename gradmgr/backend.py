@@ -219,6 +219,13 @@ class Backend(ABC):
         raise NotImplementedError(f"backend {self.name!r} cannot inspect its graph")
 
     # ------------------------------------------------------------ data parallelism
+    def prepare_rank(self, rank: int, world: int) -> None:
+        """This process is rank ``rank`` of ``world``, started by gradmgr's launcher
+        (:func:`gradmgr.distributed.spawn_local` / ``run_ranks``): make the framework's own
+        view of the job tell the truth where it would not (MegEngine's rank queries on ranks
+        that talk over torch.distributed gloo). Called once the framework is imported."""
+        return None
+
     def tensor_ops(self) -> TensorOps:
         """The tensor operations data parallelism needs (bucketing, the cross-rank checks, the
         initial broadcast). A backend without data parallelism keeps this default."""

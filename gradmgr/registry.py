@@ -13,6 +13,7 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Type, Union
 
+from ._imports import call_after_import
 from .backend import Backend
 from .errors import BackendNotFoundError
 
@@ -147,6 +148,17 @@ def imported_backends() -> List[Backend]:
     """
     names = sorted({name for module, name in _owners.items() if module in sys.modules})
     return [get_backend(name) for name in names]
+
+
+def prepare_ranks(rank: int, world: int) -> None:
+    """Tell every registered backend, once its framework is imported (now, or whenever it is),
+    that this process is rank ``rank`` of ``world`` (:meth:`Backend.prepare_rank`)."""
+    with _lock:
+        if not _entry_points_loaded:
+            _load_entry_points()
+        owners = dict(_owners)
+    for module, name in owners.items():
+        call_after_import(module, lambda name=name: get_backend(name).prepare_rank(rank, world))
 
 
 def resolve_backend(backend: Union[str, Backend, None]) -> Optional[Backend]:

@@ -189,8 +189,6 @@ def test_skipping_a_bad_batch_fails_cleanly_and_training_goes_on(main_ranks):
 
 # ---------------------------------------------------------------- MegEngine's own recipe
 @pytest.mark.megengine
-@pytest.mark.xfail(strict=True, reason="issue 19 item 1c: megengine.distributed.get_world_size() "
-                   "reads 1 on ranks gradmgr started over gloo: each rank trains alone")
 def test_megengine_training_script_recipe_runs_data_parallel(tmp_path):
     """MegEngine/Models' ResNet train.py data-parallel lines (world-size gate, lr scaling,
     ``bcast_list_``, ``make_allreduce_cb``, ``all_reduce_sum`` for the logged loss), with only

@@ -104,6 +104,11 @@ class MegEngineBackend(Backend):
     # data parallelism (gradmgr.distributed.contract), imported on first use
     transport_names = ("megengine", "megengine-via-torch")
 
+    def prepare_rank(self, rank: int, world: int) -> None:
+        from . import world as gloo_world
+
+        gloo_world.install(rank, world)
+
     def tensor_ops(self) -> Any:
         from .ops import MEGENGINE_OPS
 

@@ -10,11 +10,15 @@ import megengine
 import megengine.distributed as mdist
 import numpy as np
 
+from .world import is_gloo_world
+
 
 def make(group: Any, name: Optional[str], backend: Any) -> Any:
     """The transport called ``name``, or the default: MegEngine's own collectives when
-    initialised, else torch.distributed gloo through host memory when that is."""
-    if name == "megengine" or (name is None and mdist.is_distributed()):
+    initialised (by MegEngine, not by gradmgr's launcher: see :mod:`.world`), else
+    torch.distributed gloo through host memory when that is."""
+    own = mdist.is_distributed() and not is_gloo_world()
+    if name == "megengine" or (name is None and own):
         return MegEngineTransport(group)
     if name == "megengine-via-torch" or (name is None and _torch_dist_initialised()):
         return MegEngineViaTorchTransport(group)

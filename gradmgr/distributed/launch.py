@@ -9,6 +9,8 @@ import sys
 import traceback
 from typing import Any, Callable, List
 
+from ..registry import prepare_ranks
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -18,7 +20,11 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple) -> None:
+    # What torchrun sets, so init_process_group("gloo") works with env:// too.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
+        prepare_ranks(rank, world)
         fn(rank, world, port, *args)
     except BaseException:
         traceback.print_exc()
@@ -32,9 +38,12 @@ def spawn_local(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
     stopped).
 
     ``port`` is free for the rendezvous (``init_process_group(init_method=
-    f"tcp://127.0.0.1:{port}")``), and gloo is told to use the loopback interface unless
-    ``GLOO_SOCKET_IFNAME`` is already set. ``fn`` must be importable by a new process (a
-    module-level function), as with ``torch.multiprocessing.spawn``.
+    f"tcp://127.0.0.1:{port}")``; ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    are set as torchrun sets them, so ``init_method="env://"`` works too), and gloo is told
+    to use the loopback interface unless ``GLOO_SOCKET_IFNAME`` is already set. ``fn`` must be
+    importable by a new process (a module-level function), as with
+    ``torch.multiprocessing.spawn``. Each backend is told which rank a process is (MegEngine's
+    own ``megengine.distributed.get_rank()`` / ``get_world_size()`` then tell the truth).
 
     Example:
         >>> # sys.exit(spawn_local(train, 2, steps))  # train(rank, world, port, steps)
@@ -82,6 +91,8 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
         >>> # sys.exit(run_ranks(train, 2, steps))   # python x.py  or  torchrun ... x.py
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, *args)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        prepare_ranks(rank, world)
+        fn(rank, world, 0, *args)
         return 0
     return spawn_local(fn, world, *args)
