@@ -1,4 +1,5 @@
-"""The fenced code blocks of README.md and docs/*.md, with the test marker before each.
+"""The fenced code blocks of README.md, CONTRIBUTING.md and docs/*.md, with the test marker
+before each.
 
 A block opens with a fence at the start of a line (```` ```python ````) and closes with
 ```` ``` ````. An HTML comment on the line before it says how it is tested (CONTRIBUTING.md):
@@ -48,8 +49,8 @@ class Block:
 
 
 def doc_files() -> List[str]:
-    """README.md and every Markdown file under docs/, relative to the root."""
-    found = ["README.md"]
+    """README.md, CONTRIBUTING.md and every Markdown file under docs/, relative to the root."""
+    found = ["README.md", "CONTRIBUTING.md"]
     for folder, _, names in sorted(os.walk(os.path.join(ROOT, "docs"))):
         found += sorted(os.path.relpath(os.path.join(folder, n), ROOT)
                         for n in names if n.endswith(".md"))
