@@ -3,6 +3,7 @@ public name that lacks a docstring, an example or types."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import types
@@ -11,8 +12,13 @@ import pytest
 from docs_helpers import ROOT
 
 pytestmark = pytest.mark.docs
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import docs_hooks  # noqa: E402  (needs mkdocs: the docs marker)
+
+
+@pytest.fixture
+def docs_hooks(monkeypatch):
+    """The hook module, imported only where the docs tools are (it imports mkdocs)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    return importlib.import_module("docs_hooks")
 
 
 def documented(x: int) -> int:
@@ -49,7 +55,7 @@ def fake_api(monkeypatch) -> str:
     return "fake_api"
 
 
-def test_each_gap_is_named(fake_api: str) -> None:
+def test_each_gap_is_named(docs_hooks, fake_api: str) -> None:
     assert list(docs_hooks.docstring_problems(fake_api)) == [
         "API reference: fake_api.bare has no docstring",
         "API reference: fake_api.bare has parameters without a type: x",
@@ -59,7 +65,7 @@ def test_each_gap_is_named(fake_api: str) -> None:
     ]
 
 
-def test_the_page_lists_all_of_all_in_order(fake_api: str) -> None:
+def test_the_page_lists_all_of_all_in_order(docs_hooks, fake_api: str) -> None:
     assert docs_hooks.api_page(fake_api) == (
         "# `fake_api`\n\nThe fake API.\n\n"
         "::: fake_api.documented\n\n::: fake_api.bare\n\n::: fake_api.NoExample\n")
