@@ -73,7 +73,9 @@ def run_torch() -> None:
 
 
 def run_megengine() -> None:
-    import megengine
+    from quiet_megengine import import_megengine
+
+    megengine = import_megengine()  # without the CUDA banner of a GPU-less machine
     import megengine.functional as F
 
     a = megengine.tensor(A)

@@ -127,7 +127,9 @@ def run_torch() -> None:
 
 
 def run_megengine() -> None:
-    import megengine
+    from quiet_megengine import import_megengine
+
+    megengine = import_megengine()  # without the CUDA banner of a GPU-less machine
     import megengine.functional as F
     from megengine.autodiff import GradManager as NativeGradManager
     from models import megengine_ops

@@ -129,7 +129,9 @@ def run_torch() -> None:
 def run_megengine() -> None:
     from types import SimpleNamespace
 
-    import megengine
+    from quiet_megengine import import_megengine
+
+    megengine = import_megengine()  # without the CUDA banner of a GPU-less machine
     import megengine.functional as F
     from megengine.autodiff import GradManager as NativeGradManager
 

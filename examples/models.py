@@ -140,7 +140,9 @@ def torch_ops() -> SimpleNamespace:
 
 def megengine_ops() -> SimpleNamespace:
     """The op table on MegEngine (conv bias is reshaped in-graph so parameter shapes match)."""
-    import megengine
+    from quiet_megengine import import_megengine
+
+    megengine = import_megengine()  # without the CUDA banner of a GPU-less machine
     import megengine.functional as F
 
     return SimpleNamespace(

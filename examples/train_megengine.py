@@ -27,8 +27,11 @@ from models import (
     megengine_ops,
     training_main,
 )
+from quiet_megengine import import_megengine
 
 from gradmgr import GradManager
+
+import_megengine()  # before the first tensor: no CUDA banner on a machine without a GPU
 
 
 def train(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs lint and the whole test suite in both environments made by scripts/setup.sh:
 #   .venv         torch 2.8 + megengine 1.13: every test
-#   .venv-latest  torch 2.13: core and torch tests; MegEngine tests are deselected there
+#   .venv-latest  torch 2.13: core and torch tests, and the docs site's; MegEngine tests are
+#                 deselected there (and the docs site's in .venv, which has no docs tools)
 # In each environment a test skipped for a reason not starting with "CUDA" counts as a failure
 # (GRADMGR_STRICT_SKIPS, see tests/conftest.py). Exits non-zero if lint or either run failed.
 # Extra arguments go to both pytest runs, e.g. scripts/run_tests.sh -k backward -x
@@ -19,8 +20,8 @@ else
   status=1; summaries+=("lint: ruff check FAILED")
 fi
 
-run_env() {  # run_env VENV FRAMEWORKS [PYTEST-ARGS...]
-  local venv=$1 frameworks=$2 log rc line; shift 2
+run_env() {  # run_env VENV FRAMEWORKS DOCS(0|1) [PYTEST-ARGS...]
+  local venv=$1 frameworks=$2 docs=$3 log rc line; shift 3
   if [ ! -x "$venv/bin/python" ]; then
     status=1; summaries+=("$venv: MISSING (run make setup)"); return
   fi
@@ -28,14 +29,14 @@ run_env() {  # run_env VENV FRAMEWORKS [PYTEST-ARGS...]
   "$venv/bin/python" - <<'PY' 2>/dev/null
 import importlib, sys
 print("python   ", sys.version.split()[0], sys.executable)
-for name in ("torch", "megengine"):
+for name in ("torch", "megengine", "mkdocs"):
     try:
         print(f"{name:<9}", importlib.import_module(name).__version__)
     except ImportError:
         print(f"{name:<9}", "not installed")
 PY
   log=$(mktemp)
-  GRADMGR_FRAMEWORKS=$frameworks GRADMGR_STRICT_SKIPS=1 PYTHONDONTWRITEBYTECODE=1 \
+  GRADMGR_FRAMEWORKS=$frameworks GRADMGR_DOCS=$docs GRADMGR_STRICT_SKIPS=1 PYTHONDONTWRITEBYTECODE=1 \
     "$venv/bin/python" -m pytest -p no:cacheprovider -q -ra tests "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   line=$(grep -E '^(=+ )?(no tests ran|[0-9]+ [a-z]+).* in [0-9.]+s' "$log" | tail -1)
@@ -44,8 +45,8 @@ PY
   [ "$rc" = 0 ] || status=1
 }
 
-run_env .venv torch,megengine "$@"
-run_env .venv-latest torch "$@"
+run_env .venv torch,megengine 0 "$@"
+run_env .venv-latest torch 1 "$@"
 
 bold "== summary"
 printf '%s\n' "${summaries[@]}"

@@ -2,6 +2,7 @@
 # Sets up gradmgr's two development environments; safe to run again (it then only checks).
 #   .venv         CPython 3.8-3.10 with torch 2.8.0 + megengine 1.13.0 (MegEngine has no newer wheels)
 #   .venv-latest  the machine's python3 with the newest cheap PyTorch (torch 2.13.0, CPU build)
+#                 and the docs tools (mkdocs); Chromium for the docs' browser test (apt, as root)
 # Environment: GRADMGR_PYTHON names a CPython 3.8-3.10 to use for .venv;
 #              GRADMGR_LATEST_PYTHON the interpreter for .venv-latest (default python3).
 set -euo pipefail
@@ -166,9 +167,25 @@ setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
   say "$dir ready"
 }
 
+ensure_chromium() {  # the docs' browser test (tests/docs/test_docs_site.py) drives Chromium
+  local c
+  for c in chromium chromium-browser google-chrome; do
+    if command -v "$c" >/dev/null 2>&1; then say "Chromium for the docs' browser test: $(command -v "$c")"; return; fi
+  done
+  if [ -r /etc/debian_version ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "No Chromium found; the docs' browser test needs one. CHANGING THIS MACHINE: installing Debian's chromium package with apt-get."
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+    say "Installed $(command -v chromium) ($(chromium --version 2>/dev/null | head -1))"
+    return
+  fi
+  say "WARNING: no Chromium on PATH, and this is not Debian run as root: install Chromium (as 'chromium'), or the docs' browser test fails."
+}
+
 LEGACY_PY=$(ensure_legacy_python)
 setup_env .venv "$LEGACY_PY" "torch, megengine, gradmgr" \
   "$LEGACY_TORCH" -e ".[megengine,test,demo]"
-setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr" \
-  "$LATEST_TORCH" -e ".[test]"
+setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr, mkdocs, mkdocstrings" \
+  "$LATEST_TORCH" -e ".[test,docs]"
+ensure_chromium
 say "done: .venv ($(.venv/bin/python -c 'import sys,torch,megengine;print("python",sys.version.split()[0],"torch",torch.__version__,"megengine",megengine.__version__)' 2>/dev/null | tail -1)), .venv-latest ($(.venv-latest/bin/python -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__)'))"

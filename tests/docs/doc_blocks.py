@@ -1,0 +1,94 @@
+"""The fenced code blocks of README.md, CONTRIBUTING.md and docs/*.md, with the test marker
+before each.
+
+A block opens with a fence at the start of a line (```` ```python ````) and closes with
+```` ``` ````. An HTML comment on the line before it says how it is tested (CONTRIBUTING.md):
+
+* none: a ``python`` block runs as a script in a fresh interpreter;
+* ``<!-- test: 2 ranks -->``: it runs under ``torchrun --nproc_per_node 2`` (gloo);
+* ``<!-- test: skip (reason) -->``: it does not run (a fragment); the reason is required;
+* ``<!-- test: same as PATH -->``: it must equal the file PATH, which a test runs;
+* ``<!-- test: diff A B -->`` (a ``diff`` block): it must equal ``diff -u A B``, generated.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass
+from typing import List
+
+from docs_helpers import ROOT
+
+_OPEN = re.compile(r"^```([\w-]*)\s*$")
+_MARKER = re.compile(r"^<!--\s*test:\s*(.*?)\s*-->\s*$")
+MARKERS = re.compile(r"^(2 ranks|skip \(.+\)|same as \S+|diff \S+ \S+)$")
+
+
+@dataclass
+class Block:
+    path: str  # relative to the repository root
+    line: int  # of the opening fence, 1-based
+    lang: str
+    text: str
+    marker: str  # what follows "test:" in the comment before the block, or ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    @property
+    def framework(self) -> str:
+        """The framework the block needs: ``megengine``, ``torch``, or ``core``."""
+        if re.search(r"^\s*(import|from) megengine\b", self.text, re.MULTILINE):
+            return "megengine"
+        if re.search(r"^\s*(import|from) torch\b", self.text, re.MULTILINE):
+            return "torch"
+        return "core"
+
+
+def doc_files() -> List[str]:
+    """README.md, CONTRIBUTING.md and every Markdown file under docs/, relative to the root."""
+    found = ["README.md", "CONTRIBUTING.md"]
+    for folder, _, names in sorted(os.walk(os.path.join(ROOT, "docs"))):
+        found += sorted(os.path.relpath(os.path.join(folder, n), ROOT)
+                        for n in names if n.endswith(".md"))
+    return found
+
+
+def blocks(path: str) -> List[Block]:
+    """The fenced blocks of ``path`` (relative to the root), in order."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        match = _OPEN.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```"), None)
+        if end is None:
+            raise ValueError(f"{path}:{i + 1}: a code block that never closes")
+        before = lines[i - 1] if i else ""
+        marker = _MARKER.match(before)
+        found.append(Block(path, i + 1, match.group(1), "\n".join(lines[i + 1:end]) + "\n",
+                           marker.group(1) if marker else ""))
+        i = end + 1
+    return found
+
+
+def all_blocks() -> List[Block]:
+    return [b for path in doc_files() for b in blocks(path)]
+
+
+def unified_diff(a: str, b: str) -> str:
+    """``diff -u a b`` of two files (paths relative to the root), without timestamps."""
+    return "".join(difflib.unified_diff(read(a).splitlines(keepends=True),
+                                        read(b).splitlines(keepends=True), fromfile=a, tofile=b))
+
+
+def read(path: str) -> str:
+    """The text of ``path``, relative to the root."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()

@@ -1,0 +1,74 @@
+"""Every code block of README.md and docs/*.md runs or is checked here, so the documentation
+cannot drift from the code (the markers are described in doc_blocks.py and CONTRIBUTING.md).
+
+A ``python`` block runs as a script in a fresh interpreter, in an empty folder, and passes when
+it exits 0 within the timeout; the blocks assert what they show. Blocks that import MegEngine
+are parametrized ``framework="megengine"``, so tests/conftest.py deselects them where MegEngine
+is not installed (.venv-latest).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+from doc_blocks import MARKERS, all_blocks, read, unified_diff
+from docs_helpers import run, torchrun
+
+BLOCKS = all_blocks()
+RUN = [b for b in BLOCKS if b.lang == "python" and b.marker in ("", "2 ranks")]
+ONE_RANK_TIMEOUT_S, TWO_RANKS_TIMEOUT_S = 120, 180
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework, block", [pytest.param(b.framework, b, id=b.id) for b in RUN])
+def test_block_runs(framework: str, block, tmp_path) -> None:
+    if framework != "core":
+        pytest.importorskip(framework, reason=f"{framework} is not installed in this environment")
+    script = tmp_path / "block.py"
+    script.write_text(block.text, encoding="utf-8")
+    if block.marker == "2 ranks":
+        run(torchrun(str(script)), TWO_RANKS_TIMEOUT_S, cwd=str(tmp_path))
+    else:
+        run([sys.executable, str(script)], ONE_RANK_TIMEOUT_S, cwd=str(tmp_path))
+
+
+def test_there_are_blocks_to_run() -> None:
+    """The parser finds the blocks (a broken fence pattern would make every test vanish)."""
+    assert len(RUN) >= 15, [b.id for b in RUN]
+    assert sum(b.marker == "2 ranks" for b in RUN) >= 3
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in BLOCKS if b.marker])
+def test_marker_is_known(block) -> None:
+    assert MARKERS.match(block.marker), f"{block.id}: unknown test marker {block.marker!r}"
+    if block.marker.startswith("diff "):
+        assert block.lang == "diff", f"{block.id}: a 'diff' marker on a {block.lang} block"
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in BLOCKS
+                                   if b.marker.startswith("same as ")])
+def test_block_is_the_file(block) -> None:
+    """The block shows a file that another test runs; it must be that file, character for
+    character."""
+    path = block.marker[len("same as "):]
+    assert block.text == read(path), f"{block.id} differs from {path}: copy the file in again"
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in BLOCKS
+                                   if b.marker.startswith("diff ")])
+def test_diff_block_is_generated(block) -> None:
+    a, b = block.marker.split()[1:]
+    expected = unified_diff(a, b)
+    assert block.text == expected, (
+        f"{block.id} is not `diff -u {a} {b}` any more; replace the block with:\n{expected}")
+
+
+def test_skipped_blocks_are_few_and_say_why() -> None:
+    """Each block that does not run shows in the warnings summary with its reason."""
+    skipped = [b for b in BLOCKS if b.marker.startswith("skip")]
+    for b in skipped:
+        warnings.warn(f"{b.id} does not run: {b.marker}", UserWarning, stacklevel=1)
+    python = [b for b in BLOCKS if b.lang == "python"]
+    assert len(skipped) <= len(python) // 10, [b.id for b in skipped]
