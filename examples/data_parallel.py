@@ -69,6 +69,7 @@ def run(rank: int, world: int, port: int = 0) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         ok = train(rank, world)
+        dist.barrier()  # every rank done communicating before its group goes
     finally:
         dist.destroy_process_group()
     if not ok:

@@ -473,6 +473,7 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                             timeout=datetime.timedelta(seconds=120))
     try:
         ok = train(rank, world, args, device, via_host)
+        dist.barrier()  # every rank done communicating before its group goes
     finally:
         dist.destroy_process_group()
     if not ok:

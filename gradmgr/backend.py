@@ -37,7 +37,13 @@ returns what the manager keeps for it (None if nothing)."""
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend supports; tests skip by capability with a reason."""
+    """What a backend supports; tests skip by capability with a reason.
+
+    Example:
+        >>> from gradmgr import get_backend
+        >>> get_backend("torch").capabilities.split_backward
+        True
+    """
 
     higher_order: bool = False
     """Nested managers give second derivatives (contract point 10)."""
@@ -64,6 +70,11 @@ class Tape(ABC):
 
     One tape belongs to one manager for the manager's whole life, so a backend can keep
     per-tensor state (hooks, flags) across recordings instead of rebuilding it every step.
+
+    Example:
+        >>> from gradmgr import get_backend
+        >>> tape = get_backend("torch").new_tape()   # what a manager does once
+        >>> tape.start(); tape.stop()                # record(), release()
     """
 
     persistent_watch: ClassVar[bool] = False
@@ -132,7 +143,17 @@ class Tape(ABC):
 
 
 class Backend(ABC):
-    """A framework adapter. Subclasses are registered by name in :mod:`gradmgr.registry`."""
+    """A framework adapter. Subclasses are registered by name in :mod:`gradmgr.registry`
+    (built in: ``"torch"`` and ``"megengine"``; others through the entry-point group
+    ``gradmgr.backends`` or :func:`gradmgr.register_backend`).
+
+    Example:
+        >>> import torch
+        >>> from gradmgr import backend_for
+        >>> backend = backend_for(torch.ones(1))
+        >>> backend.name, backend.shape(torch.ones(2, 3))
+        ('torch', (2, 3))
+    """
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]

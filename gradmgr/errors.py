@@ -2,36 +2,103 @@
 
 
 class GradMgrWarning(UserWarning):
-    """A framework cannot reproduce GradManager semantics exactly in this situation."""
+    """A framework cannot reproduce GradManager semantics exactly in this situation; the base
+    of gradmgr's warnings.
+
+    Example:
+        >>> import warnings
+        >>> warnings.simplefilter("error", GradMgrWarning)  # make every gradmgr warning fatal
+        >>> warnings.resetwarnings()
+    """
 
 
 class BackendNotFoundError(LookupError):
-    """No backend knows the given tensor type, or the named backend does not exist."""
+    """No backend knows the given tensor type, or the named backend does not exist (or cannot
+    be imported here).
+
+    Example:
+        >>> from gradmgr import get_backend
+        >>> try:
+        ...     get_backend("no-such-framework")
+        ... except BackendNotFoundError as error:
+        ...     print("no such backend")
+        no such backend
+    """
 
 
 class AttachError(TypeError, AssertionError):
     """``attach()`` was given something that cannot get a gradient (not a tensor, or not a
     floating-point dtype). A ``TypeError``, and also an ``AssertionError`` because
-    ``megengine.autodiff.GradManager.attach`` raises that, and code written for it catches it."""
+    ``megengine.autodiff.GradManager.attach`` raises that, and code written for it catches it.
+
+    Example:
+        >>> from gradmgr import GradManager
+        >>> try:
+        ...     GradManager().attach([1.0, 2.0])
+        ... except AttachError as error:
+        ...     print("not a tensor")
+        not a tensor
+    """
 
 
 class CallbackResultError(ValueError):
     """A gradient callback returned something that cannot be a gradient of its tensor: not a
-    tensor or Future, or a tensor whose shape, dtype or device differ from the tensor's."""
+    tensor, a Future or None, or a tensor whose shape, dtype or device differ from the
+    tensor's.
+
+    Example:
+        >>> import torch
+        >>> from gradmgr import GradManager
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> gm = GradManager().attach(w, callbacks=lambda t, g: g.sum())   # a scalar: wrong
+        >>> try:
+        ...     with gm:
+        ...         gm.backward((w * 2).sum())
+        ... except CallbackResultError:
+        ...     print("refused")
+        refused
+    """
 
 
 class UnsupportedGraphError(RuntimeError):
     """The recorded computation uses something the backend cannot differentiate with
     GradManager semantics (for example reentrant activation checkpointing on PyTorch); the
-    message says what to use instead."""
+    message says what to use instead.
+
+    Example:
+        >>> # with gm:
+        >>> #     h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        >>> #     gm.backward(h.sum())       # UnsupportedGraphError: pass use_reentrant=False
+    """
 
 
 class UnsupportedBackendError(TypeError):
     """The tensors' backend does not implement what was asked (data parallelism needs
-    ``Backend.tensor_ops()`` and ``Backend.transport()``)."""
+    ``Backend.tensor_ops()`` and ``Backend.transport()``).
+
+    Example:
+        >>> from gradmgr import Backend
+        >>> class Minimal(Backend):                   # a backend without data parallelism
+        ...     name = "minimal"
+        ...     is_tensor = check_attachable = shape = ones_like = accumulate = new_tape = None
+        >>> try:
+        ...     Minimal().tensor_ops()
+        ... except UnsupportedBackendError:
+        ...     print("no data parallelism")
+        no data parallelism
+    """
 
 
 class CallbackReturnedNoneWarning(GradMgrWarning):
     """A gradient callback returned None: its tensor gets no gradient from that backward
     (MegEngine's rule). Warned once per callback: a callback that forgot its ``return``
-    (``clip(g)`` instead of ``return clip(g)``) drops the gradient."""
+    (``clip(g)`` instead of ``return clip(g)``) drops the gradient.
+
+    Example:
+        >>> import warnings
+        >>> def observe(tensor, grad):      # only looks: None on purpose, so not warned about
+        ...     print(grad.shape)
+        >>> warnings.filterwarnings("ignore", category=CallbackReturnedNoneWarning,
+        ...                         message=".*observe")
+        >>> warnings.resetwarnings()
+    """

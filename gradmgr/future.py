@@ -46,6 +46,7 @@ class Future(Generic[T]):
 
     @classmethod
     def resolved(cls, value: T) -> Future[T]:
+        """A Future that already holds ``value``."""
         future: Future[T] = cls()
         future._value = value  # nobody else can see it yet
         return future
@@ -59,6 +60,7 @@ class Future(Generic[T]):
             event.set()
 
     def done(self) -> bool:
+        """Whether the value is there (``get()`` returns at once)."""
         return self._value is not _UNSET
 
     def get(self, timeout: Optional[float] = None) -> T:
@@ -89,5 +91,10 @@ _GUARD = threading.Lock()  # short sections only: publishing a value, making an 
 
 
 def is_future(obj: Any) -> bool:
-    """True for a :class:`Future` or any non-tensor object with a callable ``get``."""
+    """True for a :class:`Future` or any non-tensor object with a callable ``get``.
+
+    Example:
+        >>> is_future(Future.resolved(1)), is_future(3.0)
+        (True, False)
+    """
     return isinstance(obj, Future) or callable(getattr(obj, "get", None))

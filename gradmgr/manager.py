@@ -608,6 +608,7 @@ class GradManagerGroup:
                 raise TypeError(f"a group holds GradManagers, not {type(gm).__name__}")
 
     def merge_with(self, other: Any) -> GradManagerGroup:
+        """A group of these managers and ``other`` (a manager or a group): ``group | gm``."""
         if isinstance(other, GradManager):
             return GradManagerGroup([*self._gms, other])
         if isinstance(other, GradManagerGroup):
@@ -618,6 +619,7 @@ class GradManagerGroup:
     __ror__ = merge_with
 
     def record(self) -> None:
+        """Every member starts recording, together (none records another's backward)."""
         backends = {gm.backend for gm in self._gms if gm.backend is not None}
         if len(backends) > 1:
             names = sorted(b.name for b in backends)
@@ -636,6 +638,7 @@ class GradManagerGroup:
             raise
 
     def release(self) -> None:
+        """Every member stops recording."""
         for gm in reversed(self._gms):
             gm.release()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Type, Union
+from typing import Any, Dict, List, Optional, Sequence, Type, Union
 
 from ._imports import call_after_import
 from .backend import Backend
@@ -32,7 +32,8 @@ _entry_points_loaded = False
 _lock = threading.RLock()
 
 
-def register_backend(name: str, backend: Union[str, Type[Backend]], tensor_modules=()) -> None:
+def register_backend(name: str, backend: Union[str, Type[Backend]],
+                     tensor_modules: Sequence[str] = ()) -> None:
     """Register a backend class (or ``"module:Class"``) under ``name``.
 
     Example:
@@ -74,7 +75,12 @@ def _load_entry_points() -> None:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend instance registered under ``name`` (``"torch"``, ``"megengine"``, ...)."""
+    """The backend instance registered under ``name`` (``"torch"``, ``"megengine"``, ...).
+
+    Example:
+        >>> get_backend("torch").name
+        'torch'
+    """
     with _lock:
         if name in _instances:
             return _instances[name]
@@ -87,14 +93,37 @@ def get_backend(name: str) -> Backend:
         spec = _specs[name]
         if isinstance(spec, str):
             module_name, _, attr = spec.partition(":")
-            spec = getattr(importlib.import_module(module_name), attr)
+            try:
+                spec = getattr(importlib.import_module(module_name), attr)
+            except ImportError as error:
+                raise BackendNotFoundError(_cannot_import(name, error)) from error
         instance = spec()
         _instances[name] = instance
         return instance
 
 
+_INSTALL_HINTS = {
+    "torch": "install PyTorch (pip install 'gradmgr[torch]')",
+    "megengine": "MegEngine's newest release (1.13) has wheels for CPython 3.8-3.10 only "
+                 "(pip install 'gradmgr[megengine]' there)",
+}
+
+
+def _cannot_import(name: str, error: ImportError) -> str:
+    hint = _INSTALL_HINTS.get(name, "install its framework")
+    python = ".".join(map(str, sys.version_info[:3]))
+    return (f"the {name!r} backend cannot be used here: importing it failed ({error}); "
+            f"{hint}. This is Python {python}")
+
+
 def backend_for(obj: Any) -> Optional[Backend]:
-    """The backend owning ``obj``'s type, or None if ``obj`` is no known tensor."""
+    """The backend owning ``obj``'s type, or None if ``obj`` is no known tensor.
+
+    Example:
+        >>> import torch
+        >>> backend_for(torch.ones(1)).name, backend_for([1.0])
+        ('torch', None)
+    """
     cls = type(obj)
     try:
         return _by_type[cls]

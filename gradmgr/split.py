@@ -10,7 +10,12 @@ from .errors import GradMgrWarning
 
 class UnfinishedBackwardWarning(GradMgrWarning):
     """A split backward was garbage-collected before ``finish()``: the tensors it left for later
-    never got their gradients, and its after-backward callbacks never ran."""
+    never got their gradients, and its after-backward callbacks never ran.
+
+    Example:
+        >>> # rest = gm.backward_split(out, dy, first=[x])
+        >>> # del rest                      # UnfinishedBackwardWarning: call rest.finish()
+    """
 
 
 class FinishRefused(RuntimeError):

@@ -65,6 +65,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         train(rank, out)
+        dist.barrier()  # every rank done communicating before its group goes
     finally:
         dist.destroy_process_group()
 

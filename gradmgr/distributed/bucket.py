@@ -26,6 +26,14 @@ class Bucket:
     order), then one "used" flag per member, then a "this rank failed" marker (see
     ``TensorOps.new_buffer``): ``offsets[slot]`` is where member ``slot`` starts,
     ``small`` lists the small members' slots, ``numel`` the elements before the flags.
+
+    Example:
+        >>> import torch
+        >>> from gradmgr import get_backend
+        >>> ops = get_backend("torch").tensor_ops()
+        >>> bucket = BucketPlan([torch.zeros(3), torch.zeros(2)], ops, 2**20).buckets[0]
+        >>> bucket.members, bucket.sizes, bucket.numel
+        ([1, 0], [2, 3], 5)
     """
 
     __slots__ = ("index", "key", "members", "shapes", "sizes", "large", "nbytes", "offsets",

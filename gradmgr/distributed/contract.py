@@ -15,7 +15,15 @@ _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 class Handle(Protocol):
-    """A collective in flight."""
+    """A collective in flight.
+
+    Example:
+        >>> class Done:                       # a collective that already finished
+        ...     def __init__(self, value): self.value = value
+        ...     def wait(self): return self.value
+        >>> Done([1.0, 2.0]).wait()
+        [1.0, 2.0]
+    """
 
     def wait(self) -> Any:
         """Block until the collective is done; return the reduced buffer."""
@@ -31,6 +39,18 @@ class Transport(Protocol):
     carries the plan check exactly through lossy wires) and ``broadcast(flat, src) -> flat``
     (the initial sync; without it a sum with zeros from the other ranks is used, which turns
     -0.0 into 0.0).
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> class Sum:                        # torch.distributed's allreduce, as a transport
+        ...     def world_size(self): return dist.get_world_size()
+        ...     def rank(self): return dist.get_rank()
+        ...     def allreduce_async(self, flat):
+        ...         work = dist.all_reduce(flat, async_op=True)
+        ...         class Handle:
+        ...             def wait(self): work.wait(); return flat
+        ...         return Handle()
+        >>> # cb = make_allreduce_cb("mean", transport=Sum())
     """
 
     def world_size(self) -> int:
@@ -101,6 +121,13 @@ class TensorOps:
 
     Subclasses implement the methods that raise ``NotImplementedError``; the others have
     defaults that fit a framework whose tensors are values with a ``.grad`` attribute.
+
+    Example:
+        >>> import torch
+        >>> from gradmgr import get_backend
+        >>> ops = get_backend("torch").tensor_ops()
+        >>> ops.key(torch.zeros(2)), ops.nbytes(torch.zeros(2))
+        (('float32', 'cpu'), 8)
     """
 
     def key(self, tensor: Any) -> Tuple[str, str]:
@@ -108,12 +135,15 @@ class TensorOps:
         raise NotImplementedError
 
     def shape(self, tensor: Any) -> Tuple[int, ...]:
+        """The tensor's shape as a tuple of ints."""
         return tuple(int(n) for n in tensor.shape)
 
     def nbytes(self, tensor: Any) -> int:
+        """The tensor's size in bytes."""
         raise NotImplementedError
 
     def dtype_name(self, tensor: Any) -> str:
+        """The dtype's name (``"float32"``), as in :meth:`key`."""
         return self.key(tensor)[0]
 
     def trainable(self, tensor: Any) -> bool:
@@ -126,6 +156,7 @@ class TensorOps:
         return all(t is not None and self.trainable(t) for t in tensors)
 
     def any_trainable(self, tensors: Sequence[Any]) -> bool:
+        """Whether some tensor (None: died, skipped) is trainable now."""
         return any(t is not None and self.trainable(t) for t in tensors)
 
     def is_sparse(self, grad: Any) -> bool:
@@ -169,6 +200,7 @@ class TensorOps:
         return flat * factor
 
     def cast(self, flat: Any, dtype: str) -> Any:
+        """``flat`` in the dtype called ``dtype`` (``"float16"``, ``"float32"``, ...)."""
         raise NotImplementedError
 
     def compress(self, flat: Any, compression: str) -> Any:
@@ -180,6 +212,7 @@ class TensorOps:
         raise NotImplementedError
 
     def values(self, vector: Any) -> List[float]:
+        """A :meth:`vector`'s values as Python floats (on a GPU: a device-to-host copy)."""
         raise NotImplementedError
 
     def flatten(self, tensors: Sequence[Any]) -> Any:

@@ -1,0 +1,55 @@
+"""Every example in gradmgr's docstrings runs (doctest): the API reference shows them, so they
+must not drift from the code. Modules of a framework this environment lacks are not collected
+(their examples need it)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+import sys
+
+import gradmgr.backends
+import pytest
+
+import gradmgr
+import gradmgr.distributed
+
+FRAMEWORK_MODULES = {"gradmgr.backends.torch": "torch", "gradmgr.backends.megengine": "megengine"}
+
+
+def modules() -> list:
+    names = []
+    for package in (gradmgr, gradmgr.distributed, gradmgr.backends):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            names.append(info.name)
+    return sorted(set(names))
+
+
+def _needs(name: str) -> str:
+    for prefix, framework in FRAMEWORK_MODULES.items():
+        if name == prefix or name.startswith(prefix + "."):
+            return framework
+    return "torch"  # the core's examples use PyTorch tensors
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=getattr(pytest.mark, _needs(n)))
+                                  for n in modules()])
+def test_docstring_examples_run(name):
+    pytest.importorskip(_needs(name), reason=f"{_needs(name)} is not installed")
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+
+
+def test_a_backend_whose_framework_is_missing_names_the_python_version(monkeypatch):
+    from gradmgr import BackendNotFoundError, GradManager, registry
+
+    monkeypatch.setitem(registry._specs, "absent", "no_such_framework_module:Backend")
+    monkeypatch.setitem(registry._INSTALL_HINTS, "absent", "its wheels need CPython 3.8-3.10")
+    with pytest.raises(BackendNotFoundError) as info:
+        GradManager(backend="absent")
+    message = str(info.value)
+    assert "'absent' backend cannot be used here" in message
+    assert "no_such_framework_module" in message and "CPython 3.8-3.10" in message
+    assert f"Python {sys.version_info[0]}.{sys.version_info[1]}" in message
