@@ -234,11 +234,15 @@ def _op_event(draw, g: _Gen) -> None:
         return
 
 
-def _attach_event(draw, g: _Gen) -> None:
+def _attach_event(draw, g: _Gen, m: Optional[int] = None) -> None:
     # mostly a recording manager (the flags and snapshots live there), sometimes any
     managers = g.recording if g.recording and draw(st.integers(0, 3)) else range(g.n_managers)
-    m = draw(st.sampled_from(list(managers)))
-    v = draw(st.sampled_from(g.attachable()))
+    m = draw(st.sampled_from(list(managers))) if m is None else m
+    # often a tensor another manager holds already (shared flags, hooks, snapshots)
+    candidates = g.attachable()
+    shared = [v for v in candidates if any(v in g.attached[o] for o in range(g.n_managers)
+                                           if o != m)]
+    v = draw(st.sampled_from(shared if shared and draw(st.booleans()) else candidates))
     chain = draw(callback_chains(g.framework, max_len=2)) if draw(st.integers(0, 2)) == 0 else ()
     g.attached[m].add(v)
     g.events.append(Event("attach", manager=m, value=v, chain=chain))
@@ -306,11 +310,16 @@ def _recording_action(draw, g: _Gen) -> None:
     elif action == "record":  # nested (a manager or a group inside the recording)
         _record_event(draw, g)
     elif action == "backward":
-        _backward_event(draw, g, draw(st.sampled_from(g.recording)))
+        _backward_event(draw, g, draw(st.sampled_from(_holders(g) or g.recording)))
     else:
         m = draw(st.sampled_from(g.recording))
         g.recording.remove(m)
         g.events.append(Event("release", manager=m))
+
+
+def _holders(g: _Gen) -> List[int]:
+    """The recording managers with something attached (a backward of the others is moot)."""
+    return [m for m in g.recording if g.attached[m]]
 
 
 def _close(draw, g: _Gen) -> None:
@@ -318,7 +327,7 @@ def _close(draw, g: _Gen) -> None:
     recording of a manager with an attached tensor."""
     while g.recording:
         m = draw(st.sampled_from(g.recording))
-        if draw(st.integers(0, 4)):
+        if g.attached[m] and draw(st.integers(0, 4)):
             _backward_event(draw, g, m)
         else:
             g.recording.remove(m)
@@ -341,13 +350,18 @@ def scenarios(draw, framework: str = "torch", max_events: int = 22,
     a, b, c = (draw(st.integers(1, 3)) for _ in range(3))
     pool = [(a,), (b,), (a, b), (b, c), (1, b), (), (a, b, c)]
     n_leaves = draw(st.integers(1, max_leaves))
-    kinds = [draw(st.sampled_from(ATTACHABLE if i == 0 else SCENARIO_LEAF_KINDS))
+    # inputs are where flags are shared: twice as likely as the other kinds
+    kinds = [draw(st.sampled_from(ATTACHABLE + ("input",) if i == 0
+                                  else SCENARIO_LEAF_KINDS + ("input",)))
              for i in range(n_leaves)]
     g = _Gen(framework, draw(st.integers(2, 3)),
              [SLeaf(draw(st.sampled_from(pool)), k) for k in kinds])
     g.attached = [set() for _ in range(g.n_managers)]
     for leaf in g.leaves:
         _add_value(g, leaf.shape, set())
+    for m in range(g.n_managers):  # most managers hold a tensor from the start
+        if draw(st.integers(0, 2)):
+            _attach_event(draw, g, m)
     n_events = draw(st.integers(4, max_events))
     while len(g.events) < n_events:
         (_recording_action if g.recording else _idle_action)(draw, g)
