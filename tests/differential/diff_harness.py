@@ -92,14 +92,15 @@ class CallLog:
 
 def make_chain(
     specs: Sequence[Callback], vid: int, log: CallLog, eng: Engine, label: str, *,
-    owner: Any = None, eager: bool = False,
+    owner: Any = None, eager: bool = False, first_pos: int = 0,
 ) -> List[Callable[[Any, Any], Any]]:
     """User callbacks for one tensor, logging each call. ``owner``: the manager that should be
     the backwarding one inside the call (None: do not check). ``eager``: Future-returning links
     return the value itself (for MegEngine's native manager, which only resolves its own
-    Future type; the value is the same)."""
+    Future type; the value is the same). ``first_pos``: the position of the first one in the
+    tensor's whole chain (a later ``attach()`` appends to it)."""
     return [_callback(spec, vid, pos, log, eng, label, owner, eager)
-            for pos, spec in enumerate(specs)]
+            for pos, spec in enumerate(specs, first_pos)]
 
 
 def _callback(spec, vid, pos, log, eng, label, owner, eager):
@@ -190,6 +191,7 @@ class Trace:
     layout: List[str] = field(default_factory=list)
     post: List[Tuple[int, int, Optional[np.ndarray]]] = field(default_factory=list)
     error: Optional[BaseException] = None
+    failed_at: Optional[int] = None  # scenarios: the index of the event that raised
 
     def grad(self, vid: int, step: int = -1) -> Optional[np.ndarray]:
         return self.steps[step].grads.get(vid)

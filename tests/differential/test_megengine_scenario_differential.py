@@ -1,0 +1,54 @@
+"""Differential tests on MegEngine: scenarios of several managers (:mod:`diff_scenario`)
+through gradmgr against MegEngine's own ``megengine.autodiff.GradManager``.
+
+The same scripts as on PyTorch, without what MegEngine lacks (``requires_grad``: no freezing,
+no float64, no torch-only callbacks): managers attach the same tensors at different times,
+record alone, as groups or nested, run part of the forward before ``record()`` (ignored for
+differentiation there, contract point 9), backward (also an attached tensor itself) or
+release; ops include custom ``megengine.autodiff.Function``s. Both managers run on MegEngine's
+engine, so every ``.grad`` after every backward must be bit-identical, with the same ``None``s
+and the same callback calls; when the native manager raises, gradmgr must raise the same type.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megengine")
+
+from diff_interp import MgeEngine  # noqa: E402
+from diff_reference import native_megengine  # noqa: E402
+from diff_scenario import scenarios  # noqa: E402
+from diff_scenario_run import check_scenario, run_scenario  # noqa: E402
+from diff_settings import differential_settings  # noqa: E402
+from hypothesis import given, note  # noqa: E402
+
+import gradmgr  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("error::gradmgr.GradMgrWarning")
+
+ENG = MgeEngine()
+
+
+@pytest.fixture(autouse=True)
+def mge_synchronous():
+    """As in test_megengine_differential.py: kernel errors raise where they happen."""
+    import megengine
+
+    level = megengine.config.async_level
+    megengine.config.async_level = 0
+    yield
+    megengine.config.async_level = level
+
+
+def compare_with_native(sc):
+    native = run_scenario(sc, ENG, native_megengine, eager=True, check_backwarding=False)
+    got = run_scenario(sc, ENG, gradmgr.GradManager)
+    check_scenario(got, native, sc, torch_checks=False)
+
+
+@differential_settings(80)
+@given(sc=scenarios("megengine"))
+def test_scenario_matches_native_grad_manager(sc):
+    note(sc.pretty())
+    compare_with_native(sc)
