@@ -103,6 +103,23 @@ class ThreadTransport:
         flat.data[:] = self._world.gather(index)[src]
         return flat
 
+    def reduce_scatter_async(self, flat: Any) -> _Handle:
+        values = list(flat.data)
+        index = self._world.launch(self._rank, "reduce_scatter", values, len(values))
+        n = len(values) // self._world.world
+
+        def finish() -> Any:
+            summed = [sum(column) for column in zip(*self._world.gather(index))]
+            return type(flat)(summed[self._rank * n:(self._rank + 1) * n], dtype=flat.dtype)
+
+        return _Handle(finish)
+
+    def all_gather_async(self, chunk: Any) -> _Handle:
+        values = list(chunk.data)
+        index = self._world.launch(self._rank, "all_gather", values, len(values))
+        return _Handle(lambda: type(chunk)([v for part in self._world.gather(index)
+                                            for v in part], dtype=chunk.dtype))
+
 
 def run_ranks(world: int, fn: Callable[[int, ThreadWorld], Any], timeout: float = 60.0) -> list:
     """``fn(rank, world)`` in ``world`` threads with the fake backend's default transport set
@@ -191,6 +208,53 @@ class FakeOps(TensorOps):
         for t in tensors:
             t.data[:] = flat.data[start:start + len(t.data)]
             start += len(t.data)
+
+    # sharding: fake tensors are lists of floats; segments are copies
+    def is_tensor(self, value: Any) -> bool:
+        return hasattr(value, "data") and hasattr(value, "shape")
+
+    def numel(self, tensor: Any) -> int:
+        return len(tensor.data)
+
+    def flat(self, tensor: Any) -> Any:
+        return type(tensor)(list(tensor.data), dtype=tensor.dtype)
+
+    def part(self, flat: Any, start: int, stop: Any) -> Any:
+        return type(flat)(flat.data[start:stop], dtype=flat.dtype)
+
+    def reshape(self, tensor: Any, shape: Sequence[int]) -> Any:
+        return type(tensor)(list(tensor.data) if shape else tensor.data[0], dtype=tensor.dtype)
+
+    def copy(self, tensor: Any) -> Any:
+        return type(tensor)(list(tensor.data) if tensor.shape else tensor.data[0],
+                            dtype=tensor.dtype)
+
+    def zeros(self, numel: int, like: Any, dtype: Any = None) -> Any:
+        return type(like)([0.0] * numel, dtype=dtype or like.dtype)
+
+    def add(self, total: Any, more: Any) -> Any:
+        return type(total)([a + b for a, b in zip(total.data, more.data)], dtype=total.dtype)
+
+    def write(self, flat: Any, start: int, values: Any) -> None:
+        flat.data[start:start + len(values.data)] = values.data
+
+    def item(self, value: Any) -> float:
+        return value.data[0] if self.is_tensor(value) else float(value)
+
+    def sum_squares(self, tensors: Sequence[Any]) -> float:
+        return sum(v * v for t in tensors for v in t.data)
+
+    def segment(self, param: Any, start: int, stop: int, master_dtype: Any) -> Any:
+        return type(param)(param.data[start:stop], dtype=master_dtype or param.dtype)
+
+    def set_segment_grad(self, segment: Any, grad: Any) -> None:
+        segment.grad = grad
+
+    def optimizer_state(self, optimizer: Any, param: Any) -> dict:
+        return dict(optimizer.state.get(id(param), {}))
+
+    def set_optimizer_state(self, optimizer: Any, param: Any, state: dict) -> None:
+        optimizer.state[id(param)] = dict(state)
 
 
 class FakeBuffer:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import megengine
 import megengine.functional as F
@@ -62,6 +62,45 @@ class MegEngineOps(TensorOps):
             n = int(t.size)
             t._reset(flat[start:start + n].reshape(t.shape))
             start += n
+
+    # sharding (ZeRO-2): MegEngine tensors are values, so segments are copies
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, megengine.Tensor)
+
+    def numel(self, tensor: Any) -> int:
+        return int(tensor.size)
+
+    def copy(self, tensor: Any) -> Any:
+        return F.copy(tensor, tensor.device)
+
+    def zeros(self, numel: int, like: Any, dtype: Optional[str] = None) -> Any:
+        return F.zeros((numel,), dtype=dtype or like.dtype, device=like.device)
+
+    def item(self, value: Any) -> float:
+        return float(value.numpy()) if isinstance(value, megengine.Tensor) else float(value)
+
+    def sum_squares(self, tensors: Sequence[Any]) -> float:
+        return float(sum(float(F.sum(t.astype("float32") ** 2).numpy()) for t in tensors))
+
+    def segment(self, param: Any, start: int, stop: int, master_dtype: Optional[str]) -> Any:
+        part = param.reshape(-1)[start:stop]
+        if master_dtype is not None:
+            part = part.astype(master_dtype)
+        return megengine.Parameter(part)
+
+    def set_segment_grad(self, segment: Any, grad: Any) -> None:
+        if grad is not None and np.dtype(grad.dtype) != np.dtype(segment.dtype):
+            grad = grad.astype(segment.dtype)
+        segment.grad = grad
+
+    def optimizer_state(self, optimizer: Any, param: Any) -> Dict[str, Any]:
+        return dict(optimizer._state.get(param, {}))
+
+    def set_optimizer_state(self, optimizer: Any, param: Any, state: Dict[str, Any]) -> None:
+        optimizer._state[param] = {k: megengine.Tensor(v) for k, v in state.items()}
+
+    def scalar_like_state(self, value: float, like: Any) -> Any:
+        return megengine.Tensor(value, dtype="float32")
 
 
 MEGENGINE_OPS = MegEngineOps()

@@ -77,6 +77,16 @@ class MegEngineTransport:
 
         return _Done(all_reduce_sum(flat, group=self._group()))
 
+    def reduce_scatter_async(self, flat: Any) -> _Done:
+        from megengine.distributed.functional import reduce_scatter_sum
+
+        return _Done(reduce_scatter_sum(flat, group=self._group()))
+
+    def all_gather_async(self, chunk: Any) -> _Done:
+        from megengine.distributed.functional import all_gather
+
+        return _Done(all_gather(chunk, group=self._group()))
+
     def broadcast(self, flat: Any, src: int) -> Any:
         from megengine.distributed.functional import broadcast
 
@@ -99,20 +109,22 @@ def _from_host(buffer: Any, device: Any) -> Any:
 
 
 class _HostWork:
+    """A torch collective on a host copy; ``buffer`` None: the work's own result."""
+
     __slots__ = ("_work", "_buffer", "_device")
 
     def __init__(self, work: Any, buffer: Any, device: Any) -> None:
         self._work, self._buffer, self._device = work, buffer, device
 
     def wait(self) -> Any:
-        self._work.wait()
-        return _from_host(self._buffer, self._device)
+        result = self._work.wait()
+        return _from_host(result if self._buffer is None else self._buffer, self._device)
 
 
 def _torch_collective(group: Any) -> Any:
-    from gradmgr.backends.torch.transport import TorchCollective
+    from gradmgr.backends.torch.transport import TorchTransport
 
-    return TorchCollective(group)
+    return TorchTransport(group)
 
 
 class MegEngineViaTorchTransport:
@@ -140,3 +152,11 @@ class MegEngineViaTorchTransport:
         buffer = _host_copy(flat)
         self._torch.broadcast_in_place(buffer, src)
         return _from_host(buffer, flat.device)
+
+    def reduce_scatter_async(self, flat: Any) -> _HostWork:
+        work = self._torch.reduce_scatter_async(_host_copy(flat))
+        return _HostWork(work, None, flat.device)
+
+    def all_gather_async(self, chunk: Any) -> _HostWork:
+        work = self._torch.all_gather_async(_host_copy(chunk))
+        return _HostWork(work, None, chunk.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -101,6 +101,59 @@ class TorchOps(TensorOps):
                 n = t.numel()
                 t.copy_(flat[start:start + n].view(t.shape))
                 start += n
+
+    # sharding (ZeRO-2)
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
+
+    def numel(self, tensor: Any) -> int:
+        return tensor.numel()
+
+    def copy(self, tensor: Any) -> Any:
+        return tensor.detach().clone()
+
+    def zeros(self, numel: int, like: Any, dtype: Optional[str] = None) -> Any:
+        kind = like.dtype if dtype is None else getattr(torch, dtype)
+        return torch.zeros(numel, dtype=kind, device=like.device)
+
+    def padded(self, flat: Any, numel: int) -> Any:
+        if flat.numel() == numel:
+            return flat
+        return torch.nn.functional.pad(flat, (0, numel - flat.numel()))
+
+    def add(self, total: Any, more: Any) -> Any:
+        return total.add_(more)
+
+    def write(self, flat: Any, start: int, values: Any) -> None:
+        with torch.no_grad():
+            flat[start:start + values.numel()].copy_(values.reshape(-1))
+
+    def item(self, value: Any) -> float:
+        return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+    def sum_squares(self, tensors: Sequence[Any]) -> float:
+        if not tensors:
+            return 0.0
+        return float(sum(t.detach().float().square().sum() for t in tensors))
+
+    def segment(self, param: Any, start: int, stop: int, master_dtype: Optional[str]) -> Any:
+        part = param.detach().reshape(-1)[start:stop]  # a view where param is contiguous
+        if master_dtype is not None and str(param.dtype) != f"torch.{master_dtype}":
+            return part.to(getattr(torch, master_dtype)).clone()
+        return part if param.is_contiguous() else part.clone()
+
+    def set_segment_grad(self, segment: Any, grad: Any) -> None:
+        segment.grad = None if grad is None else grad.to(segment.dtype)
+
+    def optimizer_state(self, optimizer: Any, param: Any) -> Dict[str, Any]:
+        return dict(optimizer.state.get(param, {}))
+
+    def set_optimizer_state(self, optimizer: Any, param: Any, state: Dict[str, Any]) -> None:
+        optimizer.state[param] = {k: (v.to(param.device) if isinstance(v, torch.Tensor) else v)
+                                  for k, v in state.items()}
+
+    def scalar_like_state(self, value: float, like: Any) -> Any:
+        return torch.tensor(value, dtype=torch.float32)
 
     def native_path(self, transport: Any) -> Optional[NativePath]:
         from .reducer import native_path  # torch.distributed's private reducer API

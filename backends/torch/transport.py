@@ -69,6 +69,20 @@ class TorchTransport(TorchCollective):
         self.broadcast_in_place(flat, src)
         return flat
 
+    def reduce_scatter_async(self, flat: Any) -> TorchWork:
+        d = initialised_dist()
+        chunk = flat.new_empty(flat.numel() // d.get_world_size(self.group))
+        work = d.reduce_scatter_tensor(chunk, flat, op=d.ReduceOp.SUM, group=self.group,
+                                       async_op=True)  # never AVG: gloo in torch 2.8 ignores it
+        return TorchWork(work, chunk)
+
+    def all_gather_async(self, chunk: Any) -> TorchWork:
+        d = initialised_dist()
+        full = chunk.new_empty(chunk.numel() * d.get_world_size(self.group))
+        work = d.all_gather_into_tensor(full, chunk.contiguous(), group=self.group,
+                                        async_op=True)
+        return TorchWork(work, full)
+
 
 def dist_initialised() -> bool:
     return dist.is_available() and dist.is_initialized()

@@ -9,11 +9,17 @@ Example:
     >>> # gm = GradManager().attach(model.parameters(), callbacks=[cb])
 """
 
-from .allreduce import AllreduceCallback, make_allreduce_cb
+from .allreduce import (
+    AllreduceCallback,
+    ReduceScatterCallback,
+    make_allreduce_cb,
+    make_reduce_scatter_cb,
+)
 from .bucket import Bucket, BucketPlan
 from .contract import Handle, TensorOps, Transport
 from .errors import RankFailedError, RankMismatchError, SparseGradientError
 from .launch import free_port, run_ranks, spawn_local
+from .sharded_optimizer import ShardedOptimizer
 from .sync import broadcast, no_sync
 from .wrap import data_parallel
 
@@ -24,6 +30,8 @@ __all__ = [
     "Handle",
     "RankFailedError",
     "RankMismatchError",
+    "ReduceScatterCallback",
+    "ShardedOptimizer",
     "SparseGradientError",
     "TensorOps",
     "Transport",
@@ -31,6 +39,7 @@ __all__ = [
     "data_parallel",
     "free_port",
     "make_allreduce_cb",
+    "make_reduce_scatter_cb",
     "no_sync",
     "run_ranks",
     "spawn_local",

@@ -15,6 +15,7 @@ from typing import Any, Iterator, List, Optional, Union
 from .._state import get_backwarding_grad_manager
 from .consistency import names_from
 from .contract import Transport
+from .sharding import GradientShards
 from .synchronizer import Synchronizer
 from .transport import TransportSpec, check_transport
 
@@ -170,7 +171,7 @@ class AllreduceCallback:
             return
         if gm.backend is None:
             raise RuntimeError("allreduce callback: bind a manager once it has tensors")
-        synchronizer = Synchronizer(self, gm.backend, self._names)
+        synchronizer = Synchronizer(self, gm.backend, self._names, self._shards_for(gm.backend))
         self._synchronizers[gm] = synchronizer
         hooks = _Hooks(synchronizer, gm)
         synchronizer.flush_hook = hooks.flush
@@ -182,6 +183,10 @@ class AllreduceCallback:
             gm.set_backward_delegate(hooks.delegate)
 
     __gradmgr_bind__ = bind
+
+    def _shards_for(self, backend: Any) -> Optional[GradientShards]:
+        """None: gradients are allreduced (the sharded callback keeps shards instead)."""
+        return None
 
     @property
     def syncing(self) -> bool:
@@ -274,6 +279,58 @@ class _Hooks:
         return None if synchronizer is None or gm is None else synchronizer.native_step(gm)
 
 
+class ReduceScatterCallback(AllreduceCallback):
+    """Sharded data parallelism (ZeRO-2's gradients): like :class:`AllreduceCallback`, but each
+    bucket is reduce-scattered as soon as it is full, so that each rank keeps only its slice of
+    the reduced gradients (about 1/world of them) and the full-size gradients are freed as
+    soon as their bucket has gone out. After a synced backward ``.grad`` is None; the slices
+    are what :class:`gradmgr.distributed.ShardedOptimizer` steps. ``no_sync`` steps accumulate
+    into ``.grad`` locally, as with the allreduce callback; the next synced step
+    reduce-scatters what ``.grad`` holds plus its own gradient.
+
+    Everything else is the allreduce callback's: the plan and its check across ranks, frozen
+    tensors left out, the initial broadcast, unused tensors, a failed or skipped step on one
+    rank raising :class:`gradmgr.distributed.RankFailedError` on the others. It always uses
+    gradmgr's buckets (``native`` does not apply), and needs a transport with
+    ``reduce_scatter_async`` and ``all_gather_async`` (the backends' own have them).
+
+    Example:
+        >>> # cb = make_reduce_scatter_cb("mean")
+        >>> # gm = GradManager().attach(model.parameters(), callbacks=[cb])
+        >>> # opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-3)
+    """
+
+    def _shards_for(self, backend: Any) -> Optional[GradientShards]:
+        return GradientShards(backend.tensor_ops())
+
+    def synchronizer(self, gm: Any) -> Synchronizer:
+        """What this callback does for ``gm`` (the sharded optimizer reads its shards)."""
+        synchronizer = self._synchronizers.get(gm)
+        if synchronizer is None:
+            raise ValueError("this reduce-scatter callback is not attached to that manager")
+        return synchronizer
+
+
+def make_reduce_scatter_cb(
+    reduce: str = "mean",
+    group: Any = None,
+    bucket_bytes: int = 25 * 2**20,
+    compression: Optional[str] = None,
+    transport: TransportSpec = None,
+    **options: Any,
+) -> ReduceScatterCallback:
+    """A sharded data-parallel callback; see :class:`ReduceScatterCallback` (``options``:
+    ``broadcast``, ``src``, ``verify``, ``names``).
+
+    Example:
+        >>> cb = make_reduce_scatter_cb("mean")
+        >>> cb.reduce
+        'mean'
+    """
+    options["native"] = False
+    return ReduceScatterCallback(reduce, group, bucket_bytes, compression, transport, **options)
+
+
 def make_allreduce_cb(
     reduce: str = "mean",
     group: Any = None,
@@ -293,4 +350,5 @@ def make_allreduce_cb(
     return AllreduceCallback(reduce, group, bucket_bytes, compression, transport, **options)
 
 
-__all__: List[str] = ["AllreduceCallback", "make_allreduce_cb"]
+__all__: List[str] = ["AllreduceCallback", "ReduceScatterCallback", "make_allreduce_cb",
+                      "make_reduce_scatter_cb"]

@@ -9,7 +9,7 @@ This module imports nothing: the backends implement it, the core uses it.
 
 from __future__ import annotations
 
-from typing import Any, Collection, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Protocol, Sequence, Tuple
 
 _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -58,6 +58,22 @@ class Transport(Protocol):
 
     def allreduce_async(self, flat: Any) -> Handle:
         """Start summing ``flat`` over all processes; ``flat`` may be reduced in place."""
+
+
+class ShardingTransport(Transport, Protocol):
+    """What sharded data parallelism needs on top (the backends' own transports have it)."""
+
+    def rank(self) -> int:
+        """This process's rank in the group."""
+
+    def reduce_scatter_async(self, flat: Any) -> Handle:
+        """Start summing ``flat`` (a length divisible by the world size) over all processes;
+        ``wait()`` returns this rank's chunk of the sum: ``flat[rank * n:(rank + 1) * n]``
+        summed, ``n = len(flat) // world``."""
+
+    def all_gather_async(self, chunk: Any) -> Handle:
+        """Start gathering every rank's ``chunk`` (the same length on all); ``wait()`` returns
+        them concatenated in rank order."""
 
 
 class BucketBuffer(Protocol):
@@ -223,10 +239,87 @@ class TensorOps:
         """Overwrite ``tensors`` in place with the values of a :meth:`flatten`ed buffer."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------- sharding (ZeRO-2)
+    def is_tensor(self, value: Any) -> bool:
+        """A tensor of this framework (optimizer state may also hold Python numbers)."""
+        raise NotImplementedError
+
+    def numel(self, tensor: Any) -> int:
+        n = 1
+        for d in self.shape(tensor):
+            n *= d
+        return n
+
+    def flat(self, tensor: Any) -> Any:
+        """The tensor as 1-D (a view where the framework has them)."""
+        return tensor.reshape(-1)
+
+    def part(self, flat: Any, start: int, stop: Optional[int]) -> Any:
+        """``flat[start:stop]`` of a 1-D tensor (a view where the framework has them)."""
+        return flat[start:stop]
+
+    def reshape(self, tensor: Any, shape: Sequence[int]) -> Any:
+        return tensor.reshape(tuple(shape))
+
+    def copy(self, tensor: Any) -> Any:
+        """A copy that shares no memory with ``tensor``."""
+        raise NotImplementedError
+
+    def zeros(self, numel: int, like: Any, dtype: Optional[str] = None) -> Any:
+        """A 1-D tensor of zeros on ``like``'s device, of ``like``'s dtype or ``dtype``."""
+        raise NotImplementedError
+
+    def padded(self, flat: Any, numel: int) -> Any:
+        """``flat`` with zeros appended up to ``numel`` elements (``flat`` itself if it has
+        them)."""
+        have = self.numel(flat)
+        if have == numel:
+            return flat
+        return self.flatten([flat, self.zeros(numel - have, flat)])
+
+    def add(self, total: Any, more: Any) -> Any:
+        """``total + more`` (in place where ``total`` is a tensor gradmgr owns)."""
+        return total + more
+
+    def write(self, flat: Any, start: int, values: Any) -> None:
+        """``flat[start:start + len(values)] = values``, in place."""
+        flat[start:start + self.numel(values)] = values
+
+    def item(self, value: Any) -> float:
+        return float(value)
+
+    def sum_squares(self, tensors: Sequence[Any]) -> float:
+        """The sum of the squares of every element of ``tensors`` (a host value)."""
+        raise NotImplementedError
+
+    def segment(self, param: Any, start: int, stop: int, master_dtype: Optional[str]) -> Any:
+        """What the sharded optimizer steps for ``param.flatten()[start:stop]``: a view into
+        the parameter where the framework has them (the step then writes the parameter's own
+        values), else a copy; in ``master_dtype`` (``"float32"`` master weights for half
+        precision parameters) a copy in that dtype."""
+        raise NotImplementedError
+
+    def set_segment_grad(self, segment: Any, grad: Any) -> None:
+        """Give a segment its reduced gradient (None: none), cast to the segment's dtype."""
+        raise NotImplementedError
+
+    def optimizer_state(self, optimizer: Any, param: Any) -> Dict[str, Any]:
+        """The wrapped optimizer's state for one of its parameters (empty before a step)."""
+        raise NotImplementedError
+
+    def set_optimizer_state(self, optimizer: Any, param: Any, state: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def scalar_like_state(self, value: float, like: Any) -> Any:
+        """A per-parameter scalar of optimizer state (a step count) as the framework's
+        optimizers keep it."""
+        return value
+
     def native_path(self, transport: Any) -> Optional[NativePath]:
         """The framework's own reducer over ``transport``, or None (the default: gradmgr's
         buckets do the work)."""
         return None
 
 
-__all__ = ["BucketBuffer", "Handle", "NativePath", "NativeReducer", "TensorOps", "Transport"]
+__all__ = ["BucketBuffer", "Handle", "NativePath", "NativeReducer", "ShardingTransport",
+           "TensorOps", "Transport"]

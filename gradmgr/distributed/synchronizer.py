@@ -17,6 +17,7 @@ from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
 from .contract import NativePath, NativeReducer, TensorOps, Transport
 from .errors import RankMismatchError, SparseGradientError, sparse_message
+from .sharding import GradientShards, ShardWire
 from .steps import PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
 from .transport import resolve_transport
@@ -37,8 +38,10 @@ class Synchronizer:
     """The allreduce callback's work for one manager (the callback keeps one per manager and
     forwards to it; ``options`` is the callback, read for its settings)."""
 
-    def __init__(self, options: Any, backend: Any, name_of: NameOf = None) -> None:
+    def __init__(self, options: Any, backend: Any, name_of: NameOf = None,
+                 shards: Optional[GradientShards] = None) -> None:
         self.options = options
+        self.shards = shards  # the sharded path (reduce-scatter): this rank's gradient shards
         self.backend = backend
         self.ops: TensorOps = backend.tensor_ops()
         self.name_of = name_of
@@ -127,6 +130,13 @@ class Synchronizer:
                 # group): build it again, so that this step raises the transport's error again.
                 self._set_native(True)
 
+    def plan_now(self, gm: Any) -> BucketPlan:
+        """The plan the next recording will use, made now where there is none yet (the sharded
+        optimizer lays its segments out on it)."""
+        with self.lock:
+            self._replan_if_needed(gm)
+            return self.plan
+
     def _planned(self) -> List[Any]:
         # The reducer holds the planned tensors: no weak references to follow.
         return self.plan.tensors() if self.reducer is None else self.reducer.tensors
@@ -155,14 +165,18 @@ class Synchronizer:
         if self.transport is None:
             self.transport = resolve_transport(options.transport_spec, self.backend,
                                                options.group)
-            self.wire = Wire(ops, self.transport, options.reduce == "mean", options.compression)
-            self.native_path = ops.native_path(self.transport) if options.native else None
+            kind = Wire if self.shards is None else ShardWire
+            self.wire = kind(ops, self.transport, options.reduce == "mean", options.compression)
+            native = options.native and self.shards is None
+            self.native_path = ops.native_path(self.transport) if native else None
         native = self._native_possible(gm, tensors)
         new_plan = self.plan is None or not self.plan.matches(tensors)
         if new_plan:
             first_bytes = min(options.bucket_bytes, FIRST_BUCKET_BYTES)
             self.plan = BucketPlan(tensors, ops, options.bucket_bytes, first_bytes)
             self.used &= {id(t) for t in tensors}
+            if self.shards is not None:
+                self.shards.planned(self.plan)
         if new_plan or native != self.native:
             self._set_native(native)  # drops the old plan's reducer
         self.excluded = [t for t in attached if not ops.trainable(t)]
@@ -173,7 +187,8 @@ class Synchronizer:
         differ here would sum mismatched buffers (gradients silently wrong, or a crash in
         the transport when the sizes differ)."""
         options = self.options
-        path = "the framework's own reducer" if native else "gradmgr's buckets"
+        path = ("the framework's own reducer" if native else "gradmgr's buckets"
+                if self.shards is None else "gradmgr's buckets, reduce-scattered")
         return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
                 f"bucket_bytes={options.bucket_bytes}")
 
@@ -285,10 +300,26 @@ class Synchronizer:
             if self.reducer is not None:  # earlier steps went to the reducer
                 self.used.update(self.reducer.used_since_window())
             missing = step.launch_missing(self.wire, self.used)
+            if self.shards is not None:
+                self._keep_shards(step)
+                missing = []  # (their gradients went to the shards too)
             self.used.clear()
             self.finished += 1
         for tensor, b, slot in missing:
             gm.add_gradient(tensor, PendingGradient(step.launched, b, slot, True))
+
+    def _end_sharded(self, step: Step, failed: bool) -> List[float]:
+        """The sharded step's closing collective: every bucket's flags, summed."""
+        like = step.plan.tensor(0)
+        return self.ops.values(self.wire.end_step(step.launched, failed, like).wait())
+
+    def _keep_shards(self, step: Step) -> None:
+        """The step's chunks join the shards (or RankFailedError), and the local gradients
+        they summed are freed: ``.grad`` is None after a synced sharded step."""
+        self.shards.accept(step.launched, self._end_sharded(step, False), False)
+        for tensor in step.plan.tensors():
+            if tensor is not None:
+                tensor.grad = None
 
     def abort(self, gm: Any) -> None:
         """``gm``'s backward raised: this rank still takes part in the step's collectives,
@@ -299,6 +330,8 @@ class Synchronizer:
                 return  # nothing launched, or the ranks' plans differ: launch nothing
             self.settle(step)
             step.launch_failed(self.wire)
+            if self.shards is not None:
+                self._end_sharded(step, True)
         step.drain()
 
     def abandon(self, gm: Any) -> None:
@@ -319,6 +352,8 @@ class Synchronizer:
                 self.reducer.fail_step(self.used)
             else:
                 step.launch_failed(self.wire)
+                if self.shards is not None:
+                    self._end_sharded(step, True)
             changed = (step.finished_before == self.finished  # .grad written by gradmgr
                        and self.ops.grads_changed(self._planned(), step.grads_at_record))
         step.drain()

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Union
 
 from ..manager import GradManager
 from ..registry import backend_for
-from .allreduce import AllreduceCallback
+from .allreduce import AllreduceCallback, ReduceScatterCallback
 from .consistency import PlanCheck, names_from, plan_fingerprint
 from .sync import broadcast, is_paused
 from .transport import TransportSpec, resolve_transport
@@ -25,6 +25,7 @@ def data_parallel(
     transport: TransportSpec = None,
     verify: Union[bool, str] = True,
     native: Optional[bool] = None,
+    shard: bool = False,
 ) -> GradManager:
     """A GradManager that trains ``module`` data-parallel, set up as
     ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
@@ -37,7 +38,9 @@ def data_parallel(
     order, with its shape and dtype): where they differ, every rank raises
     :class:`RankMismatchError` naming the first differing one (``fc2.weight``), as DDP refuses
     to wrap at once. The other options are :class:`AllreduceCallback`'s; ``verify=False``
-    also skips this first comparison.
+    also skips this first comparison. ``shard=True`` reduce-scatters the gradients instead
+    (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
+    :class:`ShardedOptimizer`; ``native`` does not apply).
 
     Example:
         >>> # gm = data_parallel(model)
@@ -45,8 +48,9 @@ def data_parallel(
         >>> #     gm.backward(loss_fn(model(x), y))   # .grad: the mean over ranks
         >>> # with no_sync(gm): ...                    # gradient accumulation
     """
-    cb = AllreduceCallback(reduce, group, bucket_bytes, compression, transport,
-                           broadcast=False, src=src, verify=verify, native=native, names=module)
+    kind = ReduceScatterCallback if shard else AllreduceCallback
+    cb = kind(reduce, group, bucket_bytes, compression, transport, broadcast=False, src=src,
+              verify=verify, native=False if shard else native, names=module)
     params, buffers = list(module.parameters()), list(module.buffers())
     if verify:
         _refuse_modules_that_differ(module, params + buffers, group, transport)

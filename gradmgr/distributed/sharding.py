@@ -1,0 +1,187 @@
+"""Sharded gradients (ZeRO-2): each bucket is reduce-scattered instead of allreduced, so a rank
+keeps only its slice of every reduced gradient, and the full-size gradients are freed as soon as
+their bucket has gone out.
+
+A bucket's flat buffer is cut into ``world`` equal chunks (padded at the end); rank ``r`` keeps
+chunk ``r``, summed over the ranks. Where a member crosses a chunk boundary, each rank holds the
+part of it that falls in its chunk: a *segment*, the unit the sharded optimizer steps. The
+per-member "used" flags and the failure markers, which the allreduce path carries at the end of
+each bucket, travel here in one small allreduce at the end of the step (a reduce-scatter would
+hand them to one rank only): every rank then knows which tensors some rank used, and whether a
+rank failed, before any shard is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, List, NamedTuple, Optional, Sequence
+
+from .bucket import BucketPlan
+from .contract import Handle, TensorOps, Transport
+from .errors import RankFailedError
+from .steps import RANK_FAILED, Wire
+
+
+class ShardReduction:
+    """One bucket's reduce-scatter in flight, and the bucket's flags (reduced later, with the
+    other buckets' flags). The per-tensor Futures of a sharded step resolve to None: the
+    gradients go to the shards, not to ``.grad``."""
+
+    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "flags", "_chunk")
+
+    def __init__(self, ops: TensorOps, handle: Handle, bucket: Any, compressed: bool,
+                 flags: Any) -> None:
+        self._ops, self._handle, self._bucket = ops, handle, bucket
+        self._compressed, self.flags = compressed, flags
+        self._chunk: Any = None
+
+    def chunk(self) -> Any:
+        """This rank's chunk of the summed bucket (waits for the collective)."""
+        if self._chunk is None:
+            chunk = self._handle.wait()
+            self._chunk = (self._ops.cast(chunk, self._bucket.key[0]) if self._compressed
+                           else chunk)
+        return self._chunk
+
+    def drain(self) -> None:
+        with contextlib.suppress(Exception):  # a failed rank reports its own error
+            self._handle.wait()
+
+    def result(self, slot: int) -> Any:
+        return None
+
+    def used_anywhere(self, slot: int) -> bool:
+        return False
+
+
+class ShardWire(Wire):
+    """The sharded path's wire: data reduce-scattered, flags kept for :meth:`end_step`."""
+
+    __slots__ = ()
+
+    def send(self, flat: Any, bucket: Any, last: bool) -> ShardReduction:
+        ops, transport = self.ops, self.transport
+        if self.mean:
+            flat = ops.scale(flat, 1.0 / transport.world_size())
+        if self.compression is not None:
+            flat = ops.compress(flat, self.compression)
+        world = transport.world_size()
+        data = ops.padded(ops.part(flat, 0, bucket.numel), chunk_numel(bucket, world) * world)
+        flags = ops.copy(ops.part(flat, bucket.numel, None))  # the buffer is reused
+        handle = reduce_scatter(transport, data)
+        return ShardReduction(ops, handle, bucket, self.compression is not None, flags)
+
+    def end_step(self, launched: Sequence[Optional[ShardReduction]], failed: bool,
+                 like: Any) -> Handle:
+        """Every bucket's flags and this rank's failure marker, summed over the ranks (one
+        small collective, after the step's last bucket)."""
+        ops = self.ops
+        parts = [ops.cast(r.flags, "float32") for r in launched if r is not None]
+        parts.append(ops.vector([1.0 if failed else 0.0], like))
+        return self.transport.allreduce_async(ops.flatten(parts))
+
+
+def reduce_scatter(transport: Transport, data: Any) -> Handle:
+    start = getattr(transport, "reduce_scatter_async", None)
+    if start is None:
+        raise TypeError(
+            f"sharded data parallelism needs a transport with reduce_scatter_async(flat) and "
+            f"all_gather_async(chunk); {type(transport).__name__} has none: use the backend's "
+            f"own transport, or add them (see gradmgr.distributed.contract.Transport)"
+        )
+    return start(data)
+
+
+def chunk_numel(bucket: Any, world: int) -> int:
+    """The length of each rank's chunk of ``bucket`` (its buffer padded to ``world`` chunks)."""
+    return -(-bucket.numel // world)
+
+
+class Segment(NamedTuple):
+    """The part of one bucket member that falls in this rank's chunk."""
+
+    bucket: int
+    slot: int
+    position: int  # of the member in the plan (its tensor: plan.tensor(position))
+    start: int  # where the part begins and ends in the member (flattened)
+    stop: int
+    offset: int  # where it begins in this rank's chunk
+
+
+def own_segments(plan: BucketPlan, rank: int, world: int) -> List[Segment]:
+    """Every segment this rank holds, bucket by bucket, in chunk order."""
+    segments = []
+    for b, bucket in enumerate(plan.buckets):
+        size = chunk_numel(bucket, world)
+        low, high = rank * size, min((rank + 1) * size, bucket.numel)
+        for slot in bucket.layout:
+            begin = bucket.offsets[slot]
+            end = begin + bucket.sizes[slot]
+            lo, hi = max(low, begin), min(high, end)
+            if lo < hi:
+                segments.append(Segment(b, slot, bucket.members[slot], lo - begin, hi - begin,
+                                        lo - low))
+    return segments
+
+
+class GradientShards:
+    """One manager's reduced gradient shards: this rank's chunk of every bucket, summed over
+    the steps since :meth:`zero` (as ``.grad`` accumulates), and which members have a
+    gradient in it (some rank used them)."""
+
+    def __init__(self, ops: TensorOps) -> None:
+        self.ops = ops
+        self.plan: Optional[BucketPlan] = None
+        self.chunks: List[Any] = []
+        self.present: List[List[bool]] = []
+
+    def planned(self, plan: BucketPlan) -> None:
+        """A new plan: the shards of the old one are dropped."""
+        if plan is not self.plan:
+            self.plan = plan
+            self.zero()
+
+    def zero(self) -> None:
+        buckets = self.plan.buckets if self.plan is not None else []
+        self.chunks = [None] * len(buckets)
+        self.present = [[False] * len(b.members) for b in buckets]
+
+    def accept(self, launched: Sequence[ShardReduction], summed_flags: List[float],
+               failed_here: bool) -> None:
+        """Keep a finished step's chunks, or raise RankFailedError (every rank not failing
+        itself) where some rank failed; nothing is kept then."""
+        if summed_flags[-1] != 0 or _any_bucket_failed(self.plan, summed_flags):
+            if failed_here:
+                return
+            raise RankFailedError(RANK_FAILED)
+        start = 0
+        for b, (bucket, reduction) in enumerate(zip(self.plan.buckets, launched)):
+            flags = summed_flags[start:start + len(bucket.members)]
+            start += len(bucket.members) + 1
+            chunk = reduction.chunk()
+            if self.chunks[b] is None:
+                self.chunks[b] = chunk
+            else:
+                self.chunks[b] = self.ops.add(self.chunks[b], chunk)
+            self.present[b] = [was or used != 0 for was, used in zip(self.present[b], flags)]
+
+    def grad_of(self, segment: Segment) -> Any:
+        """The reduced gradient of a segment (a view where the framework has them), or None
+        where no rank used its tensor."""
+        chunk = self.chunks[segment.bucket]
+        if chunk is None or not self.present[segment.bucket][segment.slot]:
+            return None
+        return self.ops.part(chunk, segment.offset, segment.offset + segment.stop - segment.start)
+
+    def nbytes(self) -> int:
+        return sum(self.ops.nbytes(c) for c in self.chunks if c is not None)
+
+
+def _any_bucket_failed(plan: BucketPlan, summed: List[float]) -> bool:
+    start = 0
+    for bucket in plan.buckets:
+        start += len(bucket.members)
+        if summed[start] != 0:
+            return True
+        start += 1
+    return False

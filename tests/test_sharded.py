@@ -1,0 +1,139 @@
+"""Sharded data parallelism (ZeRO-2): reduce-scattered gradients and ShardedOptimizer, on 2
+gloo ranks next to DDP with the same optimizer (dist_workers/zero_suite.py), and a checkpoint
+reloaded on 3 ranks.
+
+Tolerances: bit for bit against DDP on 2 ranks (both sum the same two numbers, and AdamW is
+elementwise); with clipping that scales, the clip coefficient comes from a norm summed in
+another order, so ``rtol=1e-5, atol=1e-7``; on 3 ranks, gloo sums three numbers in an order
+that depends on their place in the buffer, so ``rtol=1e-5, atol=1e-6`` against DDP, while the
+reloaded optimizer state must be exactly what was saved.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+from ranks import spawn  # noqa: E402
+
+from gradmgr import GradManager  # noqa: E402
+from gradmgr.distributed import (  # noqa: E402
+    ShardedOptimizer,
+    make_allreduce_cb,
+    make_reduce_scatter_cb,
+)
+
+
+@pytest.fixture(scope="module")
+def zero_ranks(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("zero")
+    main = spawn("zero_suite", outdir, 2, GRADMGR_ZERO_PART="main")
+    reload = spawn("zero_suite", outdir, 3, GRADMGR_ZERO_PART="reload")
+    return main, reload
+
+
+def same(a, b, what):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"{what}: parameter {i} differs by {(x - y).abs().max()}"
+
+
+def test_training_with_accumulation_and_a_frozen_layer_equals_ddp(zero_ranks):
+    main, _ = zero_ranks
+    for rank, out in enumerate(main):
+        run = out["checkpoint_train"]
+        same(run["ours"], run["ddp"], f"rank {rank}")
+        assert torch.equal(run["ours"][2], run["frozen_start"])  # the frozen weight stayed
+        assert all(ours == pytest.approx(theirs, rel=1e-6) for ours, theirs in run["norms"])
+    same(main[0]["checkpoint_train"]["ours"], main[1]["checkpoint_train"]["ours"], "ranks")
+
+
+def test_clipping_that_scales_matches_ddp_to_rounding(zero_ranks):
+    main, _ = zero_ranks
+    for out in main:
+        run = out["clipped"]
+        assert all(ours > 0.05 for ours, _ in run["norms"])  # the clipping did scale
+        for ours, theirs in zip(run["ours"], run["ddp"]):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    same(main[0]["clipped"]["ours"], main[1]["clipped"]["ours"], "ranks")
+
+
+def test_the_consolidated_state_is_ddps_adamw_state(zero_ranks):
+    main, _ = zero_ranks
+    for out in main:
+        keys_ours, keys_theirs = out["state_keys"]
+        assert keys_ours == keys_theirs and out["state_equal"] and all(out["state_equal"])
+
+
+def test_each_rank_holds_a_share_of_gradients_and_state(zero_ranks):
+    main, _ = zero_ranks
+    trainable = 8 * 16 + 16 + 16 * 3 + 3  # the frozen layer has no optimizer state
+    total = sum(out["checkpoint_train"]["memory"]["optimizer"] for out in main)
+    per_rank = [out["checkpoint_train"]["memory"]["optimizer"] for out in main]
+    # AdamW: two float32 moments per element, and a step per segment
+    assert total >= 2 * 4 * trainable and max(per_rank) < 2 * 4 * trainable * 0.6
+
+
+def test_bf16_parameters_with_fp32_master_shards(zero_ranks):
+    main, _ = zero_ranks
+    for out in main:
+        assert out["bf16"]["dtypes"] == ["torch.bfloat16"]
+        same(out["bf16"]["ours"], out["bf16"]["ddp"], "bf16")
+
+
+def test_a_failing_rank_fails_the_step_everywhere_and_training_goes_on(zero_ranks):
+    main, _ = zero_ranks
+    assert [out["failing"]["raised"] for out in main] == [["RankFailedError"], ["ValueError"]]
+    for out in main:
+        same(out["failing"]["ours"], out["failing"]["ddp"], "after the failed step")
+
+
+def test_a_checkpoint_reloads_on_another_world_size(zero_ranks):
+    _, reload = zero_ranks
+    for out in reload:
+        assert out["reload_equal"] and all(out["reload_equal"])
+        assert out["reload_step"]["world"] == 3
+        for ours, theirs in zip(out["reload_step"]["ours"], out["reload_step"]["ddp"]):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    same(reload[0]["reload_step"]["ours"], reload[2]["reload_step"]["ours"], "ranks")
+
+
+# ---------------------------------------------------------------------- in one process
+class _Sum:
+    """A 1-rank transport without reduce-scatter."""
+
+    def world_size(self):
+        return 1
+
+    def allreduce_async(self, flat):
+        class Done:
+            def wait(self):
+                return flat
+        return Done()
+
+
+def test_a_transport_without_reduce_scatter_says_what_is_missing():
+    w = torch.ones(3, requires_grad=True)
+    gm = GradManager().attach(w, callbacks=[make_reduce_scatter_cb(transport=_Sum(),
+                                                                   broadcast=False)])
+    with pytest.raises(TypeError, match="reduce_scatter_async"), gm:
+        gm.backward((w * 2).sum())
+
+
+def test_a_sharded_optimizer_needs_a_reduce_scatter_callback():
+    w = torch.ones(3, requires_grad=True)
+    gm = GradManager().attach(w, callbacks=[make_allreduce_cb(transport=_Sum())])
+    with pytest.raises(ValueError, match="shard=True"):
+        ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
+
+
+def test_reduce_scatter_callback_options_are_checked():
+    with pytest.raises(ValueError, match="reduce"):
+        make_reduce_scatter_cb("max")
+    assert make_reduce_scatter_cb().native is False
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([os.path.abspath(__file__)])
