@@ -245,6 +245,7 @@ class TensorOps:
         raise NotImplementedError
 
     def numel(self, tensor: Any) -> int:
+        """The number of elements."""
         n = 1
         for d in self.shape(tensor):
             n *= d
@@ -259,6 +260,7 @@ class TensorOps:
         return flat[start:stop]
 
     def reshape(self, tensor: Any, shape: Sequence[int]) -> Any:
+        """The tensor with another shape of the same number of elements."""
         return tensor.reshape(tuple(shape))
 
     def copy(self, tensor: Any) -> Any:
@@ -286,6 +288,7 @@ class TensorOps:
         flat[start:start + self.numel(values)] = values
 
     def item(self, value: Any) -> float:
+        """A one-element tensor (or a number) as a Python float."""
         return float(value)
 
     def sum_squares(self, tensors: Sequence[Any]) -> float:
@@ -308,6 +311,7 @@ class TensorOps:
         raise NotImplementedError
 
     def set_optimizer_state(self, optimizer: Any, param: Any, state: Dict[str, Any]) -> None:
+        """Replace the wrapped optimizer's state for one of its parameters."""
         raise NotImplementedError
 
     def scalar_like_state(self, value: float, like: Any) -> Any:
