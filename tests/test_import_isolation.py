@@ -3,7 +3,10 @@ tensor of its kind. Checked in a fresh interpreter, since this test process may 
 
 from __future__ import annotations
 
+import ast
 import json
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,3 +64,91 @@ def test_the_check_itself_sees_an_imported_framework():
     pytest.importorskip("torch")
     result = _run("import torch  # noqa: F401\n")
     assert "torch" in result["loaded"]
+
+
+def test_import_gradmgr_distributed_loads_no_framework():
+    result = _run(
+        """
+        import gradmgr, gradmgr.distributed
+        from gradmgr.distributed import data_parallel, make_allreduce_cb, ShardedOptimizer
+        make_allreduce_cb("mean")
+        """
+    )
+    assert result == {"loaded": []}
+
+
+# ------------------------------------------------------------------ the shape of the core
+CORE = pathlib.Path(__file__).resolve().parent.parent / "gradmgr"
+FRAMEWORK_IMPORT = re.compile(r"^\s*(import|from)\s+(torch|megengine)\b", re.MULTILINE)
+
+
+def test_the_core_has_no_framework_import_statement():
+    """Framework code lives in its backend; the core reaches it through Backend alone (not
+    even a lazy import inside a function)."""
+    offenders = [f"{path.relative_to(CORE.parent)}:{source[:match.start()].count(chr(10)) + 1}"
+                 for path in sorted(CORE.rglob("*.py"))
+                 for source in [path.read_text(encoding="utf-8")]
+                 for match in FRAMEWORK_IMPORT.finditer(source)]
+    assert offenders == []
+
+
+def _runtime_imports(path: pathlib.Path) -> set:
+    """The gradmgr modules ``path`` imports when it runs (not under TYPE_CHECKING)."""
+    module = ".".join(path.relative_to(CORE.parent).with_suffix("").parts)
+    if path.name == "__init__.py":
+        module = module[:-len(".__init__")]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base.startswith("gradmgr"):
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("gradmgr"))
+    return found
+
+
+def test_no_import_cycles_inside_the_core():
+    modules = {}
+    for path in CORE.rglob("*.py"):
+        name = ".".join(path.relative_to(CORE.parent).with_suffix("").parts)
+        modules[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    graph = {name: {m for m in _runtime_imports(path) if m in modules and m != name}
+             for name, path in modules.items()}
+    # a package's __init__ re-exporting its modules is not a cycle of theirs
+    graph = {n: {m for m in deps if not n.startswith(m + ".")} for n, deps in graph.items()}
+    cycle = _find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def _find_cycle(graph: dict):
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path + [node, nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [node])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [])
+            if found:
+                return found
+    return None
