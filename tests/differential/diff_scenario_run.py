@@ -614,10 +614,6 @@ KNOWN_ERRORS = {
     # own (an attached input made by slicing: gradmgr turned that flag on) as having no
     # gradient path, where autograd differentiates it
     "no gradient path": "an attached input view as y refused (no gradient path)",
-    # a custom autograd Function returns None for an attached input with callbacks: PyTorch
-    # calls its tensor hook with None, and gradmgr's hook reads None._version
-    "'NoneType' object has no attribute '_version'":
-        "a tensor hook given None (a Function's None gradient) raises AttributeError",
 }
 
 

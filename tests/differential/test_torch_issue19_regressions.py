@@ -191,13 +191,10 @@ class _NoGradForB(torch.autograd.Function):
         return g, None
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-        "issue 19: a tensor hook given None by a custom Function raises AttributeError"))
 def test_a_none_gradient_from_a_custom_function_leaves_grad_none():
     """Plain autograd: ``torch.autograd.grad(y, [a, b], allow_unused=True)`` is ``(ones,
     None)``, and PyTorch calls ``b``'s tensor hooks with None. With a callback on ``b``, gradmgr's
-    hook reads ``None._version`` (backends/torch/tape.py, _run_callbacks); without one the
-    result is right."""
+    hook used to read ``None._version`` (backends/torch/tape.py, _hook now passes None on)."""
     a = torch.ones(2, requires_grad=True)
     b = torch.ones(2, requires_grad=True)
     gm = GradManager().attach(a).attach(b, callbacks=lambda t, g: g)
