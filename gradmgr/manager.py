@@ -118,12 +118,14 @@ class GradManager(StepHooks):
             if bind is not None:
                 bind(self)
         for tensor in tensor_list:
-            spec, new, became_eager = self._attached.add(tensor, callback_list)
+            spec, new = self._attached.add(tensor, callback_list)
             if new:
                 spec.sink = self._sink_for(spec, id(tensor))
                 self._watch_new(spec, tensor)
-            elif became_eager and (self._taping() or self._own_tape().persistent_watch):
-                self._own_tape().watch(tensor, spec.sink, True)  # callbacks run during backward
+            elif self._taping() or self._own_tape().persistent_watch:
+                # Watched again: callbacks may now run during backward, and a backend may
+                # judge the tensor again (PyTorch: the user may have frozen it since).
+                self._own_tape().watch(tensor, spec.sink, bool(spec.callbacks))
         return self
 
     def attached_tensors(self, with_callback: Optional[Callback] = None) -> List[Any]:

@@ -1,9 +1,7 @@
-"""Issue 19, item 6: the divergences the scenario harness finds on PyTorch, minimised by hand.
+"""Issue 19, item 6: the divergences the scenario harness found on PyTorch, minimised by hand.
 
 Each test states what the contract gives (checked by hand against native MegEngine or plain
-autograd, as its docstring says). The ones gradmgr does not meet yet are strict xfails: they
-fail loudly once fixed; then remove the mark, and the matching switch of
-``diff_scenario_run.Rules`` that lets the random scenarios pass meanwhile.
+autograd, as its docstring says), and what gradmgr did before it was fixed.
 """
 
 from __future__ import annotations
@@ -35,16 +33,12 @@ def _group_shares_input():
     return x, w, gm2
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "issue 19: an input attached while another manager holds its flag is no input"))
 def test_input_attached_while_another_manager_holds_its_flag_gets_both_gradients():
     """Native MegEngine (and gradmgr on MegEngine): x.grad = [6, 8]."""
     x, _, _ = _group_shares_input()
     assert _same(x.grad, [6.0, 8.0]), x.grad
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "issue 19: that input gets no gradient from the second manager later either"))
 def test_that_input_gets_the_second_managers_gradient_later_alone():
     """Native MegEngine (and gradmgr on MegEngine): x.grad = [3, 4]."""
     x, w, gm2 = _group_shares_input()
@@ -54,8 +48,6 @@ def test_that_input_gets_the_second_managers_gradient_later_alone():
     assert _same(x.grad, [3.0, 4.0]), x.grad
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "issue 19: a view attached while another manager holds its base's flag is no input"))
 def test_a_view_of_an_input_another_manager_holds_is_an_input():
     """``v = x[0:1]`` made before any recording; gm1 attaches ``x`` (turning its flag on, which
     ``v`` shows too), then gm2 attaches ``v``. gm2's gradient must not depend on whether gm1
@@ -99,8 +91,6 @@ def _frozen_tensor_attached_again(callbacks, inside: bool):
     return w
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "issue 19: attach() again without callbacks does not make a frozen plain tensor an input"))
 def test_a_frozen_tensor_attached_again_without_callbacks_is_an_input():
     """Contract: a plain leaf attached with ``requires_grad=False`` is an input and gets its
     gradient, whatever the callbacks: w.grad = [3, 3] (plain autograd of 3 * w), and its flag
@@ -114,8 +104,6 @@ def test_a_frozen_tensor_attached_again_with_callbacks_is_an_input():
     assert _same(w.grad, [3.0, 3.0]) and not w.requires_grad, w.grad
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "issue 19: a frozen tensor attached again while recording is an input only later"))
 @pytest.mark.parametrize("callbacks", [None, [lambda t, g: g]], ids=["plain", "callbacks"])
 def test_a_frozen_tensor_attached_again_while_recording_is_an_input_at_once(callbacks):
     """The same attach inside the recording (S8: later operations are differentiated):
@@ -124,8 +112,6 @@ def test_a_frozen_tensor_attached_again_while_recording_is_an_input_at_once(call
     assert _same(w.grad, [3.0, 3.0]) and not w.requires_grad, w.grad
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "issue 19: a frozen tensor gets a gradient while another manager holds its flag"))
 def test_a_frozen_tensor_gets_no_gradient_from_a_manager_it_is_not_an_input_of():
     """``w`` is trainable for gm1 and frozen by the user before gm2 attaches it (an input of
     gm2). gm1 gives it no gradient when it records alone (as the harness's freezing schedules
@@ -143,12 +129,10 @@ def test_a_frozen_tensor_gets_no_gradient_from_a_manager_it_is_not_an_input_of()
 
 
 # ---------------------------------------------------------------- outputs
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "issue 19: an empty .grad takes a view of the user's dy; later backwards write dy"))
 def test_dy_is_not_written_by_a_later_accumulation():
     """``y = x.reshape(6)`` with a user ``dy``, no callbacks: PyTorch's AccumulateGrad steals
-    the gradient, a view of ``dy``, as ``.grad``; the next backward adds into it in place, so
-    the user's ``dy`` changes (plain ``loss.backward()`` does the same; contract point 6 says
+    the gradient, a view of ``dy``, as ``.grad``; the next backward added into it in place, so
+    the user's ``dy`` changed (plain ``loss.backward()`` does the same; contract point 6 says
     ``.grad`` owns its storage, and gradmgr copies a ``dy`` that reaches ``.grad`` directly,
     test_torch_correctness.py::test_a_gradient_that_is_the_users_dy_is_copied)."""
     x = torch.nn.Parameter(torch.ones(2, 3))
@@ -161,14 +145,13 @@ def test_dy_is_not_written_by_a_later_accumulation():
     assert torch.equal(x.grad, torch.full((2, 3), 2.0))
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "issue 19: an attached input view as y itself is refused ('no gradient path')"))
 def test_an_attached_input_view_as_output_gets_dy():
     """``v = x[0:1]`` of an input ``x`` (no grad), attached: gradmgr turns ``v``'s own flag on,
     so ``v`` is a leaf with a gradient accumulator and plain autograd gives ``v.grad = dy``
-    (``v.requires_grad_(True); v.backward(dy)``). gradmgr raises RuntimeError ("an output
+    (``v.requires_grad_(True); v.backward(dy)``). gradmgr raised RuntimeError ("an output
     requires grad but has no gradient path"), meant for a view whose flag comes from its base
-    (reentrant checkpointing), where PyTorch refuses too."""
+    only (reentrant checkpointing), where PyTorch refuses too (backends/torch/graph.py,
+    graph_root, now tells the two apart)."""
     x = torch.tensor([0.5, 1.5])
     v = x[0:1]
     gm = GradManager()
