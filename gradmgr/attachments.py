@@ -60,20 +60,18 @@ class Attachments:
     def get(self, key: int) -> Optional[AttachSpec]:
         return self._specs.get(key)
 
-    def add(self, tensor: Any, callbacks: List[Callback]) -> Tuple[AttachSpec, bool, bool]:
-        """Attach ``tensor`` or append to its chain; returns ``(spec, new, became_eager)``
-        (``became_eager``: it had no callbacks and now has some)."""
+    def add(self, tensor: Any, callbacks: List[Callback]) -> Tuple[AttachSpec, bool]:
+        """Attach ``tensor`` or append to its chain; returns ``(spec, new)``."""
         key = id(tensor)
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = AttachSpec(self._weak(tensor, key), list(callbacks))
             self.epoch += 1
-            return spec, True, False
-        had_callbacks = bool(spec.callbacks)
+            return spec, True
         spec.callbacks.extend(callbacks)
         if callbacks:
             self.epoch += 1
-        return spec, False, bool(callbacks) and not had_callbacks
+        return spec, False
 
     def _weak(self, tensor: Any, key: int) -> weakref.ref:
         attachments = weakref.ref(self)  # tensors outlive managers: no cycle through them

@@ -79,9 +79,9 @@ class Tape(ABC):
 
     persistent_watch: ClassVar[bool] = False
     """False: the core calls :meth:`watch` for every attached tensor after each :meth:`start`.
-    True: the core calls it once per tensor, when attached (recording or not), and again only
-    when the tensor's ``eager`` changes; the tape keeps watching the tensor in every later
-    recording until the tensor dies, holding it only weakly between recordings."""
+    True: the core calls it for a tensor whenever it is attached (recording or not), also
+    again; the tape keeps watching the tensor in every later recording until the tensor dies,
+    holding it only weakly between recordings."""
 
     @abstractmethod
     def start(self) -> None:

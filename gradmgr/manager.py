@@ -63,7 +63,8 @@ class GradManager(StepHooks):
         backend: ``"torch"``, ``"megengine"``, a registered name or a Backend instance. By
             default the backend is detected from the first attached tensor (or from ``y``).
             A recording that starts before that, with several frameworks imported, starts a
-            tape for each and keeps the right one once the framework is known.
+            tape for each and keeps the right one once the framework is known; in a group,
+            a member with nothing attached takes the framework of the others.
     """
 
     def __init__(self, backend: Union[str, Backend, None] = None) -> None:
@@ -118,12 +119,14 @@ class GradManager(StepHooks):
             if bind is not None:
                 bind(self)
         for tensor in tensor_list:
-            spec, new, became_eager = self._attached.add(tensor, callback_list)
+            spec, new = self._attached.add(tensor, callback_list)
             if new:
                 spec.sink = self._sink_for(spec, id(tensor))
                 self._watch_new(spec, tensor)
-            elif became_eager and (self._taping() or self._own_tape().persistent_watch):
-                self._own_tape().watch(tensor, spec.sink, True)  # callbacks run during backward
+            elif self._taping() or self._own_tape().persistent_watch:
+                # Watched again: callbacks may now run during backward, and a backend may
+                # judge the tensor again (PyTorch: the user may have frozen it since).
+                self._own_tape().watch(tensor, spec.sink, bool(spec.callbacks))
         return self
 
     def attached_tensors(self, with_callback: Optional[Callback] = None) -> List[Any]:
@@ -207,7 +210,10 @@ class GradManager(StepHooks):
         """
         self._begin_record(group=None)
 
-    def _begin_record(self, group: Optional[GradManagerGroup]) -> None:
+    def _begin_record(self, group: Optional[GradManagerGroup],
+                      group_backend: Optional[Backend] = None) -> None:
+        """Start recording; ``group_backend``: the framework of the group this manager starts
+        with (known from another member), which this one takes if it knows none yet."""
         if self._recording is not None:
             raise RuntimeError(
                 "already recording: call backward() or release() before record() again"
@@ -221,18 +227,26 @@ class GradManager(StepHooks):
             if self._record_callbacks:
                 self._run_record_callbacks()  # before the tape snapshots anything
             if self._backend is None:
-                candidates = imported_backends()
-                if len(candidates) == 1:
-                    self._backend = candidates[0]
-                elif group is None:  # a group's members start together in one backend context
-                    provisional = ProvisionalTape(candidates)
-                    provisional.start()
-                    self._recording.tape = provisional
+                self._start_without_backend(group_backend)
             if self._backend is not None:
                 self._start_tape()
         except BaseException:
             self.release()
             raise
+
+    def _start_without_backend(self, group_backend: Optional[Backend]) -> None:
+        """Nothing attached tells the framework yet. A group's member takes the group's (a
+        group cannot mix frameworks); otherwise the only one imported, or with several, a
+        provisional tape in each until a tensor settles it (for a group's members inside
+        each framework's group context, so whichever it turns out to be, its tape started
+        with the group's: on MegEngine, one started later would not join the native group)."""
+        candidates = [group_backend] if group_backend is not None else imported_backends()
+        if len(candidates) == 1:
+            self._backend = candidates[0]
+        else:
+            provisional = ProvisionalTape(candidates)
+            provisional.start()
+            self._recording.tape = provisional
 
     @property
     def is_recording(self) -> bool:
@@ -619,18 +633,24 @@ class GradManagerGroup:
     __ror__ = merge_with
 
     def record(self) -> None:
-        """Every member starts recording, together (none records another's backward)."""
+        """Every member starts recording, together (none records another's backward). A
+        member with nothing attached takes the framework of the members that have something
+        attached."""
         backends = {gm.backend for gm in self._gms if gm.backend is not None}
         if len(backends) > 1:
             names = sorted(b.name for b in backends)
             raise TypeError(f"a group cannot mix frameworks: its managers use {names}")
         backend = next(iter(backends), None)
-        context = backend.recording_group() if backend is not None else contextlib.nullcontext()
+        # Members that know no framework yet start a tape in each imported one (see
+        # GradManager._start_without_backend): each one's group forms.
+        candidates = [backend] if backend is not None else imported_backends()
         started: List[GradManager] = []
         try:
-            with context:
+            with contextlib.ExitStack() as contexts:
+                for candidate in candidates:
+                    contexts.enter_context(candidate.recording_group())
                 for gm in self._gms:
-                    gm._begin_record(group=self)
+                    gm._begin_record(self, backend)
                     started.append(gm)
         except BaseException:
             for gm in reversed(started):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import threading
 import warnings
 import weakref
@@ -394,6 +395,56 @@ def test_s10_group_members_do_not_see_each_other(fw):
         gm1.backward(y)
         gm2.backward(y)  # the graph survives gm1's backward
     close(fw.grad(x), [24.0])
+
+
+def _import_every_framework() -> None:
+    """Where both frameworks are installed, a manager with nothing attached cannot tell its
+    framework at record() until both are imported (as in a test run that imports both)."""
+    for name in ("torch", "megengine"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+def test_s10_an_input_shared_in_a_group_gets_each_members_gradient(fw):
+    """Issue 19's program: ``x`` (no gradient of its own: an input on PyTorch) attached to gm1
+    before the recording and to gm2, which had nothing attached, inside ``gm1 | gm2``; both
+    backward ``y``. Native MegEngine gives x.grad = [6, 8], then [3, 4] from gm2 alone. (The
+    group in the other order: test_megengine_dropin.py, test_torch_issue19_regressions.py.)"""
+    _import_every_framework()
+    x, w = fw.tensor([1.0, 2.0]), fw.parameter([3.0, 4.0])
+    gm1, gm2 = GradManager().attach(x), GradManager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradMgrWarning)
+        with gm1 | gm2:
+            gm2.attach(x)
+            y = fw.sum(x * w)
+            gm1.backward(y)
+            gm2.backward(y)
+        close(fw.grad(x), [6.0, 8.0])
+        fw.set_grad(x, None)
+        with gm2:
+            gm2.backward(fw.sum(x * w))
+    close(fw.grad(x), [3.0, 4.0])
+    assert fw.grad(w) is None
+
+
+def test_s10_group_members_that_know_no_framework_yet(fw):
+    """Nothing attached at record() (with both frameworks imported neither member knows its
+    framework); attached inside, the later-started member first: still neither sees the
+    other's backward."""
+    _import_every_framework()
+    x = fw.parameter([2.0])
+    gm1, gm2 = GradManager(), GradManager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradMgrWarning)
+        with gm1 | gm2:
+            gm2.attach(x)
+            gm1.attach(x)
+            gm1.backward(fw.sum(x * x * x))
+            g = x.grad
+            fw.set_grad(x, None)
+            gm2.backward(g)  # a constant for gm2
+    assert fw.grad(x) is None
 
 
 # ----------------------------------------------------------------------------- S11

@@ -7,6 +7,7 @@ must be bit-identical: they are compared with ``np.testing.assert_array_equal`` 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -220,6 +221,54 @@ def test_temporaries_attached_every_iteration():
 
     _, sizes, _ = both(program)
     assert sizes == [1, 1, 1]
+
+
+@pytest.mark.parametrize("first", [1, 2], ids=["gm1|gm2", "gm2|gm1"])
+def test_an_input_shared_in_a_group(first):
+    """Issue 19's program: x attached to gm1 before the recording, and to gm2 (nothing
+    attached before) inside gm1 | gm2; both backward y, then gm2 alone. In the order gm2 | gm1
+    MegEngine gives gm1's backward nothing for x (gm2's attach snapshots x inside the group);
+    gradmgr used to start gm2's tape outside the group there, and warn, where torch was
+    imported too (as here)."""
+    pytest.importorskip("torch")
+
+    def program(impl):
+        x, w = mge.Tensor([1.0, 2.0]), mge.Parameter([3.0, 4.0])
+        gm1, gm2 = impl.GradManager().attach(x), impl.GradManager()
+        with (gm1 | gm2 if first == 1 else gm2 | gm1):
+            gm2.attach(x)
+            y = (x * w).sum()
+            gm1.backward(y)
+            gm2.backward(y)
+        shared = grad_of(x)
+        x.grad = None
+        with gm2:
+            gm2.backward((x * w).sum())
+        return shared, grad_of(x), grad_of(w)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradmgr.GradMgrWarning)
+        both_members, alone, gw = both(program)
+    np.testing.assert_array_equal(both_members, [6.0, 8.0] if first == 1 else [3.0, 4.0])
+    np.testing.assert_array_equal(alone, [3.0, 4.0])
+    assert gw is None
+
+
+@pytest.mark.parametrize("callbacks", [None, [lambda t, g: g * 2]], ids=["plain", "callbacks"])
+def test_a_parameter_attached_again(callbacks):
+    """Issue 19's other program, without the freezing MegEngine does not have: attached again
+    (before and while recording), a parameter gets one gradient per backward."""
+
+    def program(impl):
+        w = mge.Parameter([1.0, 2.0])
+        gm = impl.GradManager().attach(w)
+        gm.attach(w, callbacks=callbacks)
+        with gm:
+            gm.attach(w, callbacks=callbacks)
+            gm.backward((w * 3.0).sum())
+        return grad_of(w)
+
+    np.testing.assert_array_equal(both(program), [3.0, 3.0] if callbacks is None else [12.0, 12.0])
 
 
 # ---------------------------------------------------------------- higher order

@@ -6,6 +6,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .grads import storage_users, unshare_seeds
+
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch>=2.3
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
@@ -30,8 +32,20 @@ def run_engine(
     function both of them end in, ``torch.autograd.graph._engine_run_backward``, which keeps
     PyTorch's own per-call set-up (debug-logging hooks, compiled-autograd context). Where that
     private function is missing, or inside a functorch transform (where the public functions
-    raise their own error), the public functions are used.
+    raise their own error), the public functions are used. When it accumulates, no ``.grad``
+    is left on a seed's storage (:func:`.grads.unshare_seeds`).
     """
+    if not accumulate:
+        return _run(outputs, seeds, retain, create_graph, inputs, False)
+    # A seed whose storage has more users after the engine accumulated went into a .grad.
+    users = [storage_users(dy) for dy in seeds]
+    result = _run(outputs, seeds, retain, create_graph, inputs, True)
+    if any(storage_users(dy) > n for dy, n in zip(seeds, users)):
+        unshare_seeds(inputs, seeds)
+    return result
+
+
+def _run(outputs, seeds, retain, create_graph, inputs, accumulate):
     if _engine_run_backward is None or _functorch_active():
         return _public_engine(outputs, seeds, retain, create_graph, inputs, accumulate)
     return _engine_run_backward(

@@ -4,26 +4,45 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, List
+from typing import Container, Dict, List
 
 import torch
+
+from .graph import has_own_flag
 
 
 class FlagLedger:
     """Who turned ``requires_grad`` on for which leaf, so that several managers recording the
-    same input do not undo each other's change on release."""
+    same input do not undo each other's change on release, and so that a flag a recording
+    turned on is never mistaken for the user's own (:meth:`user_flag`)."""
 
     def __init__(self) -> None:
         self._holders: Dict[int, list] = {}  # id -> [weakref, count]
+
+    def _held(self, t: torch.Tensor) -> bool:
+        entry = self._holders.get(id(t))
+        return entry is not None and entry[0]() is t
+
+    def user_flag(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` requires grad by a flag of its own that the user set: not one a
+        recording turned on, nor only its base's (a view made before its base required grad
+        shows the base's flag, but gets no gradient of its own until its own flag is set)."""
+        if not t.requires_grad or self._holders and self._held(t):
+            return False
+        return t.grad_fn is not None or not t._is_view() or has_own_flag(t)
+
+    def lends_only(self, keys: Container[int]) -> bool:
+        """Every flag a recording turned on is one of ``keys`` (ids)."""
+        return all(key in keys for key in self._holders)
 
     def acquire(self, t: torch.Tensor) -> bool:
         entry = self._holders.get(id(t))
         if entry is not None and entry[0]() is t:
             entry[1] += 1
             return True
-        if t.requires_grad:
+        if self.user_flag(t):
             return False  # the user's own flag: nothing to restore
-        t.requires_grad_(True)
+        t.requires_grad_(True)  # (on a view: its own flag, so that it gets its own gradient)
         self._holders[id(t)] = [weakref.ref(t), 1]
         return True
 

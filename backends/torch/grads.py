@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -107,6 +107,32 @@ _OWN_TENSOR_USES, _OWN_STORAGE_USES, _OWN_BASE_REFS, _OWN_BASE_USES = _calibrate
 def storage_unshared(t: torch.Tensor) -> bool:
     """No tensor but ``t`` uses its storage (no view, no ``.grad`` kept somewhere)."""
     return _storage(t)[0] <= _OWN_STORAGE_USES
+
+
+def storage_users(t: torch.Tensor) -> int:
+    """Tensors on ``t``'s storage, or 0 where it has no storage to count (a sparse tensor, a
+    functorch wrapper)."""
+    if t.layout != torch.strided:
+        return 0
+    try:
+        return _storage(t)[0]
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def unshare_seeds(tensors: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor]) -> None:
+    """Give each ``.grad`` of ``tensors`` that uses a seed's storage a copy of its own.
+
+    The engine's AccumulateGrad stores an incoming gradient as an empty ``.grad`` when no
+    other tensor object holds it, which a view of the seed passes (``y = x.reshape(6)`` hands
+    ``x`` a view of ``dy``): a later backward would then add into the user's ``dy``
+    (contract point 6). The value is the same, so hooks that already saw it saw it right."""
+    shared = {s.untyped_storage().data_ptr() for s in seeds if storage_users(s)} - {0}
+    for t in tensors:
+        grad = t.grad
+        if (grad is not None and grad.layout == torch.strided
+                and grad.untyped_storage().data_ptr() in shared):
+            t.grad = owned_copy(grad, t)
 
 
 def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:

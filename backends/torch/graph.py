@@ -30,6 +30,16 @@ def grad_node(t: torch.Tensor) -> Any:
     return node
 
 
+def has_own_flag(t: torch.Tensor) -> bool:
+    """Whether a leaf view's ``requires_grad`` is its own, so that it has a gradient of its
+    own. A view made before its base required grad shows the base's flag, but the engine
+    gives it no gradient accumulator (nothing flows to it, nor through it to the base) unless
+    its own flag is set; the edge a new node would take to it tells which."""
+    with torch.enable_grad():
+        node = t.view_as(t).grad_fn
+    return node is not None and node.next_functions[0][0] is not None
+
+
 def walk(roots: Iterable[Any]) -> Dict[Any, List[Any]]:
     """Every node reachable from ``roots``, mapped to its parents (nodes that feed it, once per
     edge)."""
@@ -96,7 +106,7 @@ def graph_root(y: Any) -> Any:
         return y.node
     if y.grad_fn is not None:
         return y.grad_fn
-    if y._is_view():
+    if y._is_view() and not has_own_flag(y):
         raise RuntimeError(
             "an output requires grad but has no gradient path: it is a view made where "
             "autograd recorded nothing (for example returned by checkpoint(..., "

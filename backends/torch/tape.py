@@ -201,12 +201,13 @@ class TorchTape(Tape):
                 self._late = True
                 since = current_sequence_nr() if prerecord.check_mode() != "off" else 0
             entry = watched.add(tensor, sink, eager, since)
-            if input_without_flag(tensor):
-                watched.needs_flag[key] = entry.ref
-                if self._recording:
-                    self._acquire_flag(tensor)
-        elif input_without_flag(tensor) and key not in watched.needs_flag:
-            watched.needs_flag[key] = entry.ref  # the user turned the flag off after attaching
+        if key not in watched.needs_flag and input_without_flag(tensor):
+            # An input from this attach() on (also one attached before, that the user froze
+            # since): the flag is on while this manager records, from now if it does.
+            watched.needs_flag[key] = entry.ref
+            watched.order = None
+            if self._recording:
+                self._acquire_flag(tensor)
         entry.sink = sink
         eager = entry.eager = eager or entry.edge is not None
         if eager:
@@ -349,6 +350,9 @@ class TorchTape(Tape):
         entries, inputs = self.watched.trainable()
         if not inputs:
             return None
+        for y in outputs:
+            if not isinstance(y, GradientEdge) and y.grad_fn is None:
+                graph_root(y)  # refuses a view with no gradient path, as the engine would
         if self.watched.snapshots:
             check_non_leaves(inputs, entries)
         if not self._checked or prerecord.checks_every_backward():

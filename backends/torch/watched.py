@@ -12,15 +12,18 @@ from torch.autograd.graph import GradientEdge
 
 from gradmgr.backend import GradSink
 
+from .flags import FLAGS
+
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def input_without_flag(tensor: torch.Tensor) -> bool:
-    """A leaf whose gradient is wanted although it does not require grad: an input. A
-    ``Parameter`` with ``requires_grad=False`` is frozen instead, and gets no gradient (as
-    with ``loss.backward()`` and DDP)."""
-    return (tensor.is_leaf and not tensor.requires_grad
-            and not isinstance(tensor, torch.nn.Parameter))
+    """A leaf whose gradient is wanted although the user's ``requires_grad`` is off (a flag
+    another recording turned on is not the user's): an input. A ``Parameter`` with
+    ``requires_grad=False`` is frozen instead, and gets no gradient (as with
+    ``loss.backward()`` and DDP)."""
+    return (tensor.grad_fn is None and not isinstance(tensor, torch.nn.Parameter)
+            and not FLAGS.user_flag(tensor))
 
 
 class Entry:
@@ -95,9 +98,12 @@ class Watched:
             table.pop(key, None)  # (a hook dies with its tensor)
 
     def trainable(self) -> Tuple[List[Entry], List[torch.Tensor]]:
-        """The watched tensors that require grad now, with their entries, in watch order."""
+        """The watched tensors that get a gradient now, with their entries, in watch order:
+        this tape's inputs and those that require grad by the user's flag (not by one another
+        manager's recording turned on for an input of its own: frozen for this tape)."""
         order = self.order
-        if order is not None:  # the usual step: the same tensors as last time, all trainable
+        if order is not None and FLAGS.lends_only(self.needs_flag):
+            # the usual step: the same tensors as last time, all trainable
             entries, refs = order
             inputs = [ref() for ref in refs]
             try:
@@ -106,9 +112,11 @@ class Watched:
             except AttributeError:  # None: a tensor died since
                 pass
         entries, inputs = [], []
-        for entry in self.entries.values():
+        needs_flag = self.needs_flag
+        for key, entry in self.entries.items():
             tensor = entry.ref()
-            if tensor is not None and tensor.requires_grad:
+            if (tensor is not None and tensor.requires_grad
+                    and (key in needs_flag or FLAGS.user_flag(tensor))):
                 entries.append(entry)
                 inputs.append(tensor)
         all_in = len(entries) == len(self.entries)

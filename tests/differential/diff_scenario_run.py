@@ -20,7 +20,8 @@ applied by hand, ``.grad`` accumulated in tensors of its own). The rules it enco
   manager from then on: it gets its gradient, and ``requires_grad`` is on while any manager
   that has it as an input records. "The user's flag" is the one the user set, not one a
   recording manager turned on (a second manager attaching an input another one holds the flag
-  of still takes it as an input). A plain leaf frozen after its last attach is frozen.
+  of still takes it as an input), nor the base's flag a view made before it shows. A plain
+  leaf frozen after its last attach is frozen.
 * ``create_graph`` where an earlier-started manager outside the backward's group records,
   ``retain_graph`` where any other manager records (what MegEngine's semantics need; the
   values are the same bits either way).
@@ -28,7 +29,6 @@ applied by hand, ``.grad`` accumulated in tensors of its own). The rules it enco
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 from dataclasses import dataclass, field
@@ -49,41 +49,6 @@ from diff_interp import Engine, TorchEngine
 from diff_program import Op
 from diff_reference import engine_grads, run_chain
 from diff_scenario import CUSTOM_OPS, Event, Scenario
-
-
-@dataclass(frozen=True)
-class Rules:
-    """Switches of the reference model. The defaults are the contract's rules (the module
-    docstring); each switch reproduces how gradmgr on torch behaves today where it diverges
-    (issue 19), so that a random test can tell a known divergence from a new one (see
-    :data:`KNOWN`). Each has a strict-xfail regression test in
-    ``test_torch_issue19_regressions.py``; delete the switch once that passes."""
-
-    # attach() judges "input or not" by the flag the tensor has now, which is on while
-    # another manager that has it as an input records (the user's own flag is off)
-    input_by_current_flag: bool = False
-    # only a tensor's first attach(), or one that brings its first callbacks, can make it an
-    # input; such a later attach() inside a recording turns the flag on only at the next one
-    input_on_watch_only: bool = False
-    # a backward includes every attached plain leaf whose flag is on now, also one the user
-    # froze whose flag another recording manager (that has it as an input) turned on
-    gradient_by_current_flag: bool = False
-    # without callbacks the engine accumulates: an empty .grad may take a user dy's storage
-    # (a view of it, as with loss.backward())
-    grad_may_alias_dy: bool = False
-
-
-CONTRACT = Rules()
-KNOWN = {
-    "input attached while another manager holds its flag": Rules(input_by_current_flag=True),
-    "attach() again without callbacks does not make a frozen tensor an input":
-        Rules(input_on_watch_only=True),
-    "a frozen plain tensor gets a gradient while another manager holds its flag":
-        Rules(gradient_by_current_flag=True),
-    ".grad shares storage with dy on the engine's accumulation path":
-        Rules(grad_may_alias_dy=True),
-}
-TODAY = Rules(True, True, True, True)
 
 
 # --------------------------------------------------------------------------- custom Functions
@@ -401,7 +366,6 @@ class _Item:
     specs: list  # the whole callback chain
     edge: Any  # an op result's gradient edge at attach (None: a leaf)
     input: bool = False  # a plain leaf attached with the user's flag off (see the docstring)
-    held: bool = True  # its manager turns the flag on while recording (Rules.input_on_watch_only)
 
 
 @dataclass
@@ -415,12 +379,11 @@ class _RefManager:
 class _Model:
     """The torch reference's state: its own tensors, the user's flags, each manager's view."""
 
-    def __init__(self, sc: Scenario, rules: Rules) -> None:
+    def __init__(self, sc: Scenario) -> None:
         import torch
 
         self.torch = torch
         self.sc = sc
-        self.rules = rules
         self.eng = TorchEngine()
         self.values: List[Any] = make_scenario_leaves(sc, self.eng)
         self.user_flag = {v: t.requires_grad for v, t in enumerate(self.values)}
@@ -437,14 +400,14 @@ class _Model:
 
     def sync_flags(self) -> None:
         """Turn ``requires_grad`` on for every input that a recording manager holds (see the
-        docstring), and off again once none does, where the model turned it on. (A view of a
-        leaf shows its base's flag until its own is set: it may be on already.)"""
+        docstring), and off again once none does, where the model turned it on. (A view made
+        before its base required grad may show the base's flag, but gets a gradient of its
+        own only once its own flag is set, which this does too.)"""
         for v in self.user_flag:
             t = self.values[v]
             held = not self.is_param(v) and any(
-                m.recording and v in m.items and m.items[v].input and m.items[v].held
-                for m in self.managers)
-            if held and not t.requires_grad:
+                m.recording and v in m.items and m.items[v].input for m in self.managers)
+            if held and v not in self.raised and not self.user_flag[v]:
                 t.requires_grad_(True)
                 self.raised.add(v)
             elif not held and v in self.raised:
@@ -462,15 +425,9 @@ class _Model:
             else:
                 self.user_flag.setdefault(ev.value, False)  # an op result: no user flag
             item = m.items[ev.value] = _Item([], edge)
-        first_callbacks = bool(ev.chain) and not item.specs
         item.specs.extend(ev.chain)
-        rules = self.rules
-        watched = new or first_callbacks or not rules.input_on_watch_only
-        if (item.edge is None and not self.is_param(ev.value) and watched and not item.input
-                and not (t.requires_grad if rules.input_by_current_flag
-                         else self.user_flag[ev.value])):
+        if item.edge is None and not self.is_param(ev.value) and not self.user_flag[ev.value]:
             item.input = True
-            item.held = new or not m.recording or not rules.input_on_watch_only
         if ev.value not in self.observed:
             self.observed.append(ev.value)
         self.sync_flags()
@@ -491,8 +448,6 @@ class _Model:
         for i in ev.managers:
             m = self.managers[i]
             m.recording, m.start = True, self.counter
-            for item in m.items.values():
-                item.held = True
             m.group = index if len(ev.managers) > 1 else None
             self.counter += 1
         self.sync_flags()
@@ -507,8 +462,6 @@ class _Model:
     def gets_gradient(self, v: int, item: _Item) -> bool:
         if item.edge is not None:
             return True
-        if self.rules.gradient_by_current_flag:
-            return bool(self.values[v].requires_grad)
         return self.user_flag[v] or (item.input and not self.is_param(v))
 
     def do_backward(self, index: int, ev: Event) -> None:
@@ -542,10 +495,9 @@ class _Model:
             {v: _np(self.eng, self.acc.get(v)) for v in vids}, {}, flags))
 
 
-def reference_scenario(sc: Scenario, rules: Rules = CONTRACT) -> Trace:
-    """The torch reference of :func:`run_scenario` (see the module docstring); ``rules``
-    switches to a known divergence (:class:`Rules`)."""
-    model = _Model(sc, rules)
+def reference_scenario(sc: Scenario) -> Trace:
+    """The torch reference of :func:`run_scenario` (see the module docstring)."""
+    model = _Model(sc)
     index = 0
     try:
         for index, ev in enumerate(sc.events):
@@ -557,8 +509,7 @@ def reference_scenario(sc: Scenario, rules: Rules = CONTRACT) -> Trace:
 
 
 # --------------------------------------------------------------------------- checks
-def check_scenario(got: Trace, ref: Trace, sc: Scenario, *, torch_checks: bool = True,
-                   rules: Rules = CONTRACT) -> None:
+def check_scenario(got: Trace, ref: Trace, sc: Scenario, *, torch_checks: bool = True) -> None:
     """Every comparison of one scenario run with its reference (each from its own line)."""
     from diff_harness import (
         check_callbacks,
@@ -576,59 +527,7 @@ def check_scenario(got: Trace, ref: Trace, sc: Scenario, *, torch_checks: bool =
     for m in range(sc.n_managers):
         check_callbacks(got, ref, f"m{m}", f"m{m}")
     if torch_checks:
-        if rules.grad_may_alias_dy:
-            got = dataclasses.replace(got, storage=[p for p in got.storage
-                                                    if "with dy of event" not in p])
         check_storage(got)
         check_layout(got)
         check_flags(got, ref)
     assert not _state.state.recording and not _state.state.backwarding, "state left behind"
-
-
-def check_torch_scenario(got: Trace, sc: Scenario) -> Optional[str]:
-    """:func:`check_scenario` against the contract's reference. A run that differs only as one
-    of gradmgr's known divergences do (:data:`KNOWN`, or all of them at once) passes and the
-    divergence's name is returned; ``GRADMGR_DIFF_STRICT=1`` makes those fail too."""
-    import os
-
-    try:
-        check_scenario(got, reference_scenario(sc), sc)
-        return None
-    except Exception:  # noqa: BLE001 - an assertion, or gradmgr's own error re-raised
-        if os.environ.get("GRADMGR_DIFF_STRICT") == "1":
-            raise
-        variants = [("", CONTRACT), *KNOWN.items(), ("several known divergences", TODAY)]
-        for name, rules in variants:
-            ref = reference_scenario(sc, rules)
-            mine, ref, refused = _cut_at_known_error(got, ref)
-            try:
-                check_scenario(mine, ref, sc, rules=rules)
-            except Exception:  # noqa: BLE001 - not this one
-                continue
-            return " and ".join(n for n in (name, refused) if n)
-        raise
-
-
-KNOWN_ERRORS = {
-    # gradmgr refuses a backward of an output that is a view with a requires_grad flag of its
-    # own (an attached input made by slicing: gradmgr turned that flag on) as having no
-    # gradient path, where autograd differentiates it
-    "no gradient path": "an attached input view as y refused (no gradient path)",
-    # a custom autograd Function returns None for an attached input with callbacks: PyTorch
-    # calls its tensor hook with None, and gradmgr's hook reads None._version
-    "'NoneType' object has no attribute '_version'":
-        "a tensor hook given None (a Function's None gradient) raises AttributeError",
-}
-
-
-def _cut_at_known_error(got: Trace, ref: Trace) -> Tuple[Trace, Trace, str]:
-    """If gradmgr raised one of :data:`KNOWN_ERRORS` at an event the reference went past,
-    both traces cut to the backwards before it (and gradmgr's error dropped); else as given."""
-    known = [name for text, name in KNOWN_ERRORS.items() if text in str(got.error)]
-    if (got.error is None or not known
-            or ref.error is not None and ref.failed_at <= got.failed_at):
-        return got, ref, ""
-    n = len(got.steps)
-    cut = Trace(steps=ref.steps[:n], calls={k: v for k, v in ref.calls.items() if k[1] < n},
-                call_facts=[c for c in ref.call_facts if c.step < n])
-    return dataclasses.replace(got, error=None), cut, known[0]

@@ -12,22 +12,28 @@ and the same callback calls; when the native manager raises, gradmgr must raise 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+from diff_interp import MgeEngine
+from diff_reference import native_megengine
+from diff_scenario import scenarios
+from diff_scenario_run import check_scenario, run_scenario
+from diff_settings import differential_settings
+from hypothesis import given, note
 
-pytest.importorskip("megengine")
+import gradmgr
 
-from diff_interp import MgeEngine  # noqa: E402
-from diff_reference import native_megengine  # noqa: E402
-from diff_scenario import scenarios  # noqa: E402
-from diff_scenario_run import check_scenario, run_scenario  # noqa: E402
-from diff_settings import differential_settings  # noqa: E402
-from hypothesis import given, note  # noqa: E402
+# Marked rather than skipped where MegEngine is missing: tests/conftest.py deselects marked
+# tests in an environment not expecting MegEngine, also when this file is named on the
+# command line (a skip would fail there, under GRADMGR_STRICT_SKIPS).
+pytestmark = [pytest.mark.megengine,
+              pytest.mark.filterwarnings("error::gradmgr.GradMgrWarning")]
 
-import gradmgr  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("error::gradmgr.GradMgrWarning")
-
-ENG = MgeEngine()
+@functools.cache
+def engine() -> MgeEngine:
+    return MgeEngine()  # imports MegEngine
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +48,8 @@ def mge_synchronous():
 
 
 def compare_with_native(sc):
-    native = run_scenario(sc, ENG, native_megengine, eager=True, check_backwarding=False)
-    got = run_scenario(sc, ENG, gradmgr.GradManager)
+    native = run_scenario(sc, engine(), native_megengine, eager=True, check_backwarding=False)
+    got = run_scenario(sc, engine(), gradmgr.GradManager)
     check_scenario(got, native, sc, torch_checks=False)
 
 

@@ -19,10 +19,10 @@ torch = pytest.importorskip("torch")
 
 from diff_interp import TorchEngine  # noqa: E402
 from diff_scenario import scenarios  # noqa: E402
-from diff_scenario_run import check_torch_scenario, run_scenario  # noqa: E402
+from diff_scenario_run import check_scenario, reference_scenario, run_scenario  # noqa: E402
 from diff_settings import differential_settings  # noqa: E402
 from gradmgr.backends.torch import PreRecordGradientWarning  # noqa: E402
-from hypothesis import event, given, note  # noqa: E402
+from hypothesis import given, note  # noqa: E402
 
 import gradmgr  # noqa: E402
 
@@ -42,6 +42,4 @@ def run_torch(sc):
 @given(sc=scenarios("torch"))
 def test_scenario_matches_reference(sc):
     note(sc.pretty())
-    known = check_torch_scenario(run_torch(sc), sc)
-    if known is not None:
-        event(f"known divergence (issue 19): {known}")
+    check_scenario(run_torch(sc), reference_scenario(sc), sc)
