@@ -21,7 +21,8 @@ from .errors import (
     UnsupportedGraphError,
 )
 from .future import Future, is_future
-from .manager import AttachSpec, GradManager, GradManagerGroup
+from .group import GradManagerGroup
+from .manager import AttachSpec, GradManager
 from .registry import backend_for, get_backend, register_backend
 from .split import DeferredBackward, UnfinishedBackwardWarning
 

@@ -9,19 +9,29 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
 
 if TYPE_CHECKING:
+    from .backend import Backend
     from .manager import GradManager
 
 record_counter = itertools.count()
 """Global start order of recordings: earlier-started managers record later backwards."""
 
 
+class StartingGroup(NamedTuple):
+    """A group starting its members: each member's ``record()`` joins ``group`` and, knowing
+    no framework yet, takes ``backend`` (the other members' framework, or None)."""
+
+    group: Any
+    backend: Optional[Backend]
+
+
 class ThreadState(threading.local):
     def __init__(self) -> None:
         self.recording: List[GradManager] = []
         self.backwarding: List[GradManager] = []
+        self.starting_group: Optional[StartingGroup] = None
 
 
 state = ThreadState()

@@ -1,4 +1,4 @@
-"""GradManager and GradManagerGroup: MegEngine's gradient-manager semantics on any backend.
+"""GradManager: MegEngine's gradient-manager semantics on any backend.
 
 A manager holds its attached tensors (:mod:`.attachments`), a tape from its backend that records
 between ``record()`` and ``release()`` (while the framework is still unknown, a provisional one:
@@ -9,7 +9,6 @@ and ``DeferredBackward.finish``) runs in one scope, :class:`_Backwarding`.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
@@ -19,13 +18,14 @@ from .attachments import Attachments, AttachSpec, Callback, check_callbacks, che
 from .backend import Backend, Tape
 from .delivery import Delivery, note_callback, warn_none
 from .errors import GradMgrWarning, UnsupportedGraphError
+from .group import GradManagerGroup
 from .hooks import StepHooks
 from .outputs import as_list, check_outputs
 from .provisional import ProvisionalTape
 from .registry import backend_for, imported_backends, resolve_backend
 from .split import DeferredBackward, FinishRefused
 
-__all__ = ["AttachSpec", "Callback", "GradManager", "GradManagerGroup"]
+__all__ = ["AttachSpec", "Callback", "GradManager"]
 
 
 class _Recording:
@@ -35,7 +35,7 @@ class _Recording:
 
     __slots__ = ("group", "managers", "tape", "backward_ran")
 
-    def __init__(self, group: Optional[GradManagerGroup], managers: List[GradManager]) -> None:
+    def __init__(self, group: Optional[object], managers: List[GradManager]) -> None:
         self.group = group
         self.managers = managers  # the recording thread's (a backward may run in another)
         self.tape: Optional[Tape] = None
@@ -208,12 +208,9 @@ class GradManager(StepHooks):
         Raises:
             RuntimeError: already recording.
         """
-        self._begin_record(group=None)
-
-    def _begin_record(self, group: Optional[GradManagerGroup],
-                      group_backend: Optional[Backend] = None) -> None:
-        """Start recording; ``group_backend``: the framework of the group this manager starts
-        with (known from another member), which this one takes if it knows none yet."""
+        starting = _state.state.starting_group  # set while a group starts its members
+        group = starting.group if starting is not None else None
+        group_backend = starting.backend if starting is not None else None
         if self._recording is not None:
             raise RuntimeError(
                 "already recording: call backward() or release() before record() again"
@@ -558,10 +555,9 @@ class GradManager(StepHooks):
         return self._backend.reachable(ys, self.attached_tensors())
 
     def __or__(self, other: Any) -> GradManagerGroup:
-        if isinstance(other, GradManager):
-            return GradManagerGroup([self, other])
-        if isinstance(other, GradManagerGroup):
-            return GradManagerGroup([self, *other._gms])
+        """``gm1 | gm2``: the managers as a group (see :class:`GradManagerGroup`)."""
+        if isinstance(other, (GradManager, GradManagerGroup)):
+            return GradManagerGroup([self]).merge_with(other)
         return NotImplemented
 
     __ror__ = __or__
@@ -603,68 +599,3 @@ class _Backwarding:
             if self._backend is not None:
                 self._backend.exit_backward(self._token)
             _state.state.backwarding.pop()
-
-
-class GradManagerGroup:
-    """Managers that record together and do not see each other's backward.
-
-    Example:
-        >>> gm1, gm2 = GradManager(), GradManager()
-        >>> group = gm1 | gm2
-        >>> with group:
-        ...     pass  # both record; gm1.backward(...) is not recorded by gm2, nor vice versa
-    """
-
-    def __init__(self, gms: Iterable[GradManager]) -> None:
-        self._gms = list(gms)
-        for gm in self._gms:
-            if not isinstance(gm, GradManager):
-                raise TypeError(f"a group holds GradManagers, not {type(gm).__name__}")
-
-    def merge_with(self, other: Any) -> GradManagerGroup:
-        """A group of these managers and ``other`` (a manager or a group): ``group | gm``."""
-        if isinstance(other, GradManager):
-            return GradManagerGroup([*self._gms, other])
-        if isinstance(other, GradManagerGroup):
-            return GradManagerGroup([*self._gms, *other._gms])
-        return NotImplemented
-
-    __or__ = merge_with
-    __ror__ = merge_with
-
-    def record(self) -> None:
-        """Every member starts recording, together (none records another's backward). A
-        member with nothing attached takes the framework of the members that have something
-        attached."""
-        backends = {gm.backend for gm in self._gms if gm.backend is not None}
-        if len(backends) > 1:
-            names = sorted(b.name for b in backends)
-            raise TypeError(f"a group cannot mix frameworks: its managers use {names}")
-        backend = next(iter(backends), None)
-        # Members that know no framework yet start a tape in each imported one (see
-        # GradManager._start_without_backend): each one's group forms.
-        candidates = [backend] if backend is not None else imported_backends()
-        started: List[GradManager] = []
-        try:
-            with contextlib.ExitStack() as contexts:
-                for candidate in candidates:
-                    contexts.enter_context(candidate.recording_group())
-                for gm in self._gms:
-                    gm._begin_record(self, backend)
-                    started.append(gm)
-        except BaseException:
-            for gm in reversed(started):
-                gm.release()
-            raise
-
-    def release(self) -> None:
-        """Every member stops recording."""
-        for gm in reversed(self._gms):
-            gm.release()
-
-    def __enter__(self) -> GradManagerGroup:
-        self.record()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.release()
