@@ -6,6 +6,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .teardown import collect_cycles_at_exit
+
 
 def initialised_dist() -> Any:
     """``torch.distributed``, after checking that a process group is initialised."""
@@ -37,6 +39,7 @@ class TorchCollective:
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
+        collect_cycles_at_exit()  # a group held by a cycle must not be freed at shutdown
 
     def world_size(self) -> int:
         return initialised_dist().get_world_size(self.group)
