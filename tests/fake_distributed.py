@@ -121,6 +121,25 @@ class ThreadTransport:
                                             for v in part], dtype=chunk.dtype))
 
 
+class OneRank:
+    """A world of one process, for any framework's tensors: every collective gives back what
+    it was given (a sum, a chunk or a gather over one rank)."""
+
+    def world_size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def allreduce_async(self, flat: Any) -> _Handle:
+        return _Handle(lambda: flat)
+
+    reduce_scatter_async = all_gather_async = allreduce_async
+
+    def broadcast(self, flat: Any, src: int) -> Any:
+        return flat
+
+
 def run_ranks(world: int, fn: Callable[[int, ThreadWorld], Any], timeout: float = 60.0) -> list:
     """``fn(rank, world)`` in ``world`` threads with the fake backend's default transport set
     to that rank's; returns each rank's result, or raises the first error with its traceback."""
@@ -246,6 +265,10 @@ class FakeOps(TensorOps):
 
     def segment(self, param: Any, start: int, stop: int, master_dtype: Any) -> Any:
         return type(param)(param.data[start:stop], dtype=master_dtype or param.dtype)
+
+    def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
+        if segment.dtype == param.dtype:  # a copy, not a master
+            segment.data[:] = param.data[start:stop]
 
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = grad

@@ -129,6 +129,28 @@ def test_a_sharded_optimizer_needs_a_reduce_scatter_callback():
         ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
 
 
+def test_copied_segments_follow_weights_loaded_after_the_optimizer_was_made():
+    """A parameter that is not contiguous is stepped through a copy of its slice: the weights
+    loaded into the model afterwards (resuming) are what the step starts from, as for the
+    contiguous one (a view). One rank: SGD's update 0.25 * 2w is exact."""
+    from fake_distributed import OneRank
+
+    w = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4).t())
+    b = torch.nn.Parameter(torch.ones(4))
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach([w, b], callbacks=[cb])
+    opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.25)
+    loaded = torch.linspace(-1.0, 2.0, 12).reshape(4, 3)
+    with torch.no_grad():
+        w.copy_(loaded)
+        b.fill_(3.0)
+    with gm:
+        gm.backward((w * w).sum() + (b * b).sum())
+    opt.step()
+    assert not w.is_contiguous() and torch.equal(w, loaded * 0.5)
+    assert torch.equal(b, torch.full((4,), 1.5))
+
+
 def test_reduce_scatter_callback_options_are_checked():
     with pytest.raises(ValueError, match="reduce"):
         make_reduce_scatter_cb("max")

@@ -88,6 +88,10 @@ class MegEngineOps(TensorOps):
             part = part.astype(master_dtype)
         return megengine.Parameter(part)
 
+    def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
+        if np.dtype(segment.dtype) == np.dtype(param.dtype):  # a copy, not a master
+            segment._reset(param.reshape(-1)[start:stop])
+
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         if grad is not None and np.dtype(grad.dtype) != np.dtype(segment.dtype):
             grad = grad.astype(segment.dtype)

@@ -142,6 +142,12 @@ class TorchOps(TensorOps):
             return part.to(getattr(torch, master_dtype)).clone()
         return part if param.is_contiguous() else part.clone()
 
+    def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
+        if segment.dtype != param.dtype or _same_storage(segment, param):
+            return  # a master copy, or a view
+        with torch.no_grad():  # a copy of a parameter that is not contiguous
+            segment.copy_(param.detach().reshape(-1)[start:stop])
+
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = None if grad is None else grad.to(segment.dtype)
 
@@ -159,6 +165,10 @@ class TorchOps(TensorOps):
         from .reducer import native_path  # torch.distributed's private reducer API
 
         return native_path(transport)
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 TORCH_OPS = TorchOps()

@@ -302,6 +302,14 @@ class TensorOps:
         precision parameters) a copy in that dtype."""
         raise NotImplementedError
 
+    def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
+        """Before each step: a segment that :meth:`segment` made as a copy in the parameter's
+        own dtype takes ``param.flatten()[start:stop]`` as it is now, since the parameter may
+        have changed outside the optimizer (rank 0's values broadcast at the first recording,
+        a checkpoint loaded into the model). Views need nothing; master copies in another
+        dtype are left alone (they hold what the parameter's dtype cannot). The default does
+        nothing: it suits an adapter whose segments are always views."""
+
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         """Give a segment its reduced gradient (None: none), cast to the segment's dtype."""
         raise NotImplementedError

@@ -67,8 +67,11 @@ class ShardedOptimizer:
         """Step this rank's segments with their reduced gradients, then all-gather the
         updated parameters."""
         self._check_plan()
-        ops, shards = self._ops, self._shards
+        ops, shards, plan = self._ops, self._shards, self._plan
         for segment, tensor in zip(self._segments, self._tensors):
+            param = plan.tensor(segment.position)
+            if param is not None:
+                ops.refresh_segment(tensor, param, segment.start, segment.stop)
             ops.set_segment_grad(tensor, shards.grad_of(segment))
         self.optimizer.step()
         self._gather_parameters()
