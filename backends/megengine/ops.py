@@ -103,6 +103,12 @@ class MegEngineOps(TensorOps):
     def set_optimizer_state(self, optimizer: Any, param: Any, state: Dict[str, Any]) -> None:
         optimizer._state[param] = {k: megengine.Tensor(v) for k, v in state.items()}
 
+    def state_from_checkpoint(self, value: Any) -> Any:
+        # MegEngine's optimizers save numpy arrays (state_dict(keep_var=False), the default)
+        if isinstance(value, (np.ndarray, np.generic)):
+            return megengine.Tensor(value)
+        return value
+
     def scalar_like_state(self, value: float, like: Any) -> Any:
         return megengine.Tensor(value, dtype="float32")
 

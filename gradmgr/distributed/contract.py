@@ -322,6 +322,13 @@ class TensorOps:
         """Replace the wrapped optimizer's state for one of its parameters."""
         raise NotImplementedError
 
+    def state_from_checkpoint(self, value: Any) -> Any:
+        """One value of a saved optimizer state as the wrapped optimizer keeps it: where the
+        framework's optimizers save arrays of another kind (MegEngine's ``state_dict()``
+        holds numpy arrays), that array as the framework's tensor; anything else unchanged
+        (the default)."""
+        return value
+
     def scalar_like_state(self, value: float, like: Any) -> Any:
         """A per-parameter scalar of optimizer state (a step count) as the framework's
         optimizers keep it."""

@@ -160,6 +160,7 @@ class ShardedOptimizer:
             saved = state_dict["state"].get(index, state_dict["state"].get(str(index)))
             if saved is None:
                 continue
+            saved = {k: ops.state_from_checkpoint(v) for k, v in saved.items()}
             shape = ops.shape(self._plan.tensor(segment.position))
             state = {k: (ops.cast(ops.copy(ops.part(ops.flat(v), segment.start, segment.stop)),
                                   ops.dtype_name(tensor))
