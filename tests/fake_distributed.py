@@ -280,6 +280,24 @@ class FakeOps(TensorOps):
         optimizer.state[id(param)] = dict(state)
 
 
+class FakeSGD:
+    """Plain SGD over fake tensors, shaped as the frameworks' optimizers are
+    (``param_groups`` with their options, ``state`` by parameter): what a ShardedOptimizer
+    wraps on the fake backend. It keeps no state; a parameter without a gradient is skipped."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        listed = list(params)
+        groups = listed if listed and isinstance(listed[0], dict) else [{"params": listed}]
+        self.param_groups = [{"lr": lr, **g, "params": list(g["params"])} for g in groups]
+        self.state: Dict[int, Dict[str, Any]] = {}
+
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data[:] = [v - group["lr"] * g for v, g in zip(p.data, p.grad.data)]
+
+
 class FakeBuffer:
     """A bucket's parts (values), concatenated by ``finish``."""
 

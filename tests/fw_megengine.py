@@ -97,6 +97,26 @@ class MegEngineFramework(Framework):
     def flatten(self, x):
         return self.F.flatten(x, 1)
 
+    def sgd(self):
+        from megengine.optimizer import SGD
+
+        mge, device = self.mge, self.device
+
+        class SGDOnDevice(SGD):
+            """MegEngine's SGD makes its scalars (the learning rate) on the default device,
+            and its step fails on parameters on another ("assertion `t.comp_node ==
+            out_cn'", the tensors here are on cpux): it steps with theirs as the default."""
+
+            def step(self):
+                previous = mge.get_default_device()
+                mge.set_default_device(device)
+                try:
+                    return super().step()
+                finally:
+                    mge.set_default_device(previous)
+
+        return SGDOnDevice
+
     def reference_grads(self, fn, inputs):
         from megengine.autodiff import GradManager
 
