@@ -243,12 +243,13 @@ LR = 0.25
 """The sharded scenarios' learning rate, with the framework's own plain SGD."""
 
 
-def sharded(fw: Any, ps: List[Any], *before: Any, bucket_bytes: int = 2**20) -> tuple:
+def sharded(fw: Any, ps: List[Any], *before: Any, bucket_bytes: int = 2**20,
+            **options: Any) -> tuple:
     """A manager reduce-scattering ``ps`` (after the callbacks ``before``) and a
-    ShardedOptimizer over the framework's SGD."""
+    ShardedOptimizer over the framework's SGD (``options``: SGD's, besides ``lr``)."""
     cb = make_reduce_scatter_cb("mean", bucket_bytes=bucket_bytes)
     gm = GradManager().attach(ps, callbacks=[*before, cb])
-    return gm, ShardedOptimizer(gm, fw.sgd(), lr=LR)
+    return gm, ShardedOptimizer(gm, fw.sgd(), lr=LR, **options)
 
 
 def sgd_step(opt: Any, fw: Any, ps: List[Any]) -> List[Any]:
@@ -332,6 +333,32 @@ def sharded_failing_rank(fw: Any, rank: int, world: int) -> Result:
             "got": sgd_step(opt, fw, ps), "want": sgd_reference(fw, world)}
 
 
+def sharded_state_dict(fw: Any, rank: int, world: int) -> Result:
+    """Only ``a`` is used (its gradient is the data): rank 0's segments (``c``, most of
+    ``b``) never get a gradient, so where the optimizer makes its state lazily (PyTorch, the
+    fake one) rank 0 holds none at all. SGD with momentum: the consolidated state_dict, on
+    every rank, is that of the unsharded optimizer stepped once with the mean gradient."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps, momentum=0.5)
+    with gm:
+        gm.backward(fw.sum(ps[0] * data(fw, rank)))
+    sgd_step(opt, fw, ps)
+    alone = params(fw)
+    unsharded = fw.sgd()(alone, lr=LR, momentum=0.5)
+    mean = sum(fw.numpy(data(fw, r)) for r in range(world)) / np.float32(world)
+    fw.set_grad(alone[0], fw.tensor(mean))
+    unsharded.step()
+    return {"got": _numpy_state(fw, opt.state_dict()),
+            "want": _numpy_state(fw, unsharded.state_dict())}
+
+
+def _numpy_state(fw: Any, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """A state_dict's state as numpy arrays (MegEngine's optimizers save numpy already)."""
+    return {int(i): {k: np.asarray(v) if isinstance(v, (np.ndarray, float)) else fw.numpy(v)
+                     for k, v in state.items()}
+            for i, state in state_dict["state"].items()}
+
+
 def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
     """``b`` frozen on every rank before the optimizer is made: left out of the buckets and
     of the optimizer, it keeps its value; ``a`` and ``c`` are stepped."""
@@ -346,7 +373,7 @@ def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
 
 SCENARIOS = [mean_in_buckets, summed, accumulated_without_sync, broadcast_first, unused_tensors,
              ranks_that_differ, a_failing_rank, sharded_steps, sharded_without_sync,
-             sharded_unused, sharded_broadcast_first, sharded_failing_rank]
+             sharded_unused, sharded_broadcast_first, sharded_failing_rank, sharded_state_dict]
 FREEZING = [frozen_tensors, frozen_on_one_rank, sharded_frozen]
 
 

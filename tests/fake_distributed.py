@@ -281,21 +281,39 @@ class FakeOps(TensorOps):
 
 
 class FakeSGD:
-    """Plain SGD over fake tensors, shaped as the frameworks' optimizers are
-    (``param_groups`` with their options, ``state`` by parameter): what a ShardedOptimizer
-    wraps on the fake backend. It keeps no state; a parameter without a gradient is skipped."""
+    """SGD over fake tensors, shaped as the frameworks' optimizers are (``param_groups`` with
+    their options, ``state`` by parameter, ``state_dict()`` by index): what a
+    ShardedOptimizer wraps on the fake backend. With ``momentum``, a buffer per parameter is
+    made at its first gradient (lazily, as PyTorch's); a parameter without a gradient is
+    skipped."""
 
-    def __init__(self, params: Any, lr: float) -> None:
+    def __init__(self, params: Any, lr: float, momentum: float = 0.0) -> None:
         listed = list(params)
         groups = listed if listed and isinstance(listed[0], dict) else [{"params": listed}]
-        self.param_groups = [{"lr": lr, **g, "params": list(g["params"])} for g in groups]
+        self.param_groups = [{"lr": lr, "momentum": momentum, **g, "params": list(g["params"])}
+                             for g in groups]
         self.state: Dict[int, Dict[str, Any]] = {}
 
     def step(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    p.data[:] = [v - group["lr"] * g for v, g in zip(p.data, p.grad.data)]
+                if p.grad is None:
+                    continue
+                update = list(p.grad.data)
+                if group["momentum"]:
+                    state = self.state.setdefault(id(p), {})
+                    if "momentum_buffer" in state:
+                        old = state["momentum_buffer"].data
+                        update = [group["momentum"] * b + g for b, g in zip(old, update)]
+                    state["momentum_buffer"] = type(p)(update, dtype=p.dtype)
+                p.data[:] = [v - group["lr"] * u for v, u in zip(p.data, update)]
+
+    def state_dict(self) -> Dict[str, Any]:
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {"state": {i: dict(self.state[id(p)]) for i, p in enumerate(params)
+                          if id(p) in self.state},
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in self.param_groups]}
 
 
 class FakeBuffer:

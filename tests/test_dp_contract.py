@@ -171,6 +171,24 @@ def test_a_rank_whose_backward_raises_fails_the_sharded_step_everywhere(backend)
     as_wanted_on_every_rank(results, "sharded_failing_rank", f"{name} the next step")
 
 
+def test_the_consolidated_state_is_the_unsharded_optimizers_even_from_a_rank_with_none(backend):
+    """PyTorch's and the fake SGD make a momentum buffer only for ``a`` (rank 0 holds none of
+    it: it must still take part in every collective of state_dict); MegEngine's makes one for
+    every parameter at once (zeros for ``b`` and ``c``)."""
+    name, results = backend
+    for rank, out in enumerate(results):
+        got, want = out["sharded_state_dict"]["got"], out["sharded_state_dict"]["want"]
+        assert sorted(got) == sorted(want) == ([0, 1, 2] if name == "megengine" else [0]), name
+        for index, state in want.items():
+            assert sorted(got[index]) == sorted(state) == ["momentum_buffer"], name
+            np.testing.assert_allclose(got[index]["momentum_buffer"], state["momentum_buffer"],
+                                       rtol=REL, atol=ABS, err_msg=f"{name} rank {rank}")
+    for out in results[1:]:
+        for index, state in results[0]["sharded_state_dict"]["got"].items():
+            np.testing.assert_array_equal(out["sharded_state_dict"]["got"][index]
+                                          ["momentum_buffer"], state["momentum_buffer"])
+
+
 def test_a_frozen_tensor_is_left_out_of_the_shards_and_keeps_its_value(backend):
     name, results = backend
     if not can_freeze(backend, "sharded_frozen"):
