@@ -267,8 +267,12 @@ class FakeOps(TensorOps):
         return type(param)(param.data[start:stop], dtype=master_dtype or param.dtype)
 
     def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
-        if segment.dtype == param.dtype:  # a copy, not a master
-            segment.data[:] = param.data[start:stop]
+        current = param.data[start:stop]
+        if segment.dtype == param.dtype:
+            segment.data[:] = current
+        else:  # a master copy (the fake's half precision is rounded by cast() only)
+            cast = _float16 if param.dtype in ("float16", "bfloat16") else float
+            segment.data[:] = [v if cast(v) == p else p for v, p in zip(segment.data, current)]
 
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = grad

@@ -221,3 +221,34 @@ def test_resuming_from_megengines_own_state_dict_into_an_optimizer_made_first(mg
     for p, q in zip(ours, theirs):
         assert p.shape == q.shape
         np.testing.assert_array_equal(p.numpy(), q.numpy())
+
+
+def test_master_copies_follow_weights_loaded_after_the_optimizer_was_made(mge_modules):
+    """float16 parameters stepped through float32 masters (one rank, MegEngine's SGD): the
+    master takes the parameter's value where the parameter no longer holds the master's
+    rounded value (weights loaded since), and keeps its precision elsewhere; against the
+    same arithmetic by hand in numpy (float32 master minus lr * grad, rounded to float16)."""
+    megengine, _, _ = mge_modules
+    from fake_distributed import OneRank
+    from megengine.optimizer import SGD
+
+    from gradmgr import GradManager
+    from gradmgr.distributed import ShardedOptimizer, make_reduce_scatter_cb
+
+    w = megengine.Parameter(np.linspace(-1.0, 1.0, 6).astype("float16"))
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach(w, callbacks=[cb])
+    opt = ShardedOptimizer(gm, SGD, master_dtype="float32", lr=0.01)
+    master = w.numpy().astype("float32")
+    for step in range(3):
+        if step == 1:  # resume: the weights change outside the optimizer
+            w._reset(megengine.Tensor(np.linspace(2.0, 3.0, 6).astype("float16")))
+            master = w.numpy().astype("float32")
+        with gm:
+            gm.backward((w.astype("float32") ** 2).sum())
+        master = master - np.float32(0.01) * (np.float32(2) * w.numpy().astype("float32"))
+        opt.step()
+        opt.zero_grad()
+        assert w.dtype == np.float16
+        np.testing.assert_array_equal(w.numpy(), master.astype("float16"), err_msg=str(step))
+    assert not np.array_equal(master, master.astype("float16").astype("float32"))

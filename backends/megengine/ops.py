@@ -89,8 +89,12 @@ class MegEngineOps(TensorOps):
         return megengine.Parameter(part)
 
     def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
-        if np.dtype(segment.dtype) == np.dtype(param.dtype):  # a copy, not a master
-            segment._reset(param.reshape(-1)[start:stop])
+        current = param.reshape(-1)[start:stop]
+        if np.dtype(segment.dtype) == np.dtype(param.dtype):
+            segment._reset(current)
+        else:  # a master copy
+            changed = segment.astype(param.dtype) != current
+            segment._reset(F.where(changed, current.astype(segment.dtype), segment))
 
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         if grad is not None and np.dtype(grad.dtype) != np.dtype(segment.dtype):

@@ -143,10 +143,15 @@ class TorchOps(TensorOps):
         return part if param.is_contiguous() else part.clone()
 
     def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
-        if segment.dtype != param.dtype or _same_storage(segment, param):
-            return  # a master copy, or a view
-        with torch.no_grad():  # a copy of a parameter that is not contiguous
-            segment.copy_(param.detach().reshape(-1)[start:stop])
+        if _same_storage(segment, param):
+            return  # a view
+        current = param.detach().reshape(-1)[start:stop]
+        with torch.no_grad():
+            if segment.dtype == param.dtype:  # a copy of a parameter that is not contiguous
+                segment.copy_(current)
+            else:  # a master copy: no device sync, the test is elementwise
+                changed = segment.to(param.dtype) != current
+                segment.copy_(torch.where(changed, current.to(segment.dtype), segment))
 
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = None if grad is None else grad.to(segment.dtype)

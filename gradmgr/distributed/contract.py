@@ -303,12 +303,14 @@ class TensorOps:
         raise NotImplementedError
 
     def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
-        """Before each step: a segment that :meth:`segment` made as a copy in the parameter's
-        own dtype takes ``param.flatten()[start:stop]`` as it is now, since the parameter may
-        have changed outside the optimizer (rank 0's values broadcast at the first recording,
-        a checkpoint loaded into the model). Views need nothing; master copies in another
-        dtype are left alone (they hold what the parameter's dtype cannot). The default does
-        nothing: it suits an adapter whose segments are always views."""
+        """Before each step, make a segment that is not a view hold
+        ``param.flatten()[start:stop]`` as it is now: the parameter may have changed outside
+        the optimizer since the segment was made or last gathered (rank 0's values broadcast
+        at the first recording, a checkpoint loaded into the model). A copy in the parameter's
+        dtype takes its values; a master copy in another dtype takes them only where the
+        parameter no longer holds the master's value rounded to its dtype (which the last
+        gather wrote), keeping its extra precision elsewhere. The default does nothing: it
+        suits an adapter whose segments are always views."""
 
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         """Give a segment its reduced gradient (None: none), cast to the segment's dtype."""
