@@ -177,6 +177,24 @@ def test_master_copies_follow_weights_loaded_after_the_optimizer_was_made():
     assert not torch.equal(master, master.to(torch.bfloat16).float())  # precision kept
 
 
+def test_zero_grad_takes_set_to_none_as_torch_optimizers_do():
+    """A DDP loop's ``opt.zero_grad(set_to_none=...)`` works unchanged; either way the next
+    step sees only its own gradient (one rank, SGD: w - lr * 2w each step)."""
+    from fake_distributed import OneRank
+
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 4.0]))
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach(w, callbacks=[cb])
+    opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.25)
+    for set_to_none in (False, True, False):
+        want = w.detach() - 0.25 * 2 * w.detach()
+        with gm:
+            gm.backward((w ** 2).sum())
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        assert torch.equal(w.detach(), want), set_to_none
+
+
 def test_reduce_scatter_callback_options_are_checked():
     with pytest.raises(ValueError, match="reduce"):
         make_reduce_scatter_cb("max")

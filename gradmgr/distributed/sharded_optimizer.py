@@ -76,8 +76,13 @@ class ShardedOptimizer:
         self.optimizer.step()
         self._gather_parameters()
 
-    def zero_grad(self) -> None:
-        """Drop the gradient shards (and the segments' ``.grad``)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradient shards (and the segments' ``.grad``).
+
+        ``set_to_none`` is taken as ``torch.optim.Optimizer.zero_grad`` takes it; the shards
+        are dropped either way (the next synced backward writes them whole), so
+        ``set_to_none=False`` only costs a later allocation, never a wrong sum."""
+        del set_to_none
         self._shards.zero()
         for tensor in self._tensors:
             self._ops.set_segment_grad(tensor, None)
