@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULT_PREFIX, machine_info  # noqa: E402
+from _common import RESULT_PREFIX, machine_info, peak_rss, reset_peak_rss, rss  # noqa: E402
 
 from gradmgr.distributed import ShardedOptimizer, data_parallel, spawn_local  # noqa: E402
 
@@ -61,19 +61,6 @@ MEMORY_SLACK, PEAK_TARGET_MIB, TIME_TARGET = 1.05, 240, 1.05
 def model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -152,12 +139,11 @@ def run_rank(rank: int, world: int, port: int, name: str, steps: int, batch: int
         data = [(torch.randn(batch, WIDTH, generator=gen), torch.randn(batch, WIDTH, generator=gen))
                 for _ in range(steps + 1)]
         dist.barrier()
-        base = _rss()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := the resident set now
+        base = rss()
+        reset_peak_rss()  # VmHWM := the resident set now
         variant = Variant(name, net)
         variant.step(*data[0])  # warm-up: state allocated, buckets built
-        after_warm_up = _rss()
+        after_warm_up = rss()
         times: List[float] = []
         held: Dict[str, int] = {}
         for x, y in data[1:]:
@@ -169,7 +155,7 @@ def run_rank(rank: int, world: int, port: int, name: str, steps: int, batch: int
             variant.opt.step()
             variant.opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - start)
-        peak, transient = _hwm() - base, _hwm() - after_warm_up
+        peak, transient = peak_rss() - base, peak_rss() - after_warm_up
         digest = variant.params_digest()
         del variant
         dist.barrier()
