@@ -1,50 +1,75 @@
-"""Sharded data parallel (ZeRO-2) against DDP, ZeRO-1 and FSDP2: memory per rank and step time.
+"""Sharded data parallelism (issue 20): gradmgr's ZeRO-2 against DDP, ZeRO-1 and FSDP2, per rank.
 
-Model: 8 x Linear(2048, 2048) (128 MiB of fp32 parameters), AdamW, a batch of ``--batch`` rows
-per rank, gloo on the CPU. Variants, each in fresh processes (``spawn_local``), their runs
-interleaved over ``--rounds`` rounds in a rotating order, medians over the rounds:
+Model: 8 x ``nn.Linear(2048, 2048)`` (128 MiB of fp32 parameters), AdamW, MSE loss, a batch of
+16 x 2048 per rank (the rank's own data, the same for every variant), gloo on the CPU, one
+thread per rank, 2 and 4 ranks. Variants:
 
-* ``ddp``: ``DistributedDataParallel`` + AdamW
-* ``ddp-view``: the same with ``gradient_as_bucket_view=True``
-* ``zero1``: DDP (bucket view) + ``ZeroRedundancyOptimizer(AdamW)``
-* ``fsdp2``: ``fully_shard`` on each Linear and the root, ``reshard_after_forward=False``
-  (ZeRO-2's equivalent; it shards the parameters too)
-* ``gradmgr``: ``data_parallel(model)`` + AdamW (the allreduce path)
-* ``sharded``: ``data_parallel(model, shard=True)`` + ``ShardedOptimizer(gm, AdamW)``
+- ``ddp``: ``DistributedDataParallel(model)`` + AdamW
+- ``ddp-view``: the same with ``gradient_as_bucket_view=True``
+- ``zero1``: DDP with bucket views + ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)``
+- ``fsdp2``: ``fully_shard(reshard_after_forward=False)`` on every Linear and on the root, AdamW
+- ``gradmgr``: gradmgr ``data_parallel(model)`` + AdamW (the allreduce path)
+- ``sharded``: gradmgr ``data_parallel(model, shard=True)`` + ``ShardedOptimizer(gm, AdamW)``
 
-Per rank: ``peak``, the peak resident set from the wrapping of the model to the end of the
-measured steps above the resident set before it (``VmHWM`` reset through
-``/proc/self/clear_refs`` once imports, the process group and the model exist, and an AdamW
-built once so that the modules it loads lazily are in; glibc told to mmap blocks of 128 KiB and
-more so that freed tensors leave the resident set): everything a variant adds to the model,
-its gradients, optimizer state, buckets, activations, whatever is in flight; ``transient``,
-the same peak above the resident set after the warm-up step (what a step adds on top of what
-stays); the bytes of gradients and of optimizer state held right after a backward; and the
-median step time (forward, backward, optimizer step, each step behind a barrier).
-Every variant's parameters after the steps are compared with DDP's (``same``: bit for bit).
+Every variant runs in fresh processes (spawned), one job per variant and round; each round runs
+every variant once, in a new random order, so that load from other jobs hits them alike; the
+tables give medians over the rounds (and the least), the ratios are taken within each round
+(variant / DDP of the same round) and then their median.
 
-Targets (issue 20): gradients + optimizer state per rank <= DDP's / world x 1.05; whole-process
-peak above the baseline <= 240 MiB on 2 ranks; step time <= 1.05 x DDP's.
+Per rank, in the order a run does it: imports, process group, a warm-up of the same variant on
+a small model (library code loads, lazily built state of the process group), the model and the
+batches; then **base** (the resident set, RSS, and the peak RSS ``VmHWM`` reset to it by writing
+5 to ``/proc/self/clear_refs``); wrapping, the optimizer, the warm-up step(s); then **warm**
+(RSS again, the peak reset again); then the timed steps, each behind a barrier (the time of a
+step is the slowest rank's). glibc is told to mmap blocks of 128 KiB and more, so that freed
+tensors leave the resident set. Columns:
 
-    python bench/bench_zero.py [--worlds 2 4] [--steps 5] [--rounds 2] [--quick]
+- ``grads``, ``optim``: bytes of ``.grad`` (the local shard of a DTensor; for sharded the
+  gradient shards, ``opt.memory()``) after a backward, and of the optimizer's state tensors
+  after a step, on the busiest rank; ``/(DDP/N)``: their sum over DDP's sum divided by the
+  number of ranks (1.0 is a perfect 1/N share);
+- ``held``: RSS at warm minus RSS at base (what stays between steps: state, buckets, shards;
+  below 0 where the wrapping shards the parameters themselves, as FSDP2 does);
+- ``peak``: the highest RSS during the warm-up and timed steps minus RSS at base (everything
+  the variant adds to the process: state, buffers, gradients, activations, transients);
+- ``peak/warm``: the highest RSS during the timed steps minus RSS at warm (the transients of a
+  steady step alone);
+- ``step``: median step time (forward, backward, optimizer step, ``zero_grad``);
+- ``params``: the parameters after the last step against DDP's (every rank holds the same):
+  ``==`` bit for bit, else the largest and the mean absolute difference. sharded must equal
+  DDP bit for bit on 2 ranks; elsewhere (4 ranks, where the collectives may sum in another
+  order; FSDP2 on torch 2.8, whose arithmetic differs) the mean difference must stay below
+  lr/10, or the run fails: the table never compares a broken run. (Not the largest: AdamW
+  divides each gradient by its own running norm, so an element whose gradient is rounding
+  noise moves by up to about lr per step either way; a wrong gradient moves almost every
+  element by about lr per step.)
+
+Targets (issue 20, sharded): grads + optimizer per rank <= DDP/N x 1.05; ``peak`` (everything
+above the model) <= 240 MiB on 2 ranks; step time <= 1.05 x DDP.
+
+    python bench/bench_zero.py [--worlds 2 4] [--rounds R] [--steps N] [--warmup W] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,202 +77,374 @@ from _common import RESULT_PREFIX, machine_info, peak_rss, reset_peak_rss, rss  
 
 from gradmgr.distributed import ShardedOptimizer, data_parallel, spawn_local  # noqa: E402
 
-VARIANTS = ["ddp", "ddp-view", "zero1", "fsdp2", "gradmgr", "sharded"]
-WIDTH, LAYERS, LR = 2048, 8, 1e-4
+try:  # FSDP2 (torch >= 2.6)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # pragma: no cover - old torch
+    fully_shard = None
+
+VARIANTS = ("ddp", "ddp-view", "zero1", "fsdp2", "gradmgr", "sharded")
+LABELS = {
+    "ddp": "DDP + AdamW",
+    "ddp-view": "DDP(bucket view) + AdamW",
+    "zero1": "DDP(bucket view) + ZeroRedundancyOptimizer(AdamW)",
+    "fsdp2": "FSDP2 fully_shard(reshard_after_forward=False) per Linear + root, AdamW",
+    "gradmgr": "gradmgr data_parallel(model) + AdamW",
+    "sharded": "gradmgr data_parallel(model, shard=True) + ShardedOptimizer(AdamW)",
+}
+WIDTH, LAYERS, BATCH, LR = 2048, 8, 16, 1e-4
+TIME_TARGET, STATE_TARGET, PEAK_TARGET_MIB = 1.05, 1.05, 240.0
+MEAN_TOLERANCE = LR / 10  # mean |difference| from DDP's parameters (see the docstring)
 MIB = 2**20
-MEMORY_SLACK, PEAK_TARGET_MIB, TIME_TARGET = 1.05, 240, 1.05
 
 
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+def model(width: int = WIDTH, layers: int = LAYERS) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
+def batches(n: int, rank: int, width: int = WIDTH) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """The rank's own data, the same for every variant."""
+    out = []
+    for step in range(n):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        out.append((torch.randn(BATCH, width, generator=g), torch.randn(BATCH, width, generator=g)))
+    return out
+
+
+# ---------------------------------------------------------------------------------- memory
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(_local(v).nbytes for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor))
+def tensor_bytes(tensors: Any) -> int:
+    total = 0
+    for t in tensors:
+        if t is not None:
+            t = _local(t)
+            total += t.numel() * t.element_size()
+    return total
 
 
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------- variants
 class Variant:
-    """One way to train the model: ``step(x, y)`` and what it holds."""
+    """One way to train ``net``: ``step(x, y, probe)`` (``probe`` runs between the backward
+    and the optimizer step), ``grads()`` and ``state()`` in bytes, ``params()`` flat."""
 
-    def __init__(self, name: str, net: nn.Module) -> None:
-        self.name, self.net, self.gm = name, net, None
-        adamw = dict(lr=LR)
+    def __init__(self, name: str, net: nn.Module, world: int) -> None:
+        self.name, self.net = name, net
+        loss = nn.functional.mse_loss
         if name in ("ddp", "ddp-view", "zero1"):
-            self.module = DDP(net, gradient_as_bucket_view=name != "ddp")
+            ddp = DDP(net, gradient_as_bucket_view=name != "ddp")
+            if name == "zero1":
+                opt: Any = ZeroRedundancyOptimizer(net.parameters(),
+                                                   optimizer_class=torch.optim.AdamW, lr=LR)
+                self._local_opt = opt.optim
+            else:
+                opt = self._local_opt = torch.optim.AdamW(net.parameters(), lr=LR)
+
+            def backward(x: torch.Tensor, y: torch.Tensor) -> None:
+                loss(ddp(x), y).backward()
         elif name == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
+            if fully_shard is None:
+                raise RuntimeError("this torch has no torch.distributed.fsdp.fully_shard")
+            mesh = init_device_mesh("cpu", (world,))
             for layer in net:
-                fully_shard(layer, reshard_after_forward=False)
-            self.module = fully_shard(net, reshard_after_forward=False)
-        else:
-            self.module = net
-            self.gm = data_parallel(net, shard=name == "sharded")
-        if name == "zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+            fully_shard(net, mesh=mesh, reshard_after_forward=False)
+            opt = self._local_opt = torch.optim.AdamW(net.parameters(), lr=LR)
 
-            self.opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, **adamw)
-            self.inner = self.opt.optim
-        elif name == "sharded":
-            self.opt = ShardedOptimizer(self.gm, torch.optim.AdamW, **adamw)
-            self.inner = self.opt.optimizer
-        else:
-            self.opt = self.inner = torch.optim.AdamW(net.parameters(), **adamw)
+            def backward(x: torch.Tensor, y: torch.Tensor) -> None:
+                loss(net(x), y).backward()
+        elif name in ("gradmgr", "sharded"):
+            gm = data_parallel(net, shard=name == "sharded")
+            if name == "gradmgr":
+                opt = self._local_opt = torch.optim.AdamW(net.parameters(), lr=LR)
+            else:
+                opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
+                self._local_opt = None
 
-    def backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        if self.gm is None:
-            ((self.module(x) - y) ** 2).mean().backward()
+            def backward(x: torch.Tensor, y: torch.Tensor) -> None:
+                with gm:
+                    gm.backward(loss(net(x), y))
         else:
-            with self.gm:
-                self.gm.backward(((self.module(x) - y) ** 2).mean())
+            raise ValueError(f"unknown variant {name!r}")
+        self.opt, self._backward = opt, backward
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.backward(x, y)
+    def step(self, x: torch.Tensor, y: torch.Tensor,
+             probe: Optional[Callable[[], None]] = None) -> None:
+        self._backward(x, y)
+        if probe is not None:
+            probe()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def held(self) -> Dict[str, int]:
-        """Gradient and optimizer-state bytes on this rank, right after a backward."""
+    def grads(self) -> int:
         if self.name == "sharded":
-            return self.opt.memory()
-        grads = sum(_local(p.grad).nbytes for p in self.net.parameters() if p.grad is not None)
-        return {"gradients": grads, "optimizer": _state_bytes(self.inner)}
+            return self.opt.memory()["gradients"]
+        return tensor_bytes(p.grad for p in self.net.parameters())
 
-    def params_digest(self) -> str:
-        digest = hashlib.sha256()
-        for p in self.net.parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            digest.update(full.detach().contiguous().numpy().tobytes())
-        return digest.hexdigest()
+    def state(self) -> int:
+        if self.name == "sharded":
+            return self.opt.memory()["optimizer"]
+        return state_bytes(self._local_opt)
+
+    def params(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p)
+                              .detach().reshape(-1) for p in self.net.parameters()])
 
 
-def run_rank(rank: int, world: int, port: int, name: str, steps: int, batch: int,
-             out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+# ---------------------------------------------------------------------------------- a run
+def rank_main(rank: int, world: int, port: int, name: str, steps: int, warmup: int,
+              outdir: str) -> None:
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13's renamed collectives
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # its lazy imports before the baseline
-        net = model()
-        gen = torch.Generator().manual_seed(1000 + rank)
-        data = [(torch.randn(batch, WIDTH, generator=gen), torch.randn(batch, WIDTH, generator=gen))
-                for _ in range(steps + 1)]
-        dist.barrier()
-        base = rss()
-        reset_peak_rss()  # VmHWM := the resident set now
-        variant = Variant(name, net)
-        variant.step(*data[0])  # warm-up: state allocated, buckets built
-        after_warm_up = rss()
-        times: List[float] = []
-        held: Dict[str, int] = {}
-        for x, y in data[1:]:
-            dist.barrier()
-            start = time.perf_counter()
-            variant.backward(x, y)
-            if not held:
-                held = variant.held()  # before the step frees anything
-            variant.opt.step()
-            variant.opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        peak, transient = peak_rss() - base, peak_rss() - after_warm_up
-        digest = variant.params_digest()
-        del variant
-        dist.barrier()
-        with open(f"{out}.rank{rank}", "w") as f:
-            json.dump({"time": statistics.median(times), "peak": peak, "transient": transient,
-                       "digest": digest,
-                       **held}, f)
+        _run(rank, world, name, steps, warmup, outdir)
     finally:
         dist.destroy_process_group()
 
 
-def measure(world: int, steps: int, rounds: int, batch: int) -> Dict[str, Dict[str, float]]:
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
-    runs: Dict[str, List[dict]] = {v: [] for v in VARIANTS}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
-            k = r % len(VARIANTS)
-            for name in VARIANTS[k:] + VARIANTS[:k]:
-                out = os.path.join(tmp, f"{name}-{r}")
-                if spawn_local(run_rank, world, name, steps, batch, out):
-                    raise RuntimeError(f"{name} on {world} ranks failed")
+def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str) -> None:
+    # Library code and the process group's lazily built state load before the baseline: the
+    # same variant trains a small model for two steps first.
+    small = Variant(name, model(64, 2), world)
+    for x, y in batches(2, rank, 64):
+        small.step(x, y)
+    del small
+    gc.collect()
+
+    torch.manual_seed(0)
+    net = model()
+    data = batches(warmup + steps, rank)
+    gc.collect()
+    dist.barrier()
+    base = rss()
+    reset_peak_rss()
+
+    variant = Variant(name, net, world)
+    del net
+    counted: Dict[str, int] = {}
+
+    def probe() -> None:
+        counted["grads"] = variant.grads()
+
+    for i in range(warmup):
+        variant.step(*data[i], probe=probe if i == 0 else None)
+        if i == 0:
+            counted["state"] = variant.state()
+    peak_first = peak_rss()
+    dist.barrier()
+    warm = rss()
+    reset_peak_rss()
+
+    times = []
+    for i in range(warmup, warmup + steps):
+        x, y = data[i]
+        dist.barrier()
+        start = time.perf_counter()
+        variant.step(x, y)
+        times.append(time.perf_counter() - start)
+    peak_steady = peak_rss()
+
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    flat = variant.params()
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    if rank == 0:
+        torch.save(flat, os.path.join(outdir, f"params-{name}.pt"))
+    record = {
+        "rank": rank, "grads": counted["grads"], "state": counted["state"],
+        "held": warm - base, "peak": max(peak_first, peak_steady) - base,
+        "peak_warm": peak_steady - warm, "times": slowest.tolist(), "digest": digest,
+    }
+    with open(os.path.join(outdir, f"{name}-rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+# ---------------------------------------------------------------------------------- parent
+class Runs:
+    """Results of one world size: per variant, one merged record per round."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.rounds: Dict[str, List[Dict[str, Any]]] = {v: [] for v in VARIANTS}
+        # per round, the largest and the mean |difference| from DDP's parameters
+        self.params: Dict[str, List[Tuple[float, float]]] = {v: [] for v in VARIANTS}
+
+
+def run_world(world: int, variants: List[str], rounds: int, steps: int, warmup: int,
+              log: Callable[[str], None]) -> Runs:
+    runs = Runs(world)
+    for r in range(rounds):
+        order = list(variants)
+        random.Random(1000 * world + r).shuffle(order)
+        with tempfile.TemporaryDirectory(prefix="bench_zero-") as outdir:
+            for name in order:
+                start = time.perf_counter()
+                if spawn_local(rank_main, world, name, steps, warmup, outdir):
+                    raise RuntimeError(f"{name} on {world} ranks failed (round {r + 1})")
                 ranks = []
                 for rank in range(world):
-                    with open(f"{out}.rank{rank}") as f:
+                    with open(os.path.join(outdir, f"{name}-rank{rank}.json")) as f:
                         ranks.append(json.load(f))
-                runs[name].append({
-                    "time": statistics.median(x["time"] for x in ranks),
-                    "peak": max(x["peak"] for x in ranks),
-                    "transient": max(x["transient"] for x in ranks),
-                    "gradients": max(x["gradients"] for x in ranks),
-                    "optimizer": max(x["optimizer"] for x in ranks),
-                    "digest": ranks[0]["digest"],
-                    "ranks_agree": len({x["digest"] for x in ranks}) == 1,
-                })
-    table = {}
-    for name, rows in runs.items():
-        table[name] = {key: statistics.median(row[key] for row in rows)
-                       for key in ("time", "peak", "transient", "gradients", "optimizer")}
-        table[name]["digest"] = rows[0]["digest"]
-        table[name]["ranks_agree"] = all(row["ranks_agree"] for row in rows)
-    return table
+                if len({rec["digest"] for rec in ranks}) != 1:
+                    raise RuntimeError(f"{name} on {world} ranks: the ranks' parameters differ")
+                merged = {k: max(rec[k] for rec in ranks)
+                          for k in ("grads", "state", "held", "peak", "peak_warm")}
+                merged["step"] = statistics.median(ranks[0]["times"])
+                merged["best"] = min(ranks[0]["times"])
+                runs.rounds[name].append(merged)
+                log(f"  {world} ranks, round {r + 1}/{rounds}: {name:<8} step "
+                    f"{merged['step'] * 1e3:7.1f} ms, peak {merged['peak'] / MIB:6.1f} MiB "
+                    f"({time.perf_counter() - start:.0f} s)")
+            if "ddp" in variants:
+                ref = torch.load(os.path.join(outdir, "params-ddp.pt"))
+                for name in variants:
+                    other = torch.load(os.path.join(outdir, f"params-{name}.pt"))
+                    diff = (ref - other).abs()
+                    runs.params[name].append((float(diff.max()), float(diff.mean())))
+                    del diff
+                    del other
+                del ref
+    return runs
 
 
-def report(world: int, table: Dict[str, Dict[str, float]]) -> None:
-    ddp = table["ddp"]
-    print(f"\n{world} ranks (MiB per rank; time: median step; same: parameters equal DDP's)")
-    print(f"{'variant':>9} {'peak':>7} {'transnt':>7} {'grads':>7} {'optim':>7} {'g+o':>7} "
-          f"{'g+o/DDP':>8} {'step ms':>8} {'time/DDP':>9} {'same':>5} {'ranks agree':>12}")
-    for name, row in table.items():
-        held = row["gradients"] + row["optimizer"]
-        print(f"{name:>9} {row['peak'] / MIB:7.1f} {row['transient'] / MIB:7.1f} "
-              f"{row['gradients'] / MIB:7.1f} "
-              f"{row['optimizer'] / MIB:7.1f} {held / MIB:7.1f} "
-              f"{held / (ddp['gradients'] + ddp['optimizer']):8.3f} {row['time'] * 1e3:8.1f} "
-              f"{row['time'] / ddp['time']:9.3f} {str(row['digest'] == ddp['digest']):>5} "
-              f"{str(row['ranks_agree']):>12}")
-    sharded = table["sharded"]
-    held = sharded["gradients"] + sharded["optimizer"]
-    bound = (ddp["gradients"] + ddp["optimizer"]) / world * MEMORY_SLACK
-    checks = [
-        (f"gradients+optimizer {held / MIB:.1f} MiB <= DDP/{world} x {MEMORY_SLACK} "
-         f"= {bound / MIB:.1f} MiB", held <= bound),
-        (f"step time {sharded['time'] / ddp['time']:.3f} x DDP <= {TIME_TARGET}",
-         sharded["time"] / ddp["time"] <= TIME_TARGET),
-        ("parameters equal DDP's bit for bit" + ("" if world == 2 else
-         " (more than 2 ranks: gloo's sum order may differ, rounding expected)"),
-         sharded["digest"] == ddp["digest"]),
-    ]
-    if world == 2:
-        checks.append((f"peak {sharded['peak'] / MIB:.1f} MiB <= {PEAK_TARGET_MIB} MiB",
-                       sharded["peak"] / MIB <= PEAK_TARGET_MIB))
-    for what, ok in checks:
-        print(f"{RESULT_PREFIX} zero {world} ranks sharded: {what} {'OK' if ok else 'MISS'}")
+def _med(values: List[float]) -> float:
+    return statistics.median(values)
 
 
-def main(argv: list = None) -> int:
+def report(runs: Runs, steps: int, warmup: int) -> Tuple[List[str], bool]:
+    """Print the table of one world size; return the RESULT lines and whether the parameter
+    checks passed."""
+    world, rounds = runs.world, runs.rounds
+    names = [v for v in VARIANTS if rounds[v]]
+    n = len(rounds[names[0]])
+    ddp = rounds.get("ddp") or []
+    print(f"\n{world} ranks (gloo, 1 thread each), {n} round(s), each a fresh spawn of every "
+          f"variant in a new random order; step: median of {steps} timed steps after "
+          f"{warmup} warm-up; medians over the rounds, min in brackets; MiB per rank "
+          f"(the busiest)")
+    header = (f"{'variant':>9} {'step ms':>15} {'time/DDP':>15} {'grads':>7} {'optim':>7} "
+              f"{'/(DDP/N)':>8} {'held':>7} {'peak':>7} {'peak/warm':>9}  params vs DDP")
+    print(header)
+    ok = True
+    ratios: Dict[str, List[float]] = {}
+    for name in names:
+        recs = rounds[name]
+        step = [r["step"] for r in recs]
+        if ddp:
+            ratios[name] = [r["step"] / d["step"] for r, d in zip(recs, ddp)]
+            best = min(r["best"] for r in recs) / min(d["best"] for d in ddp)
+            time_col = f"{_med(ratios[name]):6.3f} ({best:5.3f})"
+            share = [(r["grads"] + r["state"]) / ((d["grads"] + d["state"]) / world)
+                     for r, d in zip(recs, ddp)]
+            share_col = f"{_med(share):8.3f}"
+        else:
+            time_col, share_col = f"{'-':>15}", f"{'-':>8}"
+        diffs = runs.params[name]
+        if not diffs:
+            params_col = "(no DDP run)"
+        else:
+            worst, mean = max(d[0] for d in diffs), max(d[1] for d in diffs)
+            params_col = "==" if worst == 0 else f"|diff| max {worst:.1e}, mean {mean:.1e}"
+            exact = name == "sharded" and world == 2
+            if (exact and worst != 0) or mean > MEAN_TOLERANCE:
+                params_col += "  BROKEN"
+                ok = False
+        mib = {k: _med([r[k] for r in recs]) / MIB
+               for k in ("grads", "state", "held", "peak", "peak_warm")}
+        print(f"{name:>9} {_med(step) * 1e3:7.1f} ({min(step) * 1e3:5.1f}) {time_col} "
+              f"{mib['grads']:7.1f} {mib['state']:7.1f} {share_col} {mib['held']:7.1f} "
+              f"{mib['peak']:7.1f} {mib['peak_warm']:9.1f}  {params_col}")
+    lines = []
+    if "sharded" in names and ddp:
+        recs = rounds["sharded"]
+        share = _med([(r["grads"] + r["state"]) / ((d["grads"] + d["state"]) / world)
+                      for r, d in zip(recs, ddp)])
+        lines.append(_target(f"zero {world} ranks sharded (grads+optimizer)/(DDP/N)", share,
+                             STATE_TARGET, "x"))
+        if world == 2:
+            peak = _med([r["peak"] for r in recs]) / MIB
+            lines.append(_target(f"zero {world} ranks sharded peak RSS above the model", peak,
+                                 PEAK_TARGET_MIB, " MiB"))
+            steady = _med([r["peak_warm"] for r in recs]) / MIB
+            line = (f"{RESULT_PREFIX} zero {world} ranks sharded peak RSS above the resident "
+                    f"set after the warm-up step: {steady:.1f} MiB")
+            print(line)
+            lines.append(line)
+        lines.append(_target(f"zero {world} ranks sharded time/DDP", _med(ratios["sharded"]),
+                             TIME_TARGET, "x"))
+        for name in ("zero1", "fsdp2", "gradmgr"):
+            if name in ratios:
+                line = f"{RESULT_PREFIX} zero {world} ranks {name} time/DDP " \
+                       f"{_med(ratios[name]):.3f}x"
+                print(line)
+                lines.append(line)
+    if not ok:
+        print(f"BROKEN: a variant's parameters after training are not DDP's ({world} ranks): "
+              f"its row compares a broken run")
+    return lines, ok
+
+
+def _target(label: str, value: float, target: float, unit: str) -> str:
+    verdict = "PASS" if value <= target else "MISS"
+    number = f"{value:.1f}" if unit.strip() == "MiB" else f"{value:.3f}"
+    line = f"{RESULT_PREFIX} {label}: {number}{unit} (target <= {target:g}{unit}) {verdict}"
+    print(line, flush=True)
+    return line
+
+
+def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="2 ranks, 2 steps, 1 round")
+    parser.add_argument("--worlds", nargs="+", default=["2", "4"],
+                        help="numbers of ranks (2 4, or 2,4)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 ranks, 1 round, 2 timed steps")
     args = parser.parse_args(argv)
+    worlds = [int(w) for item in args.worlds for w in item.split(",") if w]
+    rounds, steps = args.rounds, args.steps
     if args.quick:
-        args.worlds, args.steps, args.rounds = [2], 2, 1
-    print(__doc__.splitlines()[0])
+        worlds, rounds, steps = [2], 1, 2
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown or args.warmup < 1 or steps < 1:
+        parser.error(f"unknown variants {sorted(unknown)}" if unknown
+                     else "--warmup and --steps must be at least 1")
+    if fully_shard is None and "fsdp2" in variants:
+        print("fsdp2 left out: this torch has no torch.distributed.fsdp.fully_shard")
+        variants.remove("fsdp2")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    print(__doc__.split("\n\n")[0])
     print(machine_info(["torch"]))
-    print(f"model: {LAYERS} x Linear({WIDTH}, {WIDTH}), AdamW, batch {args.batch} per rank, "
-          f"{args.steps} measured steps, {args.rounds} round(s), gloo, 1 thread per rank")
-    for world in args.worlds:
-        report(world, measure(world, args.steps, args.rounds, args.batch))
-    return 0
+    print(f"model: {LAYERS} x Linear({WIDTH}, {WIDTH}), "
+          f"{LAYERS * (WIDTH * WIDTH + WIDTH) * 4 / MIB:.1f} MiB fp32; batch {BATCH} x {WIDTH} "
+          f"per rank; AdamW(lr={LR}); gloo on 127.0.0.1")
+    for name in variants:
+        print(f"  {name:>9}: {LABELS[name]}")
+    start = time.perf_counter()
+    lines: List[str] = []
+    ok = True
+    for world in worlds:
+        runs = run_world(world, variants, rounds, steps, args.warmup,
+                         lambda s: print(s, file=sys.stderr, flush=True))
+        more, fine = report(runs, steps, args.warmup)
+        lines += more
+        ok = ok and fine
+    print(f"\ntook {time.perf_counter() - start:.0f} s")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
