@@ -134,3 +134,25 @@ def result(name: str, value: float, target: Optional[float] = None, unit: str = 
         line = f"{RESULT_PREFIX} {name}: {value:.3f}{unit} (target <= {target:.2f}) {verdict}"
     print(line, flush=True)
     return line
+
+
+def rss() -> int:
+    """This process's resident set now, in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (``VmHWM``) in bytes, since start or
+    :func:`reset_peak_rss`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Set ``VmHWM`` to the resident set now (Linux: ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULT_PREFIX, machine_info  # noqa: E402
+from _common import RESULT_PREFIX, machine_info, peak_rss, reset_peak_rss, rss  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
 from gradmgr.distributed import make_allreduce_cb, spawn_local  # noqa: E402
@@ -161,19 +161,6 @@ def time_model(name: str, build: Callable[[], nn.Module], device: torch.device, 
 
 
 # ---------------------------------------------------------------------------------- memory
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def memory_main(rank: int, world: int, port: int, variant: str, device_name: str,
                 out: str) -> None:
     device = init(rank, port, device_name)
@@ -196,9 +183,8 @@ def memory_main(rank: int, world: int, port: int, variant: str, device_name: str
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            base = _rss()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current resident set
+            base = rss()
+            reset_peak_rss()  # reset VmHWM to the current resident set
         if variant == "gradmgr":
             gm = GradManager().attach(net.parameters(), callbacks=[make_allreduce_cb("mean")])
             model = net
@@ -218,7 +204,7 @@ def memory_main(rank: int, world: int, port: int, variant: str, device_name: str
         for _ in range(4):
             step()
         sync(device)
-        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _hwm())
+        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss())
         dist.barrier()
         if rank == 0:
             with open(out, "w") as f:

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from _common import grad_clearers, interleaved, machine_info, result, samples_for  # noqa: E402
-from gradmgr.backends.torch.engine import run_engine  # noqa: E402
+from gradmgr.backends.torch.engine import own_seed, run_engine  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
@@ -87,7 +87,7 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
 
     def engine() -> None:
         loss = loss_fn(models["engine"](x), y)
-        run_engine([loss], [torch.ones_like(loss)], False, False, engine_params, True)
+        run_engine([loss], [own_seed(loss)], False, False, engine_params, True)
 
     def with_manager(name: str, gm: GradManager) -> Callable[[], None]:
         m = models[name]

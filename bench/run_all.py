@@ -31,6 +31,7 @@ BENCHMARKS: List[Tuple[str, Tuple[str, ...]]] = [
     ("bench_memory.py", ("torch",)),
     ("bench_ddp.py", ("torch",)),
     ("bench_split.py", ("torch",)),
+    ("bench_zero.py", ("torch",)),
 ]
 TIMEOUT_S = 1200
 

@@ -3,8 +3,10 @@
 Each scenario runs on one rank (``rank`` of ``world``) with the backend's default transport
 (the fake framework's threads, or torch.distributed gloo for PyTorch and MegEngine tensors) and
 returns plain values: what gradmgr gave (``got...``) and what it must give (``want...``,
-computed on the same rank without data parallelism, from every rank's data). The tests compare
-them (``tests/test_dp_contract.py``); every scenario runs on the fake backend in threads and on
+computed on the same rank without data parallelism, from every rank's data; for the sharded
+scenarios, which reduce-scatter and step a ShardedOptimizer over the framework's own SGD, the
+values plain SGD gives on the mean gradient). The tests compare them
+(``tests/test_dp_contract.py``); every scenario runs on the fake backend in threads and on
 PyTorch and MegEngine in processes (``dist_workers/contract_suite.py``).
 
 The model only uses what every framework table has: elementwise ``*`` and ``+``, ``sin`` and
@@ -22,7 +24,9 @@ from gradmgr import GradManager
 from gradmgr.distributed import (
     RankFailedError,
     RankMismatchError,
+    ShardedOptimizer,
     make_allreduce_cb,
+    make_reduce_scatter_cb,
     no_sync,
 )
 
@@ -30,8 +34,11 @@ Result = Dict[str, Any]
 START = {"a": [0.5, -1.0, 1.5, 2.0], "b": [1.0, 0.25, -0.5, 0.75], "c": [0.3, -0.7]}
 
 
-def params(fw: Any, offset: float = 0.0) -> List[Any]:
-    return [fw.parameter(np.asarray(START[k], "float32") + np.float32(offset)) for k in "abc"]
+def params(fw: Any, offset: float = 0.0, start: Any = None) -> List[Any]:
+    """``a``, ``b``, ``c``: START (or the arrays ``start``) plus ``offset``."""
+    if start is None:
+        start = [np.asarray(START[k], "float32") for k in "abc"]
+    return [fw.parameter(np.asarray(v) + np.float32(offset)) for v in start]
 
 
 def data(fw: Any, rank: int, micro: int = 0) -> Any:
@@ -48,9 +55,10 @@ def grads(fw: Any, ps: List[Any]) -> List[Any]:
     return [fw.grad(p) for p in ps]
 
 
-def local_grads(fw: Any, rank: int, micros=(0,), offset: float = 0.0) -> List[Any]:
+def local_grads(fw: Any, rank: int, micros=(0,), offset: float = 0.0,
+                start: Any = None) -> List[Any]:
     """The gradients one rank computes alone (no data parallelism), summed over micro-batches."""
-    ps = params(fw, offset)
+    ps = params(fw, offset, start)
     gm = GradManager().attach(ps)
     for m in micros:
         with gm:
@@ -113,14 +121,24 @@ def unused_tensors(fw: Any, rank: int, world: int) -> Result:
     ``.grad`` stays None, as with DDP's find_unused_parameters)."""
     ps = params(fw)
     gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    _use_some(gm, fw, ps, rank)
+    return {"got": grads(fw, ps), "want": _some_used_mean(fw, world)}
+
+
+def _use_some(gm: Any, fw: Any, ps: List[Any], rank: int) -> None:
+    """A step whose loss uses ``a`` on rank 0 only, ``b`` everywhere, ``c`` nowhere."""
     a, b, c = ps
     x = data(fw, rank)
     with gm:
         y = fw.sum(fw.sin(b * x))
         gm.backward(y + fw.sum(a * x) if rank == 0 else y)
+
+
+def _some_used_mean(fw: Any, world: int) -> List[Any]:
+    """The mean over ranks of :func:`_use_some`'s gradients (None for ``c``)."""
     x0 = fw.numpy(data(fw, 0))
     mean_b = sum(_cos_times(fw, r) for r in range(world)) / np.float32(world)
-    return {"got": grads(fw, ps), "want": [x0 / np.float32(world), mean_b, None]}
+    return [x0 / np.float32(world), mean_b, None]
 
 
 def _cos_times(fw: Any, rank: int) -> Any:
@@ -155,24 +173,35 @@ def a_failing_rank(fw: Any, rank: int, world: int) -> Result:
     """Rank 1's backward raises in a callback: rank 0 raises RankFailedError, both keep .grad
     as it was, and the next step is reduced as usual."""
     ps = params(fw)
-    failing = [True]
-
-    def fail_once(tensor: Any, grad: Any) -> Any:
-        if rank == 1 and failing[0] and tensor is ps[0]:
-            failing[0] = False
-            raise ValueError("a bad batch on rank 1")
-        return grad
-
-    gm = GradManager().attach(ps, callbacks=[fail_once, make_allreduce_cb("mean")])
-    raised = []
-    try:
-        step(gm, fw, ps, data(fw, rank))
-    except (RankFailedError, ValueError) as error:
-        raised.append(type(error).__name__)
+    gm = GradManager().attach(ps, callbacks=[_failing_once(rank, ps[0]),
+                                             make_allreduce_cb("mean")])
+    raised = _step_raising(gm, fw, ps, rank)
     kept = grads(fw, ps)
     step(gm, fw, ps, data(fw, rank))
     return {"raised": raised, "kept": kept, "got": grads(fw, ps),
             "want": mean_over_ranks(fw, world)}
+
+
+def _failing_once(rank: int, tensor: Any) -> Any:
+    """A callback raising on rank 1 the first time it sees ``tensor``'s gradient."""
+    failing = [True]
+
+    def fail_once(t: Any, grad: Any) -> Any:
+        if rank == 1 and failing[0] and t is tensor:
+            failing[0] = False
+            raise ValueError("a bad batch on rank 1")
+        return grad
+
+    return fail_once
+
+
+def _step_raising(gm: Any, fw: Any, ps: List[Any], rank: int) -> List[str]:
+    """One step; the names of the errors it raised (RankFailedError, ValueError)."""
+    try:
+        step(gm, fw, ps, data(fw, rank))
+    except (RankFailedError, ValueError) as error:
+        return [type(error).__name__]
+    return []
 
 
 def frozen_tensors(fw: Any, rank: int, world: int) -> Result:
@@ -209,9 +238,143 @@ def frozen_on_one_rank(fw: Any, rank: int, world: int) -> Result:
     return {"errors": errors, "refused": grads(fw, ps)}
 
 
+# ------------------------------------------------------------------ sharded (ZeRO-2)
+LR = 0.25
+"""The sharded scenarios' learning rate, with the framework's own plain SGD."""
+
+
+def sharded(fw: Any, ps: List[Any], *before: Any, bucket_bytes: int = 2**20,
+            **options: Any) -> tuple:
+    """A manager reduce-scattering ``ps`` (after the callbacks ``before``) and a
+    ShardedOptimizer over the framework's SGD (``options``: SGD's, besides ``lr``)."""
+    cb = make_reduce_scatter_cb("mean", bucket_bytes=bucket_bytes)
+    gm = GradManager().attach(ps, callbacks=[*before, cb])
+    return gm, ShardedOptimizer(gm, fw.sgd(), lr=LR, **options)
+
+
+def sgd_step(opt: Any, fw: Any, ps: List[Any]) -> List[Any]:
+    """The optimizer's step; the values it leaves on this rank."""
+    opt.step()
+    opt.zero_grad()
+    return [fw.numpy(p) for p in ps]
+
+
+def after_sgd(start: List[Any], mean: List[Any], frozen=()) -> List[Any]:
+    """``start - LR * mean`` where there is a gradient and the tensor is not ``frozen``."""
+    return [v if g is None or i in frozen else v - np.float32(LR) * g
+            for i, (v, g) in enumerate(zip(start, mean))]
+
+
+def sgd_reference(fw: Any, world: int, steps: int = 1, frozen=(), **kwargs: Any) -> List[Any]:
+    """The values after ``steps`` SGD steps in one process on the mean over ranks of every
+    rank's gradients (``kwargs``: :func:`local_grads`'s), from START."""
+    values = [np.asarray(START[k], "float32") for k in "abc"]
+    for _ in range(steps):
+        values = after_sgd(values, mean_over_ranks(fw, world, start=values, **kwargs), frozen)
+    return values
+
+
+def sharded_steps(fw: Any, rank: int, world: int) -> Result:
+    """Two steps over one bucket (c, b, a: 10 elements) whose chunks cut ``b`` between the
+    ranks: every rank ends each step with plain SGD's values on the mean gradient; ``.grad``
+    stays None (the reduced gradients are the shards) and each rank holds its chunk only."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps)
+    step(gm, fw, ps, data(fw, rank))
+    out = {"grads": grads(fw, ps), "memory": opt.memory()}
+    out["got_first"] = sgd_step(opt, fw, ps)
+    step(gm, fw, ps, data(fw, rank))
+    out["got"] = sgd_step(opt, fw, ps)
+    out["want_first"], out["want"] = (sgd_reference(fw, world, s) for s in (1, 2))
+    return out
+
+
+def sharded_without_sync(fw: Any, rank: int, world: int) -> Result:
+    """Four micro-batches, the first two under no_sync, one bucket per tensor: the first
+    synced backward reduce-scatters what ``.grad`` held plus its own gradient, the second
+    adds its shards to those (as ``.grad`` accumulates until zero_grad)."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps, bucket_bytes=8)
+    for m in range(4):
+        with no_sync(gm) if m < 2 else contextlib.nullcontext():
+            step(gm, fw, ps, data(fw, rank, m))
+    return {"got": sgd_step(opt, fw, ps), "want": sgd_reference(fw, world, micros=range(4))}
+
+
+def sharded_unused(fw: Any, rank: int, world: int) -> Result:
+    """``a`` gets a gradient on rank 0 only, ``c`` on no rank: SGD steps ``a`` and ``b``
+    with their means and leaves ``c`` as it was."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps)
+    _use_some(gm, fw, ps, rank)
+    return {"got": sgd_step(opt, fw, ps),
+            "want": after_sgd(sgd_reference(fw, world, steps=0), _some_used_mean(fw, world))}
+
+
+def sharded_broadcast_first(fw: Any, rank: int, world: int) -> Result:
+    """Ranks start from different values and the optimizer is made before the first
+    recording: the step starts from rank 0's values, which that recording broadcast (on
+    frameworks whose segments are copies, the copies follow)."""
+    ps = params(fw, offset=float(rank))
+    gm, opt = sharded(fw, ps)
+    step(gm, fw, ps, data(fw, rank))
+    return {"got": sgd_step(opt, fw, ps), "want": sgd_reference(fw, world)}
+
+
+def sharded_failing_rank(fw: Any, rank: int, world: int) -> Result:
+    """Rank 1's backward raises: rank 0 raises RankFailedError, no rank keeps a shard (a step
+    taken anyway changes nothing), and the next step is SGD's first."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps, _failing_once(rank, ps[0]))
+    raised = _step_raising(gm, fw, ps, rank)
+    kept = sgd_step(opt, fw, ps)
+    step(gm, fw, ps, data(fw, rank))
+    return {"raised": raised, "kept": kept, "want_kept": sgd_reference(fw, world, steps=0),
+            "got": sgd_step(opt, fw, ps), "want": sgd_reference(fw, world)}
+
+
+def sharded_state_dict(fw: Any, rank: int, world: int) -> Result:
+    """Only ``a`` is used (its gradient is the data): rank 0's segments (``c``, most of
+    ``b``) never get a gradient, so where the optimizer makes its state lazily (PyTorch, the
+    fake one) rank 0 holds none at all. SGD with momentum: the consolidated state_dict, on
+    every rank, is that of the unsharded optimizer stepped once with the mean gradient."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps, momentum=0.5)
+    with gm:
+        gm.backward(fw.sum(ps[0] * data(fw, rank)))
+    sgd_step(opt, fw, ps)
+    alone = params(fw)
+    unsharded = fw.sgd()(alone, lr=LR, momentum=0.5)
+    mean = sum(fw.numpy(data(fw, r)) for r in range(world)) / np.float32(world)
+    fw.set_grad(alone[0], fw.tensor(mean))
+    unsharded.step()
+    return {"got": _numpy_state(fw, opt.state_dict()),
+            "want": _numpy_state(fw, unsharded.state_dict())}
+
+
+def _numpy_state(fw: Any, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """A state_dict's state as numpy arrays (MegEngine's optimizers save numpy already)."""
+    return {int(i): {k: np.asarray(v) if isinstance(v, (np.ndarray, float)) else fw.numpy(v)
+                     for k, v in state.items()}
+            for i, state in state_dict["state"].items()}
+
+
+def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
+    """``b`` frozen on every rank before the optimizer is made: left out of the buckets and
+    of the optimizer, it keeps its value; ``a`` and ``c`` are stepped."""
+    ps = params(fw)
+    fw.freeze(ps[1])
+    gm, opt = sharded(fw, ps)
+    step(gm, fw, ps, data(fw, rank))
+    memory = opt.memory()
+    return {"got": sgd_step(opt, fw, ps), "want": sgd_reference(fw, world, frozen=(1,)),
+            "memory": memory}
+
+
 SCENARIOS = [mean_in_buckets, summed, accumulated_without_sync, broadcast_first, unused_tensors,
-             ranks_that_differ, a_failing_rank]
-FREEZING = [frozen_tensors, frozen_on_one_rank]
+             ranks_that_differ, a_failing_rank, sharded_steps, sharded_without_sync,
+             sharded_unused, sharded_broadcast_first, sharded_failing_rank, sharded_state_dict]
+FREEZING = [frozen_tensors, frozen_on_one_rank, sharded_frozen]
 
 
 def run_all(fw: Any, rank: int, world: int) -> Dict[str, Result]:

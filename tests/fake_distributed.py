@@ -121,6 +121,25 @@ class ThreadTransport:
                                             for v in part], dtype=chunk.dtype))
 
 
+class OneRank:
+    """A world of one process, for any framework's tensors: every collective gives back what
+    it was given (a sum, a chunk or a gather over one rank)."""
+
+    def world_size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def allreduce_async(self, flat: Any) -> _Handle:
+        return _Handle(lambda: flat)
+
+    reduce_scatter_async = all_gather_async = allreduce_async
+
+    def broadcast(self, flat: Any, src: int) -> Any:
+        return flat
+
+
 def run_ranks(world: int, fn: Callable[[int, ThreadWorld], Any], timeout: float = 60.0) -> list:
     """``fn(rank, world)`` in ``world`` threads with the fake backend's default transport set
     to that rank's; returns each rank's result, or raises the first error with its traceback."""
@@ -247,6 +266,14 @@ class FakeOps(TensorOps):
     def segment(self, param: Any, start: int, stop: int, master_dtype: Any) -> Any:
         return type(param)(param.data[start:stop], dtype=master_dtype or param.dtype)
 
+    def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
+        current = param.data[start:stop]
+        if segment.dtype == param.dtype:
+            segment.data[:] = current
+        else:  # a master copy (the fake's half precision is rounded by cast() only)
+            cast = _float16 if param.dtype in ("float16", "bfloat16") else float
+            segment.data[:] = [v if cast(v) == p else p for v, p in zip(segment.data, current)]
+
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = grad
 
@@ -255,6 +282,42 @@ class FakeOps(TensorOps):
 
     def set_optimizer_state(self, optimizer: Any, param: Any, state: dict) -> None:
         optimizer.state[id(param)] = dict(state)
+
+
+class FakeSGD:
+    """SGD over fake tensors, shaped as the frameworks' optimizers are (``param_groups`` with
+    their options, ``state`` by parameter, ``state_dict()`` by index): what a
+    ShardedOptimizer wraps on the fake backend. With ``momentum``, a buffer per parameter is
+    made at its first gradient (lazily, as PyTorch's); a parameter without a gradient is
+    skipped."""
+
+    def __init__(self, params: Any, lr: float, momentum: float = 0.0) -> None:
+        listed = list(params)
+        groups = listed if listed and isinstance(listed[0], dict) else [{"params": listed}]
+        self.param_groups = [{"lr": lr, "momentum": momentum, **g, "params": list(g["params"])}
+                             for g in groups]
+        self.state: Dict[int, Dict[str, Any]] = {}
+
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = list(p.grad.data)
+                if group["momentum"]:
+                    state = self.state.setdefault(id(p), {})
+                    if "momentum_buffer" in state:
+                        old = state["momentum_buffer"].data
+                        update = [group["momentum"] * b + g for b, g in zip(old, update)]
+                    state["momentum_buffer"] = type(p)(update, dtype=p.dtype)
+                p.data[:] = [v - group["lr"] * u for v, u in zip(p.data, update)]
+
+    def state_dict(self) -> Dict[str, Any]:
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {"state": {i: dict(self.state[id(p)]) for i, p in enumerate(params)
+                          if id(p) in self.state},
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in self.param_groups]}
 
 
 class FakeBuffer:

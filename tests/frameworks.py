@@ -102,6 +102,11 @@ class Framework:
     def flatten(self, x: Any) -> Any:
         raise NotImplementedError
 
+    def sgd(self) -> Any:
+        """The framework's own plain SGD optimizer class, called as
+        ``sgd()(params_or_groups, lr=...)``."""
+        raise NotImplementedError
+
     def reference_grads(self, fn, inputs: list) -> list:
         """Gradients of scalar ``fn(*inputs)`` with respect to ``inputs`` by the framework's
         own autodiff (the reference gradmgr is compared against), as numpy arrays."""
@@ -189,6 +194,9 @@ class TorchFramework(Framework):
     def flatten(self, x):
         return x.flatten(1)
 
+    def sgd(self):
+        return self.torch.optim.SGD
+
     def reference_grads(self, fn, inputs):
         leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
         grads = self.torch.autograd.grad(fn(*leaves), leaves, allow_unused=True)
@@ -243,6 +251,11 @@ class FakeFramework(Framework):
 
     def unfreeze(self, t):
         t.requires_grad = True
+
+    def sgd(self):
+        from fake_distributed import FakeSGD
+
+        return FakeSGD
 
 
 def make_framework(name: str, device: str = "cpu") -> Framework:

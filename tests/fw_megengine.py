@@ -97,6 +97,38 @@ class MegEngineFramework(Framework):
     def flatten(self, x):
         return self.F.flatten(x, 1)
 
+    def sgd(self):
+        import contextlib
+
+        from megengine.optimizer import SGD
+
+        mge, device = self.mge, self.device
+
+        @contextlib.contextmanager
+        def default_device():
+            previous = mge.get_default_device()
+            mge.set_default_device(device)
+            try:
+                yield
+            finally:
+                mge.set_default_device(previous)
+
+        class SGDOnDevice(SGD):
+            """MegEngine's SGD makes its state and its scalars (the learning rate) on the
+            default device, and fails on parameters on another ("assertion `t.comp_node ==
+            out_cn'"; the tensors here are on cpux): it is made and steps with theirs as the
+            default."""
+
+            def __init__(self, *args, **kwargs):
+                with default_device():
+                    super().__init__(*args, **kwargs)
+
+            def step(self):
+                with default_device():
+                    return super().step()
+
+        return SGDOnDevice
+
     def reference_grads(self, fn, inputs):
         from megengine.autodiff import GradManager
 

@@ -18,13 +18,32 @@ from gradmgr.distributed import free_port
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+def rank_env(**extra: str) -> dict:
+    """The environment of a rank process: loopback gloo, one thread, ``tests/`` importable."""
+    return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+def wait_all(procs: list, timeout: float) -> None:
+    """Wait for ``procs`` until ``timeout`` seconds have passed; kill what still runs."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: float = 240,
           **env_extra: str) -> list:
     """Run ``dist_workers.<suite>`` on ``world`` ranks; return what each rank saved
     (``rank{r}.npz`` as a dict of arrays, or ``rank{r}.pkl`` unpickled)."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-               **env_extra)
+    env = rank_env(**env_extra)
     port = free_port()
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
@@ -37,17 +56,7 @@ def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: fl
             )
             for r in range(world)
         ]
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        wait_all(procs, timeout)
     codes = [p.returncode for p in procs]
     if codes != [0] * world:
         tails = []

@@ -39,6 +39,13 @@ def same_on_every_rank(results, scenario: str, key: str = "got") -> None:
                 np.testing.assert_array_equal(a, b, err_msg=f"{scenario} {key}[{i}] rank {rank}")
 
 
+def as_wanted_on_every_rank(results, scenario: str, name: str) -> None:
+    """Each rank's ``got`` is close to its ``want``, and the ranks' are equal bit for bit."""
+    for rank, out in enumerate(results):
+        close(out[scenario]["got"], out[scenario]["want"], f"{name} rank {rank}")
+    same_on_every_rank(results, scenario)
+
+
 @pytest.fixture(scope="module", params=["fake", "torch", "megengine"])
 def backend(request, tmp_path_factory):
     """Every rank's results of every scenario, for one backend."""
@@ -64,10 +71,7 @@ def test_the_mean_over_ranks_whatever_the_buckets(backend):
 
 def test_no_sync_accumulates_and_the_synced_step_reduces_it_all(backend):
     name, results = backend
-    for out in results:
-        scenario = out["accumulated_without_sync"]
-        close(scenario["got"], scenario["want"], name)
-    same_on_every_rank(results, "accumulated_without_sync")
+    as_wanted_on_every_rank(results, "accumulated_without_sync", name)
 
 
 def test_the_first_recording_broadcasts_rank_0s_values(backend):
@@ -81,9 +85,7 @@ def test_the_first_recording_broadcasts_rank_0s_values(backend):
 
 def test_tensors_unused_on_some_or_all_ranks(backend):
     name, results = backend
-    for out in results:
-        close(out["unused_tensors"]["got"], out["unused_tensors"]["want"], name)
-    same_on_every_rank(results, "unused_tensors")
+    as_wanted_on_every_rank(results, "unused_tensors", name)
 
 
 def test_ranks_that_attach_different_tensors_fail_on_every_rank(backend):
@@ -106,11 +108,20 @@ def test_a_rank_whose_backward_raises_fails_the_step_everywhere(backend):
         close(scenario["got"], scenario["want"], f"{name} the next step")
 
 
-def test_frozen_tensors_are_left_out_and_a_freeze_on_one_rank_is_refused(backend):
+def can_freeze(backend, scenario: str) -> bool:
+    """False on MegEngine, whose tensors have no requires_grad flag to freeze (after checking
+    that the freezing scenario did not run there)."""
     name, results = backend
     if name == "megengine":
-        assert all("frozen_tensors" not in out for out in results)
-        return  # MegEngine tensors have no requires_grad flag to freeze
+        assert all(scenario not in out for out in results)
+        return False
+    return True
+
+
+def test_frozen_tensors_are_left_out_and_a_freeze_on_one_rank_is_refused(backend):
+    name, results = backend
+    if not can_freeze(backend, "frozen_tensors"):
+        return
     for out in results:
         frozen = out["frozen_tensors"]
         assert frozen["frozen"][1] is None, name
@@ -119,3 +130,71 @@ def test_frozen_tensors_are_left_out_and_a_freeze_on_one_rank_is_refused(backend
         alone = out["frozen_on_one_rank"]
         assert len(alone["errors"]) == 1 and "difference is at position 1" in alone["errors"][0]
         assert alone["refused"] == [None, None, None]
+
+
+# ---------------------------------------------------------------------- sharded (ZeRO-2)
+def test_sharded_steps_give_every_rank_sgds_values_on_the_mean_gradient(backend):
+    """One bucket of 10 float32 elements: each of the 2 ranks holds a chunk of 5 (20 bytes)."""
+    name, results = backend
+    for out in results:
+        scenario = out["sharded_steps"]
+        close(scenario["got_first"], scenario["want_first"], f"{name} first step")
+        assert scenario["grads"] == [None, None, None], name
+        assert scenario["memory"]["gradients"] == 4 * 10 // WORLD, name
+    same_on_every_rank(results, "sharded_steps", "got_first")
+    as_wanted_on_every_rank(results, "sharded_steps", f"{name} second step")
+
+
+def test_sharded_no_sync_accumulates_and_the_synced_steps_reduce_scatter_it_all(backend):
+    name, results = backend
+    as_wanted_on_every_rank(results, "sharded_without_sync", name)
+
+
+def test_sharded_tensors_unused_on_some_or_all_ranks(backend):
+    name, results = backend
+    as_wanted_on_every_rank(results, "sharded_unused", name)
+
+
+def test_sharded_segments_start_from_the_broadcast_values(backend):
+    name, results = backend
+    as_wanted_on_every_rank(results, "sharded_broadcast_first", name)
+
+
+def test_a_rank_whose_backward_raises_fails_the_sharded_step_everywhere(backend):
+    name, results = backend
+    assert [out["sharded_failing_rank"]["raised"] for out in results] == [
+        ["RankFailedError"], ["ValueError"]], name
+    for out in results:
+        scenario = out["sharded_failing_rank"]
+        for kept, start in zip(scenario["kept"], scenario["want_kept"]):
+            np.testing.assert_array_equal(kept, start, err_msg=f"{name}: a shard was kept")
+    as_wanted_on_every_rank(results, "sharded_failing_rank", f"{name} the next step")
+
+
+def test_the_consolidated_state_is_the_unsharded_optimizers_even_from_a_rank_with_none(backend):
+    """PyTorch's and the fake SGD make a momentum buffer only for ``a`` (rank 0 holds none of
+    it: it must still take part in every collective of state_dict); MegEngine's makes one for
+    every parameter at once (zeros for ``b`` and ``c``)."""
+    name, results = backend
+    for rank, out in enumerate(results):
+        got, want = out["sharded_state_dict"]["got"], out["sharded_state_dict"]["want"]
+        assert sorted(got) == sorted(want) == ([0, 1, 2] if name == "megengine" else [0]), name
+        for index, state in want.items():
+            assert sorted(got[index]) == sorted(state) == ["momentum_buffer"], name
+            np.testing.assert_allclose(got[index]["momentum_buffer"], state["momentum_buffer"],
+                                       rtol=REL, atol=ABS, err_msg=f"{name} rank {rank}")
+    for out in results[1:]:
+        for index, state in results[0]["sharded_state_dict"]["got"].items():
+            np.testing.assert_array_equal(out["sharded_state_dict"]["got"][index]
+                                          ["momentum_buffer"], state["momentum_buffer"])
+
+
+def test_a_frozen_tensor_is_left_out_of_the_shards_and_keeps_its_value(backend):
+    name, results = backend
+    if not can_freeze(backend, "sharded_frozen"):
+        return
+    for out in results:
+        scenario = out["sharded_frozen"]
+        np.testing.assert_array_equal(scenario["got"][1], scenario["want"][1], err_msg=name)
+        assert scenario["memory"]["gradients"] == 4 * (4 + 2) // WORLD, name  # a and c
+    as_wanted_on_every_rank(results, "sharded_frozen", name)

@@ -19,7 +19,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -29,33 +28,14 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+from ranks import TESTS, rank_env, wait_all  # noqa: E402
+
 from gradmgr.distributed import free_port  # noqa: E402
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
 MAIN = ["habit_backward_cb", "habit_backward_dp", "nested_no_sync", "step_mismatch_names",
         "skip_batch"]  # skip_batch last: on today's code it kills a rank inside gloo
 WRAP = ["wrap_other_layer_size", "wrap_missing_buffer"]  # today: a broadcast of unequal sizes
-
-
-def _env(**extra: str) -> dict:
-    return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), **extra)
-
-
-def _wait_all(procs: list, timeout: float) -> None:
-    """Wait for ``procs`` until ``timeout`` seconds have passed; kill what still runs."""
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 class Ranks:
@@ -83,7 +63,7 @@ class Ranks:
 def spawn_scenarios(outdir, scenarios: list, timeout: float = 200, **env: str) -> Ranks:
     """Run ``dist_workers.habits_suite`` on 2 ranks (dist_workers/run.py gives gloo a 60 s
     timeout); never raises for a rank that failed: see :meth:`Ranks.scenario`."""
-    env = _env(HABITS_SCENARIOS=",".join(scenarios), **env)
+    env = rank_env(HABITS_SCENARIOS=",".join(scenarios), **env)
     port = free_port()
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
@@ -92,7 +72,7 @@ def spawn_scenarios(outdir, scenarios: list, timeout: float = 200, **env: str) -
             [sys.executable, "-m", "dist_workers.run", "habits_suite", str(r), str(WORLD),
              str(port), str(outdir), "gloo"],
             cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(WORLD)]
-        _wait_all(procs, timeout)
+        wait_all(procs, timeout)
     return Ranks(outdir, [p.returncode for p in procs])
 
 
@@ -198,9 +178,9 @@ def test_megengine_training_script_recipe_runs_data_parallel(tmp_path):
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "dist_workers.habits_megengine",
-                                 str(tmp_path)], cwd=TESTS, env=_env(), stdout=f,
+                                 str(tmp_path)], cwd=TESTS, env=rank_env(), stdout=f,
                                 stderr=subprocess.STDOUT)
-        _wait_all([proc], 240)
+        wait_all([proc], 240)
     if proc.returncode != 0:
         pytest.fail(f"the job failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
     outs = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(WORLD)]

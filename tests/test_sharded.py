@@ -129,6 +129,72 @@ def test_a_sharded_optimizer_needs_a_reduce_scatter_callback():
         ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
 
 
+def test_copied_segments_follow_weights_loaded_after_the_optimizer_was_made():
+    """A parameter that is not contiguous is stepped through a copy of its slice: the weights
+    loaded into the model afterwards (resuming) are what the step starts from, as for the
+    contiguous one (a view). One rank: SGD's update 0.25 * 2w is exact."""
+    from fake_distributed import OneRank
+
+    w = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4).t())
+    b = torch.nn.Parameter(torch.ones(4))
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach([w, b], callbacks=[cb])
+    opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.25)
+    loaded = torch.linspace(-1.0, 2.0, 12).reshape(4, 3)
+    with torch.no_grad():
+        w.copy_(loaded)
+        b.fill_(3.0)
+    with gm:
+        gm.backward((w * w).sum() + (b * b).sum())
+    opt.step()
+    assert not w.is_contiguous() and torch.equal(w, loaded * 0.5)
+    assert torch.equal(b, torch.full((4,), 1.5))
+
+
+def test_master_copies_follow_weights_loaded_after_the_optimizer_was_made():
+    """bf16 parameters stepped through fp32 masters: where the parameter no longer holds its
+    master's rounded value (weights loaded since), the master takes the parameter's value;
+    elsewhere it keeps its extra precision. One rank, SGD: against the same arithmetic by
+    hand (fp32 master minus lr * grad, rounded to bf16)."""
+    from fake_distributed import OneRank
+
+    w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6, dtype=torch.bfloat16))
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach(w, callbacks=[cb])
+    opt = ShardedOptimizer(gm, torch.optim.SGD, master_dtype="float32", lr=0.01)
+    master = w.detach().float()
+    for step in range(3):
+        if step == 1:  # resume: the weights change outside the optimizer
+            with torch.no_grad():
+                w.copy_(torch.linspace(2.0, 3.0, 6, dtype=torch.bfloat16))
+            master = w.detach().float()
+        with gm:
+            gm.backward((w.float() ** 2).sum())
+        master = master - 0.01 * (2 * w.detach().float())
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(w, master.to(torch.bfloat16)), step
+    assert not torch.equal(master, master.to(torch.bfloat16).float())  # precision kept
+
+
+def test_zero_grad_takes_set_to_none_as_torch_optimizers_do():
+    """A DDP loop's ``opt.zero_grad(set_to_none=...)`` works unchanged; either way the next
+    step sees only its own gradient (one rank, SGD: w - lr * 2w each step)."""
+    from fake_distributed import OneRank
+
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 4.0]))
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach(w, callbacks=[cb])
+    opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.25)
+    for set_to_none in (False, True, False):
+        want = w.detach() - 0.25 * 2 * w.detach()
+        with gm:
+            gm.backward((w ** 2).sum())
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        assert torch.equal(w.detach(), want), set_to_none
+
+
 def test_reduce_scatter_callback_options_are_checked():
     with pytest.raises(ValueError, match="reduce"):
         make_reduce_scatter_cb("max")

@@ -88,6 +88,14 @@ class MegEngineOps(TensorOps):
             part = part.astype(master_dtype)
         return megengine.Parameter(part)
 
+    def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
+        current = param.reshape(-1)[start:stop]
+        if np.dtype(segment.dtype) == np.dtype(param.dtype):
+            segment._reset(current)
+        else:  # a master copy
+            changed = segment.astype(param.dtype) != current
+            segment._reset(F.where(changed, current.astype(segment.dtype), segment))
+
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         if grad is not None and np.dtype(grad.dtype) != np.dtype(segment.dtype):
             grad = grad.astype(segment.dtype)
@@ -98,6 +106,12 @@ class MegEngineOps(TensorOps):
 
     def set_optimizer_state(self, optimizer: Any, param: Any, state: Dict[str, Any]) -> None:
         optimizer._state[param] = {k: megengine.Tensor(v) for k, v in state.items()}
+
+    def state_from_checkpoint(self, value: Any) -> Any:
+        # MegEngine's optimizers save numpy arrays (state_dict(keep_var=False), the default)
+        if isinstance(value, (np.ndarray, np.generic)):
+            return megengine.Tensor(value)
+        return value
 
     def scalar_like_state(self, value: float, like: Any) -> Any:
         return megengine.Tensor(value, dtype="float32")

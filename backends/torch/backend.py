@@ -12,6 +12,7 @@ from gradmgr.errors import AttachError
 
 from . import grads
 from .compile import keep_dynamo_out
+from .engine import own_seed
 from .graph import reachable_leaves
 from .tape import TorchTape
 
@@ -47,7 +48,7 @@ class TorchBackend(Backend):
         return tuple(tensor.shape)
 
     def ones_like(self, tensor: Any) -> Any:
-        return torch.ones_like(tensor)
+        return own_seed(tensor)
 
     def is_output(self, obj: Any) -> bool:
         return isinstance(obj, (torch.Tensor, GradientEdge))

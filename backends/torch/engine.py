@@ -8,6 +8,10 @@ import torch
 
 from .grads import storage_users, unshare_seeds
 
+# Set on the seeds gradmgr makes itself (dy left out: ones): no user holds them, so a .grad
+# on their storage is what the engine leaves after loss.backward() too, and needs no check.
+OWN_SEED = "_gradmgr_own_seed"
+
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch>=2.3
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
@@ -33,16 +37,29 @@ def run_engine(
     PyTorch's own per-call set-up (debug-logging hooks, compiled-autograd context). Where that
     private function is missing, or inside a functorch transform (where the public functions
     raise their own error), the public functions are used. When it accumulates, no ``.grad``
-    is left on a seed's storage (:func:`.grads.unshare_seeds`).
+    is left on a seed the user passed (:func:`.grads.unshare_seeds`).
     """
-    if not accumulate:
-        return _run(outputs, seeds, retain, create_graph, inputs, False)
+    if not accumulate or _own_seeds(seeds):
+        return _run(outputs, seeds, retain, create_graph, inputs, accumulate)
     # A seed whose storage has more users after the engine accumulated went into a .grad.
     users = [storage_users(dy) for dy in seeds]
     result = _run(outputs, seeds, retain, create_graph, inputs, True)
     if any(storage_users(dy) > n for dy, n in zip(seeds, users)):
         unshare_seeds(inputs, seeds)
     return result
+
+
+def _own_seeds(seeds: List[torch.Tensor]) -> bool:
+    if len(seeds) == 1:  # backward(loss)
+        return getattr(seeds[0], OWN_SEED, False)
+    return all(getattr(dy, OWN_SEED, False) for dy in seeds)
+
+
+def own_seed(like: torch.Tensor) -> torch.Tensor:
+    """``ones_like(like)``, marked as a seed no user holds."""
+    seed = torch.ones_like(like)
+    setattr(seed, OWN_SEED, True)
+    return seed
 
 
 def _run(outputs, seeds, retain, create_graph, inputs, accumulate):

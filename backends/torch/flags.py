@@ -33,7 +33,8 @@ class FlagLedger:
 
     def lends_only(self, keys: Container[int]) -> bool:
         """Every flag a recording turned on is one of ``keys`` (ids)."""
-        return all(key in keys for key in self._holders)
+        holders = self._holders
+        return not holders or all(key in keys for key in holders)
 
     def acquire(self, t: torch.Tensor) -> bool:
         entry = self._holders.get(id(t))

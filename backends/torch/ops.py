@@ -142,6 +142,17 @@ class TorchOps(TensorOps):
             return part.to(getattr(torch, master_dtype)).clone()
         return part if param.is_contiguous() else part.clone()
 
+    def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
+        if _same_storage(segment, param):
+            return  # a view
+        current = param.detach().reshape(-1)[start:stop]
+        with torch.no_grad():
+            if segment.dtype == param.dtype:  # a copy of a parameter that is not contiguous
+                segment.copy_(current)
+            else:  # a master copy: no device sync, the test is elementwise
+                changed = segment.to(param.dtype) != current
+                segment.copy_(torch.where(changed, current.to(segment.dtype), segment))
+
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = None if grad is None else grad.to(segment.dtype)
 
@@ -159,6 +170,10 @@ class TorchOps(TensorOps):
         from .reducer import native_path  # torch.distributed's private reducer API
 
         return native_path(transport)
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 TORCH_OPS = TorchOps()

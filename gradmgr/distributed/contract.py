@@ -302,6 +302,16 @@ class TensorOps:
         precision parameters) a copy in that dtype."""
         raise NotImplementedError
 
+    def refresh_segment(self, segment: Any, param: Any, start: int, stop: int) -> None:
+        """Before each step, make a segment that is not a view hold
+        ``param.flatten()[start:stop]`` as it is now: the parameter may have changed outside
+        the optimizer since the segment was made or last gathered (rank 0's values broadcast
+        at the first recording, a checkpoint loaded into the model). A copy in the parameter's
+        dtype takes its values; a master copy in another dtype takes them only where the
+        parameter no longer holds the master's value rounded to its dtype (which the last
+        gather wrote), keeping its extra precision elsewhere. The default does nothing: it
+        suits an adapter whose segments are always views."""
+
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         """Give a segment its reduced gradient (None: none), cast to the segment's dtype."""
         raise NotImplementedError
@@ -313,6 +323,13 @@ class TensorOps:
     def set_optimizer_state(self, optimizer: Any, param: Any, state: Dict[str, Any]) -> None:
         """Replace the wrapped optimizer's state for one of its parameters."""
         raise NotImplementedError
+
+    def state_from_checkpoint(self, value: Any) -> Any:
+        """One value of a saved optimizer state as the wrapped optimizer keeps it: where the
+        framework's optimizers save arrays of another kind (MegEngine's ``state_dict()``
+        holds numpy arrays), that array as the framework's tensor; anything else unchanged
+        (the default)."""
+        return value
 
     def scalar_like_state(self, value: float, like: Any) -> Any:
         """A per-parameter scalar of optimizer state (a step count) as the framework's

@@ -67,14 +67,22 @@ class ShardedOptimizer:
         """Step this rank's segments with their reduced gradients, then all-gather the
         updated parameters."""
         self._check_plan()
-        ops, shards = self._ops, self._shards
+        ops, shards, plan = self._ops, self._shards, self._plan
         for segment, tensor in zip(self._segments, self._tensors):
+            param = plan.tensor(segment.position)
+            if param is not None:
+                ops.refresh_segment(tensor, param, segment.start, segment.stop)
             ops.set_segment_grad(tensor, shards.grad_of(segment))
         self.optimizer.step()
         self._gather_parameters()
 
-    def zero_grad(self) -> None:
-        """Drop the gradient shards (and the segments' ``.grad``)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradient shards (and the segments' ``.grad``).
+
+        ``set_to_none`` is taken as ``torch.optim.Optimizer.zero_grad`` takes it; the shards
+        are dropped either way (the next synced backward writes them whole), so
+        ``set_to_none=False`` only costs a later allocation, never a wrong sum."""
+        del set_to_none
         self._shards.zero()
         for tensor in self._tensors:
             self._ops.set_segment_grad(tensor, None)
@@ -157,6 +165,7 @@ class ShardedOptimizer:
             saved = state_dict["state"].get(index, state_dict["state"].get(str(index)))
             if saved is None:
                 continue
+            saved = {k: ops.state_from_checkpoint(v) for k, v in saved.items()}
             shape = ops.shape(self._plan.tensor(segment.position))
             state = {k: (ops.cast(ops.copy(ops.part(ops.flat(v), segment.start, segment.stop)),
                                   ops.dtype_name(tensor))
@@ -222,9 +231,10 @@ def _user_groups(plan: Any, params: Optional[Iterable[Any]]) -> List[Dict[str, A
 
 def _consolidate(opt: ShardedOptimizer, states: List[Dict[str, Any]]) -> Dict[int, Any]:
     """Every parameter's full state, from every rank's segments: per bucket and state key, a
-    sum over zeros elsewhere (one allreduce each, like the plan check's gathers)."""
+    sum over zeros elsewhere (one allreduce each, like the plan check's gathers). A parameter
+    whose state no rank holds (never stepped) has none, as in the unsharded optimizer."""
     plan = opt._plan
-    keys = sorted({k for s in states for k in s})
+    keys = _agreed_keys(opt, states)
     out: Dict[int, Dict[str, Any]] = {}
     for b, bucket in enumerate(plan.buckets):
         mine = [(seg, st, t) for seg, st, t in zip(opt._segments, states, opt._tensors)
@@ -235,29 +245,55 @@ def _consolidate(opt: ShardedOptimizer, states: List[Dict[str, Any]]) -> Dict[in
     return out
 
 
+def _agreed_keys(opt: ShardedOptimizer, states: List[Dict[str, Any]]) -> List[str]:
+    """The state keys of every rank together (two small gathers), so that every rank takes
+    part in every key's collectives: a rank may hold fewer, or none (its segments never got
+    a gradient, so a lazy optimizer made no state for them; it holds no segment at all)."""
+    ops, transport, like = opt._ops, opt._transport, opt._plan.tensor(0)
+    keys = sorted({k for s in states for k in s})
+    for key in keys:
+        if not isinstance(key, str):
+            raise TypeError(f"ShardedOptimizer.state_dict: the wrapped optimizer's state keys "
+                            f"must be strings, got {key!r}")
+    mine = list("\0".join(keys).encode())
+    lengths = ops.values(transport.all_gather_async(ops.vector([len(mine)], like)).wait())
+    size = int(max(lengths))
+    if size == 0:
+        return []
+    codes = ops.values(transport.all_gather_async(
+        ops.vector(mine + [0] * (size - len(mine)), like)).wait())
+    agreed = set()
+    for rank in range(opt._world):
+        raw = bytes(int(c) for c in codes[rank * size:(rank + 1) * size]).rstrip(b"\0")
+        agreed.update(k for k in raw.decode().split("\0") if k)
+    return sorted(agreed)
+
+
 def _consolidate_key(opt: ShardedOptimizer, b: int, bucket: Any, key: str, mine: list,
                      like: Any, out: Dict[int, Dict[str, Any]]) -> None:
     ops, plan, world = opt._ops, opt._plan, opt._world
     size = chunk_numel(bucket, world)
     flat = ops.zeros(size * world, like, "float32")
-    scalars = [0.0] * (2 * len(bucket.members))  # value held, and by how many ranks
+    # per member: the scalar values held, by how many segments, and how many hold elementwise
+    scalars = [0.0] * (3 * len(bucket.members))
     for segment, state, tensor in mine:
         value = state.get(key)
         if ops.is_tensor(value) and ops.shape(value) == ops.shape(tensor):  # elementwise
             start = opt._rank * size + segment.offset
             ops.write(flat, start, ops.cast(value, "float32"))
+            scalars[3 * segment.slot + 2] += 1.0
         elif value is not None:
-            scalars[2 * segment.slot] += float(ops.item(value))
-            scalars[2 * segment.slot + 1] += 1.0
+            scalars[3 * segment.slot] += float(ops.item(value))
+            scalars[3 * segment.slot + 1] += 1.0
     summed = opt._transport.allreduce_async(flat).wait()
     counts = ops.values(opt._transport.allreduce_async(ops.vector(scalars, like)).wait())
     for slot, position in enumerate(bucket.members):
         index = opt._index.of_position[position]
         tensor = plan.tensor(position)
-        if counts[2 * slot + 1]:
-            value = counts[2 * slot] / counts[2 * slot + 1]
+        if counts[3 * slot + 1]:
+            value = counts[3 * slot] / counts[3 * slot + 1]
             out.setdefault(index, {})[key] = ops.scalar_like_state(value, like)
-        else:
+        elif counts[3 * slot + 2]:
             begin = bucket.offsets[slot]
             part = ops.part(summed, begin, begin + bucket.sizes[slot])
             out.setdefault(index, {})[key] = ops.reshape(ops.copy(part), ops.shape(tensor))

@@ -41,6 +41,9 @@ class ShardReduction:
             chunk = self._handle.wait()
             self._chunk = (self._ops.cast(chunk, self._bucket.key[0]) if self._compressed
                            else chunk)
+            # The collective holds its input, the bucket's buffer: let it go, so that the
+            # next step reuses the buffer instead of allocating a new one.
+            self._handle = _Done(chunk)
         return self._chunk
 
     def drain(self) -> None:
@@ -52,6 +55,18 @@ class ShardReduction:
 
     def used_anywhere(self, slot: int) -> bool:
         return False
+
+
+class _Done:
+    """A finished collective's result, without the collective (and its input buffer)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def wait(self) -> Any:
+        return self._value
 
 
 class ShardWire(Wire):

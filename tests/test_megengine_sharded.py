@@ -1,0 +1,254 @@
+"""MegEngine's sharded path (ZeRO-2) against MegEngine's own training: 2 ranks over
+torch.distributed gloo (``dist_workers/zero_megengine.py``) train with reduce-scattered
+gradients and ``ShardedOptimizer`` wrapping MegEngine's AdamW and SGD (momentum, two parameter
+groups), with accumulation under ``no_sync``, global-norm clipping and a frozen layer; each
+rank also trains the same model in one process with ``megengine.autodiff.GradManager`` on the
+whole batch (every rank's rows), ``megengine.optimizer.clip_grad_norm`` and the same optimizer.
+The checkpoint then resumes on 3 ranks.
+
+Tolerances: against MegEngine's own training, ``rtol=1e-5, atol=1e-6`` on the parameters.
+The two sides compute the same float32 arithmetic except for the order of the sums: the
+gradient of the mean loss over the whole batch is one matmul over 8 rows on MegEngine's side,
+and two halves scaled by 1/2 and summed by gloo on ours, so gradients differ by a few float32
+roundings (relative ~1e-7); AdamW's update divides by the root of its second moment, so the
+update keeps that relative error, times lr=1e-2: a few 1e-8 on parameters of size ~0.3
+(measured: at most 3e-8). Norms: ``rel=1e-6`` (float32 on MegEngine's side, a float64 sum of
+float32 squares on ours). Optimizer moments: ``rtol=1e-5`` with ``atol`` 1e-6 of the largest
+element (small moments carry the absolute error of the large ones). Across ranks, and a
+checkpoint read back: bit for bit (every rank assigns the same gathered buffer; a state sliced
+and gathered again is summed with zeros only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ranks import spawn
+
+pytestmark = pytest.mark.megengine
+
+REL, ABS = 1e-5, 1e-6
+FROZEN = ("fc2.weight", "fc2.bias")
+ELEMENTS = {"fc1": 8 * 16 + 16, "fc2": 16 * 16 + 16, "fc3": 16 * 3 + 3}
+
+
+@pytest.fixture(scope="module")
+def megengine_zero_outdir(tmp_path_factory):
+    pytest.importorskip("megengine", reason="megengine is not installed in this environment")
+    return tmp_path_factory.mktemp("zero_megengine")
+
+
+@pytest.fixture(scope="module")
+def megengine_zero_main(megengine_zero_outdir):
+    """2 ranks; rank 0 writes the checkpoint."""
+    return spawn("zero_megengine", megengine_zero_outdir, 2, timeout=60, GRADMGR_ZERO_PART="main")
+
+
+@pytest.fixture(scope="module")
+def megengine_zero_reload(megengine_zero_main, megengine_zero_outdir):
+    """3 ranks resuming from the 2-rank checkpoint."""
+    return spawn("zero_megengine", megengine_zero_outdir, 3, timeout=60,
+                 GRADMGR_ZERO_PART="reload")
+
+
+def close_every_step(run: dict, what: str) -> None:
+    assert len(run["ours"]) == len(run["native"]) >= 2, what
+    for step, (ours, native) in enumerate(zip(run["ours"], run["native"])):
+        assert sorted(ours) == sorted(native), what
+        for name in native:
+            np.testing.assert_allclose(ours[name], native[name], rtol=REL, atol=ABS,
+                                       err_msg=f"{what}: step {step}, {name}")
+
+
+def same_on_every_rank(results: list, run: str) -> None:
+    for rank, out in enumerate(results[1:], 1):
+        for step, (mine, first) in enumerate(zip(out[run]["ours"], results[0][run]["ours"])):
+            for name in first:
+                np.testing.assert_array_equal(mine[name], first[name],
+                                              err_msg=f"{run}: rank {rank}, step {step}, {name}")
+
+
+def norms_match(run: dict, what: str) -> None:
+    for ours, native in run["norms"]:
+        assert ours == pytest.approx(native, rel=1e-6), what
+
+
+def frozen_kept(out: dict, run: str) -> None:
+    for step in out[run]["ours"]:
+        for name in FROZEN:
+            np.testing.assert_array_equal(step[name], out["start"][name], err_msg=name)
+
+
+def states_close(ours: dict, theirs: dict, what: str, exact: bool = False) -> None:
+    assert sorted(ours["state"]) == sorted(theirs["state"]), what
+    for index, state in theirs["state"].items():
+        assert sorted(ours["state"][index]) == sorted(state), f"{what}: parameter {index}"
+        for key, want in state.items():
+            got = ours["state"][index][key]
+            assert got.shape == want.shape, f"{what}: parameter {index}, {key}"
+            if exact or key == "step":
+                np.testing.assert_array_equal(got, want, err_msg=f"{what}: {index}, {key}")
+            else:
+                np.testing.assert_allclose(got, want, rtol=REL, atol=1e-6 * np.abs(want).max(),
+                                           err_msg=f"{what}: parameter {index}, {key}")
+
+
+def test_adamw_through_data_parallel_equals_megengines_own_training(megengine_zero_main):
+    """Accumulation under no_sync, a frozen layer (detached in the forward: attached, but no
+    rank gives it a gradient), clipping that does not scale."""
+    main = megengine_zero_main
+    for rank, out in enumerate(main):
+        close_every_step(out["adamw"], f"rank {rank}")
+        norms_match(out["adamw"], f"rank {rank}")
+        frozen_kept(out, "adamw")
+    same_on_every_rank(main, "adamw")
+
+
+def test_clipping_that_scales_equals_megengines_clip_grad_norm(megengine_zero_main):
+    main = megengine_zero_main
+    for rank, out in enumerate(main):
+        assert all(ours > 20 * 0.05 for ours, _ in out["clipped"]["norms"])  # it did scale
+        norms_match(out["clipped"], f"rank {rank}")
+        close_every_step(out["clipped"], f"rank {rank} clipped")
+        frozen_kept(out, "clipped")
+    same_on_every_rank(main, "clipped")
+    scaled = main[0]["clipped"]["ours"][-1]["fc1.weight"]
+    assert not np.allclose(scaled, main[0]["adamw"]["ours"][-1]["fc1.weight"], rtol=1e-3)
+
+
+def test_sgd_with_momentum_and_groups_on_a_callback_attached_by_hand(megengine_zero_main):
+    """The frozen layer is not attached (MegEngine's usual way); 3 micro-batches a step."""
+    main = megengine_zero_main
+    for rank, out in enumerate(main):
+        close_every_step(out["sgd"], f"rank {rank} sgd")
+        norms_match(out["sgd"], f"rank {rank} sgd")
+        assert all(ours > 0.5 for ours, _ in out["sgd"]["norms"])  # clipped to 0.5
+        frozen_kept(out, "sgd")
+    same_on_every_rank(main, "sgd")
+
+
+def test_the_consolidated_state_is_megengines_own(megengine_zero_main):
+    main = megengine_zero_main
+    for rank, out in enumerate(main):
+        for run in ("adamw", "clipped", "sgd"):
+            ours, theirs = out[run]["state"], out[run]["native_state"]
+            assert ours["param_groups"] == theirs["param_groups"], run
+            states_close(ours, theirs, f"rank {rank} {run}")
+        steps = [s["step"] for s in out["adamw"]["state"]["state"].values()]
+        assert sorted(float(s) for s in steps).count(0.0) == 2  # fc2: never stepped
+
+
+def test_each_rank_holds_half_of_the_gradients_and_the_optimizer_state(megengine_zero_main):
+    main = megengine_zero_main
+    attached = sum(ELEMENTS.values())  # data_parallel attaches fc2 too (detached in forward)
+    adam = [out["adamw"]["memory"] for out in main]
+    grads = [m["gradients"] for m in adam]
+    assert sum(grads) >= 4 * attached and max(grads) <= 4 * attached * 0.55, grads
+    state = [m["optimizer"] for m in adam]  # two float32 moments, and a step per segment
+    assert 2 * 4 * attached < sum(state) < 2 * 4 * attached + 4 * 20, state
+    assert max(state) <= 2 * 4 * attached * 0.55, state
+    trainable = ELEMENTS["fc1"] + ELEMENTS["fc3"]  # SGD's momentum buffers; fc2 not attached
+    sgd = [out["sgd"]["memory"]["optimizer"] for out in main]
+    assert sum(sgd) == 4 * trainable and max(sgd) <= 4 * trainable * 0.55, sgd
+
+
+def test_a_checkpoint_resumes_on_3_ranks_into_an_optimizer_made_before_the_weights_loaded(
+        megengine_zero_reload):
+    reload = megengine_zero_reload
+    for rank, out in enumerate(reload):
+        assert out["world"] == 3
+        states_close(out["reload_state"], out["saved"], f"rank {rank} read back", exact=True)
+        states_close(out["from_native_state"], out["saved_native"],
+                     f"rank {rank} MegEngine's own state_dict read back", exact=True)
+        close_every_step(out["reload"], f"rank {rank} resumed")
+        frozen_kept(out, "reload")
+    same_on_every_rank(reload, "reload")
+    state = [out["reload"]["memory"]["optimizer"] for out in reload]
+    assert max(state) <= 2 * 4 * sum(ELEMENTS.values()) * 0.4, state
+
+
+# ---------------------------------------------------------------------- in one process
+@pytest.fixture
+def mge_modules():
+    pytest.importorskip("megengine", reason="megengine is not installed in this environment")
+    import megengine
+    from megengine.autodiff import GradManager as NativeGradManager
+    from megengine.optimizer import AdamW
+
+    return megengine, NativeGradManager, AdamW
+
+
+def test_resuming_from_megengines_own_state_dict_into_an_optimizer_made_first(mge_modules):
+    """One rank (every collective the identity): MegEngine's AdamW trains a step and saves
+    its state_dict (numpy arrays); a ShardedOptimizer made before the weights are loaded
+    takes both and steps exactly as MegEngine's AdamW resumed from them (same engine, same
+    elementwise arithmetic, a mean over one rank is exact: bit for bit). ``b`` has shape
+    (3, 1): its flat segment (3,) would broadcast with a saved moment of shape (3, 1)."""
+    megengine, NativeGradManager, AdamW = mge_modules
+    from fake_distributed import OneRank
+
+    from gradmgr import GradManager
+    from gradmgr.distributed import ShardedOptimizer, make_reduce_scatter_cb
+
+    rng = np.random.default_rng(3)
+    start = [rng.standard_normal(s).astype("float32") for s in ((2, 4), (3, 1))]
+    x = megengine.Tensor(rng.standard_normal((5, 4)).astype("float32"))
+
+    def loss(w, b):
+        return ((megengine.functional.matmul(x, w, transpose_b=True) ** 2).mean()
+                + (b * b * 1.5).sum())
+
+    theirs = [megengine.Parameter(v) for v in start]
+    native_gm = NativeGradManager().attach(theirs)
+    native = AdamW(theirs, lr=0.1)
+    ours = [megengine.Parameter(np.zeros_like(v)) for v in start]
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach(ours, callbacks=[cb])
+    opt = ShardedOptimizer(gm, AdamW, lr=0.1)
+    for step in range(3):
+        if step == 1:  # resume: the weights and MegEngine's own state_dict
+            for p, q in zip(ours, theirs):
+                p._reset(megengine.Tensor(q.numpy()))
+            opt.load_state_dict(native.state_dict())
+        with native_gm:
+            native_gm.backward(loss(*theirs))
+        native.step()
+        native.clear_grad()
+        with gm:
+            gm.backward(loss(*ours))
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(ours, theirs):
+        assert p.shape == q.shape
+        np.testing.assert_array_equal(p.numpy(), q.numpy())
+
+
+def test_master_copies_follow_weights_loaded_after_the_optimizer_was_made(mge_modules):
+    """float16 parameters stepped through float32 masters (one rank, MegEngine's SGD): the
+    master takes the parameter's value where the parameter no longer holds the master's
+    rounded value (weights loaded since), and keeps its precision elsewhere; against the
+    same arithmetic by hand in numpy (float32 master minus lr * grad, rounded to float16)."""
+    megengine, _, _ = mge_modules
+    from fake_distributed import OneRank
+    from megengine.optimizer import SGD
+
+    from gradmgr import GradManager
+    from gradmgr.distributed import ShardedOptimizer, make_reduce_scatter_cb
+
+    w = megengine.Parameter(np.linspace(-1.0, 1.0, 6).astype("float16"))
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach(w, callbacks=[cb])
+    opt = ShardedOptimizer(gm, SGD, master_dtype="float32", lr=0.01)
+    master = w.numpy().astype("float32")
+    for step in range(3):
+        if step == 1:  # resume: the weights change outside the optimizer
+            w._reset(megengine.Tensor(np.linspace(2.0, 3.0, 6).astype("float16")))
+            master = w.numpy().astype("float32")
+        with gm:
+            gm.backward((w.astype("float32") ** 2).sum())
+        master = master - np.float32(0.01) * (np.float32(2) * w.numpy().astype("float32"))
+        opt.step()
+        opt.zero_grad()
+        assert w.dtype == np.float16
+        np.testing.assert_array_equal(w.numpy(), master.astype("float16"), err_msg=str(step))
+    assert not np.array_equal(master, master.astype("float16").astype("float32"))
