@@ -26,7 +26,7 @@ from docs_helpers import ROOT
 pytestmark = [pytest.mark.docs, pytest.mark.slow]
 
 GUIDES = ["index.md", "contract.md", "pytorch.md", "megengine.md", "data-parallel.md",
-          "switching-from-ddp.md", "split-backward.md", "internals.md"]
+          "sharded.md", "switching-from-ddp.md", "split-backward.md", "internals.md"]
 API = {"api/gradmgr.html": "gradmgr", "api/gradmgr.distributed.html": "gradmgr.distributed"}
 BUILD_TIMEOUT_S, BROWSER_TIMEOUT_S = 300, 60
 
