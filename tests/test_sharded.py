@@ -83,6 +83,23 @@ def test_bf16_parameters_with_fp32_master_shards(zero_ranks):
         same(out["bf16"]["ours"], out["bf16"]["ddp"], "bf16")
 
 
+@pytest.mark.parametrize("dtype, direct", [
+    ("torch.float32", [True, True]),
+    ("torch.bfloat16", [True, False]),  # the 2nd bucket's segments average < 256 KiB in bf16
+])
+def test_wide_layers_gathered_by_broadcasts_equal_ddp(zero_ranks, dtype, direct):
+    """Buckets of a few large segments: the updated parameters are broadcast by their owners
+    straight into the parameters (a non-contiguous one through a temporary), other buckets
+    all-gathered in the same step; bf16 through fp32 masters. Bit for bit DDP's on 2 ranks."""
+    main, _ = zero_ranks
+    for rank, out in enumerate(main):
+        run = out[f"wide_{dtype}"]
+        assert run["direct"] == direct and not run["contiguous"], run["direct"]
+        assert run["buffers_kept"] == [False, False]  # the bucket buffers go with the backward
+        same(run["ours"], run["ddp"], f"rank {rank}")
+    same(main[0][f"wide_{dtype}"]["ours"], main[1][f"wide_{dtype}"]["ours"], "ranks")
+
+
 def test_a_failing_rank_fails_the_step_everywhere_and_training_goes_on(zero_ranks):
     main, _ = zero_ranks
     assert [out["failing"]["raised"] for out in main] == [["RankFailedError"], ["ValueError"]]

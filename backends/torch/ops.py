@@ -153,6 +153,20 @@ class TorchOps(TensorOps):
                 changed = segment.to(param.dtype) != current
                 segment.copy_(torch.where(changed, current.to(segment.dtype), segment))
 
+    def param_slice(self, param: Any, start: int, stop: int) -> Any:
+        return param.detach().view(-1)[start:stop] if param.is_contiguous() else None
+
+    def write_segment(self, segment: Any, target: Any) -> None:
+        if segment.data_ptr() != target.data_ptr():  # a copy, or a master in another dtype
+            with torch.no_grad():
+                target.copy_(segment)
+
+    def write_part(self, param: Any, start: int, values: Any) -> None:
+        flat = param.detach().reshape(-1)  # a copy: the parameter is not contiguous
+        flat[start:start + values.numel()] = values
+        with torch.no_grad():
+            param.copy_(flat.view(param.shape))
+
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = None if grad is None else grad.to(segment.dtype)
 
@@ -203,12 +217,11 @@ class TorchBuffer:
         one: a steady training loop then allocates no gradient memory, as DDP's persistent
         buckets do."""
         like, bucket = self.like, self.bucket
-        spare = bucket.spare
-        if spare is not None and storage_unshared(spare):
-            self.flat = spare
+        spare, need = bucket.spare, bucket.numel + len(bucket.sizes) + 1
+        if spare is not None and storage_unshared(spare) and spare.numel() >= need:
+            self.flat = spare if spare.numel() == need else spare[:need]  # one of a pool
         else:
-            self.flat = bucket.spare = torch.empty(bucket.numel + len(bucket.sizes) + 1,
-                                                   dtype=like.dtype, device=like.device)
+            self.flat = bucket.spare = torch.empty(need, dtype=like.dtype, device=like.device)
         return self.flat
 
     def put(self, slot: int, grad: Any, local: Any) -> None:

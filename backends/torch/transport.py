@@ -51,10 +51,11 @@ class TorchCollective:
         d = initialised_dist()
         return d.all_reduce(buffer, op=d.ReduceOp.SUM, group=self.group, async_op=True)
 
-    def broadcast_in_place(self, buffer: Any, src: int) -> None:
+    def broadcast_in_place(self, buffer: Any, src: int, async_op: bool = False) -> Any:
+        """Broadcast from the group's rank ``src``; the work in flight where ``async_op``."""
         d = initialised_dist()
         root = src if self.group is None else d.get_global_rank(self.group, src)
-        d.broadcast(buffer, src=root, group=self.group)
+        return d.broadcast(buffer, src=root, group=self.group, async_op=async_op)
 
 
 class TorchTransport(TorchCollective):
@@ -72,9 +73,15 @@ class TorchTransport(TorchCollective):
         self.broadcast_in_place(flat, src)
         return flat
 
-    def reduce_scatter_async(self, flat: Any) -> TorchWork:
+    def reduce_scatter_async(self, flat: Any) -> Any:
         d = initialised_dist()
-        chunk = flat.new_empty(flat.numel() // d.get_world_size(self.group))
+        world, rank = d.get_world_size(self.group), d.get_rank(self.group)
+        if flat.device.type == "cpu":
+            # On CPU the collective is gloo's, whose reduce_scatter_tensor allreduces a clone
+            # of its whole input: summing gradmgr's own buffer in place and keeping this rank's
+            # chunk costs the same traffic without the clone (a bucket's size, per bucket).
+            return ChunkOfSum(self.start_sum(flat), flat, rank, world)
+        chunk = flat.new_empty(flat.numel() // world)
         work = d.reduce_scatter_tensor(chunk, flat, op=d.ReduceOp.SUM, group=self.group,
                                        async_op=True)  # never AVG: gloo in torch 2.8 ignores it
         return TorchWork(work, chunk)
@@ -85,6 +92,28 @@ class TorchTransport(TorchCollective):
         work = d.all_gather_into_tensor(full, chunk.contiguous(), group=self.group,
                                         async_op=True)
         return TorchWork(work, full)
+
+    def broadcast_async(self, tensor: Any, src: int) -> TorchWork:
+        return TorchWork(self.broadcast_in_place(tensor, src, async_op=True), tensor)
+
+
+class ChunkOfSum:
+    """A sum over the ranks in flight in ``flat`` itself; ``wait()`` returns a copy of this
+    rank's chunk of it (a copy, so that ``flat``, a bucket's buffer, can be reused at once)."""
+
+    __slots__ = ("_work", "_flat", "_rank", "_world", "_chunk")
+
+    def __init__(self, work: Any, flat: Any, rank: int, world: int) -> None:
+        self._work, self._flat, self._rank, self._world = work, flat, rank, world
+        self._chunk: Any = None
+
+    def wait(self) -> Any:
+        if self._chunk is None:
+            self._work.wait()  # raises the transport's error, every time it is asked
+            n = self._flat.numel() // self._world
+            self._chunk = self._flat[self._rank * n:(self._rank + 1) * n].clone()
+            self._flat = self._work = None
+        return self._chunk
 
 
 def dist_initialised() -> bool:

@@ -83,7 +83,8 @@ class AllreduceCallback:
     Args:
         reduce: ``"mean"`` or ``"sum"`` over processes.
         group: the process group (torch ``ProcessGroup`` / megengine ``Group``); None: all.
-        bucket_bytes: target bucket size in bytes (a bucket closes once it reaches it).
+        bucket_bytes: target bucket size in bytes (a bucket closes once it reaches it);
+            None: 25 MiB, DDP's (16 MiB for :class:`ReduceScatterCallback`).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype sent over the wire (a mean
             is divided by the world size before the cast, so fp16 rarely overflows).
         transport: None (the tensors' backend picks: torch.distributed for PyTorch; for
@@ -112,11 +113,13 @@ class AllreduceCallback:
             while bound. None: on unless the environment sets ``GRADMGR_NATIVE_REDUCER=0``.
     """
 
+    DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb=25
+
     def __init__(
         self,
         reduce: str = "mean",
         group: Any = None,
-        bucket_bytes: int = 25 * 2**20,
+        bucket_bytes: Optional[int] = None,
         compression: Optional[str] = None,
         transport: TransportSpec = None,
         *,
@@ -130,6 +133,8 @@ class AllreduceCallback:
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
         if compression not in _COMPRESSION:
             raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+        if bucket_bytes is None:
+            bucket_bytes = self.DEFAULT_BUCKET_BYTES
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         if not isinstance(verify, (bool, str)) or verify not in _VERIFY:
@@ -300,6 +305,10 @@ class ReduceScatterCallback(AllreduceCallback):
         >>> # opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-3)
     """
 
+    DEFAULT_BUCKET_BYTES = 16 * 2**20
+    """Smaller than the allreduce path's: a sharded backward's transient memory is the two
+    bucket buffers that serve it (one in flight, one filling)."""
+
     def _shards_for(self, backend: Any) -> Optional[GradientShards]:
         return GradientShards(backend.tensor_ops())
 
@@ -314,7 +323,7 @@ class ReduceScatterCallback(AllreduceCallback):
 def make_reduce_scatter_cb(
     reduce: str = "mean",
     group: Any = None,
-    bucket_bytes: int = 25 * 2**20,
+    bucket_bytes: Optional[int] = None,
     compression: Optional[str] = None,
     transport: TransportSpec = None,
     **options: Any,
@@ -334,7 +343,7 @@ def make_reduce_scatter_cb(
 def make_allreduce_cb(
     reduce: str = "mean",
     group: Any = None,
-    bucket_bytes: int = 25 * 2**20,
+    bucket_bytes: Optional[int] = None,
     compression: Optional[str] = None,
     transport: TransportSpec = None,
     **options: Any,

@@ -52,7 +52,7 @@ class Bucket:
         self.layout: List[int] = []  # slots in buffer order
         self.small_numel = 0
         self.numel = 0
-        self.spare: Any = None  # the last buffer, reused once nothing else holds it
+        self.spare: Any = None  # the last buffer (sharded: a pool's), reused once free
 
     def _lay_out(self) -> None:
         self.small = [slot for slot, large in enumerate(self.large) if not large]

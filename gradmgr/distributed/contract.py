@@ -61,7 +61,13 @@ class Transport(Protocol):
 
 
 class ShardingTransport(Transport, Protocol):
-    """What sharded data parallelism needs on top (the backends' own transports have it)."""
+    """What sharded data parallelism needs on top (the backends' own transports have it).
+
+    Optional: ``broadcast_async(tensor, src) -> Handle``, which starts overwriting ``tensor``
+    on every rank with rank ``src``'s. With it (and :meth:`TensorOps.param_slice`) the
+    sharded optimizer gathers the updated parameters straight into them, every slice from
+    its owner, with no gather buffer.
+    """
 
     def rank(self) -> int:
         """This process's rank in the group."""
@@ -69,7 +75,8 @@ class ShardingTransport(Transport, Protocol):
     def reduce_scatter_async(self, flat: Any) -> Handle:
         """Start summing ``flat`` (a length divisible by the world size) over all processes;
         ``wait()`` returns this rank's chunk of the sum: ``flat[rank * n:(rank + 1) * n]``
-        summed, ``n = len(flat) // world``."""
+        summed, ``n = len(flat) // world``. ``flat`` (a bucket's buffer) may be overwritten; a
+        chunk in memory of its own lets the next bucket reuse it."""
 
     def all_gather_async(self, chunk: Any) -> Handle:
         """Start gathering every rank's ``chunk`` (the same length on all); ``wait()`` returns
@@ -194,7 +201,9 @@ class TensorOps:
             self.local_grad(t) is not old for t, old in zip(tensors, snapshot))
 
     def new_buffer(self, bucket: Any, like: Any) -> BucketBuffer:
-        """A buffer for one step of ``bucket``, with the dtype and device of ``like``."""
+        """A buffer for one step of ``bucket``, with the dtype and device of ``like``; where
+        the framework reuses memory, it may take the start of ``bucket.spare`` (a buffer of
+        that dtype and device, at least the size needed) if nothing else holds it."""
         raise NotImplementedError
 
     def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
@@ -311,6 +320,22 @@ class TensorOps:
         parameter no longer holds the master's value rounded to its dtype (which the last
         gather wrote), keeping its extra precision elsewhere. The default does nothing: it
         suits an adapter whose segments are always views."""
+
+    def param_slice(self, param: Any, start: int, stop: int) -> Any:
+        """``param.flatten()[start:stop]`` as a view that writes into ``param``, or None where
+        there is none (the default: the sharded optimizer then gathers through a buffer)."""
+        return None
+
+    def write_segment(self, segment: Any, target: Any) -> None:
+        """Write a segment's values into ``target`` (its :meth:`param_slice`), cast to the
+        target's dtype; nothing where the segment is that very memory."""
+        raise NotImplementedError
+
+    def write_part(self, param: Any, start: int, values: Any) -> None:
+        """Write ``values`` into ``param.flatten()[start:start + len(values)]``, where
+        :meth:`param_slice` gave no view (needed with a transport that has
+        ``broadcast_async``)."""
+        raise NotImplementedError
 
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         """Give a segment its reduced gradient (None: none), cast to the segment's dtype."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from .gather import ParameterGather
 from .sharding import Segment, chunk_numel, own_segments
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -58,6 +59,8 @@ class ShardedOptimizer:
         self._segments = own_segments(plan, self._rank, self._world)
         self._tensors = [self._ops.segment(plan.tensor(s.position), s.start, s.stop,
                                            master_dtype) for s in self._segments]
+        self._gather = ParameterGather(self._ops, transport, plan, self._world,
+                                       self._segments, self._tensors)
         groups, self._index = _groups(plan, params, self._segments, self._tensors)
         self.optimizer = optimizer_class(groups, **defaults)
         """The wrapped optimizer over this rank's segments (for learning-rate schedulers)."""
@@ -74,7 +77,7 @@ class ShardedOptimizer:
                 ops.refresh_segment(tensor, param, segment.start, segment.stop)
             ops.set_segment_grad(tensor, shards.grad_of(segment))
         self.optimizer.step()
-        self._gather_parameters()
+        self._gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient shards (and the segments' ``.grad``).
@@ -126,20 +129,6 @@ class ShardedOptimizer:
                 "parameter attached, frozen or unfrozen): make a new one, "
                 "new.load_state_dict(old.state_dict()) carries the optimizer state over"
             )
-
-    def _gather_parameters(self) -> None:
-        ops, plan = self._ops, self._plan
-        by_bucket: Dict[int, List[Any]] = {}
-        for segment, tensor in zip(self._segments, self._tensors):
-            by_bucket.setdefault(segment.bucket, []).append(tensor)
-        for b, bucket in enumerate(plan.buckets):
-            size = chunk_numel(bucket, self._world)
-            like = plan.tensor(bucket.members[0])
-            own = [ops.cast(t, bucket.key[0]) for t in by_bucket.get(b, [])]
-            chunk = ops.padded(ops.flatten(own) if own else ops.zeros(0, like), size)
-            full = self._transport.all_gather_async(chunk).wait()
-            members = [plan.tensor(bucket.members[slot]) for slot in bucket.layout]
-            ops.assign(members, ops.part(full, 0, bucket.numel))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:

@@ -22,17 +22,53 @@ from .errors import RankFailedError
 from .steps import RANK_FAILED, Wire
 
 
+class BufferPool:
+    """The sharded path's bucket buffers, shared by all buckets within one backward: a bucket
+    takes a free one big enough (else allocates), and gives it back once its chunk has
+    arrived; after the backward none is kept. (The allreduce path keeps one buffer per bucket,
+    which ``.grad`` views; here the reduced gradients live in the shards, so a step needs only
+    the buffers in flight: memory is what sharding is for.)"""
+
+    __slots__ = ("ops", "free", "open")
+
+    def __init__(self, ops: TensorOps) -> None:
+        self.ops, self.free, self.open = ops, [], False
+
+    def lend(self, bucket: Any) -> None:
+        """Offer ``bucket`` a free buffer as its ``spare``, or none (``TensorOps.new_buffer``
+        takes the start of a spare that is big enough and that nothing else holds)."""
+        self.open = True
+        need = bucket.numel + len(bucket.members) + 1
+        for i, flat in enumerate(self.free):
+            if self.ops.key(flat) == bucket.key and self.ops.numel(flat) >= need:
+                del self.free[i]
+                bucket.spare = flat
+                return
+        bucket.spare = None
+
+    def give_back(self, bucket: Any) -> None:
+        """``bucket``'s collective is done with its buffer."""
+        if self.open and bucket.spare is not None:
+            self.free.append(bucket.spare)
+        bucket.spare = None
+
+    def close(self) -> None:
+        """The backward launched its last bucket: buffers given back from now on are freed."""
+        self.free.clear()
+        self.open = False
+
+
 class ShardReduction:
     """One bucket's reduce-scatter in flight, and the bucket's flags (reduced later, with the
     other buckets' flags). The per-tensor Futures of a sharded step resolve to None: the
     gradients go to the shards, not to ``.grad``."""
 
-    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "flags", "_chunk")
+    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "flags", "_chunk", "_pool")
 
     def __init__(self, ops: TensorOps, handle: Handle, bucket: Any, compressed: bool,
-                 flags: Any) -> None:
+                 flags: Any, pool: BufferPool) -> None:
         self._ops, self._handle, self._bucket = ops, handle, bucket
-        self._compressed, self.flags = compressed, flags
+        self._compressed, self.flags, self._pool = compressed, flags, pool
         self._chunk: Any = None
 
     def chunk(self) -> Any:
@@ -41,9 +77,9 @@ class ShardReduction:
             chunk = self._handle.wait()
             self._chunk = (self._ops.cast(chunk, self._bucket.key[0]) if self._compressed
                            else chunk)
-            # The collective holds its input, the bucket's buffer: let it go, so that the
-            # next step reuses the buffer instead of allocating a new one.
+            # The collective held its input, the bucket's buffer: the next bucket takes it.
             self._handle = _Done(chunk)
+            self._pool.give_back(self._bucket)
         return self._chunk
 
     def drain(self) -> None:
@@ -70,12 +106,26 @@ class _Done:
 
 
 class ShardWire(Wire):
-    """The sharded path's wire: data reduce-scattered, flags kept for :meth:`end_step`."""
+    """The sharded path's wire: data reduce-scattered, flags kept for :meth:`end_step`, at most
+    one bucket in flight while the next fills (so that two buffers serve the whole backward:
+    with more in flight, each would hold a bucket's worth of memory)."""
 
-    __slots__ = ()
+    __slots__ = ("pool", "in_flight")
+
+    def __init__(self, ops: TensorOps, transport: Transport, mean: bool,
+                 compression: Optional[str]) -> None:
+        super().__init__(ops, transport, mean, compression)
+        self.pool = BufferPool(ops)
+        self.in_flight: Optional[ShardReduction] = None
+
+    def lend(self, bucket: Any) -> None:
+        self.pool.lend(bucket)
 
     def send(self, flat: Any, bucket: Any, last: bool) -> ShardReduction:
         ops, transport = self.ops, self.transport
+        if self.in_flight is not None:
+            with contextlib.suppress(Exception):  # the error is raised where it is used
+                self.in_flight.chunk()
         if self.mean:
             flat = ops.scale(flat, 1.0 / transport.world_size())
         if self.compression is not None:
@@ -83,13 +133,17 @@ class ShardWire(Wire):
         world = transport.world_size()
         data = ops.padded(ops.part(flat, 0, bucket.numel), chunk_numel(bucket, world) * world)
         flags = ops.copy(ops.part(flat, bucket.numel, None))  # the buffer is reused
-        handle = reduce_scatter(transport, data)
-        return ShardReduction(ops, handle, bucket, self.compression is not None, flags)
+        reduction = ShardReduction(ops, reduce_scatter(transport, data), bucket,
+                                   self.compression is not None, flags, self.pool)
+        self.in_flight = None if last else reduction
+        return reduction
 
     def end_step(self, launched: Sequence[Optional[ShardReduction]], failed: bool,
                  like: Any) -> Handle:
         """Every bucket's flags and this rank's failure marker, summed over the ranks (one
         small collective, after the step's last bucket)."""
+        self.in_flight = None
+        self.pool.close()
         ops = self.ops
         parts = [ops.cast(r.flags, "float32") for r in launched if r is not None]
         parts.append(ops.vector([1.0 if failed else 0.0], like))

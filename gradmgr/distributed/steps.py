@@ -105,6 +105,10 @@ class Wire:
         self.ops, self.transport = ops, transport
         self.mean, self.compression = mean, compression
 
+    def lend(self, bucket: Any) -> None:
+        """Before ``bucket``'s buffer is made: the allreduce path keeps each bucket's own
+        (``.grad`` views it), so nothing to do."""
+
     def send(self, flat: Any, bucket: Any, last: bool) -> Reduction:
         ops = self.ops
         if self.mean:
@@ -145,16 +149,18 @@ class Step:
             )
         self.filled[b][slot] = True
         ops = wire.ops
-        self._buffer(ops, b, tensor).put(slot, grad, ops.local_grad(tensor))
+        self._buffer(wire, b, tensor).put(slot, grad, ops.local_grad(tensor))
         self.count[b] += 1
         if self.count[b] == len(self.plan.buckets[b].members):
             self._launch_ready(wire)
         return PendingGradient(self.launched, b, slot, False)
 
-    def _buffer(self, ops: TensorOps, b: int, like: Any) -> Any:
+    def _buffer(self, wire: Wire, b: int, like: Any) -> Any:
         buffer = self.buffers[b]
         if buffer is None:
-            buffer = self.buffers[b] = ops.new_buffer(self.plan.buckets[b], like)
+            bucket = self.plan.buckets[b]
+            wire.lend(bucket)
+            buffer = self.buffers[b] = wire.ops.new_buffer(bucket, like)
         return buffer
 
     def _launch_ready(self, wire: Wire) -> None:
@@ -167,8 +173,7 @@ class Step:
 
     def launch(self, wire: Wire, b: int, unused: Sequence[int], failed: bool = False) -> None:
         bucket = self.plan.buckets[b]
-        flat = self._buffer(wire.ops, b, self.plan.tensor(bucket.members[0])).finish(unused,
-                                                                                     failed)
+        flat = self._buffer(wire, b, self.plan.tensor(bucket.members[0])).finish(unused, failed)
         self.buffers[b] = None
         self.launched[b] = wire.send(flat, bucket, b == len(self.plan.buckets) - 1)
         self.next_launch = b + 1
@@ -201,7 +206,7 @@ class Step:
                 tensor = tensors[position]
                 if tensor is None:
                     raise RuntimeError("an attached tensor died during its allreduce step")
-                self._buffer(wire.ops, b, tensor).put(slot, None, wire.ops.local_grad(tensor))
+                self._buffer(wire, b, tensor).put(slot, None, wire.ops.local_grad(tensor))
                 if id(tensor) not in used:
                     unused.append(slot)
                 missing.append((tensor, b, slot))

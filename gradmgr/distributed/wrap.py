@@ -20,7 +20,7 @@ def data_parallel(
     broadcast_buffers: bool = True,
     src: int = 0,
     group: Any = None,
-    bucket_bytes: int = 25 * 2**20,
+    bucket_bytes: Optional[int] = None,
     compression: Any = None,
     transport: TransportSpec = None,
     verify: Union[bool, str] = True,

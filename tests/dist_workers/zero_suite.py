@@ -3,8 +3,9 @@ DDP with the same optimizer, on the ranks' own data; every rank pickles what the
 to ``OUTDIR/rank{RANK}.pkl``.
 
 ``GRADMGR_ZERO_PART`` picks the scenarios: ``main`` (2 ranks: training with accumulation, a
-frozen layer, clipping, bf16 master weights, a failing rank, and a checkpoint written to
-OUTDIR/checkpoint.pt) or ``reload`` (another world size: the checkpoint loaded and trained on).
+frozen layer, clipping, bf16 master weights, a failing rank, wide layers gathered by
+broadcasts, and a checkpoint written to OUTDIR/checkpoint.pt) or ``reload`` (another world
+size: the checkpoint loaded and trained on).
 """
 
 from __future__ import annotations
@@ -123,6 +124,54 @@ def bf16_masters(out: dict, rank: int) -> None:
                    "dtypes": sorted({str(p.dtype) for p in ours.parameters()})}
 
 
+def wide(dtype: torch.dtype) -> nn.Module:
+    """Layers of 2 and 4 MiB, the 4 MiB weight not contiguous: at the default bucket size
+    both buckets are cut into few large segments, which the optimizer gathers by broadcasts
+    (into the parameters, and through a temporary for the weight without a flat view)."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(16, 512), nn.Tanh(), nn.Linear(512, 1024), nn.Tanh(),
+                        nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 3)).to(dtype)
+    net[4].weight = nn.Parameter(net[4].weight.detach().t().contiguous().t())
+    return net
+
+
+def wide_layers(out: dict, rank: int, dtype: torch.dtype) -> None:
+    """The wide model against DDP, 3 steps of 2 micro-batches (the first under no_sync);
+    bf16 parameters step through fp32 master segments, against DDP whose AdamW steps fp32
+    copies of the parameters."""
+    ours, theirs = wide(dtype), wide(dtype)
+    gm, ddp = data_parallel(ours, shard=True), DDP(theirs)
+    master = {"master_dtype": "float32"} if dtype != torch.float32 else {}
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR, **master)
+    trainable = list(theirs.parameters())
+    copies = [p.detach().float().clone().requires_grad_() for p in trainable]
+    ref = torch.optim.AdamW(copies if master else trainable, lr=LR)
+    for step in range(3):
+        for micro in range(2):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(
+                100 * step + 10 * micro + rank)).to(dtype)
+            with no_sync(gm) if micro == 0 else _null(), gm:
+                gm.backward(loss_of(ours, x))
+            with ddp.no_sync() if micro == 0 else _null():
+                loss_of(ddp, x).backward()
+        if master:
+            for copy_, p in zip(copies, trainable):
+                copy_.grad, p.grad = p.grad.float(), None
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        if master:
+            with torch.no_grad():
+                for copy_, p in zip(copies, trainable):
+                    p.copy_(copy_)
+    # which buckets the optimizer gathered by broadcasts (the path this scenario is for)
+    out[f"wide_{dtype}"] = {"ours": params_of(ours), "ddp": params_of(theirs),
+                            "direct": list(opt._gather.direct),
+                            "buffers_kept": [b.spare is not None for b in opt._plan.buckets],
+                            "contiguous": ours[4].weight.is_contiguous()}
+
+
 def failing_rank(out: dict, rank: int) -> None:
     """Rank 1's backward raises in step 1: rank 0 raises RankFailedError; both skip that step
     (no shard kept), as DDP ranks that both skip it; the next steps match DDP's."""
@@ -189,6 +238,8 @@ def main(rank: int, world: int, outdir: str) -> None:
         train(out, "clipped", rank, max_norm=0.05)
         bf16_masters(out, rank)
         failing_rank(out, rank)
+        wide_layers(out, rank, torch.float32)
+        wide_layers(out, rank, torch.bfloat16)
     else:
         reload(out, rank, world, outdir)
     dist.barrier()
