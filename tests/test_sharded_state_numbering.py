@@ -1,17 +1,20 @@
-"""Known gaps in ShardedOptimizer's checkpoint numbering (found writing docs/sharded.md), as
-``xfail(strict=True)`` so that they flip loudly once fixed.
+"""ShardedOptimizer's checkpoint numbering: the state dict is the unsharded optimizer's over the
+same ``params``, every parameter numbered, frozen ones included (two gaps, once recorded here as
+``xfail(strict=True)``, found writing docs/sharded.md).
 
-``ShardedOptimizer.state_dict()`` numbers only the parameters the manager reduces (the trainable
-ones). torch's optimizers number every parameter they were given, frozen ones too. So:
+Before, ``ShardedOptimizer.state_dict()`` numbered only the parameters the manager reduces (the
+trainable ones), where torch's optimizers number every parameter they were given. So:
 
 * after a freeze, ``new.load_state_dict(old.state_dict())`` (what the class docstring
-  recommends) maps by index into a shifted numbering: a parameter gets another's state, of
-  another shape, without an error; the next ``state_dict()`` then raises on the ranks holding
-  such a segment while the others wait in its collective (a hang on 2 gloo ranks);
-* with a frozen parameter in ``params``, the state dict is not the unsharded optimizer's over
-  the same ``params``: ``torch.optim.AdamW(model.parameters())`` refuses it.
+  recommends) mapped by index into a shifted numbering: a parameter got another's state, of
+  another shape, without an error; the next ``state_dict()`` then raised on the ranks holding
+  such a segment while the others waited in its collective (a hang on 2 gloo ranks);
+* with a frozen parameter in ``params``, the state dict was not the unsharded optimizer's over
+  the same ``params``: ``torch.optim.AdamW(model.parameters())`` refused it.
 
-One process: a 1-rank transport whose collectives return their input.
+In one process: a 1-rank transport whose collectives return their input. On 2 gloo ranks
+(``dist_workers/zero_freeze.py``): a freeze and an unfreeze against DDP + AdamW, and dicts that
+do not fit refused on every rank.
 """
 
 from __future__ import annotations
@@ -68,22 +71,20 @@ def trained(params=None):
     return model, gm, opt
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError),
-                   reason="known gap: the state is numbered over the reduced parameters only, "
-                          "so a freeze shifts the numbering and load_state_dict maps by index")
 def test_state_carried_over_a_freeze_stays_with_its_parameter():
+    """Before the fix: the new numbering skipped the frozen layer, so its index 2 was the last
+    layer's weight and got the (8, 8) moment saved for the frozen one; state_dict() raised."""
     model, gm, opt = trained()
     old = opt.state_dict()["state"]  # 0-5: the three layers' weights and biases
     model[1].requires_grad_(False)  # on every rank alike
     new = ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-2)
     new.load_state_dict(opt.state_dict())
-    state = new.state_dict()["state"]  # today: raises (a segment holds an (8, 8) moment)
-    assert torch.equal(state[2]["exp_avg"], old[4]["exp_avg"])  # the last layer's weight
+    state = new.state_dict()["state"]
+    assert torch.equal(state[4]["exp_avg"], old[4]["exp_avg"])  # the last layer's weight
+    assert sorted(state) == sorted(old) == list(range(6))  # the frozen layer's state is kept
+    assert all(torch.equal(state[i][k], v) for i, s in old.items() for k, v in s.items())
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="known gap: a frozen parameter in params= gets no index, where the "
-                          "unsharded optimizer over the same params numbers it")
 def test_the_state_dict_is_the_unsharded_optimizers_with_a_frozen_parameter():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
@@ -95,7 +96,7 @@ def test_the_state_dict_is_the_unsharded_optimizers_with_a_frozen_parameter():
         gm.backward(model(torch.randn(5, 4)).square().mean())
     opt.step()
     plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    plain.load_state_dict(opt.state_dict())  # today: ValueError, 3 parameters against 4
+    plain.load_state_dict(opt.state_dict())  # before the fix: ValueError, 3 against 4
     assert plain.state_dict()["param_groups"][0]["params"] == [0, 1, 2, 3]
 
 
