@@ -356,3 +356,28 @@ def test_megengines_own_dict_with_a_state_of_another_shape_is_refused(mge_module
     with pytest.raises(ValueError, match="shape"):
         opt.load_state_dict(bad)
     _same_state(opt.state_dict(), before)
+
+
+def test_a_parameter_without_saved_state_gets_megengines_initial_state(mge_modules):
+    """MegEngine's optimizers make every parameter's state when built and expect it at every
+    step: a parameter that the loaded dict holds no state for gets that initial state again
+    (zeros, step 0), not none, and the next step runs."""
+    megengine, NativeGradManager, AdamW = mge_modules
+    start = [np.ones((2, 4), "float32"), np.ones((3,), "float32")]
+    ours, gm, opt, *_ = _adamw_pair(megengine, NativeGradManager, AdamW, start, attached=(0, 1))
+
+    def step():
+        with gm:
+            gm.backward((ours[0] * ours[0]).sum() + (ours[1] * 3).sum())
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    saved = opt.state_dict()
+    del saved["state"][1]
+    opt.load_state_dict(saved)
+    state = _numpy(opt.state_dict())
+    assert float(state[1]["step"]) == 0.0 and not state[1]["exp_avg"].any()
+    np.testing.assert_array_equal(state[0]["exp_avg"], _numpy(saved)[0]["exp_avg"])
+    step()
+    assert float(_numpy(opt.state_dict())[1]["step"]) == 1.0
