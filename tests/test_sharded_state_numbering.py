@@ -263,3 +263,10 @@ def test_without_a_freeze_the_state_reloads_exactly():
     again = new.state_dict()["state"]
     assert all(torch.equal(again[i][k], v) for i, s in saved["state"].items()
                for k, v in s.items())
+
+
+def test_a_state_one_rank_cannot_consolidate_raises_on_every_rank(freeze_ranks):
+    raised = [out["unconsolidable"]["raised"] for out in freeze_ranks]
+    assert "another rank" in raised[0], raised
+    assert "'odd'" in raised[1] and "elementwise" in raised[1], raised
+    assert all(out["unconsolidable"]["then"] == list(range(6)) for out in freeze_ranks)

@@ -144,6 +144,29 @@ def refused(out: dict, rank: int) -> None:
                       "stepped": params_of(ours)}
 
 
+def unconsolidable(out: dict, rank: int) -> None:
+    """Rank 1's wrapped optimizer alone holds a state entry that is neither elementwise nor one
+    value: state_dict() raises on both ranks (rank 1 says why, rank 0 that another rank
+    cannot), none waits in a collective; once it is gone, the ranks consolidate together."""
+    ours = model()
+    gm = data_parallel(ours, shard=True, bucket_bytes=400)
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
+    with gm:
+        gm.backward(loss_of(ours, batch(0, rank)))
+    opt.step()
+    segment = opt.optimizer.param_groups[0]["params"][0]
+    if rank == 1:
+        opt.optimizer.state[segment]["odd"] = torch.zeros(segment.numel() + 1)
+    try:
+        opt.state_dict()
+    except ValueError as error:
+        raised = str(error)
+    else:
+        raised = None
+    opt.optimizer.state[segment].pop("odd", None)
+    out["unconsolidable"] = {"raised": raised, "then": sorted(opt.state_dict()["state"])}
+
+
 def wrong_dicts(good: dict) -> dict:
     # what the optimizer saved before the fix with the middle layer frozen: numbered over the
     # trainable parameters only (4 of 6)
@@ -165,6 +188,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     out: dict = {}
     freeze_and_unfreeze(out, rank)
     refused(out, rank)
+    unconsolidable(out, rank)
     dist.barrier()
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
