@@ -138,6 +138,20 @@ def test_the_consolidated_state_is_megengines_own(megengine_zero_main):
         assert sorted(float(s) for s in steps).count(0.0) == 2  # fc2: never stepped
 
 
+def test_a_layer_not_attached_is_numbered_as_megengines_own_optimizer_numbers_it(
+        megengine_zero_main):
+    """params= names every layer, the frozen one not attached: it is numbered (its state
+    sliced over the ranks, never stepped) and the state dict is MegEngine's own AdamW's."""
+    for rank, out in enumerate(megengine_zero_main):
+        run = out["not_attached"]
+        close_every_step(run, f"rank {rank} not attached")
+        frozen_kept(out, "not_attached")
+        assert run["state"]["param_groups"] == run["native_state"]["param_groups"]
+        assert sorted(run["state"]["state"]) == list(range(6))
+        states_close(run["state"], run["native_state"], f"rank {rank} not attached")
+    same_on_every_rank(megengine_zero_main, "not_attached")
+
+
 def test_each_rank_holds_half_of_the_gradients_and_the_optimizer_state(megengine_zero_main):
     main = megengine_zero_main
     attached = sum(ELEMENTS.values())  # data_parallel attaches fc2 too (detached in forward)
@@ -252,3 +266,118 @@ def test_master_copies_follow_weights_loaded_after_the_optimizer_was_made(mge_mo
         assert w.dtype == np.float16
         np.testing.assert_array_equal(w.numpy(), master.astype("float16"), err_msg=str(step))
     assert not np.array_equal(master, master.astype("float16").astype("float32"))
+
+
+def _adamw_pair(megengine, NativeGradManager, AdamW, start, attached):
+    """Ours (a 1-rank reduce-scatter manager attaching ``attached`` of the parameters) and
+    MegEngine's own (GradManager attaching the same), each with AdamW over all of them."""
+    from fake_distributed import OneRank
+
+    from gradmgr import GradManager
+    from gradmgr.distributed import ShardedOptimizer, make_reduce_scatter_cb
+
+    ours = [megengine.Parameter(v) for v in start]
+    theirs = [megengine.Parameter(v) for v in start]
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach([ours[i] for i in attached], callbacks=[cb])
+    native_gm = NativeGradManager().attach([theirs[i] for i in attached])
+    return (ours, gm, ShardedOptimizer(gm, AdamW, ours, lr=0.1, weight_decay=0.01),
+            theirs, native_gm, AdamW(theirs, lr=0.1, weight_decay=0.01))
+
+
+def _numpy(state_dict):
+    return {i: {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v) for k, v in s.items()}
+            for i, s in state_dict["state"].items()}
+
+
+def _same_state(ours, theirs):
+    assert ours["param_groups"] == theirs["param_groups"]
+    mine, want = _numpy(ours), _numpy(theirs)
+    assert sorted(mine) == sorted(want)
+    for i, state in want.items():
+        assert sorted(mine[i]) == sorted(state), i
+        for k, v in state.items():
+            np.testing.assert_array_equal(mine[i][k], v, err_msg=f"{i} {k}")
+
+
+def test_a_parameter_not_attached_is_numbered_as_megengines_own_optimizer_numbers_it(mge_modules):
+    """MegEngine freezes a parameter by not attaching it; ``params=`` names all three, the
+    manager reduces two. One rank: the state dict is MegEngine's own AdamW's over the same
+    params, bit for bit, the unattached one numbered (1) with the state MegEngine makes when
+    built (zeros, step 0). Then every parameter attached (unfrozen): a new ShardedOptimizer
+    loads the dict and trains as MegEngine's AdamW loaded from its own."""
+    megengine, NativeGradManager, AdamW = mge_modules
+    rng = np.random.default_rng(5)
+    start = [rng.standard_normal(s).astype("float32") for s in ((2, 4), (4, 4), (3, 1))]
+    x = megengine.Tensor(rng.standard_normal((5, 4)).astype("float32"))
+
+    def loss(w, v, b):
+        h = megengine.functional.matmul(megengine.functional.matmul(x, v), w, transpose_b=True)
+        return (h ** 2).mean() + (b * b * 1.5).sum()
+
+    def train(pair, steps):
+        ours, gm, opt, theirs, native_gm, native = pair
+        for _ in range(steps):
+            with gm:
+                gm.backward(loss(*ours))
+            with native_gm:
+                native_gm.backward(loss(*theirs))
+            opt.step()
+            opt.zero_grad()
+            native.step()
+            native.clear_grad()
+        for p, q in zip(ours, theirs):
+            np.testing.assert_array_equal(p.numpy(), q.numpy())
+
+    first = _adamw_pair(megengine, NativeGradManager, AdamW, start, attached=(0, 2))
+    train(first, 2)
+    saved, native_saved = first[2].state_dict(), first[5].state_dict()
+    _same_state(saved, native_saved)
+    assert float(np.asarray(_numpy(saved)[1]["step"])) == 0.0
+    weights = [p.numpy() for p in first[0]]
+    second = _adamw_pair(megengine, NativeGradManager, AdamW, weights, attached=(0, 1, 2))
+    second[2].load_state_dict(saved)
+    second[5].load_state_dict(native_saved)
+    _same_state(second[2].state_dict(), second[5].state_dict())
+    train(second, 2)
+    _same_state(second[2].state_dict(), second[5].state_dict())
+
+
+def test_megengines_own_dict_with_a_state_of_another_shape_is_refused(mge_modules):
+    """Two parameters' states swapped in MegEngine's own state dict (numpy arrays): ValueError,
+    decided from the dict, and the optimizer's state is unchanged."""
+    megengine, NativeGradManager, AdamW = mge_modules
+    start = [np.ones((2, 4), "float32"), np.ones((3,), "float32")]
+    ours, gm, opt, theirs, native_gm, native = _adamw_pair(
+        megengine, NativeGradManager, AdamW, start, attached=(0, 1))
+    before = opt.state_dict()
+    bad = native.state_dict()
+    bad["state"][0], bad["state"][1] = bad["state"][1], bad["state"][0]
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(bad)
+    _same_state(opt.state_dict(), before)
+
+
+def test_a_parameter_without_saved_state_gets_megengines_initial_state(mge_modules):
+    """MegEngine's optimizers make every parameter's state when built and expect it at every
+    step: a parameter that the loaded dict holds no state for gets that initial state again
+    (zeros, step 0), not none, and the next step runs."""
+    megengine, NativeGradManager, AdamW = mge_modules
+    start = [np.ones((2, 4), "float32"), np.ones((3,), "float32")]
+    ours, gm, opt, *_ = _adamw_pair(megengine, NativeGradManager, AdamW, start, attached=(0, 1))
+
+    def step():
+        with gm:
+            gm.backward((ours[0] * ours[0]).sum() + (ours[1] * 3).sum())
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    saved = opt.state_dict()
+    del saved["state"][1]
+    opt.load_state_dict(saved)
+    state = _numpy(opt.state_dict())
+    assert float(state[1]["step"]) == 0.0 and not state[1]["exp_avg"].any()
+    np.testing.assert_array_equal(state[0]["exp_avg"], _numpy(saved)[0]["exp_avg"])
+    step()
+    assert float(_numpy(opt.state_dict())[1]["step"]) == 1.0

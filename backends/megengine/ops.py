@@ -107,6 +107,13 @@ class MegEngineOps(TensorOps):
     def set_optimizer_state(self, optimizer: Any, param: Any, state: Dict[str, Any]) -> None:
         optimizer._state[param] = {k: megengine.Tensor(v) for k, v in state.items()}
 
+    def reset_optimizer_state(self, optimizer: Any, param: Any) -> None:
+        # MegEngine's optimizers make every parameter's state when they are built, from the
+        # options of its group (SGD: a momentum buffer only with momentum), and expect it.
+        optimizer._state.pop(param, None)
+        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        optimizer._create_state({**group, "params": [param]})
+
     def state_from_checkpoint(self, value: Any) -> Any:
         # MegEngine's optimizers save numpy arrays (state_dict(keep_var=False), the default)
         if isinstance(value, (np.ndarray, np.generic)):

@@ -177,6 +177,9 @@ class TorchOps(TensorOps):
         optimizer.state[param] = {k: (v.to(param.device) if isinstance(v, torch.Tensor) else v)
                                   for k, v in state.items()}
 
+    def reset_optimizer_state(self, optimizer: Any, param: Any) -> None:
+        optimizer.state.pop(param, None)  # made again at its next step
+
     def scalar_like_state(self, value: float, like: Any) -> Any:
         return torch.tensor(value, dtype=torch.float32)
 

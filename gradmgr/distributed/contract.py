@@ -349,6 +349,12 @@ class TensorOps:
         """Replace the wrapped optimizer's state for one of its parameters."""
         raise NotImplementedError
 
+    def reset_optimizer_state(self, optimizer: Any, param: Any) -> None:
+        """Give one of the wrapped optimizer's parameters the state it had before its first
+        step (a checkpoint that holds none for it was loaded). The default leaves it empty,
+        as optimizers that make their state at the first step (PyTorch's) have it."""
+        self.set_optimizer_state(optimizer, param, {})
+
     def state_from_checkpoint(self, value: Any) -> Any:
         """One value of a saved optimizer state as the wrapped optimizer keeps it: where the
         framework's optimizers save arrays of another kind (MegEngine's ``state_dict()``

@@ -6,8 +6,9 @@ rank; every rank pickles numpy values to ``OUTDIR/rank{RANK}.pkl`` for the paren
 ``GRADMGR_ZERO_PART`` picks the scenarios: ``main`` (2 ranks: AdamW through ``data_parallel``
 with accumulation under ``no_sync``, clipping and a frozen layer, a checkpoint written to
 OUTDIR; SGD with momentum and two parameter groups through a callback attached by hand, the
-frozen layer not attached) or ``reload`` (another world size: the checkpoint loaded, into an
-optimizer made before the model's weights were loaded, and trained on).
+frozen layer not attached; AdamW over every parameter, the frozen layer not attached) or
+``reload`` (another world size: the checkpoint loaded, into an optimizer made before the
+model's weights were loaded, and trained on).
 """
 
 from __future__ import annotations
@@ -159,6 +160,23 @@ def sgd_by_hand(out: dict, rank: int, world: int) -> None:
     out["sgd"]["native_state"] = numpy_state(ref_opt.state_dict())
 
 
+def adamw_not_attached(out: dict, rank: int, world: int) -> None:
+    """AdamW over every parameter (``params=``), through a callback attached by hand to the
+    trainable layers only (the frozen one not attached, MegEngine's way): the frozen layer is
+    numbered, sliced over the ranks and never stepped, so the state dict is MegEngine's own
+    AdamW's over all of them (the frozen layer's as MegEngine made it: zeros, step 0)."""
+    net, ref = Net(detach_frozen=False), Net(detach_frozen=False)
+    gm = GradManager().attach(net.trainable(), callbacks=[
+        make_reduce_scatter_cb("mean", bucket_bytes=BUCKET_BYTES)])
+    opt = ShardedOptimizer(gm, AdamW, list(net.parameters()), lr=LR, weight_decay=WEIGHT_DECAY)
+    ref_gm = NativeGradManager().attach(ref.trainable())
+    ref_opt = AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    out["not_attached"] = train((net, gm, opt), (ref, ref_gm, ref_opt, ref.trainable()), rank,
+                                world, range(2), max_norm=1e6)
+    out["not_attached"]["state"] = numpy_state(opt.state_dict())
+    out["not_attached"]["native_state"] = numpy_state(ref_opt.state_dict())
+
+
 def reload(out: dict, rank: int, world: int, outdir: str) -> None:
     """The 2-rank checkpoint on this world size. The optimizer is made before the model's
     weights are loaded (build everything, then resume): its segments must follow the loaded
@@ -191,6 +209,7 @@ def main(rank: int, world: int, outdir: str) -> None:
         adamw_data_parallel(out, rank, world, outdir, max_norm=1e6, name="adamw")
         adamw_data_parallel(out, rank, world, "", max_norm=0.05, name="clipped")
         sgd_by_hand(out, rank, world)
+        adamw_not_attached(out, rank, world)
     else:
         reload(out, rank, world, outdir)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:

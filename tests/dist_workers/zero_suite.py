@@ -58,8 +58,9 @@ def train(out: dict, name: str, rank: int, max_norm: float, steps: int = 3) -> t
     """Steps of 2 micro-batches, the first accumulated under no_sync on both sides."""
     ours, gm, theirs, ddp = pair()
     opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
-    ref = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=LR,
-                            weight_decay=WEIGHT_DECAY)
+    # As ShardedOptimizer's default params: every parameter, numbered frozen ones included
+    # (AdamW skips them: they get no gradient).
+    ref = torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     norms = []
     for step in range(steps):
         for micro in range(2):
@@ -177,7 +178,7 @@ def failing_rank(out: dict, rank: int) -> None:
     (no shard kept), as DDP ranks that both skip it; the next steps match DDP's."""
     ours, gm, theirs, ddp = pair()
     opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
-    ref = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=LR)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=LR)
     bad = {"armed": False}
 
     def fail(tensor, grad):
@@ -218,8 +219,7 @@ def reload(out: dict, rank: int, world: int, outdir: str) -> None:
     back = opt.state_dict()["state"]
     want = saved["optimizer"]["state"]
     out["reload_equal"] = [torch.equal(back[i][k], want[i][k]) for i in want for k in want[i]]
-    ref = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=LR,
-                            weight_decay=WEIGHT_DECAY)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     ref.load_state_dict(copy.deepcopy(saved["optimizer"]))
     x = batch(9, 0, rank)
     with gm:
