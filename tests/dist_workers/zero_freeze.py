@@ -118,15 +118,21 @@ def freeze_and_unfreeze(out: dict, rank: int) -> None:
                      state_vs_ddp=differences(saved, ref.state_dict()))
 
 
-def refused(out: dict, rank: int) -> None:
-    """State dicts that do not fit: each raises ValueError on every rank and leaves the
-    optimizer as it was; the ranks then go on together (a state_dict, a step)."""
+def one_step(rank: int) -> tuple:
+    """The model sharded, with AdamW after one step."""
     ours = model()
     gm = data_parallel(ours, shard=True, bucket_bytes=400)
     opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
     with gm:
         gm.backward(loss_of(ours, batch(0, rank)))
     opt.step()
+    return ours, gm, opt
+
+
+def refused(out: dict, rank: int) -> None:
+    """State dicts that do not fit: each raises ValueError on every rank and leaves the
+    optimizer as it was; the ranks then go on together (a state_dict, a step)."""
+    ours, gm, opt = one_step(rank)
     good = opt.state_dict()
     errors = {}
     for name, bad in wrong_dicts(good).items():
@@ -148,12 +154,7 @@ def unconsolidable(out: dict, rank: int) -> None:
     """Rank 1's wrapped optimizer alone holds a state entry that is neither elementwise nor one
     value: state_dict() raises on both ranks (rank 1 says why, rank 0 that another rank
     cannot), none waits in a collective; once it is gone, the ranks consolidate together."""
-    ours = model()
-    gm = data_parallel(ours, shard=True, bucket_bytes=400)
-    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
-    with gm:
-        gm.backward(loss_of(ours, batch(0, rank)))
-    opt.step()
+    ours, gm, opt = one_step(rank)
     segment = opt.optimizer.param_groups[0]["params"][0]
     if rank == 1:
         opt.optimizer.state[segment]["odd"] = torch.zeros(segment.numel() + 1)
