@@ -28,14 +28,7 @@ from ranks import spawn  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
 from gradmgr.distributed import ShardedOptimizer, make_reduce_scatter_cb  # noqa: E402
-
-
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value
+from gradmgr.distributed.contract import Done  # noqa: E402
 
 
 class _OneRank:
@@ -48,13 +41,13 @@ class _OneRank:
         return 0
 
     def allreduce_async(self, flat):
-        return _Done(flat)
+        return Done(flat)
 
     def reduce_scatter_async(self, flat):
-        return _Done(flat)
+        return Done(flat)
 
     def all_gather_async(self, chunk):
-        return _Done(chunk)
+        return Done(chunk)
 
     def broadcast(self, flat, src):
         return flat

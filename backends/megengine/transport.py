@@ -10,6 +10,8 @@ import megengine
 import megengine.distributed as mdist
 import numpy as np
 
+from gradmgr.distributed.contract import Done
+
 from .world import is_gloo_world
 
 
@@ -33,16 +35,6 @@ def make(group: Any, name: Optional[str], backend: Any) -> Any:
 def _torch_dist_initialised() -> bool:
     dist = sys.modules.get("torch.distributed")  # torch.distributed is initialised only if imported
     return dist is not None and dist.is_available() and dist.is_initialized()
-
-
-class _Done:
-    __slots__ = ("_value",)
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def wait(self) -> Any:
-        return self._value
 
 
 class MegEngineTransport:
@@ -72,20 +64,20 @@ class MegEngineTransport:
         group = self._group()
         return mdist.get_rank() if group is mdist.WORLD else group.rank
 
-    def allreduce_async(self, flat: Any) -> _Done:
+    def allreduce_async(self, flat: Any) -> Done:
         from megengine.distributed.functional import all_reduce_sum
 
-        return _Done(all_reduce_sum(flat, group=self._group()))
+        return Done(all_reduce_sum(flat, group=self._group()))
 
-    def reduce_scatter_async(self, flat: Any) -> _Done:
+    def reduce_scatter_async(self, flat: Any) -> Done:
         from megengine.distributed.functional import reduce_scatter_sum
 
-        return _Done(reduce_scatter_sum(flat, group=self._group()))
+        return Done(reduce_scatter_sum(flat, group=self._group()))
 
-    def all_gather_async(self, chunk: Any) -> _Done:
+    def all_gather_async(self, chunk: Any) -> Done:
         from megengine.distributed.functional import all_gather
 
-        return _Done(all_gather(chunk, group=self._group()))
+        return Done(all_gather(chunk, group=self._group()))
 
     def broadcast(self, flat: Any, src: int) -> Any:
         from megengine.distributed.functional import broadcast

@@ -220,7 +220,7 @@ class TorchBuffer:
         one: a steady training loop then allocates no gradient memory, as DDP's persistent
         buckets do."""
         like, bucket = self.like, self.bucket
-        spare, need = bucket.spare, bucket.numel + len(bucket.sizes) + 1
+        spare, need = bucket.spare, bucket.buffer_numel
         if spare is not None and storage_unshared(spare) and spare.numel() >= need:
             self.flat = spare if spare.numel() == need else spare[:need]  # one of a pool
         else:

@@ -65,6 +65,12 @@ class Bucket:
         self.small_numel = sum(self.sizes[slot] for slot in self.small)
         self.numel = offset
 
+    @property
+    def buffer_numel(self) -> int:
+        """The length of the bucket's flat buffer: the values, a flag per member, the failure
+        marker."""
+        return self.numel + len(self.members) + 1
+
     def __repr__(self) -> str:
         return f"Bucket({self.index}, {self.key}, members={self.members}, {self.nbytes} B)"
 

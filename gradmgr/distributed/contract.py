@@ -4,7 +4,8 @@
 bucketing needs) and :meth:`gradmgr.Backend.transport` a :class:`Transport` (the collectives).
 The core (planning, buckets, the cross-rank check, the callback's state machine) talks to a
 framework only through these, so a new engine, or a test double, plugs in by implementing them.
-This module imports nothing: the backends implement it, the core uses it.
+This module imports nothing: the backends implement it, the core uses it; :class:`Done` is the
+one piece both use as it is.
 """
 
 from __future__ import annotations
@@ -15,18 +16,29 @@ _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 class Handle(Protocol):
-    """A collective in flight.
+    """A collective in flight (:class:`Done`: one that already finished)."""
+
+    def wait(self) -> Any:
+        """Block until the collective is done; return the reduced buffer."""
+
+
+class Done:
+    """A finished collective's result, holding nothing else (not the collective, nor its
+    input buffer): for transports whose collectives are done when they return, and for
+    handles kept after their wait.
 
     Example:
-        >>> class Done:                       # a collective that already finished
-        ...     def __init__(self, value): self.value = value
-        ...     def wait(self): return self.value
         >>> Done([1.0, 2.0]).wait()
         [1.0, 2.0]
     """
 
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
     def wait(self) -> Any:
-        """Block until the collective is done; return the reduced buffer."""
+        return self._value
 
 
 class Transport(Protocol):

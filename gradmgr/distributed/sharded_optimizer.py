@@ -68,7 +68,7 @@ class ShardedOptimizer:
 
     def __init__(self, gm: Any, optimizer_class: Any, params: Optional[Iterable[Any]] = None,
                  *, master_dtype: Optional[str] = None, **defaults: Any) -> None:
-        self._gm = gm
+        self._gm = gm  # the manager lives as long as the optimizer that reads its shards
         callback = _sharded_callback(gm)
         self._synchronizer = sync = callback.synchronizer(gm)
         self._plan = plan = sync.plan_now(gm)
@@ -85,9 +85,8 @@ class ShardedOptimizer:
         # Never stepped: views (or plain copies) are enough, no master copies.
         self._frozen = self._layout(BucketPlan([numbering.params[i] for i in frozen],
                                                self._ops, _ONE_BUCKET), frozen, None)
-        self._segments, self._tensors = self._reduced.segments, self._reduced.tensors
         self._gather = ParameterGather(self._ops, transport, plan, self._world,
-                                       self._segments, self._tensors)
+                                       self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
         """The wrapped optimizer over this rank's segments (for learning-rate schedulers)."""
 
@@ -106,7 +105,8 @@ class ShardedOptimizer:
         updated parameters."""
         self._check_plan()
         ops, shards, plan = self._ops, self._shards, self._plan
-        for segment, tensor in zip(self._segments, self._tensors):
+        reduced = self._reduced
+        for segment, tensor in zip(reduced.segments, reduced.tensors):
             param = plan.tensor(segment.position)
             if param is not None:
                 ops.refresh_segment(tensor, param, segment.start, segment.stop)
@@ -122,7 +122,7 @@ class ShardedOptimizer:
         ``set_to_none=False`` only costs a later allocation, never a wrong sum."""
         del set_to_none
         self._shards.zero()
-        for tensor in self._tensors:
+        for tensor in self._reduced.tensors:
             self._ops.set_segment_grad(tensor, None)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -132,7 +132,7 @@ class ShardedOptimizer:
         if norm_type != 2.0:
             raise ValueError("ShardedOptimizer.clip_grad_norm_ computes the 2-norm only")
         ops = self._ops
-        grads = [g for g in map(self._shards.grad_of, self._segments) if g is not None]
+        grads = [g for g in map(self._shards.grad_of, self._reduced.segments) if g is not None]
         local = ops.sum_squares(grads)
         like = self._plan.tensor(0)
         summed = ops.values(self._transport.allreduce_async(ops.vector([local], like)).wait())

@@ -17,7 +17,7 @@ import contextlib
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 from .bucket import BucketPlan
-from .contract import Handle, TensorOps, Transport
+from .contract import Done, Handle, TensorOps, Transport
 from .errors import RankFailedError
 from .steps import RANK_FAILED, Wire
 
@@ -38,7 +38,7 @@ class BufferPool:
         """Offer ``bucket`` a free buffer as its ``spare``, or none (``TensorOps.new_buffer``
         takes the start of a spare that is big enough and that nothing else holds)."""
         self.open = True
-        need = bucket.numel + len(bucket.members) + 1
+        need = bucket.buffer_numel
         for i, flat in enumerate(self.free):
             if self.ops.key(flat) == bucket.key and self.ops.numel(flat) >= need:
                 del self.free[i]
@@ -78,7 +78,7 @@ class ShardReduction:
             self._chunk = (self._ops.cast(chunk, self._bucket.key[0]) if self._compressed
                            else chunk)
             # The collective held its input, the bucket's buffer: the next bucket takes it.
-            self._handle = _Done(chunk)
+            self._handle = Done(chunk)
             self._pool.give_back(self._bucket)
         return self._chunk
 
@@ -91,18 +91,6 @@ class ShardReduction:
 
     def used_anywhere(self, slot: int) -> bool:
         return False
-
-
-class _Done:
-    """A finished collective's result, without the collective (and its input buffer)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def wait(self) -> Any:
-        return self._value
 
 
 class ShardWire(Wire):
