@@ -16,7 +16,13 @@ _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 class Handle(Protocol):
-    """A collective in flight (:class:`Done`: one that already finished)."""
+    """A collective in flight (:class:`Done`: one that already finished).
+
+    Example:
+        >>> handle = Done([1.0, 2.0])   # what allreduce_async(flat) hands back
+        >>> handle.wait()
+        [1.0, 2.0]
+    """
 
     def wait(self) -> Any:
         """Block until the collective is done; return the reduced buffer."""
