@@ -4,7 +4,8 @@ A manager holds its attached tensors (:mod:`.attachments`), a tape from its back
 between ``record()`` and ``release()`` (while the framework is still unknown, a provisional one:
 :mod:`.provisional`), and, while a backward runs, what the backward delivers
 (:mod:`.delivery`). Every form of backward (``backward``, the first part of ``backward_split``
-and ``DeferredBackward.finish``) runs in one scope, :class:`_Backwarding`.
+and ``DeferredBackward.finish``) runs in one scope, :class:`_Backwarding` (``backward`` enters
+it through the scope's functions; see there).
 """
 
 from __future__ import annotations
@@ -26,20 +27,6 @@ from .registry import backend_for, imported_backends, resolve_backend
 from .split import DeferredBackward, FinishRefused
 
 __all__ = ["AttachSpec", "Callback", "GradManager"]
-
-
-class _Recording:
-    """One recording of one manager (``record()`` to ``release()``): its group, the list of
-    this thread's recording managers it joined, and its started tape (the manager's, or a
-    provisional one; None until the backend is known)."""
-
-    __slots__ = ("group", "managers", "tape", "backward_ran")
-
-    def __init__(self, group: Optional[object], managers: List[GradManager]) -> None:
-        self.group = group
-        self.managers = managers  # the recording thread's (a backward may run in another)
-        self.tape: Optional[Tape] = None
-        self.backward_ran = False
 
 
 class GradManager(StepHooks):
@@ -72,9 +59,16 @@ class GradManager(StepHooks):
         self._backend: Optional[Backend] = resolve_backend(backend)
         self._attached = Attachments()
         self._tape: Optional[Tape] = None  # the backend's, for the manager's whole life
-        self._recording: Optional[_Recording] = None
+        # The recording (record() to release()), in the manager itself rather than an object
+        # of its own, which would cost every step about 1.5 us on CPython 3.10: the list of the
+        # recording thread's recording managers it joined (None: not recording; a backward may
+        # run in another thread), its group, and its started tape (the manager's, or a
+        # provisional one; None until the backend is known).
+        self._managers: Optional[List[GradManager]] = None
+        self._recording_group: Optional[object] = None
+        self._recording_tape: Optional[Tape] = None
         self._step = -1  # the latest recording's number
-        self._ended_by_backward = False  # the latest recording ended with its backward
+        self._backward_ran = False  # in the latest recording
         self._delivery: Optional[Delivery] = None  # while a backward of this manager runs
 
     # ----------------------------------------------------------------- attaching
@@ -150,7 +144,7 @@ class GradManager(StepHooks):
     def _watch_new(self, spec: AttachSpec, tensor: Any) -> None:
         tape = self._own_tape()
         eager = bool(spec.callbacks)
-        if self._recording is not None and not self._taping():
+        if self._managers is not None and not self._taping():
             self._warn_if_started_late()
             self._start_tape()  # recording began before the backend was known
             if not tape.persistent_watch:
@@ -208,28 +202,37 @@ class GradManager(StepHooks):
         Raises:
             RuntimeError: already recording.
         """
-        starting = _state.state.starting_group  # set while a group starts its members
-        group = starting.group if starting is not None else None
-        group_backend = starting.backend if starting is not None else None
-        if self._recording is not None:
+        self.__enter__()
+
+    def __enter__(self) -> GradManager:
+        # record()'s work here: `with gm:` is the usual way in, and a call less per step counts
+        state = _state.state
+        starting = state.starting_group  # set while a group starts its members
+        if self._managers is not None:
             raise RuntimeError(
                 "already recording: call backward() or release() before record() again"
             )
         self._step = next(_state.record_counter)
-        self._ended_by_backward = False
-        managers = _state.state.recording
-        self._recording = _Recording(group, managers)
+        self._backward_ran = False
+        self._recording_group = None if starting is None else starting.group
+        managers = self._managers = state.recording
         managers.append(self)
         try:
             if self._record_callbacks:
                 self._run_record_callbacks()  # before the tape snapshots anything
+            tape = self._tape
+            if tape is not None and tape.persistent_watch and self._recording_tape is None:
+                tape.start()  # the usual recording: the tape watches every attached tensor
+                self._recording_tape = tape
+                return self
             if self._backend is None:
-                self._start_without_backend(group_backend)
+                self._start_without_backend(None if starting is None else starting.backend)
             if self._backend is not None:
                 self._start_tape()
         except BaseException:
             self.release()
             raise
+        return self
 
     def _start_without_backend(self, group_backend: Optional[Backend]) -> None:
         """Nothing attached tells the framework yet. A group's member takes the group's (a
@@ -243,12 +246,12 @@ class GradManager(StepHooks):
         else:
             provisional = ProvisionalTape(candidates)
             provisional.start()
-            self._recording.tape = provisional
+            self._recording_tape = provisional
 
     @property
     def is_recording(self) -> bool:
         """Between ``record()`` and ``release()`` (or the end of ``backward()``)."""
-        return self._recording is not None
+        return self._managers is not None
 
     @property
     def step(self) -> int:
@@ -267,12 +270,12 @@ class GradManager(StepHooks):
         if backend is None or backend is self._backend:
             return
         self._backend = backend
-        recording = self._recording
-        if recording is not None and isinstance(recording.tape, ProvisionalTape):
-            tape = recording.tape.settle(backend)
-            recording.tape = None
+        provisional = self._recording_tape
+        if self._managers is not None and isinstance(provisional, ProvisionalTape):
+            tape = provisional.settle(backend)
+            self._recording_tape = None
             if tape is not None:
-                self._tape = recording.tape = tape
+                self._tape = self._recording_tape = tape
 
     def _own_tape(self) -> Tape:
         if self._tape is None:
@@ -280,22 +283,20 @@ class GradManager(StepHooks):
         return self._tape
 
     def _taping(self) -> bool:
-        recording = self._recording
-        return recording is not None and recording.tape is not None
+        return self._managers is not None and self._recording_tape is not None
 
     def _start_tape(self) -> None:
-        recording = self._recording
-        if recording.tape is not None:
+        if self._recording_tape is not None:
             return
         tape = self._own_tape()
         tape.start()
-        recording.tape = tape
+        self._recording_tape = tape
         if not tape.persistent_watch:
             tape.watch_all([(t, spec.sink, bool(spec.callbacks))
                             for t, spec in self._attached.live()])
 
     def _warn_if_started_late(self) -> None:
-        later = [m for m in self._recording.managers
+        later = [m for m in self._managers
                  if m is not self and m._step > self._step and m._taping()]
         if later:
             warnings.warn(
@@ -310,25 +311,22 @@ class GradManager(StepHooks):
 
     def release(self) -> None:
         """Stop recording and free what was kept for differentiation. Idempotent."""
-        recording, self._recording = self._recording, None
-        if recording is None:
+        managers, self._managers = self._managers, None
+        if managers is None:
             return
-        managers = recording.managers
         if managers and managers[-1] is self:
             managers.pop()
         elif self in managers:
             managers.remove(self)
-        if recording.tape is not None:
-            recording.tape.stop()
+        tape, self._recording_tape = self._recording_tape, None
+        if tape is not None:
+            tape.stop()
         if self._release_callbacks:
-            self._run_release_callbacks(recording.backward_ran)
-
-    def __enter__(self) -> GradManager:
-        self.record()
-        return self
+            self._run_release_callbacks(self._backward_ran)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.release()
+        if self._managers is not None:  # (a backward released it already)
+            self.release()
 
     # ----------------------------------------------------------------- backward
     def backward(self, y: Any = None, dy: Any = None) -> None:
@@ -344,37 +342,44 @@ class GradManager(StepHooks):
             RuntimeError: not recording.
             ValueError: ``y`` and ``dy`` differ in length or in a shape.
         """
-        recording = self._recording
-        if recording is None:
+        managers = self._managers
+        if managers is None:
             self._require_recording("backward(y)")
-        recording.backward_ran = self._ended_by_backward = True
+        self._backward_ran = True
+        # The scope by its functions, not a _Backwarding and a `with` (the object would cost
+        # the usual step about 2 us: see _Backwarding).
+        stack, tracked = _open_scope(self, self._step), None
         try:
-            with _Backwarding(self, self._step) as scope:
-                ys, dys = self._outputs(y, dy)
-                scope.track(self._backend)
-                delegated = None if self._backward_delegate is None else self._backward_delegate()
-                if delegated is not None:
-                    self._run_delegated(ys, dys, delegated)
-                    return
-                tape = recording.tape
+            ys, dys = self._outputs(y, dy)
+            tracked = _track(self, self._backend)
+            delegated = None if self._backward_delegate is None else self._backward_delegate()
+            tape = self._recording_tape
+            if delegated is not None:
+                self._run_delegated(ys, dys, delegated)
+            else:
                 if ys and tape is not None:
                     create_graph, retain_graph = (
-                        (False, False) if len(recording.managers) == 1 else self._nesting())
+                        (False, False) if len(managers) == 1 else self._nesting())
                     tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
                                   may_accumulate=not self._after_backward_callbacks)
                 self._end_backward()
+        except BaseException as error:
+            _close_scope(self, stack, tracked, error)
+            raise
+        else:
+            _close_scope(self, stack, tracked, None)
         finally:
             self.release()
 
     def _require_recording(self, call: str) -> None:
-        if self._recording is None and self._ended_by_backward:
+        if self._managers is None and self._backward_ran:
             raise RuntimeError(
                 f"not recording: the first backward() ended the recording, as every backward "
                 f"does (MegEngine's rule), so {call} has nothing to differentiate. For another "
                 f"backward, compute y again in a new recording (`with gm:` or record()); for "
                 f"several outputs at once, pass them together: backward([y1, y2])"
             )
-        if self._recording is None:
+        if self._managers is None:
             raise RuntimeError(
                 f"no computation history to differentiate: call record() (or use `with gm:`) "
                 f"before computing y, then {call} inside the recording"
@@ -400,7 +405,7 @@ class GradManager(StepHooks):
         """The engine accumulates into ``.grad``; ``delegated`` does the rest (see
         :meth:`set_backward_delegate`)."""
         try:
-            tape = self._recording.tape
+            tape = self._recording_tape
             if ys and tape is not None:
                 create_graph, retain_graph = self._nesting()
                 tape.backward_accumulating(ys, dys, create_graph=create_graph,
@@ -413,13 +418,12 @@ class GradManager(StepHooks):
     def _nesting(self) -> tuple:
         """``(create_graph, retain_graph)`` for this manager's backward while this thread's
         recording managers hold others too (alone, it is ``(False, False)``)."""
-        recording = self._recording
         # A manager whose own backward is running (this one runs inside its callback) can no
         # longer differentiate anything recorded now.
-        others = [m for m in recording.managers if m is not self and m._delivery is None]
-        group = recording.group
+        others = [m for m in self._managers if m is not self and m._delivery is None]
+        group = self._recording_group
         create_graph = any(
-            m._step < self._step and (group is None or m._recording.group is not group)
+            m._step < self._step and (group is None or m._recording_group is not group)
             for m in others
         )
         return create_graph, bool(others)
@@ -483,7 +487,7 @@ class GradManager(StepHooks):
                 (``capabilities.split_backward``), or an outer manager records this backward.
         """
         self._require_recording("backward_split(y, first=...)")
-        self._recording.backward_ran = self._ended_by_backward = True
+        self._backward_ran = True
         step, rest = self._step, None
         try:
             with _Backwarding(self, step) as scope:
@@ -491,7 +495,7 @@ class GradManager(StepHooks):
                 first_list = self._check_first(first)
                 self._check_can_split()
                 scope.track(self._backend)
-                tape = self._recording.tape
+                tape = self._recording_tape
                 if ys and tape is not None:
                     create_graph, retain_graph = self._nesting()
                     if create_graph:
@@ -564,38 +568,63 @@ class GradManager(StepHooks):
 
     def __repr__(self) -> str:
         name = self._backend.name if self._backend else "no backend yet"
-        state = "recording" if self._recording is not None else "idle"
+        state = "recording" if self._managers is not None else "idle"
         return f"<GradManager {name}, {len(self._attached)} attached, {state}>"
 
 
 class _Backwarding:
     """The scope of every form of backward: the manager is the backwarding one in this thread
     (callbacks look it up there), collects what the backward delivers, is announced to its
-    backend once known (``track``), and runs its error callbacks if the backward raises."""
+    backend once known (``track``), and runs its error callbacks if the backward raises.
 
-    __slots__ = ("_manager", "_step", "_backend", "_token")
+    ``backward()`` calls the functions below itself instead: on CPython 3.10, creating this
+    object and entering it cost about 2 us inside a training step (instantiating a class,
+    setting attributes and a ``with`` look names up on types, and the forward pushed those
+    caches out), most of what the plain step may cost on a small model."""
+
+    __slots__ = ("_manager", "_step", "_stack", "_tracked")
 
     def __init__(self, manager: GradManager, step: int) -> None:
         self._manager, self._step = manager, step
-        self._backend: Optional[Backend] = None
+        self._stack: List[GradManager] = []
+        self._tracked: Optional[tuple] = None
 
     def __enter__(self) -> _Backwarding:
-        _state.state.backwarding.append(self._manager)
-        self._manager._delivery = Delivery(self._step)
+        self._stack = _open_scope(self._manager, self._step)
         return self
 
     def track(self, backend: Optional[Backend]) -> None:
-        if backend is not None and backend.tracks_backwarding:
-            self._token = backend.enter_backward(self._manager)
-            self._backend = backend
+        self._tracked = _track(self._manager, backend)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        manager = self._manager
-        try:
-            if exc is not None:
-                manager._run_error_callbacks(exc)
-        finally:
-            manager._delivery = None
-            if self._backend is not None:
-                self._backend.exit_backward(self._token)
-            _state.state.backwarding.pop()
+        _close_scope(self._manager, self._stack, self._tracked, exc)
+
+
+def _open_scope(manager: GradManager, step: int) -> List[GradManager]:
+    """Enter the scope; returns this thread's stack of backwarding managers, for leaving."""
+    stack = _state.state.backwarding
+    stack.append(manager)
+    manager._delivery = Delivery(step)
+    return stack
+
+
+def _track(manager: GradManager, backend: Optional[Backend]) -> Optional[tuple]:
+    """Announce the backward to ``backend`` (MegEngine's helpers look the manager up there);
+    returns what :func:`_close_scope` needs to take it back."""
+    if backend is not None and backend.tracks_backwarding:
+        return backend, backend.enter_backward(manager)
+    return None
+
+
+def _close_scope(manager: GradManager, stack: List[GradManager], tracked: Optional[tuple],
+                 error: Optional[BaseException]) -> None:
+    """Leave the scope; ``error``: what the backward raised (its error callbacks run)."""
+    try:
+        if error is not None:
+            manager._run_error_callbacks(error)
+    finally:
+        manager._delivery = None
+        if tracked is not None:
+            backend, token = tracked
+            backend.exit_backward(token)
+        stack.pop()

@@ -282,6 +282,115 @@ def test_watched_set_changes_between_steps_are_seen():
     assert len(live) == 2 and live[0] is a and live[1] is b
 
 
+# The plain step (no callbacks, one manager recording) is the engine call with the trainable
+# watched tensors as inputs and gradmgr's own seed told apart by identity; these tests hold it
+# to what every step must give when the user changes things between plain steps.
+def _reference(model, x, trainable):
+    grads = torch.autograd.grad(model(x).square().mean(), trainable)
+    return dict(zip(map(id, trainable), grads))
+
+
+def _plain_steps(gm, model, x, params, n=1):
+    for _ in range(n):
+        for p in params:
+            p.grad = None
+        with gm:
+            gm.backward(model(x).square().mean())
+
+
+def test_plain_step_after_a_freeze_gives_the_trainable_ones_only():
+    """A weight in the middle frozen between plain steps gets no .grad and the others exactly
+    theirs; unfrozen again, it gets its gradient in the next step."""
+    model, x = mlp(), torch.randn(6, 8)
+    params = list(model.parameters())
+    gm = GradManager().attach(params)
+    _plain_steps(gm, model, x, params, n=2)  # (the first backward checks the graph)
+    frozen = model[2].weight
+    frozen.requires_grad_(False)
+    _plain_steps(gm, model, x, params)
+    assert frozen.grad is None
+    trainable = [p for p in params if p is not frozen]
+    expected = _reference(model, x, trainable)
+    for p in trainable:
+        torch.testing.assert_close(p.grad, expected[id(p)], **TOL)
+    frozen.requires_grad_(True)
+    _plain_steps(gm, model, x, params, n=2)
+    expected = _reference(model, x, params)
+    for p in params:
+        torch.testing.assert_close(p.grad, expected[id(p)], **TOL)
+
+
+def test_plain_step_with_a_second_manager_recording():
+    """Two managers record the same forward (the earlier one's backward keeps the graph for
+    the later one's): each gets exactly its own tensors' gradients, also with a tensor frozen
+    between steps, and a tensor in the graph attached to neither gets none."""
+    model, x = mlp(), torch.randn(6, 8)
+    params = list(model.parameters())
+    first, second = params[:2], params[2:]
+    gm1, gm2 = GradManager().attach(first), GradManager().attach(second)
+    outsider = torch.nn.Parameter(torch.ones(3))
+
+    def step():
+        for p in params + [outsider]:
+            p.grad = None
+        gm1.record()
+        gm2.record()
+        y = (model(x) * outsider).square().mean()
+        gm1.backward(y)
+        gm2.backward(y)
+
+    for _ in range(3):
+        step()
+    assert outsider.grad is None
+    expected = _reference(lambda t: model(t) * outsider, x, params)
+    for p in params:
+        torch.testing.assert_close(p.grad, expected[id(p)], **TOL)
+    second[0].requires_grad_(False)
+    step()
+    assert second[0].grad is None and outsider.grad is None
+    trainable = [p for p in params if p is not second[0]]
+    expected = _reference(lambda t: model(t) * outsider, x, trainable)
+    for p in trainable:
+        torch.testing.assert_close(p.grad, expected[id(p)], **TOL)
+
+
+def test_a_callback_attached_after_plain_steps_runs():
+    """Attaching a callback to a tensor that plain steps have been accumulating by the engine
+    takes it off the plain path from the next step on."""
+    model, x = mlp(), torch.randn(6, 8)
+    params = list(model.parameters())
+    gm = GradManager().attach(params)
+    _plain_steps(gm, model, x, params, n=2)
+    seen = []
+    gm.attach(params[0], callbacks=lambda t, g: seen.append(t) or g * 2)
+    _plain_steps(gm, model, x, params)
+    assert len(seen) == 1 and seen[0] is params[0]
+    expected = _reference(model, x, params)
+    torch.testing.assert_close(params[0].grad, expected[id(params[0])] * 2, **TOL)
+    for p in params[1:]:
+        torch.testing.assert_close(p.grad, expected[id(p)], **TOL)
+
+
+def test_a_users_dy_after_plain_steps_is_still_kept_apart_from_grad():
+    """The seed gradmgr made for a plain step (whose storage the engine may leave in .grad) is
+    told apart from a ``dy`` the user passes later: a gradient the engine would store on the
+    user's ``dy`` storage still gets a copy."""
+    w = torch.ones(6, requires_grad=True)
+    gm = GradManager().attach(w)
+    for _ in range(2):
+        w.grad = None
+        with gm:
+            gm.backward(w.reshape(2, 3))  # w.grad: a view of gradmgr's seed, as torch leaves it
+    w.grad = None
+    dy = torch.arange(6.0).reshape(2, 3)
+    with gm:
+        gm.backward(w.reshape(2, 3), dy)
+    torch.testing.assert_close(w.grad, torch.arange(6.0))
+    assert w.grad.untyped_storage().data_ptr() != dy.untyped_storage().data_ptr()
+    dy.zero_()
+    torch.testing.assert_close(w.grad, torch.arange(6.0))
+
+
 def test_complex_dy_for_real_y_is_rejected_before_the_engine_runs():
     x = torch.ones(2)
     gm = GradManager().attach(x)

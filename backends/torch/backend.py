@@ -47,8 +47,7 @@ class TorchBackend(Backend):
     def shape(self, tensor: Any) -> tuple:
         return tuple(tensor.shape)
 
-    def ones_like(self, tensor: Any) -> Any:
-        return own_seed(tensor)
+    ones_like = staticmethod(own_seed)  # no extra frame: the one call every backward(loss) makes
 
     def is_output(self, obj: Any) -> bool:
         return isinstance(obj, (torch.Tensor, GradientEdge))

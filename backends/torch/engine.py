@@ -8,9 +8,11 @@ import torch
 
 from .grads import storage_users, unshare_seeds
 
-# Set on the seeds gradmgr makes itself (dy left out: ones): no user holds them, so a .grad
-# on their storage is what the engine leaves after loss.backward() too, and needs no check.
-OWN_SEED = "_gradmgr_own_seed"
+# The seed gradmgr made last (dy left out: ones), until a backward takes it: no user holds it,
+# so a .grad on its storage is what the engine leaves after loss.backward() too, and needs no
+# check. Told by identity, which costs a step 1 us less than an attribute set on the tensor
+# (another thread's seed made in between only sends this one through the check).
+_own_seed: List[Optional[torch.Tensor]] = [None]
 
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch>=2.3
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
@@ -39,7 +41,8 @@ def run_engine(
     raise their own error), the public functions are used. When it accumulates, no ``.grad``
     is left on a seed the user passed (:func:`.grads.unshare_seeds`).
     """
-    if not accumulate or _own_seeds(seeds):
+    own = _takes_own_seed(seeds)  # (also where it does not accumulate: see there)
+    if not accumulate or own:
         return _run(outputs, seeds, retain, create_graph, inputs, accumulate)
     # A seed whose storage has more users after the engine accumulated went into a .grad.
     users = [storage_users(dy) for dy in seeds]
@@ -49,16 +52,25 @@ def run_engine(
     return result
 
 
-def _own_seeds(seeds: List[torch.Tensor]) -> bool:
-    if len(seeds) == 1:  # backward(loss)
-        return getattr(seeds[0], OWN_SEED, False)
-    return all(getattr(dy, OWN_SEED, False) for dy in seeds)
+def _takes_own_seed(seeds: Sequence[torch.Tensor]) -> bool:
+    """Whether ``seeds`` is the one seed :func:`own_seed` made last. Called as seeds go into
+    the engine, which is when that seed is forgotten, also among others: from then on it may
+    be some ``.grad`` (the engine stores a seed itself where the output is a leaf), which the
+    user may pass as ``dy`` later."""
+    own = _own_seed[0]
+    if own is None:
+        return False
+    if len(seeds) == 1 and seeds[0] is own:
+        _own_seed[0] = None
+        return True
+    if any(dy is own for dy in seeds):
+        _own_seed[0] = None
+    return False
 
 
 def own_seed(like: torch.Tensor) -> torch.Tensor:
-    """``ones_like(like)``, marked as a seed no user holds."""
-    seed = torch.ones_like(like)
-    setattr(seed, OWN_SEED, True)
+    """``ones_like(like)``, remembered as a seed no user holds (see ``_own_seed``)."""
+    seed = _own_seed[0] = torch.ones_like(like)
     return seed
 
 

@@ -72,25 +72,27 @@ class GradModeHolds:
     """
 
     def __init__(self) -> None:
-        self._by_thread: Dict[int, List[list]] = {}  # thread id -> [[owner, restore_off], ...]
+        # thread id -> [[owner, restore_off], ...]; empty in the usual step, which a tape tells
+        # without calling start() (see TorchTape.start)
+        self.by_thread: Dict[int, List[list]] = {}
 
     def start(self, owner: object) -> int:
         """Returns what :meth:`stop` needs: the thread, or 0 when there is nothing to track
         (grad mode on and no other hold in this thread: the usual step)."""
         thread = threading.get_ident()
         off = not torch.is_grad_enabled()
-        holds = self._by_thread.get(thread)
+        holds = self.by_thread.get(thread)
         if not off and not holds:
             return 0
         if off:
             torch.set_grad_enabled(True)
         if holds is None:
-            holds = self._by_thread[thread] = []
+            holds = self.by_thread[thread] = []
         holds.append([owner, off])
         return thread
 
     def stop(self, owner: object, thread: int) -> None:
-        holds = self._by_thread.get(thread)
+        holds = self.by_thread.get(thread)
         if not holds:
             return
         i = next((i for i, hold in enumerate(holds) if hold[0] is owner), None)
@@ -103,7 +105,7 @@ class GradModeHolds:
             elif thread == threading.get_ident():
                 torch.set_grad_enabled(False)
         if not holds:
-            del self._by_thread[thread]
+            del self.by_thread[thread]
 
 
 GRAD_MODE = GradModeHolds()

@@ -24,6 +24,8 @@ class PreRecordGradientWarning(GradMgrWarning):
 
 _MODES = ("always", "first", "off")
 _mode = "first"
+every_backward = False
+"""Whether the mode is "always" (read by every backward: an attribute costs less than a call)."""
 
 
 def set_pre_record_check(mode: str) -> None:
@@ -41,18 +43,15 @@ def set_pre_record_check(mode: str) -> None:
         >>> set_pre_record_check("first")
         >>> set_pre_record_check("always")
     """
-    global _mode
+    global _mode, every_backward
     if mode not in _MODES:
         raise ValueError(f"pre-record check mode must be one of {_MODES}, not {mode!r}")
     _mode = mode
+    every_backward = mode == "always"
 
 
 def check_mode() -> str:
     return _mode
-
-
-def checks_every_backward() -> bool:
-    return _mode == "always"
 
 
 def warn_if_pre_record(parents: Dict[Any, List[Any]], inputs: List[torch.Tensor],

@@ -19,7 +19,11 @@ from .grads import zeros_like_cheaply
 from .graph import current_sequence_nr, graph_root, node_alive, reentrant_checkpoints, walk
 from .watched import Entry, Watched, input_without_flag
 
+# Looked up once: every recording and backward asks them (a global is cheaper than torch.X)
 _graph_task_id = torch._C._current_graph_task_id
+_inference_mode = torch.is_inference_mode_enabled
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 
 STAND_IN_BYTES = 2**16
 """Gradients at least this large are freed as soon as a callback replaced them (see _hook)."""
@@ -254,14 +258,15 @@ class TorchTape(Tape):
 
     # -- recording --------------------------------------------------------------------
     def start(self) -> None:
-        if torch.is_inference_mode_enabled():
+        if _inference_mode():
             raise RuntimeError(
                 "cannot record under torch.inference_mode(): autograd records nothing there, "
                 "so backward() would compute no gradient; record outside inference mode"
             )
         self._recording = True
         watched = self.watched
-        if watched.entries and self._wants_pre_record_check():
+        if ((not self._checked or prerecord.every_backward) and watched.entries
+                and self._wants_pre_record_check()):
             self._record_seq = current_sequence_nr()  # a later attach() takes its own
         if watched.needs_flag:
             for key, ref in list(watched.needs_flag.items()):
@@ -270,7 +275,9 @@ class TorchTape(Tape):
                     self._acquire_flag(tensor)
                     if key in watched.eager:
                         self._ensure_hook(tensor, key)
-        self._grad_mode_thread = GRAD_MODE.start(self)
+        # (grad mode on and no hold anywhere: the usual step, known without a call)
+        self._grad_mode_thread = (0 if _grad_enabled() and not GRAD_MODE.by_thread
+                                  else GRAD_MODE.start(self))
 
     def stop(self) -> None:
         if not self._recording:
@@ -294,12 +301,13 @@ class TorchTape(Tape):
         self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
         may_accumulate: bool = False,
     ) -> None:
+        watched = self.watched
         if (may_accumulate and not create_graph and self._checked and len(ys) == 1
-                and not self.watched.eager and not self.watched.snapshots
-                and not prerecord.checks_every_backward()):
+                and not watched.eager and not watched.snapshots and not prerecord.every_backward):
             # The usual step (no callbacks, nothing to check): what loss.backward() costs.
-            if _differentiable(ys[0]):
-                inputs = self.watched.trainable()[1]
+            y = ys[0]
+            if y.requires_grad if type(y) is _Tensor else _differentiable(y):
+                inputs = watched.trainable()[1]
                 if inputs:
                     try:
                         run_engine(ys, dys, retain_graph, False, inputs, accumulate=True)
@@ -355,7 +363,7 @@ class TorchTape(Tape):
                 graph_root(y)  # refuses a view with no gradient path, as the engine would
         if self.watched.snapshots:
             check_non_leaves(inputs, entries)
-        if not self._checked or prerecord.checks_every_backward():
+        if not self._checked or prerecord.every_backward:
             self._check_graph(outputs, inputs, entries)
         return outputs, seeds, entries, inputs
 
