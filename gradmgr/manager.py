@@ -350,8 +350,14 @@ class GradManager(StepHooks):
         # the usual step about 2 us: see _Backwarding).
         stack, tracked = _open_scope(self, self._step), None
         try:
-            ys, dys = self._outputs(y, dy)
-            tracked = _track(self, self._backend)
+            backend = self._backend
+            if dy is None and backend is not None and backend_for(y) is backend:
+                ys, dys = [y], [backend.ones_like(y)]  # (the common call, as in _outputs)
+            else:
+                ys, dys = self._outputs(y, dy)
+                backend = self._backend
+            if backend is not None and backend.tracks_backwarding:
+                tracked = _track(self, backend)
             delegated = None if self._backward_delegate is None else self._backward_delegate()
             tape = self._recording_tape
             if delegated is not None:
@@ -362,7 +368,8 @@ class GradManager(StepHooks):
                         (False, False) if len(managers) == 1 else self._nesting())
                     tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
                                   may_accumulate=not self._after_backward_callbacks)
-                self._end_backward()
+                if self._after_backward_callbacks or self._delivery.gradients:
+                    self._end_backward()
         except BaseException as error:
             _close_scope(self, stack, tracked, error)
             raise
@@ -613,7 +620,7 @@ def _track(manager: GradManager, backend: Optional[Backend]) -> Optional[tuple]:
     returns what :func:`_close_scope` needs to take it back."""
     if backend is not None and backend.tracks_backwarding:
         return backend, backend.enter_backward(manager)
-    return None
+    return None  # (backward() asks tracks_backwarding itself: a call less in the usual step)
 
 
 def _close_scope(manager: GradManager, stack: List[GradManager], tracked: Optional[tuple],

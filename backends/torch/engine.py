@@ -52,6 +52,18 @@ def run_engine(
     return result
 
 
+def accumulate(output: torch.Tensor, seed: torch.Tensor, retain: bool,
+               inputs: List[torch.Tensor]) -> None:
+    """``run_engine([output], [seed], retain, False, inputs, accumulate=True)`` for the usual
+    step (one output, gradmgr's own seed), without the lists and calls around the engine."""
+    if seed is _own_seed[0] and _engine_run_backward is not None and not _functorch_active():
+        _own_seed[0] = None  # (taken, as _takes_own_seed does)
+        _engine_run_backward((output,), (seed,), retain, False, tuple(inputs),
+                             allow_unreachable=True, accumulate_grad=True)
+    else:
+        run_engine([output], [seed], retain, False, inputs, accumulate=True)
+
+
 def _takes_own_seed(seeds: Sequence[torch.Tensor]) -> bool:
     """Whether ``seeds`` is the one seed :func:`own_seed` made last. Called as seeds go into
     the engine, which is when that seed is forgotten, also among others: from then on it may

@@ -13,7 +13,7 @@ from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import CallbackResultError, UnsupportedGraphError
 
 from . import prerecord, split
-from .engine import run_engine
+from .engine import accumulate, run_engine
 from .flags import FLAGS, GRAD_MODE
 from .grads import zeros_like_cheaply
 from .graph import current_sequence_nr, graph_root, node_alive, reentrant_checkpoints, walk
@@ -310,7 +310,7 @@ class TorchTape(Tape):
                 inputs = watched.trainable()[1]
                 if inputs:
                     try:
-                        run_engine(ys, dys, retain_graph, False, inputs, accumulate=True)
+                        accumulate(y, dys[0], retain_graph, inputs)
                     except RuntimeError as error:
                         _refuse_reentrant_checkpoint(error)
             return
