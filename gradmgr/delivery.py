@@ -74,6 +74,26 @@ class Delivery:
         self.gradients: Dict[int, Any] = {}
         self.future_sources: Dict[int, Any] = {}
 
+    def run_chain(self, backend: Backend, callbacks: List[Any], key: int, tensor: Any,
+                  grad: Any) -> Any:
+        """``tensor``'s gradient through its callback chain, each result checked as it comes
+        (a callback that raises has the error say which callback and tensor it was)."""
+        is_tensor, grad_problem = backend.is_tensor, backend.grad_problem
+        for cb in callbacks:
+            try:
+                given, grad = grad, cb(tensor, grad)
+            except Exception as error:
+                note_callback(error, cb, backend.describe(tensor))
+                raise
+            # what a callback passes on unchanged was checked before it
+            if grad is not given and (not is_tensor(grad)
+                                      or grad_problem(tensor, grad) is not None):
+                if grad is None:
+                    warn_none(cb, backend.describe(tensor))
+                else:
+                    self.check(backend, key, tensor, grad, cb)
+        return grad
+
     def check(self, backend: Backend, key: int, tensor: Any, grad: Any, source: Any) -> None:
         """Raise :class:`CallbackResultError` unless ``grad`` can be ``tensor``'s gradient; a
         Future is checked once it resolves. ``source``: the callback that returned it, or a

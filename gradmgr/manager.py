@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 from . import _state
 from .attachments import Attachments, AttachSpec, Callback, check_callbacks, check_tensors
 from .backend import Backend, Tape
-from .delivery import Delivery, note_callback, warn_none
+from .delivery import Delivery
 from .errors import GradMgrWarning, UnsupportedGraphError
 from .group import GradManagerGroup
 from .hooks import StepHooks
@@ -175,25 +175,10 @@ class GradManager(StepHooks):
         if pushed:
             stack.append(self)
         try:
-            backend = self._backend
-            is_tensor, grad_problem = backend.is_tensor, backend.grad_problem
-            for cb in callbacks:
-                try:
-                    given, grad = grad, cb(tensor, grad)
-                except Exception as error:
-                    note_callback(error, cb, backend.describe(tensor))
-                    raise
-                # what a callback passes on unchanged was checked before it
-                if grad is not given and (not is_tensor(grad)
-                                          or grad_problem(tensor, grad) is not None):
-                    if grad is None:
-                        warn_none(cb, backend.describe(tensor))
-                    else:
-                        self._delivery.check(backend, key, tensor, grad, cb)
+            return self._delivery.run_chain(self._backend, callbacks, key, tensor, grad)
         finally:
             if pushed:
                 stack.pop()
-        return grad
 
     # ----------------------------------------------------------------- recording
     def record(self) -> None:
