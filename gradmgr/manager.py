@@ -24,7 +24,7 @@ from .hooks import StepHooks
 from .outputs import as_list, check_outputs
 from .provisional import ProvisionalTape
 from .registry import backend_for, imported_backends, resolve_backend
-from .split import DeferredBackward, FinishRefused
+from .split import DeferredBackward, FinishRefused, check_can_split, check_first
 
 __all__ = ["AttachSpec", "Callback", "GradManager"]
 
@@ -484,8 +484,8 @@ class GradManager(StepHooks):
         try:
             with _Backwarding(self, step) as scope:
                 ys, dys = self._outputs(y, dy)
-                first_list = self._check_first(first)
-                self._check_can_split()
+                first_list = check_first(first, self._attached, self._backend)
+                check_can_split(self._backend)
                 scope.track(self._backend)
                 tape = self._recording_tape
                 if ys and tape is not None:
@@ -505,28 +505,6 @@ class GradManager(StepHooks):
         finally:
             self.release()
         return DeferredBackward(self._finish_split, rest, step)
-
-    def _check_first(self, first: Any) -> List[Any]:
-        items = [first] if backend_for(first) is not None else list(first)
-        for i, t in enumerate(items):
-            if self._attached.spec_of(t) is None:
-                what = (f"a tensor of {self._backend.describe(t)}"
-                        if self._backend is not None and backend_for(t) is self._backend
-                        else type(t).__name__)
-                raise ValueError(
-                    f"backward_split(first=...): item {i} ({what}) is not attached to this "
-                    f"manager; attach it first (an activation: attach it while recording, "
-                    f"right after computing it)"
-                )
-        return items
-
-    def _check_can_split(self) -> None:
-        backend = self._backend
-        if backend is not None and not backend.capabilities.split_backward:
-            raise UnsupportedGraphError(
-                f"the {backend.name} backend cannot split a backward (its engine has no way "
-                f"to compute some gradients now and the others later); use backward()"
-            )
 
     def _finish_split(self, rest: Any, step: int, retain_graph: bool) -> None:
         """:meth:`DeferredBackward.finish`: the rest of a split backward, in its own scope."""

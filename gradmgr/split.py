@@ -1,11 +1,14 @@
-"""The second half of a split backward (:meth:`gradmgr.GradManager.backward_split`)."""
+"""A split backward (:meth:`gradmgr.GradManager.backward_split`): what its first part checks,
+and the handle to its second half."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
-from .errors import GradMgrWarning
+from .backend import Backend
+from .errors import GradMgrWarning, UnsupportedGraphError
+from .registry import backend_for
 
 
 class UnfinishedBackwardWarning(GradMgrWarning):
@@ -20,6 +23,31 @@ class UnfinishedBackwardWarning(GradMgrWarning):
 
 class FinishRefused(RuntimeError):
     """Raised by a finish function before it started anything: the handle stays finishable."""
+
+
+def check_first(first: Any, attachments: Any, backend: Optional[Backend]) -> List[Any]:
+    """``first`` of ``backward_split`` as a list, every item attached (to ``attachments``)."""
+    items = [first] if backend_for(first) is not None else list(first)
+    for i, t in enumerate(items):
+        if attachments.spec_of(t) is None:
+            what = (f"a tensor of {backend.describe(t)}"
+                    if backend is not None and backend_for(t) is backend
+                    else type(t).__name__)
+            raise ValueError(
+                f"backward_split(first=...): item {i} ({what}) is not attached to this "
+                f"manager; attach it first (an activation: attach it while recording, "
+                f"right after computing it)"
+            )
+    return items
+
+
+def check_can_split(backend: Optional[Backend]) -> None:
+    """Refuse a backend whose engine cannot split a backward (its capabilities say so)."""
+    if backend is not None and not backend.capabilities.split_backward:
+        raise UnsupportedGraphError(
+            f"the {backend.name} backend cannot split a backward (its engine has no way "
+            f"to compute some gradients now and the others later); use backward()"
+        )
 
 
 _PENDING, _DONE, _FAILED = range(3)
