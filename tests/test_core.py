@@ -257,6 +257,30 @@ def test_backward_error_callbacks_run_when_a_backward_raises_and_keep_its_error(
         gm.register_backward_error_callback("not a function")
 
 
+def test_a_backward_that_raised_leaves_nothing_to_the_next_one(fk):
+    """What a backward delivered before it raised is accumulated neither then nor by the next
+    backward (which may reuse the scope's bookkeeping, never its gradients)."""
+    w, x = fk.tensor(3.0), fk.tensor(2.0)
+    gm = GradManager().attach([w, x], callbacks=lambda t, g: g)
+    fail = [True]
+
+    def after_backward():
+        if fail[0]:
+            raise RuntimeError("bad step")
+
+    gm.register_after_backward_callback(after_backward)
+    with pytest.raises(RuntimeError, match="bad step"), gm:
+        gm.backward(w * w)  # w's gradient delivered, then the step fails
+    assert w.grad is None
+    fail[0] = False
+    with gm:
+        gm.backward(x * x * x)
+    assert w.grad is None and grad_of(x) == approx(12.0)
+    with gm:
+        gm.backward(w * x)
+    assert grad_of(w) == approx(2.0) and grad_of(x) == approx(15.0)
+
+
 # ----------------------------------------------------------------------------- S1/S2 attach
 def test_attach_keeps_first_order_without_duplicates(fk):
     a, b, c = fk.tensor(1.0), fk.tensor(2.0), fk.tensor(3.0)
