@@ -391,6 +391,25 @@ def test_a_users_dy_after_plain_steps_is_still_kept_apart_from_grad():
     torch.testing.assert_close(w.grad, torch.arange(6.0))
 
 
+def test_no_seed_outlives_a_backward_that_did_not_reach_the_engine():
+    """The seed gradmgr makes for ``backward(y)`` is forgotten when the backward ends without
+    the engine taking it (y needs no gradient, an error first): nothing of y's size is kept."""
+    w = torch.ones(3, requires_grad=True)
+    gm = GradManager().attach(w)
+    for _ in range(2):  # (the plain path from the second backward on)
+        with gm:
+            gm.backward(torch.zeros(1000, 1000))  # needs no gradient: nothing to compute
+        assert tb.engine.OWN_SEED[0] is None
+    with gm:
+        y = (w * 2).sum()
+        with pytest.raises(ValueError):
+            gm.backward([y, y], [torch.ones(()), torch.ones(2)])  # a dy of the wrong shape
+    with gm:
+        gm.backward((w * 2).sum())
+    assert tb.engine.OWN_SEED[0] is None
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
+
+
 def test_complex_dy_for_real_y_is_rejected_before_the_engine_runs():
     x = torch.ones(2)
     gm = GradManager().attach(x)

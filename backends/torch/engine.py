@@ -8,11 +8,13 @@ import torch
 
 from .grads import storage_users, unshare_seeds
 
-# The seed gradmgr made last (dy left out: ones), until a backward takes it: no user holds it,
+# The seed gradmgr made last (dy left out: ones), until the engine takes it: no user holds it,
 # so a .grad on its storage is what the engine leaves after loss.backward() too, and needs no
 # check. Told by identity, which costs a step 1 us less than an attribute set on the tensor
-# (another thread's seed made in between only sends this one through the check).
-_own_seed: List[Optional[torch.Tensor]] = [None]
+# (another thread's seed made in between only sends this one through the check). The tape
+# forgets one the engine did not take when its backward ends (y needed no gradient, an error
+# before the engine), so that no seed outlives its backward.
+OWN_SEED: List[Optional[torch.Tensor]] = [None]
 
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch>=2.3
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
@@ -52,12 +54,12 @@ def run_engine(
     return result
 
 
-def accumulate(output: torch.Tensor, seed: torch.Tensor, retain: bool,
-               inputs: List[torch.Tensor]) -> None:
+def run_engine_plain(output: torch.Tensor, seed: torch.Tensor, retain: bool,
+                     inputs: List[torch.Tensor]) -> None:
     """``run_engine([output], [seed], retain, False, inputs, accumulate=True)`` for the usual
     step (one output, gradmgr's own seed), without the lists and calls around the engine."""
-    if seed is _own_seed[0] and _engine_run_backward is not None and not _functorch_active():
-        _own_seed[0] = None  # (taken, as _takes_own_seed does)
+    if seed is OWN_SEED[0] and _engine_run_backward is not None and not _functorch_active():
+        OWN_SEED[0] = None  # (taken, as _takes_own_seed does)
         _engine_run_backward((output,), (seed,), retain, False, tuple(inputs),
                              allow_unreachable=True, accumulate_grad=True)
     else:
@@ -69,20 +71,20 @@ def _takes_own_seed(seeds: Sequence[torch.Tensor]) -> bool:
     the engine, which is when that seed is forgotten, also among others: from then on it may
     be some ``.grad`` (the engine stores a seed itself where the output is a leaf), which the
     user may pass as ``dy`` later."""
-    own = _own_seed[0]
+    own = OWN_SEED[0]
     if own is None:
         return False
     if len(seeds) == 1 and seeds[0] is own:
-        _own_seed[0] = None
+        OWN_SEED[0] = None
         return True
     if any(dy is own for dy in seeds):
-        _own_seed[0] = None
+        OWN_SEED[0] = None
     return False
 
 
 def own_seed(like: torch.Tensor) -> torch.Tensor:
-    """``ones_like(like)``, remembered as a seed no user holds (see ``_own_seed``)."""
-    seed = _own_seed[0] = torch.ones_like(like)
+    """``ones_like(like)``, remembered as a seed no user holds (see ``OWN_SEED``)."""
+    seed = OWN_SEED[0] = torch.ones_like(like)
     return seed
 
 

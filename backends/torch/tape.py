@@ -13,7 +13,7 @@ from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import CallbackResultError, UnsupportedGraphError
 
 from . import prerecord, split
-from .engine import accumulate, run_engine
+from .engine import OWN_SEED, run_engine, run_engine_plain
 from .flags import FLAGS, GRAD_MODE
 from .grads import zeros_like_cheaply
 from .graph import current_sequence_nr, graph_root, node_alive, reentrant_checkpoints, walk
@@ -302,46 +302,58 @@ class TorchTape(Tape):
         may_accumulate: bool = False,
     ) -> None:
         watched = self.watched
-        if (may_accumulate and not create_graph and self._checked and len(ys) == 1
-                and not watched.eager and not watched.snapshots and not prerecord.every_backward):
-            # The usual step (no callbacks, nothing to check): what loss.backward() costs.
-            y = ys[0]
-            if y.requires_grad if type(y) is _Tensor else _differentiable(y):
-                inputs = watched.trainable()[1]
-                if inputs:
-                    try:
-                        accumulate(y, dys[0], retain_graph, inputs)
-                    except RuntimeError as error:
-                        _refuse_reentrant_checkpoint(error)
-            return
-        prepared = self._prepare_backward(ys, dys)
-        if prepared is not None:
-            outputs, seeds, entries, inputs = prepared
-            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
-                     accumulate=may_accumulate and not self.watched.eager and not create_graph)
+        try:
+            if (may_accumulate and not create_graph and self._checked and len(ys) == 1
+                    and not watched.eager and not watched.snapshots
+                    and not prerecord.every_backward):
+                # The usual step (no callbacks, nothing to check): what loss.backward() costs.
+                y = ys[0]
+                if y.requires_grad if type(y) is _Tensor else _differentiable(y):
+                    inputs = watched.trainable()[1]
+                    if inputs:
+                        try:
+                            run_engine_plain(y, dys[0], retain_graph, inputs)
+                        except RuntimeError as error:
+                            _refuse_reentrant_checkpoint(error)
+                return
+            prepared = self._prepare_backward(ys, dys)
+            if prepared is not None:
+                outputs, seeds, entries, inputs = prepared
+                self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
+                         entries, accumulate=(may_accumulate and not self.watched.eager
+                                              and not create_graph))
+        finally:
+            OWN_SEED[0] = None  # one the engine did not take (see engine.OWN_SEED)
 
     def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
                               create_graph: bool, retain_graph: bool) -> None:
-        prepared = self._prepare_backward(ys, dys)
-        if prepared is None:
-            return
-        outputs, seeds, entries, inputs = prepared
-        if self.watched.snapshots:
-            raise RuntimeError("a delegated backward cannot take a non-leaf tensor's gradient")
-        if not self._hooks_suspended:
-            self._hooks_suspended = True
-            self.watched.remove_hooks()
-        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
-                 accumulate=True)
+        try:
+            prepared = self._prepare_backward(ys, dys)
+            if prepared is None:
+                return
+            outputs, seeds, entries, inputs = prepared
+            if self.watched.snapshots:
+                raise RuntimeError(
+                    "a delegated backward cannot take a non-leaf tensor's gradient")
+            if not self._hooks_suspended:
+                self._hooks_suspended = True
+                self.watched.remove_hooks()
+            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
+                     entries, accumulate=True)
+        finally:
+            OWN_SEED[0] = None  # one the engine did not take (see engine.OWN_SEED)
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
-        prepared = self._prepare_backward(ys, dys)
-        if prepared is None:
-            return None
-        outputs, seeds, entries, inputs = prepared
-        return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph,
-                                self._flagged)
+        try:
+            prepared = self._prepare_backward(ys, dys)
+            if prepared is None:
+                return None
+            outputs, seeds, entries, inputs = prepared
+            return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph,
+                                    self._flagged)
+        finally:
+            OWN_SEED[0] = None  # one the engine did not take (see engine.OWN_SEED)
 
     def _prepare_backward(self, ys: Sequence[Any], dys: Sequence[Any]) -> Optional[tuple]:
         """``(outputs, seeds, entries, inputs)`` of a backward (the outputs that require grad
