@@ -188,10 +188,6 @@ class GradManager(StepHooks):
         Raises:
             RuntimeError: already recording.
         """
-        self.__enter__()
-
-    def __enter__(self) -> GradManager:
-        # record()'s work here: `with gm:` is the usual way in, and a call less per step counts
         state = _state.state
         starting = state.starting_group  # set while a group starts its members
         if self._managers is not None:
@@ -210,7 +206,7 @@ class GradManager(StepHooks):
             if tape is not None and tape.persistent_watch and self._recording_tape is None:
                 tape.start()  # the usual recording: the tape watches every attached tensor
                 self._recording_tape = tape
-                return self
+                return
             if self._backend is None:
                 self._start_without_backend(None if starting is None else starting.backend)
             if self._backend is not None:
@@ -218,6 +214,9 @@ class GradManager(StepHooks):
         except BaseException:
             self.release()
             raise
+
+    def __enter__(self) -> GradManager:
+        self.record()  # (a subclass's record() too, as MegEngine's __enter__ calls it)
         return self
 
     def _start_without_backend(self, group_backend: Optional[Backend]) -> None:
@@ -557,7 +556,7 @@ class _Backwarding:
 
     def __init__(self, manager: GradManager, step: int) -> None:
         self._manager, self._step = manager, step
-        self._stack: List[GradManager] = []
+        self._stack: Optional[List[GradManager]] = None  # (set on entering)
         self._tracked: Optional[tuple] = None
 
     def __enter__(self) -> _Backwarding:

@@ -281,6 +281,27 @@ def test_a_backward_that_raised_leaves_nothing_to_the_next_one(fk):
     assert grad_of(w) == approx(2.0) and grad_of(x) == approx(15.0)
 
 
+def test_with_block_calls_a_subclass_record_and_release(fk):
+    """``with gm:`` goes through ``record()`` as MegEngine's ``__enter__`` does, so a subclass
+    that overrides it (a MegEngine port adding its own bookkeeping) is still called."""
+    calls = []
+
+    class Logged(GradManager):
+        def record(self):
+            calls.append("record")
+            super().record()
+
+        def release(self):
+            calls.append("release")
+            super().release()
+
+    x = fk.tensor(2.0)
+    gm = Logged().attach(x)
+    with gm:
+        gm.backward(x * x)
+    assert calls[0] == "record" and "release" in calls and grad_of(x) == approx(4.0)
+
+
 # ----------------------------------------------------------------------------- S1/S2 attach
 def test_attach_keeps_first_order_without_duplicates(fk):
     a, b, c = fk.tensor(1.0), fk.tensor(2.0), fk.tensor(3.0)
