@@ -23,7 +23,6 @@ cores, which a machine with spare cores should not pay.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import random
 import statistics
@@ -38,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_info  # noqa: E402
-from bench_ddp import BATCH, mlp  # noqa: E402
+from bench_ddp import BATCH, init, mlp  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
 from gradmgr.distributed import make_allreduce_cb, spawn_local  # noqa: E402
@@ -48,9 +47,7 @@ Times = Dict[str, Dict[str, List[float]]]
 
 
 def main_rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    init(rank, port, "cpu")  # (bench_ddp's: gloo, one thread per rank)
     try:
         lines = report("collective", collective(steps)) + report("mlp-256", steps_of(steps, rank))
         if rank == 0:

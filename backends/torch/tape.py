@@ -265,6 +265,8 @@ class TorchTape(Tape):
             )
         self._recording = True
         watched = self.watched
+        # (the first half of _wants_pre_record_check, asked first: the usual recording,
+        # checked already, then makes no call for it)
         if ((not self._checked or prerecord.every_backward) and watched.entries
                 and self._wants_pre_record_check()):
             self._record_seq = current_sequence_nr()  # a later attach() takes its own
