@@ -6,7 +6,7 @@
 # Environment: GRADMGR_PYTHON names a CPython 3.8-3.10 to use for .venv;
 #              GRADMGR_LATEST_PYTHON the interpreter for .venv-latest (default python3).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 LEGACY_TORCH="torch==2.8.0"
 LATEST_TORCH="${GRADMGR_LATEST_TORCH:-torch==2.13.0}"
@@ -116,36 +116,77 @@ pip_install_or_die() {  # pip_install_or_die VENV-PYTHON PIP-ARGS...
   pip_failed "$@"
 }
 
-torch_requirements_but_nccl() {  # torch_requirements_but_nccl VENV-PYTHON: installed torch's needs, one per line
+torch_requirements() {  # torch_requirements VENV-PYTHON: installed torch's needs on this machine, one per line
   "$1" - <<'PY'
 from importlib.metadata import requires
 from pip._vendor.packaging.requirements import Requirement
 for line in requires("torch") or []:
     req = Requirement(line)
-    if req.name != "nvidia-nccl-cu12" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+    if req.marker is None or req.marker.evaluate({"extra": ""}):
         print(str(req).split(";")[0])
 PY
 }
 
-install_legacy_torch_without_its_nccl() {  # VENV-PYTHON TORCH-SPEC PIP-ARGS...
-  # Twice CI's download of torch 2.8's pinned nvidia-nccl-cu12 2.27.3 wheel stopped at the same
-  # byte (269.0 of 322.4 MB) on every retry while every other wheel arrived: a truncated copy on
-  # the way, not a flaky link. This CPU-only environment never calls NCCL; torch only needs a
-  # libnccl.so.2 to import. So take torch with its other dependencies, and the nearest NCCL
-  # release whose wheel does arrive. The exact pins then differ from torch's: said loudly below.
-  local py=$1 torch=$2; shift 2
-  local nccl reqs
-  say "FALLBACK: installing $torch without its pinned nvidia-nccl-cu12 wheel, then a neighbouring NCCL 2.27 release"
-  PIP_ATTEMPTS=2 pip_install_or_die "$py" --no-deps "$torch"
-  mapfile -t reqs < <(torch_requirements_but_nccl "$py")
-  PIP_ATTEMPTS=2 pip_install_or_die "$py" "${reqs[@]}" "$@"
-  for nccl in 2.27.5 2.27.7; do
-    if PIP_ATTEMPTS=2 pip_install "$py" --no-deps "nvidia-nccl-cu12==$nccl"; then
-      say "FALLBACK used: .venv has $torch with nvidia-nccl-cu12 $nccl instead of the 2.27.3 it pins ('pip check' says so; the CPU never calls NCCL)"
+neighbour_releases() {  # neighbour_releases VENV-PYTHON NAME PINNED: up to 3 other releases, nearest first
+  # Only releases in the pinned one's series (same first number; same first two for 0.x), which
+  # ship the same shared-library major (libcudnn.so.9, libnccl.so.2...): torch links by that name.
+  local py=$1 name=$2 pinned=$3 available
+  available=$("$py" -m pip index versions "$name" 2>/dev/null | sed -n 's/^Available versions: //p')
+  "$py" - "$pinned" "$available" <<'PY'
+import sys
+from pip._vendor.packaging.version import InvalidVersion, Version
+
+def series(v):
+    return v.release[:2] if v.release[0] == 0 else v.release[:1]
+
+pinned = Version(sys.argv[1])
+found = []
+for text in sys.argv[2].split(", "):
+    try:
+        v = Version(text)
+    except InvalidVersion:
+        continue
+    if v != pinned and not v.is_prerelease and series(v) == series(pinned):
+        found.append(v)
+newer = sorted(v for v in found if v > pinned)
+older = sorted((v for v in found if v < pinned), reverse=True)
+nearest = [v for pair in zip(newer + [None] * len(older), older + [None] * len(newer)) for v in pair if v]
+print(" ".join(str(v) for v in nearest[:3]))
+PY
+}
+
+install_pinned_wheel() {  # install_pinned_wheel VENV-PYTHON NAME==PINNED: the pinned wheel, else a neighbour
+  local py=$1 req=$2 name pinned v
+  name=${req%%==*} pinned=${req#*==}
+  PIP_ATTEMPTS=2 pip_install "$py" --no-deps "$req" && return 0
+  for v in $(neighbour_releases "$py" "$name" "$pinned"); do
+    if PIP_ATTEMPTS=1 pip_install "$py" --no-deps "$name==$v"; then
+      say "FALLBACK used: $name $v instead of the $pinned torch pins ('pip check' will say so)"
       return 0
     fi
   done
-  die "no nvidia-nccl-cu12 2.27 wheel could be downloaded; when the network is back, run 'make setup' again"
+  die "neither $req nor a neighbouring release of it could be downloaded; when the network is back, run 'make setup' again"
+}
+
+install_legacy_torch_piecewise() {  # VENV-PYTHON TORCH-SPEC PIP-ARGS...
+  # Three times a CI download of one of torch 2.8's pinned nvidia-* wheels stopped at the same
+  # byte on every retry and every resume (nccl 2.27.3 at 269.0 of 322.4 MB, twice; cudnn
+  # 9.10.2.21 at 490.2 of 706.8 MB) while every other wheel arrived: a truncated copy on the way,
+  # not a flaky link, so retrying the same file cannot help. This CPU-only environment never calls
+  # CUDA or triton; torch only needs each CUDA library's file, by its major version, to import.
+  # So install torch alone, then its unpinned needs with the project, then each pinned wheel
+  # (nvidia-*, triton) on its own, taking a neighbouring release of the same series where the
+  # pinned one cannot be had (said loudly).
+  local py=$1 torch=$2; shift 2
+  local req reqs others=() pinned=()
+  say "FALLBACK: installing $torch, then its other needs, then each wheel it pins on its own"
+  PIP_ATTEMPTS=2 pip_install_or_die "$py" --no-deps "$torch"
+  mapfile -t reqs < <(torch_requirements "$py")
+  for req in "${reqs[@]}"; do
+    case "$req" in *==*) pinned+=("$req") ;; *) others+=("$req") ;; esac
+  done
+  PIP_ATTEMPTS=2 pip_install_or_die "$py" "${others[@]}" "$@"
+  for req in "${pinned[@]}"; do install_pinned_wheel "$py" "$req"; done
 }
 
 setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
@@ -160,7 +201,7 @@ setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
   pip_install_or_die "$dir/bin/python" --upgrade pip
   if ! PIP_ATTEMPTS=${GRADMGR_PIP_ATTEMPTS:-2} pip_install "$dir/bin/python" "$@"; then
     [ "$1" = "$LEGACY_TORCH" ] || pip_failed "$@"
-    install_legacy_torch_without_its_nccl "$dir/bin/python" "$@"
+    install_legacy_torch_piecewise "$dir/bin/python" "$@"
   fi
   "$dir/bin/python" -c "import $check"
   echo "$stamp" >"$dir/.gradmgr-stamp"
@@ -182,10 +223,15 @@ ensure_chromium() {  # the docs' browser test (tests/docs/test_docs_site.py) dri
   say "WARNING: no Chromium on PATH, and this is not Debian run as root: install Chromium (as 'chromium'), or the docs' browser test fails."
 }
 
-LEGACY_PY=$(ensure_legacy_python)
-setup_env .venv "$LEGACY_PY" "torch, megengine, gradmgr" \
-  "$LEGACY_TORCH" -e ".[megengine,test,demo]"
-setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr, mkdocs, mkdocstrings" \
-  "$LATEST_TORCH" -e ".[test,docs]"
-ensure_chromium
-say "done: .venv ($(.venv/bin/python -c 'import sys,torch,megengine;print("python",sys.version.split()[0],"torch",torch.__version__,"megengine",megengine.__version__)' 2>/dev/null | tail -1)), .venv-latest ($(.venv-latest/bin/python -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__)'))"
+main() {
+  LEGACY_PY=$(ensure_legacy_python)
+  setup_env .venv "$LEGACY_PY" "torch, megengine, gradmgr" \
+    "$LEGACY_TORCH" -e ".[megengine,test,demo]"
+  setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr, mkdocs, mkdocstrings" \
+    "$LATEST_TORCH" -e ".[test,docs]"
+  ensure_chromium
+  say "done: .venv ($(.venv/bin/python -c 'import sys,torch,megengine;print("python",sys.version.split()[0],"torch",torch.__version__,"megengine",megengine.__version__)' 2>/dev/null | tail -1)), .venv-latest ($(.venv-latest/bin/python -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__)'))"
+}
+
+# Sourced (tests/test_setup_script.py), it only defines the functions.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then main "$@"; fi
