@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -264,20 +264,40 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
     whose gradient an attached non-leaf takes (its grad_fn when attached), by ``id``."""
     roots = [graph_root(y) for y in outputs]
     parents = walk(roots)
-    lookup = node_lookup(parents)
-    if snapshots:
-        def node_of(t: torch.Tensor) -> Any:
-            node = snapshots.get(id(t))
-            return lookup(t) if node is None else node if node in parents else None
-    else:
-        node_of = lookup
+    node_of = _node_finder(parents, snapshots)
     now_nodes = [node for node in map(node_of, now) if node is not None]
+    first, moved, later = _first_part(parents, now_nodes, rest, node_of, bool(snapshots))
+    groups = _rest_groups(parents, first, roots, later)
+    first_outputs = [i for i, root in enumerate(roots) if root in first]
+    holders = weak_node_holders([n for g in groups for n in g[0]], parents, roots, outputs)
+    return SplitPlan([*now, *moved], first_outputs, groups, first, holders)
+
+
+def _node_finder(parents: Dict[Any, List[Any]], snapshots: Optional[Dict[int, Any]]
+                 ) -> Callable[[torch.Tensor], Any]:
+    """A tensor's node in this graph (None if not in it); an attached non-leaf's is its
+    snapshot, where it has one."""
+    lookup = node_lookup(parents)
+    if not snapshots:
+        return lookup
+
+    def node_of(t: torch.Tensor) -> Any:
+        node = snapshots.get(id(t))
+        return lookup(t) if node is None else node if node in parents else None
+    return node_of
+
+
+def _first_part(parents: Dict[Any, List[Any]], now_nodes: List[Any], rest: Sequence[Any],
+                node_of: Callable[[Any], Any], stops_at_intermediates: bool
+                ) -> Tuple[set, List[Any], List[Tuple[Any, Any]]]:
+    """The first part's nodes, the ``rest`` tensors it must compute too, and the other ``rest``
+    tensors in the graph with their nodes."""
     first = _upward(parents, now_nodes)
     # At a chosen intermediate with no chosen tensor below it the first part takes the
     # gradient and stops (the engine captures there without running the node): tensors below
     # it get their gradient in the first part too, or no part would run that node for them.
     below = _below(n for n in now_nodes if n.next_functions and not any(
-        child in first for child, _ in n.next_functions)) if snapshots else ()
+        child in first for child, _ in n.next_functions)) if stops_at_intermediates else ()
     moved, later = [], []
     for t in rest:
         node = node_of(t)
@@ -289,10 +309,15 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
         for t, node in later:
             (moved if node in first else still).append((t, node))
         later = still
+    return first, [t for t, _ in moved], later
 
-    # Climb from each later tensor's node through the nodes only the rest needs, stopping at
-    # first-part nodes (the boundary). Climbs that meet, at a node or at a boundary node, are
-    # one group: union-find over the climbs.
+
+def _climbs(parents: Dict[Any, List[Any]], first: set, later: List[Tuple[Any, Any]]
+            ) -> Tuple[Dict[Any, int], Dict[Any, int], Callable[[int], int]]:
+    """Climb from each later tensor's node through the nodes only the rest needs, stopping at
+    first-part nodes (the boundary). Climbs that meet, at a node or at a boundary node, are
+    one group: union-find over the climbs. Returns the climb of each rest-only node, the climb
+    of each boundary node, and ``find`` (a climb's group)."""
     leader: List[int] = []
 
     def find(i: int) -> int:
@@ -301,7 +326,7 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
             i = leader[i]
         return i
 
-    label: Dict[Any, int] = {}  # rest-only node -> its climb
+    label: Dict[Any, int] = {}
     boundary: Dict[Any, int] = {}
     for _, start in later:
         if start in label:
@@ -317,6 +342,13 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
                 stack.extend(parents[node])
             elif met != climb:
                 leader[find(met)] = find(climb)
+    return label, boundary, find
+
+
+def _rest_groups(parents: Dict[Any, List[Any]], first: set, roots: List[Any],
+                 later: List[Tuple[Any, Any]]) -> List[Tuple[List[Any], List[int], List[Any]]]:
+    """``SplitPlan.groups``: the rest's independent engine runs, latest operations first."""
+    label, boundary, find = _climbs(parents, first, later)
     groups: Dict[int, Tuple[List[Any], List[int], List[Any]]] = {}
 
     def group(climb: int) -> Tuple[List[Any], List[int], List[Any]]:
@@ -329,11 +361,8 @@ def split_plan(outputs: Sequence[torch.Tensor], now: Sequence[torch.Tensor],
             group(label[root])[1].append(i)
     for t, node in later:
         group(label[node])[2].append(t)
-    ordered = sorted(groups.values(), key=lambda g: -max(
+    return sorted(groups.values(), key=lambda g: -max(
         [n._sequence_nr() for n in g[0]] + [roots[i]._sequence_nr() for i in g[1]], default=0))
-    first_outputs = [i for i, root in enumerate(roots) if root in first]
-    holders = weak_node_holders([n for g in ordered for n in g[0]], parents, roots, outputs)
-    return SplitPlan([*now, *(t for t, _ in moved)], first_outputs, ordered, first, holders)
 
 
 _PY_NODE = torch._C._FunctionBase  # the grad_fn of a custom torch.autograd.Function's output
