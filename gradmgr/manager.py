@@ -335,14 +335,8 @@ class GradManager(StepHooks):
         # the usual step about 2 us: see _Backwarding).
         stack, tracked = _open_scope(self, self._step), None
         try:
-            backend = self._backend
-            if dy is None and backend is not None and backend_for(y) is backend:
-                ys, dys = [y], [backend.ones_like(y)]  # (the common call, as in _outputs)
-            else:
-                ys, dys = self._outputs(y, dy)
-                backend = self._backend
-            if backend is not None and backend.tracks_backwarding:
-                tracked = _track(self, backend)
+            ys, dys = self._outputs(y, dy)
+            tracked = _track(self, self._backend)
             delegated = None if self._backward_delegate is None else self._backward_delegate()
             tape = self._recording_tape
             if delegated is not None:
@@ -589,7 +583,7 @@ def _track(manager: GradManager, backend: Optional[Backend]) -> Optional[tuple]:
     returns what :func:`_close_scope` needs to take it back."""
     if backend is not None and backend.tracks_backwarding:
         return backend, backend.enter_backward(manager)
-    return None  # (backward() asks tracks_backwarding itself: a call less in the usual step)
+    return None
 
 
 def _close_scope(manager: GradManager, stack: List[GradManager], tracked: Optional[tuple],
