@@ -48,11 +48,11 @@ install_bullseye_python39() {
   say "pinned at priority 100 ($pin) so it never wins for other packages, to install python3.9."
   printf 'Types: deb\nURIs: %s\nSuites: bullseye\nComponents: main\nSigned-By: %s\n' "$uri" "$keyring" >"$sources"
   printf 'Package: *\nPin: release n=bullseye\nPin-Priority: 100\n' >"$pin"
-  apt-get update -q
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q -t bullseye python3.9
+  apt_install -t bullseye python3.9
   # bullseye's python3-distutils would replace bookworm's package of the same name; unpack its files only.
   local tmp; tmp=$(mktemp -d)
-  (cd "$tmp" && apt-get download -q python3-distutils/bullseye && dpkg-deb -x python3-distutils_*.deb /)
+  (cd "$tmp" && with_retries 3 "apt-get download python3-distutils" apt-get download -q python3-distutils/bullseye \
+     && dpkg-deb -x python3-distutils_*.deb /)
   rm -rf "$tmp"
   say "Installed /usr/bin/python3.9 from bullseye (plus its libssl1.1, libffi7, libmpdec3); nothing removed."
 }
@@ -90,20 +90,35 @@ stamp_of() {  # what the environment was built from: a change re-runs the instal
   cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16
 }
 
-pip_install() {  # pip_install VENV-PYTHON PIP-ARGS...; tries ${PIP_ATTEMPTS:-4} times, returns pip's status
-  # torch 2.8 for Python <= 3.10 exists on the index only as a CUDA build: several GB of nvidia-*
-  # wheels come over the network on every fresh machine, and a dropped connection must not end
-  # the set-up. pip keeps finished wheels in its cache, so a retry fetches only what failed.
-  local py=$1; shift
-  local attempt attempts=${PIP_ATTEMPTS:-4} resume=()
-  if "$py" -m pip install --help 2>/dev/null | grep -q -- '--resume-retries'; then resume=(--resume-retries 5); fi
+with_retries() {  # with_retries ATTEMPTS WHAT COMMAND...: COMMAND until it succeeds, ATTEMPTS times at most
+  # Every download here (pip's wheels, Debian's packages) crosses the network on a fresh machine,
+  # and a dropped connection must not end the set-up.
+  local attempts=$1 what=$2 attempt
+  shift 2
   for attempt in $(seq "$attempts"); do
-    if "$py" -m pip install -q --retries 10 ${resume[@]+"${resume[@]}"} "$@"; then return 0; fi
+    "$@" && return 0
     [ "$attempt" -lt "$attempts" ] || break
-    say "pip install failed (attempt $attempt of $attempts, usually the network): trying again in $((attempt * 20)) s"
+    say "$what failed (attempt $attempt of $attempts, usually the network): trying again in $((attempt * 20)) s"
     sleep $((attempt * 20))
   done
   return 1
+}
+
+pip_install() {  # pip_install VENV-PYTHON PIP-ARGS...; tries ${PIP_ATTEMPTS:-4} times, returns pip's status
+  # torch 2.8 for Python <= 3.10 exists on the index only as a CUDA build: several GB of nvidia-*
+  # wheels come over the network on every fresh machine. pip keeps finished wheels in its
+  # cache, so a retry fetches only what failed.
+  local py=$1 resume=()
+  shift
+  if "$py" -m pip install --help 2>/dev/null | grep -q -- '--resume-retries'; then resume=(--resume-retries 5); fi
+  with_retries "${PIP_ATTEMPTS:-4}" "pip install" \
+    "$py" -m pip install -q --retries 10 ${resume[@]+"${resume[@]}"} "$@"
+}
+
+apt_install() {  # apt_install APT-GET-INSTALL-ARGS...: Debian's packages, the index updated first
+  with_retries 3 "apt-get update" apt-get update -q || die "apt-get update failed three times"
+  with_retries 3 "apt-get install $*" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" \
+    || die "apt-get install $* failed three times (apt's message is above); run 'make setup' again"
 }
 
 pip_failed() {  # pip_failed PIP-ARGS...
@@ -215,8 +230,7 @@ ensure_chromium() {  # the docs' browser test (tests/docs/test_docs_site.py) dri
   done
   if [ -r /etc/debian_version ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "No Chromium found; the docs' browser test needs one. CHANGING THIS MACHINE: installing Debian's chromium package with apt-get."
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+    apt_install chromium
     say "Installed $(command -v chromium) ($(chromium --version 2>/dev/null | head -1))"
     return
   fi

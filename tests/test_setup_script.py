@@ -112,3 +112,36 @@ def test_no_neighbour_arriving_stops_with_what_to_do(fake_python, tmp_path):
     assert "run 'make setup' again" in out.stderr
     tried = [f"--no-deps nvidia-cudnn-cu12=={v}" for v in ("9.11.0.98", "9.10.1.4", "9.28.0.42")]
     assert pip_calls(tmp_path)[-3:] == tried
+
+
+def test_a_download_is_tried_again_then_given_up_with_a_status(tmp_path):
+    """with_retries (pip's and apt's downloads): a command that fails twice and then succeeds
+    passes with three attempts; one that always fails gives up after them with its status."""
+    flaky = tmp_path / "flaky"
+    flaky.write_text(
+        "#!/usr/bin/env bash\n"
+        f'n=$(cat "{tmp_path}/count" 2>/dev/null || echo 0); echo $((n + 1)) >"{tmp_path}/count"\n'
+        '[ "$n" -ge 2 ]\n'
+    )
+    flaky.chmod(flaky.stat().st_mode | stat.S_IEXEC)
+    out = run_setup_functions(
+        f"""
+        sleep() {{ echo "slept $1"; }}
+        with_retries 3 "the flaky download" {flaky} && echo "passed"
+        rm "{tmp_path}/count"
+        with_retries 2 "the flaky download" {flaky} || echo "gave up"
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    said = [line.split("\x1b[0m ", 1)[-1] for line in out.stdout.splitlines()]  # after [setup]
+    assert said == [
+        "the flaky download failed (attempt 1 of 3, usually the network): trying again in 20 s",
+        "slept 20",
+        "the flaky download failed (attempt 2 of 3, usually the network): trying again in 40 s",
+        "slept 40",
+        "passed",
+        "the flaky download failed (attempt 1 of 2, usually the network): trying again in 20 s",
+        "slept 20",
+        "gave up",
+    ]
