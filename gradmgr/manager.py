@@ -310,8 +310,7 @@ class GradManager(StepHooks):
             self._run_release_callbacks(self._backward_ran)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._managers is not None:  # (a backward released it already)
-            self.release()
+        self.release()  # (nothing to do where a backward released it already)
 
     # ----------------------------------------------------------------- backward
     def backward(self, y: Any = None, dy: Any = None) -> None:
@@ -347,8 +346,7 @@ class GradManager(StepHooks):
                         (False, False) if len(managers) == 1 else self._nesting())
                     tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
                                   may_accumulate=not self._after_backward_callbacks)
-                if self._after_backward_callbacks or self._delivery.gradients:
-                    self._end_backward()
+                self._end_backward()
         except BaseException as error:
             _close_scope(self, stack, tracked, error)
             raise

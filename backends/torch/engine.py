@@ -12,8 +12,9 @@ from .grads import storage_users, unshare_seeds
 # so a .grad on its storage is what the engine leaves after loss.backward() too, and needs no
 # check. Told by identity, which costs a step 1 us less than an attribute set on the tensor
 # (another thread's seed made in between only sends this one through the check). The tape
-# forgets one the engine did not take when its backward ends (y needed no gradient, an error
-# before the engine), so that no seed outlives its backward.
+# forgets one the engine did not take when its recording stops, which every backward ends
+# with (y needed no gradient, an error before the engine), so that no seed outlives its
+# backward.
 OWN_SEED: List[Optional[torch.Tensor]] = [None]
 
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch>=2.3

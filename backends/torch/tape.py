@@ -282,6 +282,9 @@ class TorchTape(Tape):
                                   else GRAD_MODE.start(self))
 
     def stop(self) -> None:
+        # Every backward ends its recording: a seed the engine did not take (y needed no
+        # gradient, an error before the engine) is forgotten here (see engine.OWN_SEED).
+        OWN_SEED[0] = None
         if not self._recording:
             return
         self._recording = False
@@ -304,58 +307,48 @@ class TorchTape(Tape):
         may_accumulate: bool = False,
     ) -> None:
         watched = self.watched
-        try:
-            if (may_accumulate and not create_graph and self._checked and len(ys) == 1
-                    and not watched.eager and not watched.snapshots
-                    and not prerecord.every_backward):
-                # The usual step (no callbacks, nothing to check): what loss.backward() costs.
-                y = ys[0]
-                if y.requires_grad if type(y) is _Tensor else _differentiable(y):
-                    inputs = watched.trainable()[1]
-                    if inputs:
-                        try:
-                            run_engine_plain(y, dys[0], retain_graph, inputs)
-                        except RuntimeError as error:
-                            _refuse_reentrant_checkpoint(error)
-                return
-            prepared = self._prepare_backward(ys, dys)
-            if prepared is not None:
-                outputs, seeds, entries, inputs = prepared
-                self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
-                         entries, accumulate=(may_accumulate and not self.watched.eager
-                                              and not create_graph))
-        finally:
-            OWN_SEED[0] = None  # one the engine did not take (see engine.OWN_SEED)
+        if (may_accumulate and not create_graph and self._checked and len(ys) == 1
+                and not watched.eager and not watched.snapshots
+                and not prerecord.every_backward):
+            # The usual step (no callbacks, nothing to check): what loss.backward() costs.
+            y = ys[0]
+            if y.requires_grad if type(y) is _Tensor else _differentiable(y):
+                inputs = watched.trainable()[1]
+                if inputs:
+                    try:
+                        run_engine_plain(y, dys[0], retain_graph, inputs)
+                    except RuntimeError as error:
+                        _refuse_reentrant_checkpoint(error)
+            return
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is not None:
+            outputs, seeds, entries, inputs = prepared
+            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
+                     entries, accumulate=(may_accumulate and not self.watched.eager
+                                          and not create_graph))
 
     def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
                               create_graph: bool, retain_graph: bool) -> None:
-        try:
-            prepared = self._prepare_backward(ys, dys)
-            if prepared is None:
-                return
-            outputs, seeds, entries, inputs = prepared
-            if self.watched.snapshots:
-                raise RuntimeError(
-                    "a delegated backward cannot take a non-leaf tensor's gradient")
-            if not self._hooks_suspended:
-                self._hooks_suspended = True
-                self.watched.remove_hooks()
-            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
-                     entries, accumulate=True)
-        finally:
-            OWN_SEED[0] = None  # one the engine did not take (see engine.OWN_SEED)
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is None:
+            return
+        outputs, seeds, entries, inputs = prepared
+        if self.watched.snapshots:
+            raise RuntimeError("a delegated backward cannot take a non-leaf tensor's gradient")
+        if not self._hooks_suspended:
+            self._hooks_suspended = True
+            self.watched.remove_hooks()
+        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
+                 accumulate=True)
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
-        try:
-            prepared = self._prepare_backward(ys, dys)
-            if prepared is None:
-                return None
-            outputs, seeds, entries, inputs = prepared
-            return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph,
-                                    self._flagged)
-        finally:
-            OWN_SEED[0] = None  # one the engine did not take (see engine.OWN_SEED)
+        prepared = self._prepare_backward(ys, dys)
+        if prepared is None:
+            return None
+        outputs, seeds, entries, inputs = prepared
+        return split.first_part(self, outputs, seeds, entries, inputs, first, retain_graph,
+                                self._flagged)
 
     def _prepare_backward(self, ys: Sequence[Any], dys: Sequence[Any]) -> Optional[tuple]:
         """``(outputs, seeds, entries, inputs)`` of a backward (the outputs that require grad
