@@ -163,9 +163,9 @@ for text in sys.argv[2].split(", "):
         continue
     if v != pinned and not v.is_prerelease and series(v) == series(pinned):
         found.append(v)
-newer = sorted(v for v in found if v > pinned)
-older = sorted((v for v in found if v < pinned), reverse=True)
-nearest = [v for pair in zip(newer + [None] * len(older), older + [None] * len(newer)) for v in pair if v]
+ordered = sorted(found + [pinned])
+at = ordered.index(pinned)
+nearest = sorted(found, key=lambda v: (abs(ordered.index(v) - at), v < pinned))  # newer first
 print(" ".join(str(v) for v in nearest[:3]))
 PY
 }
