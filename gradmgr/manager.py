@@ -295,7 +295,16 @@ class GradManager(StepHooks):
             )
 
     def release(self) -> None:
-        """Stop recording and free what was kept for differentiation. Idempotent."""
+        """Stop recording and free what was kept for differentiation. Idempotent.
+
+        Raises:
+            RuntimeError: the recording ended without ``backward()``, but PyTorch's own
+                ``loss.backward()`` wrote attached tensors' ``.grad`` in it, skipping their
+                callbacks (seen where a tensor has callbacks).
+        """
+        self._release(True)
+
+    def _release(self, check: bool) -> None:
         managers, self._managers = self._managers, None
         if managers is None:
             return
@@ -304,13 +313,20 @@ class GradManager(StepHooks):
         elif self in managers:
             managers.remove(self)
         tape, self._recording_tape = self._recording_tape, None
+        bypassed = None
         if tape is not None:
             tape.stop()
+            bypassed = tape.bypassed
+            if bypassed is not None:
+                tape.bypassed = None
         if self._release_callbacks:
             self._run_release_callbacks(self._backward_ran)
+        if bypassed is not None and check and not self._backward_ran:
+            raise RuntimeError(bypassed)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.release()  # (nothing to do where a backward released it already)
+        # (nothing to do where a backward released it already; the block's own error wins)
+        self._release(exc_type is None)
 
     # ----------------------------------------------------------------- backward
     def backward(self, y: Any = None, dy: Any = None) -> None:
