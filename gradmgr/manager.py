@@ -69,6 +69,7 @@ class GradManager(StepHooks):
         self._recording_tape: Optional[Tape] = None
         self._step = -1  # the latest recording's number
         self._backward_ran = False  # in the latest recording
+        self._leaving_on_error = False  # a `with` block is left by an exception
         self._delivery: Optional[Delivery] = None  # while a backward of this manager runs
         self._spare_delivery: Optional[Delivery] = None  # an empty one, for the next backward
 
@@ -302,9 +303,6 @@ class GradManager(StepHooks):
                 ``loss.backward()`` wrote attached tensors' ``.grad`` in it, skipping their
                 callbacks (seen where a tensor has callbacks).
         """
-        self._release(True)
-
-    def _release(self, check: bool) -> None:
         managers, self._managers = self._managers, None
         if managers is None:
             return
@@ -321,12 +319,19 @@ class GradManager(StepHooks):
                 tape.bypassed = None
         if self._release_callbacks:
             self._run_release_callbacks(self._backward_ran)
-        if bypassed is not None and check and not self._backward_ran:
+        if bypassed is not None and not self._backward_ran and not self._leaving_on_error:
             raise RuntimeError(bypassed)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        # (nothing to do where a backward released it already; the block's own error wins)
-        self._release(exc_type is None)
+        # (nothing to do where a backward released it already; a subclass's release() too)
+        if exc_type is None:
+            self.release()
+            return
+        self._leaving_on_error = True  # the block's own error wins
+        try:
+            self.release()
+        finally:
+            self._leaving_on_error = False
 
     # ----------------------------------------------------------------- backward
     def backward(self, y: Any = None, dy: Any = None) -> None:

@@ -36,7 +36,7 @@ from gradmgr.distributed import free_port  # noqa: E402
 WORLD = 2
 
 SCENARIOS = ["ddp_wrapper_given", "ddp_around_after", "ddp_around_before",
-             "forgotten_recording", "evaluation_after_training"]
+             "forgotten_recording", "another_models_step", "evaluation_after_training"]
 PATHS = {"native": {"GRADMGR_NATIVE_REDUCER": "1"}, "python": {"GRADMGR_NATIVE_REDUCER": "0"},
          "shard": {"HABITS_SHARD": "1"}}
 
@@ -86,6 +86,7 @@ def test_a_forward_through_a_ddp_wrapper_is_refused(ranks, order):
             message), (rank, message)
         assert "Drop the DDP wrapper" in message, message
         assert bool(out[f"around_{order}_no_grad"]), f"rank {rank}: gradients were written"
+        assert np.isfinite(out[f"around_{order}_eval"]).all()
         group_still_works(out, f"around_{order}")
 
 
@@ -105,6 +106,13 @@ def test_backward_without_recording_is_refused_and_evaluation_works(ranks):
                 assert (gm is None) == (ddp is None), i
                 if gm is not None:
                     np.testing.assert_array_equal(gm, ddp, err_msg=f"param {i}")
+
+
+def test_another_managers_backward_through_the_model_is_legal(ranks):
+    for rank, out in enumerate(ranks.scenario("another_models_step")):
+        assert str(out["gan_error"]) == "no error", (rank, str(out["gan_error"]))
+        assert bool(out["gan_disc_no_grad"]) and bool(out["gan_disc_grad"]), rank
+        group_still_works(out, "gan")
 
 
 # ---------------------------------------------------------------- item 6

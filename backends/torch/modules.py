@@ -28,11 +28,19 @@ _DDP_AROUND = (
 )
 
 
+_FOUND: list = []  # DistributedDataParallel, once found
+
+
 def _ddp_class() -> Any:
     """``DistributedDataParallel``, only where the user's program imported it (looking it up
     would import torch.distributed's Python layer into programs that never use it)."""
+    if _FOUND:
+        return _FOUND[0]
     module = sys.modules.get(_DDP_MODULE)
-    return None if module is None else getattr(module, "DistributedDataParallel", None)
+    ddp = None if module is None else getattr(module, "DistributedDataParallel", None)
+    if ddp is not None:
+        _FOUND.append(ddp)
+    return ddp
 
 
 def wrapper_problem(module: Any) -> Optional[str]:
@@ -59,50 +67,57 @@ def _inside_ddp_forward(module: Any) -> bool:
     return inner is not None and any(m is module for m in inner.modules())
 
 
-def _before(module: Any, args: Any) -> None:
-    if _inside_ddp_forward(module):
-        raise RuntimeError(_DDP_AROUND)
-
-
-def _after(refusal_ref: weakref.WeakMethod, module: Any, args: Any, output: Any) -> None:
-    if not _grad_enabled():
-        return  # an evaluation under no_grad: no backward can come through it
-    refusal = refusal_ref()
-    message = None if refusal is None else refusal()
-    if message is not None:
-        refuse = functools.partial(_refuse_backward, message)
-        for tensor in _tensors(output):
-            # Non-leaves only: a hook on a leaf (a parameter returned as it is) would stay.
-            if tensor.requires_grad and tensor.grad_fn is not None:
-                tensor.register_hook(refuse)
-
-
 def _refuse_backward(message: str, grad: Any) -> None:
     raise RuntimeError(message)
 
 
-def _tensors(output: Any) -> list:
-    """The tensors in a forward's output (a tensor, or lists, tuples and dicts of them)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    return []
+class ForwardWatch:
+    """The hooks on one module's forward, and the parameter hooks a forward arms.
 
+    A forward with gradients enabled for which ``refusal()`` gives a message (outside a
+    recording) arms a hook on every trainable parameter that raises it when a backward
+    computes that parameter's gradient, before anything is accumulated: ``loss.backward()``.
+    A manager's backward of another model through this one's outputs (a GAN's generator step
+    through the discriminator) computes no gradient for these parameters and passes. The
+    manager disarms them when a recording starts, so its own backwards run without them."""
 
-def watch_forwards(module: Any, refusal: Callable[[], Optional[str]]) -> Optional[Any]:
-    """Hooks on ``module``'s forward (see ``TensorOps.watch_forwards``); returns what removes
-    them (None: not a Module, nothing to hook)."""
-    if not isinstance(module, torch.nn.Module):
-        return None
-    handles = [module.register_forward_pre_hook(_before),
-               module.register_forward_hook(functools.partial(_after,
-                                                              weakref.WeakMethod(refusal)))]
+    def __init__(self, module: Any, refusal: Callable[[], Optional[str]]) -> None:
+        self._refusal = weakref.WeakMethod(refusal)
+        self._armed: list = []  # the parameter hooks' handles
+        # One forward hook, run after the forward (still inside a DDP wrapper's): a pre-hook
+        # as well would cost every forward about 3 us more (torch 2.8, measured).
+        self._handle = module.register_forward_hook(self._after)
 
-    def remove() -> None:
-        for handle in handles:
+    @property
+    def armed(self) -> bool:
+        return bool(self._armed)
+
+    def _after(self, module: Any, args: Any, output: Any) -> None:
+        if not _grad_enabled():
+            return  # an evaluation under no_grad (also through a DDP wrapper): no backward
+        if _inside_ddp_forward(module):
+            raise RuntimeError(_DDP_AROUND)
+        if self._armed:
+            return
+        refusal = self._refusal()
+        message = None if refusal is None else refusal()
+        if message is not None:
+            refuse = functools.partial(_refuse_backward, message)
+            self._armed = [p.register_hook(refuse) for p in module.parameters()
+                           if p.requires_grad]
+
+    def disarm(self) -> None:
+        armed, self._armed = self._armed, []
+        for handle in armed:
             handle.remove()
 
-    return remove
+    def remove(self) -> None:
+        self.disarm()
+        self._handle.remove()
+
+
+def watch_forwards(module: Any, refusal: Callable[[], Optional[str]]) -> Optional[ForwardWatch]:
+    """Hooks on ``module``'s forward (see ``TensorOps.watch_forwards``); None: not a Module."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    return ForwardWatch(module, refusal)

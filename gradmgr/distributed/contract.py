@@ -393,12 +393,14 @@ class TensorOps:
         return None
 
     def watch_forwards(self, module: Any, refusal: Callable[[], Optional[str]]) -> Any:
-        """Watch every forward of ``module``: one run inside the framework's own data-parallel
-        wrapper raises at once (a second reducer); after one run with gradients enabled,
-        ``refusal()`` is called, and where it returns a message, a backward through that
-        forward's outputs raises ``RuntimeError(message)``. ``refusal`` is held weakly (a
-        bound method: the watching ends with its object). Returns a callable that removes the
-        hooks, or None (the default: the framework has no forward hooks)."""
+        """Watch every forward of ``module``: one run with gradients enabled inside the
+        framework's own data-parallel wrapper raises at once (a second reducer); after one
+        run with gradients enabled, ``refusal()`` is called, and where it returns a message,
+        a backward that computes the gradient of the module's parameters raises
+        ``RuntimeError(message)`` before writing any (the watch is then ``armed``), until
+        ``disarm()``. ``refusal`` is held weakly (a bound method). Returns the watch
+        (``armed``, ``disarm()``, ``remove()``), or None (the default: the framework has no
+        forward hooks)."""
         return None
 
     def native_path(self, transport: Any) -> Optional[NativePath]:

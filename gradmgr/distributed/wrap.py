@@ -34,8 +34,9 @@ def data_parallel(
     broadcast again when a synced recording ends (not one inside a :func:`no_sync`
     accumulation window): the values DDP broadcasts at the next forward, an evaluation's too.
     Where the backend watches forwards (PyTorch), a forward inside a DDP wrapper raises
-    ``RuntimeError`` (two reducers), and so does the backward of a forward run with gradients
-    enabled outside a recording (``loss.backward()`` without ``with gm:``).
+    ``RuntimeError`` (two reducers), and so does, after a forward run with gradients enabled
+    outside a recording, a backward that computes the module's gradients (``loss.backward()``
+    without ``with gm:``).
 
     Before broadcasting, the ranks compare their modules (every parameter and buffer, in
     order, with its shape and dtype): where they differ, every rank raises
@@ -67,9 +68,10 @@ def data_parallel(
     gm.register_backward_error_callback(step.backward_failed)
     gm.register_release_callback(step.release)
     if params:
-        remove = backend_for(params[0]).tensor_ops().watch_forwards(module, step.refusal)
-        if remove is not None:
-            weakref.finalize(gm, remove)
+        watch = backend_for(params[0]).tensor_ops().watch_forwards(module, step.refusal)
+        if watch is not None:
+            step.watch = watch
+            weakref.finalize(gm, watch.remove)
     return gm
 
 
@@ -104,8 +106,9 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
 
 
 _FORGOTTEN = (
-    "data_parallel(): a backward went through a forward of the model that ran with gradients "
-    "enabled outside `with gm:` (loss.backward(), typed by habit after dropping DDP?): it "
+    "data_parallel(): a backward computes the model's gradients after a forward that ran with "
+    "gradients enabled outside `with gm:` (loss.backward(), typed by habit after dropping "
+    "DDP?): it "
     "would compute this rank's gradients only, so the ranks' gradients, and then their "
     "parameters, would differ. Run the forward and gm.backward(loss) inside the recording: "
     "`with gm: gm.backward(loss_fn(model(x), y))`. (A forward for evaluation: under "
@@ -125,8 +128,9 @@ class _Step:
     difference: between steps, the other ranks hold rank ``src``'s buffers, not their own
     updated ones (which DDP overwrites before they are used).
 
-    Forwards (where the backend can watch them): one with gradients enabled outside a
-    recording gets outputs whose backward raises :data:`_FORGOTTEN`."""
+    Forwards (where the backend can watch them): after one with gradients enabled outside a
+    recording, a backward that computes the parameters' gradients raises :data:`_FORGOTTEN`
+    (until the next recording starts)."""
 
     def __init__(self, gm: GradManager, module: Any, buffers: bool, src: int, group: Any,
                  transport: TransportSpec) -> None:
@@ -135,8 +139,12 @@ class _Step:
         self._src, self._group, self._transport = src, group, transport
         self._synced = False  # the recording started outside no_sync
         self._failed = False  # its backward raised
+        self.watch: Any = None  # the backend's watch of the module's forwards, if any
 
     def record(self) -> None:
+        watch = self.watch
+        if watch is not None and watch.armed:
+            watch.disarm()  # a forward outside a recording armed it; this recording's is fine
         gm = self._gm()
         self._synced = gm is not None and not is_paused(gm)
         self._failed = False

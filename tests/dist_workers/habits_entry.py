@@ -68,6 +68,8 @@ def _through_ddp(out: dict, name: str, rank: int, world: int, ddp_first: bool) -
         gm = make_gm(model)
         net = DDP(model)
     x, y = local_batch(0, rank, world)
+    with torch.no_grad():  # an evaluation through the wrapper: nothing to reduce, fine
+        out[f"{name}_eval"] = net(x, y).numpy()
 
     def step() -> None:
         with gm:
@@ -111,6 +113,28 @@ def forgotten_recording(out: dict, rank: int, world: int) -> None:
         save(out, "forgot_after_gm", grads(model))
         ddp_reference_grads(out, "forgot_after", x, y)
     group_works(out, "forgot", rank)
+
+
+def another_models_step(out: dict, rank: int, world: int) -> None:
+    """A GAN's generator step: ``gen``'s manager backwards through ``disc``'s forward, which
+    ran outside ``disc``'s recording. Legal: that backward computes no gradient of ``disc``'s
+    parameters. Then ``disc``'s own step works."""
+    torch.manual_seed(3)
+    gen, disc = nn.Linear(6, 4), nn.Linear(4, 1)
+    gm_gen, gm_disc = make_gm(gen), make_gm(disc)
+    x, _ = local_batch(0, rank, world)
+
+    def gen_step() -> None:
+        with gm_gen:
+            gm_gen.backward(disc(gen(x)).mean())
+
+    out["gan_error"] = error_text(gen_step)
+    out["gan_disc_no_grad"] = np.array(all(p.grad is None for p in disc.parameters()))
+    with gm_disc:
+        gm_disc.backward(disc(gen(x).detach()).mean())
+    out["gan_disc_grad"] = np.array(all(p.grad is not None for p in disc.parameters())
+                                    or SHARD)
+    group_works(out, "gan", rank)
 
 
 # ---------------------------------------------------------------- item 6: evaluation
@@ -189,7 +213,7 @@ def evaluation_after_training(out: dict, rank: int, world: int) -> None:
 
 SCENARIOS = {f.__name__: f for f in (
     ddp_wrapper_given, ddp_around_after, ddp_around_before, forgotten_recording,
-    evaluation_after_training,
+    another_models_step, evaluation_after_training,
 )}
 
 
