@@ -83,6 +83,12 @@ class Tape(ABC):
     again; the tape keeps watching the tensor in every later recording until the tensor dies,
     holding it only weakly between recordings."""
 
+    bypassed: Optional[str] = None
+    """Set by :meth:`stop` where a backward that was not the manager's (PyTorch's
+    ``loss.backward()`` typed by habit) wrote attached tensors' ``.grad`` during the recording:
+    the message the manager raises if that recording ended without ``backward()`` (the
+    callbacks were skipped). The manager reads and clears it at every release."""
+
     @abstractmethod
     def start(self) -> None:
         """Begin recording (``GradManager.record()``)."""

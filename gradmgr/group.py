@@ -67,9 +67,15 @@ class GradManagerGroup:
             state.starting_group = None
 
     def release(self) -> None:
-        """Every member stops recording."""
+        """Every member stops recording (also when one raises: the first error propagates)."""
+        first_error = None
         for gm in reversed(self._gms):
-            gm.release()
+            try:
+                gm.release()
+            except BaseException as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def __enter__(self) -> GradManagerGroup:
         self.record()

@@ -69,6 +69,7 @@ class GradManager(StepHooks):
         self._recording_tape: Optional[Tape] = None
         self._step = -1  # the latest recording's number
         self._backward_ran = False  # in the latest recording
+        self._leaving_on_error = False  # a `with` block is left by an exception
         self._delivery: Optional[Delivery] = None  # while a backward of this manager runs
         self._spare_delivery: Optional[Delivery] = None  # an empty one, for the next backward
 
@@ -295,7 +296,13 @@ class GradManager(StepHooks):
             )
 
     def release(self) -> None:
-        """Stop recording and free what was kept for differentiation. Idempotent."""
+        """Stop recording and free what was kept for differentiation. Idempotent.
+
+        Raises:
+            RuntimeError: the recording ended without ``backward()``, but PyTorch's own
+                ``loss.backward()`` wrote attached tensors' ``.grad`` in it, skipping their
+                callbacks (seen where a tensor has callbacks).
+        """
         managers, self._managers = self._managers, None
         if managers is None:
             return
@@ -304,13 +311,27 @@ class GradManager(StepHooks):
         elif self in managers:
             managers.remove(self)
         tape, self._recording_tape = self._recording_tape, None
+        bypassed = None
         if tape is not None:
             tape.stop()
+            bypassed = tape.bypassed
+            if bypassed is not None:
+                tape.bypassed = None
         if self._release_callbacks:
             self._run_release_callbacks(self._backward_ran)
+        if bypassed is not None and not self._backward_ran and not self._leaving_on_error:
+            raise RuntimeError(bypassed)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.release()  # (nothing to do where a backward released it already)
+        # (nothing to do where a backward released it already; a subclass's release() too)
+        if exc_type is None:
+            self.release()
+            return
+        self._leaving_on_error = True  # the block's own error wins
+        try:
+            self.release()
+        finally:
+            self._leaving_on_error = False
 
     # ----------------------------------------------------------------- backward
     def backward(self, y: Any = None, dy: Any = None) -> None:

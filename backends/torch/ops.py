@@ -183,6 +183,16 @@ class TorchOps(TensorOps):
     def scalar_like_state(self, value: float, like: Any) -> Any:
         return torch.tensor(value, dtype=torch.float32)
 
+    def wrapper_problem(self, module: Any) -> Optional[str]:
+        from .modules import wrapper_problem
+
+        return wrapper_problem(module)
+
+    def watch_forwards(self, module: Any, refusal: Any) -> Optional[Any]:
+        from .modules import watch_forwards
+
+        return watch_forwards(module, refusal)
+
     def native_path(self, transport: Any) -> Optional[NativePath]:
         from .reducer import native_path  # torch.distributed's private reducer API
 

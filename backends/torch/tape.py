@@ -9,6 +9,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
+from gradmgr import get_backwarding_grad_manager
 from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import CallbackResultError, UnsupportedGraphError
 
@@ -45,7 +46,11 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     So are sparse ones: the engine refuses a hook that changes a gradient's layout.
     """
     tape = tape_ref()
-    if tape is None or not tape._running or _graph_task_id() != tape._task:
+    if tape is None:
+        return None
+    if not tape._running or _graph_task_id() != tape._task:
+        if tape._recording and not tape._running and leaf:
+            _note_foreign(tape, key)
         return None
     if grad is None:  # a custom Function's backward gave this input no gradient: as if unused
         return None
@@ -62,6 +67,45 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     if stand_in is None or stand_in.shape != grad.shape:
         stand_in = stand_ins[key] = zeros_like_cheaply(grad)
     return stand_in
+
+
+def _note_foreign(tape: TorchTape, key: int) -> None:
+    """A backward that is not a manager's (``loss.backward()`` typed by habit, or
+    ``torch.autograd.grad``) reached watched leaf ``key`` while this tape records: keep what
+    its ``.grad`` holds before that backward accumulates, so that :meth:`TorchTape.stop` can
+    tell whether it wrote ``.grad`` (without the callbacks) in a recording that then ends
+    without ``gm.backward()``."""
+    if get_backwarding_grad_manager() is not None:
+        return  # another manager's backward (nested, or run inside a callback)
+    foreign = tape._foreign
+    if foreign is None:
+        foreign = tape._foreign = {}
+    if key not in foreign:
+        entry = tape.watched.entries.get(key)
+        tensor = None if entry is None else entry.ref()
+        if tensor is not None:
+            grad = tensor.grad
+            foreign[key] = (entry.ref, grad, None if grad is None else grad._version)
+
+
+def _grad_written(foreign: dict) -> int:
+    """How many of the noted leaves' ``.grad`` changed since the note."""
+    changed = 0
+    for ref, grad, version in foreign.values():
+        tensor = ref()
+        if tensor is not None and (tensor.grad is not grad or grad is not None
+                                   and grad._version != version):
+            changed += 1
+    return changed
+
+
+_BYPASSED = (
+    "loss.backward() (or torch.autograd.backward) ran inside a recording (`with gm:`) and the "
+    "recording ended without gm.backward(): PyTorch wrote the .grad of {n} attached "
+    "tensor(s) itself and the manager's callbacks never ran on them, so .grad holds the "
+    "gradients without what the callbacks do (MegEngine tensors have no .backward() at all). "
+    "Call gm.backward(loss) inside `with gm:` instead"
+)
 
 
 def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
@@ -185,6 +229,9 @@ class TorchTape(Tape):
         self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._grad_mode_thread = 0
         self._record_seq = 0
+        # Watched leaves a backward that was not a manager's reached while recording (see
+        # _note_foreign), by key: (ref, .grad then, its version). None: none.
+        self._foreign: Optional[dict] = None
         self._checked = False  # the graph was checked (each manager's first backward)
         self._warned = False
         weakref.finalize(self, self.watched.remove_hooks)
@@ -287,6 +334,11 @@ class TorchTape(Tape):
         OWN_SEED[0] = None
         if not self._recording:
             return
+        if self._foreign is not None:
+            foreign, self._foreign = self._foreign, None
+            written = _grad_written(foreign)
+            if written:
+                self.bypassed = _BYPASSED.format(n=written)
         self._recording = False
         self._running = False
         if self._grad_mode_thread:

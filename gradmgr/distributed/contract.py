@@ -10,7 +10,7 @@ one piece both use as it is.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Protocol, Sequence, Tuple
 
 _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -384,6 +384,24 @@ class TensorOps:
         """A per-parameter scalar of optimizer state (a step count) as the framework's
         optimizers keep it."""
         return value
+
+    # ------------------------------------------------------------- the module (data_parallel)
+    def wrapper_problem(self, module: Any) -> Optional[str]:
+        """Why ``data_parallel(module)`` must refuse ``module`` (a phrase saying what to pass
+        instead): it is the framework's own data-parallel wrapper, which would reduce every
+        gradient a second time. None (the default): nothing known against it."""
+        return None
+
+    def watch_forwards(self, module: Any, refusal: Callable[[], Optional[str]]) -> Any:
+        """Watch every forward of ``module``: one run with gradients enabled inside the
+        framework's own data-parallel wrapper raises at once (a second reducer); after one
+        run with gradients enabled, ``refusal()`` is called, and where it returns a message,
+        a backward that computes the gradient of the module's parameters raises
+        ``RuntimeError(message)`` before writing any (the watch is then ``armed``), until
+        ``disarm()``. ``refusal`` is held weakly (a bound method). Returns the watch
+        (``armed``, ``disarm()``, ``remove()``), or None (the default: the framework has no
+        forward hooks)."""
+        return None
 
     def native_path(self, transport: Any) -> Optional[NativePath]:
         """The framework's own reducer over ``transport``, or None (the default: gradmgr's

@@ -30,9 +30,13 @@ def data_parallel(
     """A GradManager that trains ``module`` data-parallel, set up as
     ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
     now (the buffers only with ``broadcast_buffers``), the trainable parameters are attached
-    with an allreduce callback, and (with ``broadcast_buffers``) the buffers are broadcast
-    again when a recording starts, as DDP does at the forward: at the first recording after a
-    synchronised one (not inside a :func:`no_sync` accumulation window).
+    with an allreduce callback, and (with ``broadcast_buffers``) rank ``src``'s buffers are
+    broadcast again when a synced recording ends (not one inside a :func:`no_sync`
+    accumulation window): the values DDP broadcasts at the next forward, an evaluation's too.
+    Where the backend watches forwards (PyTorch), a forward inside a DDP wrapper raises
+    ``RuntimeError`` (two reducers), and so does, after a forward run with gradients enabled
+    outside a recording, a backward that computes the module's gradients (``loss.backward()``
+    without ``with gm:``).
 
     Before broadcasting, the ranks compare their modules (every parameter and buffer, in
     order, with its shape and dtype): where they differ, every rank raises
@@ -40,7 +44,8 @@ def data_parallel(
     to wrap at once. The other options are :class:`AllreduceCallback`'s; ``verify=False``
     also skips this first comparison. ``shard=True`` reduce-scatters the gradients instead
     (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
-    :class:`ShardedOptimizer`; ``native`` does not apply).
+    :class:`ShardedOptimizer`; ``native`` does not apply). ``data_parallel(DDP(model))``
+    raises ``TypeError``: pass the model itself.
 
     Example:
         >>> # gm = data_parallel(model)
@@ -48,6 +53,7 @@ def data_parallel(
         >>> #     gm.backward(loss_fn(model(x), y))   # .grad: the mean over ranks
         >>> # with no_sync(gm): ...                    # gradient accumulation
     """
+    _refuse_wrapper(module)
     kind = ReduceScatterCallback if shard else AllreduceCallback
     cb = kind(reduce, group, bucket_bytes, compression, transport, broadcast=False, src=src,
               verify=verify, native=False if shard else native, names=module)
@@ -57,9 +63,26 @@ def data_parallel(
     broadcast(params + (buffers if broadcast_buffers else []), src, group=group,
               transport=transport)
     gm = GradManager().attach(params, callbacks=[cb])
-    if broadcast_buffers and buffers:
-        gm.register_record_callback(_BufferSync(gm, buffers, src, group, transport))
+    step = _Step(gm, module, broadcast_buffers, src, group, transport)
+    gm.register_record_callback(step.record)
+    gm.register_backward_error_callback(step.backward_failed)
+    gm.register_release_callback(step.release)
+    if params:
+        watch = backend_for(params[0]).tensor_ops().watch_forwards(module, step.refusal)
+        if watch is not None:
+            step.watch = watch
+            weakref.finalize(gm, watch.remove)
     return gm
+
+
+def _refuse_wrapper(module: Any) -> None:
+    """``data_parallel(DDP(model))``: two reducers, every gradient reduced twice."""
+    params = list(module.parameters())
+    backend = backend_for(params[0]) if params else None
+    if backend is not None:
+        problem = backend.tensor_ops().wrapper_problem(module)
+        if problem is not None:
+            raise TypeError(problem)
 
 
 def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
@@ -82,23 +105,71 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
                           names_from(module))
 
 
-class _BufferSync:
-    """Broadcast buffers when a recording starts, as DDP does at the forward: at the first
-    recording after a synced one, not again inside a ``no_sync`` accumulation window."""
+_FORGOTTEN = (
+    "data_parallel(): a backward computes the model's gradients after a forward that ran with "
+    "gradients enabled outside `with gm:` (loss.backward(), typed by habit after dropping "
+    "DDP?): it "
+    "would compute this rank's gradients only, so the ranks' gradients, and then their "
+    "parameters, would differ. Run the forward and gm.backward(loss) inside the recording: "
+    "`with gm: gm.backward(loss_fn(model(x), y))`. (A forward for evaluation: under "
+    "torch.no_grad(), or simply never backwarded, is fine.)"
+)
 
-    def __init__(self, gm: GradManager, buffers: List[Any], src: int, group: Any,
+
+class _Step:
+    """What ``data_parallel`` adds to each step, as DDP does in its forward.
+
+    Buffers: DDP broadcasts rank ``src``'s buffers at a forward that follows a synced one (with
+    gradients, outside ``no_sync``), an evaluation's too, so that every rank computes with
+    rank ``src``'s. Here they are broadcast when a synced recording ends, where every rank is
+    in step: the next forward, a training step's or an evaluation's, sees the very values DDP
+    would have broadcast there (nothing changes buffers between the end of a step and the next
+    forward), and a forward on one rank alone (rank 0 evaluating) takes no collective. The
+    difference: between steps, the other ranks hold rank ``src``'s buffers, not their own
+    updated ones (which DDP overwrites before they are used).
+
+    Forwards (where the backend can watch them): after one with gradients enabled outside a
+    recording, a backward that computes the parameters' gradients raises :data:`_FORGOTTEN`
+    (until the next recording starts)."""
+
+    def __init__(self, gm: GradManager, module: Any, buffers: bool, src: int, group: Any,
                  transport: TransportSpec) -> None:
         self._gm = weakref.ref(gm)
-        self._buffers, self._src, self._group, self._transport = buffers, src, group, transport
-        self._after_sync = True
+        self._module = module if buffers else None
+        self._src, self._group, self._transport = src, group, transport
+        self._synced = False  # the recording started outside no_sync
+        self._failed = False  # its backward raised
+        self.watch: Any = None  # the backend's watch of the module's forwards, if any
 
-    def __call__(self) -> None:
+    def record(self) -> None:
+        watch = self.watch
+        if watch is not None and watch.armed:
+            watch.disarm()  # a forward outside a recording armed it; this recording's is fine
         gm = self._gm()
-        if gm is None:
+        self._synced = gm is not None and not is_paused(gm)
+        self._failed = False
+
+    def backward_failed(self) -> None:
+        self._failed = True
+
+    def release(self, backward_ran: bool) -> None:
+        if not self._synced or self._module is None:
             return
-        if self._after_sync:
-            broadcast(self._buffers, self._src, group=self._group, transport=self._transport)
-        self._after_sync = not is_paused(gm)
+        self._synced = False
+        buffers = list(self._module.buffers())  # as DDP, again: .to() replaces them
+        if not buffers:
+            return
+        try:
+            broadcast(buffers, self._src, group=self._group, transport=self._transport)
+        except Exception:
+            if not self._failed:
+                raise
+            # the backward's own error (a broken group) propagates instead
+
+    def refusal(self) -> Optional[str]:
+        """After a forward with gradients enabled: refuse its backward outside a recording."""
+        gm = self._gm()
+        return None if gm is None or gm.is_recording else _FORGOTTEN
 
 
 __all__: List[str] = ["data_parallel"]

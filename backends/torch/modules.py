@@ -1,0 +1,123 @@
+"""What ``data_parallel(module)`` watches on a ``torch.nn.Module``: its forwards.
+
+DistributedDataParallel does its per-step work in its own forward; gradmgr has no wrapper, so it
+puts forward hooks on the module itself (see ``TensorOps.watch_forwards``). They also refuse the
+two ways a DDP user's habits would reduce every gradient twice: ``data_parallel(DDP(model))``
+(:func:`wrapper_problem`) and a forward through a DDP wrapper kept around the module
+(``net = DDP(model)`` after or before ``data_parallel(model)``, training through ``net``).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+_grad_enabled = torch.is_grad_enabled
+_DDP_MODULE = "torch.nn.parallel.distributed"
+
+_DDP_AROUND = (
+    "data_parallel(): this module's forward runs inside a DistributedDataParallel's forward: "
+    "DDP reduces every gradient over the ranks and gradmgr's data-parallel manager reduces it "
+    "again (each gradient twice DDP's, or the two reducers fighting over .grad). Drop the DDP "
+    "wrapper: data_parallel(model) does what DDP did (broadcasts, gradient averaging, buffer "
+    "sync, no_sync); call model(x) itself and gm.backward(loss) inside `with gm:`"
+)
+
+
+_FOUND: list = []  # DistributedDataParallel, once found
+
+
+def _ddp_class() -> Any:
+    """``DistributedDataParallel``, only where the user's program imported it (looking it up
+    would import torch.distributed's Python layer into programs that never use it)."""
+    if _FOUND:
+        return _FOUND[0]
+    module = sys.modules.get(_DDP_MODULE)
+    ddp = None if module is None else getattr(module, "DistributedDataParallel", None)
+    if ddp is not None:
+        _FOUND.append(ddp)
+    return ddp
+
+
+def wrapper_problem(module: Any) -> Optional[str]:
+    """Why ``data_parallel(module)`` cannot take ``module``: it is a DDP wrapper."""
+    ddp = _ddp_class()
+    if ddp is None or not isinstance(module, ddp):
+        return None
+    return (
+        "data_parallel() was given a DistributedDataParallel wrapper: DDP would reduce every "
+        "gradient over the ranks and gradmgr again, so each gradient would be twice DDP's. "
+        "Drop the DDP wrapper and pass the model itself (net.module): data_parallel(model) "
+        "does what DDP did; then call model(x) itself, not the wrapper"
+    )
+
+
+def _inside_ddp_forward(module: Any) -> bool:
+    """A DDP wrapper around ``module`` (or a module holding it) is running its forward: DDP
+    marks itself in ``_inside_ddp_forward`` (torch 2.x, its C++ reducer's path)."""
+    ddp = _ddp_class()
+    active = None if ddp is None else getattr(ddp, "_active_ddp_module", None)
+    if active is None:
+        return False
+    inner = getattr(active, "module", None)
+    return inner is not None and any(m is module for m in inner.modules())
+
+
+def _refuse_backward(message: str, grad: Any) -> None:
+    raise RuntimeError(message)
+
+
+class ForwardWatch:
+    """The hooks on one module's forward, and the parameter hooks a forward arms.
+
+    A forward with gradients enabled for which ``refusal()`` gives a message (outside a
+    recording) arms a hook on every trainable parameter that raises it when a backward
+    computes that parameter's gradient, before anything is accumulated: ``loss.backward()``.
+    A manager's backward of another model through this one's outputs (a GAN's generator step
+    through the discriminator) computes no gradient for these parameters and passes. The
+    manager disarms them when a recording starts, so its own backwards run without them."""
+
+    def __init__(self, module: Any, refusal: Callable[[], Optional[str]]) -> None:
+        self._refusal = weakref.WeakMethod(refusal)
+        self._armed: list = []  # the parameter hooks' handles
+        # One forward hook, run after the forward (still inside a DDP wrapper's): a pre-hook
+        # as well would cost every forward about 3 us more (torch 2.8, measured).
+        self._handle = module.register_forward_hook(self._after)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._armed)
+
+    def _after(self, module: Any, args: Any, output: Any) -> None:
+        if not _grad_enabled():
+            return  # an evaluation under no_grad (also through a DDP wrapper): no backward
+        if _inside_ddp_forward(module):
+            raise RuntimeError(_DDP_AROUND)
+        if self._armed:
+            return
+        refusal = self._refusal()
+        message = None if refusal is None else refusal()
+        if message is not None:
+            refuse = functools.partial(_refuse_backward, message)
+            self._armed = [p.register_hook(refuse) for p in module.parameters()
+                           if p.requires_grad]
+
+    def disarm(self) -> None:
+        armed, self._armed = self._armed, []
+        for handle in armed:
+            handle.remove()
+
+    def remove(self) -> None:
+        self.disarm()
+        self._handle.remove()
+
+
+def watch_forwards(module: Any, refusal: Callable[[], Optional[str]]) -> Optional[ForwardWatch]:
+    """Hooks on ``module``'s forward (see ``TensorOps.watch_forwards``); None: not a Module."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    return ForwardWatch(module, refusal)
