@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .bucket import BucketPlan
 from .gather import ParameterGather
+from .optimizer_agreement import check_agreement, describe
 from .optimizer_state import (
     Layout,
     Numbering,
@@ -48,10 +49,13 @@ class ShardedOptimizer:
     with the reduce-scatter callback, frozen ones too, in attach order (for
     ``data_parallel(model, shard=True)``: ``model.parameters()``). Every parameter the manager
     reduces must be in ``params``; one it does not reduce (frozen) is numbered but not stepped.
+    Every rank makes it alike: the ranks compare the optimizer class, ``master_dtype`` and
+    each group's options and parameters (one small all-gather), and where they differ every
+    rank raises :class:`RankMismatchError` naming the first difference and each rank's value.
 
-    After :meth:`step` every rank holds the same updated parameters. Every method that
-    communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`) must be called
-    on every rank, and :meth:`load_state_dict` with the same dict on every rank. The
+    After :meth:`step` every rank holds the same updated parameters. Making one, and every
+    method that communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`), must
+    be done on every rank, and :meth:`load_state_dict` with the same dict on every rank. The
     parameter set is fixed when the optimizer is made: after attaching, freezing or
     unfreezing a parameter on every rank, make a new one over the same ``params``
     (``load_state_dict(old.state_dict())`` carries the state over, each parameter's its own).
@@ -89,6 +93,9 @@ class ShardedOptimizer:
                                        self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
         """The wrapped optimizer over this rank's segments (for learning-rate schedulers)."""
+        params_of = [[numbering.params[i] for i in group] for group in numbering.groups]
+        check_agreement(self._ops, transport, plan.tensor(0), describe(
+            self._ops, optimizer_class, master_dtype, self.optimizer.param_groups, params_of))
 
     def _layout(self, plan: BucketPlan, index: List[int], master_dtype: Optional[str]) -> Layout:
         segments = own_segments(plan, self._rank, self._world)

@@ -1,0 +1,131 @@
+"""Rank program: issue 25 item 5, the habits a DDP user brings to ``data_parallel(model,
+shard=True)`` + ``ShardedOptimizer``, next to DDP; every rank pickles what the parent checks to
+``OUTDIR/rank{RANK}.pkl`` after each scenario (so that a scenario that kills or hangs the ranks
+on old code leaves the earlier ones' results).
+
+``HABITS_SHARDED`` names the scenarios to run, in order (comma-separated).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import warnings
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradmgr.distributed import ShardedOptimizer, data_parallel
+
+LR = 1e-2
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net(x).square().mean()
+
+
+def params_of(net: nn.Module) -> list:
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def raised(fn) -> tuple:
+    """``(type name, message)`` of what ``fn()`` raised, or None."""
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - what was raised is the result
+        return type(error).__name__, str(error)
+    return None
+
+
+# ---------------------------------------------------------------------- scenarios
+def no_warnings(out: dict, rank: int) -> None:
+    """Item 5e: sharded steps (clip, step, zero_grad, state_dict) warn nothing."""
+    net = model()
+    gm = data_parallel(net, shard=True, bucket_bytes=400)
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(3):
+            with gm:
+                gm.backward(loss_of(net, batch(step, rank)))
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        opt.state_dict()
+    out["no_warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen]
+
+
+def groups_differ(out: dict, rank: int) -> None:
+    """Item 5c: rank 0 one group with weight_decay=0.01, the others two groups (weights 0.5,
+    biases 0.0); then a second try with the same groups but another lr on rank 1; then the
+    ranks agree and train on, equal to DDP."""
+    net = model()
+    gm = data_parallel(net, shard=True, bucket_bytes=400)
+    weights = [p for p in net.parameters() if p.ndim > 1]
+    biases = [p for p in net.parameters() if p.ndim == 1]
+    if rank == 0:
+        make = lambda: ShardedOptimizer(gm, torch.optim.AdamW, lr=LR, weight_decay=0.01)  # noqa: E731
+    else:
+        make = lambda: ShardedOptimizer(  # noqa: E731
+            gm, torch.optim.AdamW, [{"params": weights, "weight_decay": 0.5},
+                                    {"params": biases, "weight_decay": 0.0}], lr=LR)
+    out["groups_differ"] = raised(make)
+    lr = LR if rank == 0 else 2 * LR
+    out["lr_differs"] = raised(lambda: ShardedOptimizer(gm, torch.optim.SGD, lr=lr))
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR, weight_decay=0.01)
+    theirs = model()
+    ddp = DDP(theirs)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=0.01)
+    for step in range(2):
+        x = batch(step, rank)
+        with gm:
+            gm.backward(loss_of(net, x))
+        loss_of(ddp, x).backward()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    out["agreed_after"] = (params_of(net), params_of(theirs))
+
+
+def norm_accuracy(out: dict, rank: int) -> None:
+    """Item 5d: a 1024 x 1024 weight: opt.clip_grad_norm_'s norm, torch's (DDP +
+    clip_grad_norm_) and the float64 norm of the same reduced gradient."""
+    torch.manual_seed(0)
+    ours = nn.Linear(1024, 1024, bias=False)
+    theirs = copy.deepcopy(ours)
+    gm = data_parallel(ours, shard=True)
+    opt = ShardedOptimizer(gm, torch.optim.SGD, lr=LR)
+    ddp = DDP(theirs)
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(rank))
+    with gm:
+        gm.backward(ours(x).square().sum())
+    ddp(x).square().sum().backward()
+    norm = opt.clip_grad_norm_(1e9)
+    exact = float(theirs.weight.grad.double().norm())
+    torch_norm = float(nn.utils.clip_grad_norm_(theirs.parameters(), 1e9))
+    out["norm_accuracy"] = {"ours": norm, "torch": torch_norm, "float64": exact}
+
+
+SCENARIOS = {f.__name__: f for f in (no_warnings, groups_differ, norm_accuracy)}
+
+
+def main(rank: int, world: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    out: dict = {}
+    for name in os.environ["HABITS_SHARDED"].split(","):
+        SCENARIOS[name](out, rank)
+        out[f"{name}_done"] = True
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)
