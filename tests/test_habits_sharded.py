@@ -61,3 +61,20 @@ def test_the_clipping_norm_against_torchs_and_float64(tmp_path):
         exact = norms["float64"]
         assert abs(norms["ours"] - exact) <= 1e-7 * exact
         assert abs(norms["torch"] - exact) <= 1e-4 * exact
+
+
+def test_a_checkpoint_saved_from_rank_0_alone_raises_there_and_leaves_the_group_working(tmp_path):
+    """Item 5b: ``if rank == 0: torch.save(opt.state_dict(), ...)``, then ``dist.barrier()``:
+    rank 0 raises a RuntimeError saying what to write once the group's timeout (5 s here) has
+    passed, having started no collective; rank 1 waits in its barrier, not in a collective of
+    the optimizer's. Rank 0 catches the error: both train on equal to DDP, and the documented
+    checkpoint (every rank calls state_dict) is AdamW's state. On old code rank 0 waited in an
+    all-gather while rank 1 waited in the barrier, until gloo's timeout."""
+    outs = run(tmp_path, "lone_state_dict")
+    kind, message = outs[0]["lone_state_dict"]
+    assert kind == "RuntimeError" and "state = opt.state_dict()` on every rank" in message
+    assert outs[1]["lone_state_dict"] is None
+    for out in outs:
+        ours, ddp = out["lone_after"]["params"]
+        same(ours, ddp, "after the lone state_dict")
+        assert out["lone_after"]["state_equal"] and all(out["lone_after"]["state_equal"])

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .arrival import arrived, group_store
 from .teardown import collect_cycles_at_exit
 
 
@@ -50,6 +51,12 @@ class TorchCollective:
     def start_sum(self, buffer: Any) -> Any:
         d = initialised_dist()
         return d.all_reduce(buffer, op=d.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def arrive(self, key: str) -> Optional[bool]:
+        """Whether every rank reached ``key`` within the group's timeout, asked of the group's
+        store without a collective (see :mod:`.arrival`); None where there is no store."""
+        store = group_store(self.group)
+        return None if store is None else arrived(store, f"gradmgr/{key}", self.world_size())
 
     def broadcast_in_place(self, buffer: Any, src: int, async_op: bool = False) -> Any:
         """Broadcast from the group's rank ``src``; the work in flight where ``async_op``."""

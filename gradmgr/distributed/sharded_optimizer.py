@@ -16,6 +16,7 @@ a checkpoint, stays with them until they are trainable again.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -34,6 +35,14 @@ from .optimizer_state import (
 from .sharding import Segment, own_segments
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+_SERIALS = itertools.count()  # the ranks make their ShardedOptimizers in the same order
+_ALONE = (
+    "ShardedOptimizer.state_dict() gathers every rank's slices of the optimizer state, so every "
+    "rank calls it, and rank {rank} called it while not every rank did within the process "
+    "group's timeout (the `if rank == 0: torch.save(opt.state_dict(), path)` habit of DDP "
+    "scripts?). Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
+    "torch.save(state, path)`. Nothing was communicated: the process group is as it was"
+)
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
 
 
@@ -81,6 +90,7 @@ class ShardedOptimizer:
         self._world, self._rank = transport.world_size(), transport.rank()
         self._transport = transport
         self._master_dtype = master_dtype
+        self._serial, self._gathered = next(_SERIALS), 0
         if params is None:
             params = gm.attached_tensors(with_callback=callback)
         self._numbering = numbering = Numbering(user_groups(params))
@@ -179,7 +189,13 @@ class ShardedOptimizer:
         would give it (state by parameter index over every parameter of ``params``, frozen
         ones included, full-size tensors, none for a parameter never stepped; parameter
         groups with their options): on every rank, whatever the world size, loadable by
-        :meth:`load_state_dict` on any world size (or by the unsharded optimizer)."""
+        :meth:`load_state_dict` on any world size (or by the unsharded optimizer).
+
+        Every rank calls it. Over torch.distributed the ranks first meet in the process group's
+        store: a rank that calls it while the others do not (``if rank == 0:
+        torch.save(opt.state_dict(), ...)``) raises RuntimeError once the group's timeout has
+        passed, having started no collective, instead of waiting in one forever."""
+        self._every_rank_here()
         ops, layouts = self._ops, self._layouts()
         states = [[ops.optimizer_state(self.optimizer, t) for t in layout.tensors]
                   for layout in layouts]
@@ -190,6 +206,15 @@ class ShardedOptimizer:
             options = {k: v for k, v in group.items() if k != "params"}
             groups.append({**options, "params": list(indices)})
         return {"state": {i: full[i] for i in sorted(full)}, "param_groups": groups}
+
+    def _every_rank_here(self) -> None:
+        """Raise, before any collective, where not every rank calls :meth:`state_dict`."""
+        arrive = getattr(self._transport, "arrive", None)
+        if arrive is None or self._world < 2:
+            return
+        if arrive(f"sharded/{self._serial}/state_dict/{self._gathered}") is False:
+            raise RuntimeError(_ALONE.format(rank=self._rank))
+        self._gathered += 1  # a meeting that failed is tried again under its key
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load what :meth:`state_dict` gave (on this or any other world size), or the

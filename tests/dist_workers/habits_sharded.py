@@ -9,11 +9,13 @@ on old code leaves the earlier ones' results).
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import pickle
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -118,10 +120,50 @@ def norm_accuracy(out: dict, rank: int) -> None:
     out["norm_accuracy"] = {"ours": norm, "torch": torch_norm, "float64": exact}
 
 
-SCENARIOS = {f.__name__: f for f in (no_warnings, groups_differ, norm_accuracy)}
+def lone_state_dict(out: dict, rank: int) -> None:
+    """Item 5b: ``if rank == 0: torch.save(opt.state_dict(), ...)`` then ``dist.barrier()``;
+    rank 0 catches what it raised, and both train on next to DDP, then checkpoint as the docs
+    say (every rank calls state_dict). The group's timeout is shortened to 5 s here."""
+    c10d = dist.distributed_c10d
+    c10d._get_process_group_store(c10d._get_default_group()).set_timeout(
+        datetime.timedelta(seconds=5))
+    net, theirs = model(), model()
+    gm = data_parallel(net, shard=True, bucket_bytes=400)
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
+    ddp = DDP(theirs)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=LR)
+
+    def train(step: int) -> None:
+        x = batch(step, rank)
+        with gm:
+            gm.backward(loss_of(net, x))
+        loss_of(ddp, x).backward()
+        for o in (opt, ref):
+            o.step()
+            o.zero_grad()
+
+    train(0)
+    path = os.path.join(OUTDIR, "optimizer.pt")
+    out["lone_state_dict"] = None
+    if rank == 0:
+        out["lone_state_dict"] = raised(lambda: torch.save(opt.state_dict(), path))
+    dist.barrier()
+    train(1)
+    state, theirs_state = opt.state_dict(), ref.state_dict()
+    out["lone_after"] = {
+        "params": (params_of(net), params_of(theirs)),
+        "state_equal": [torch.equal(state["state"][i][k], v)
+                        for i, saved in theirs_state["state"].items() for k, v in saved.items()],
+    }
+
+
+SCENARIOS = {f.__name__: f for f in (no_warnings, groups_differ, norm_accuracy, lone_state_dict)}
+OUTDIR = ""
 
 
 def main(rank: int, world: int, outdir: str) -> None:
+    global OUTDIR
+    OUTDIR = outdir
     torch.set_num_threads(1)
     out: dict = {}
     for name in os.environ["HABITS_SHARDED"].split(","):
