@@ -38,7 +38,9 @@ def test_a_sharded_step_warns_nothing(tmp_path):
 def test_ranks_that_build_the_optimizer_differently_raise_on_every_rank(tmp_path):
     """Item 5c: one rank weight_decay=0.01, the other two groups (0.5, 0.0); then the same
     groups with another lr: RankMismatchError on every rank at construction, naming the
-    group, the option and each rank's value; then the ranks agree and train as DDP."""
+    group, the option and each rank's value; where one rank's params= raise there (a
+    parameter left out), the others raise RankMismatchError quoting it instead of going on
+    to hang at the next step; then the ranks agree and train as DDP."""
     outs = run(tmp_path, "groups_differ")
     for out in outs:
         kind, message = out["groups_differ"]
@@ -49,6 +51,11 @@ def test_ranks_that_build_the_optimizer_differently_raise_on_every_rank(tmp_path
         assert "parameter group 0's lr (rank 0: 0.01; rank 1: 0.02)" in message
         ours, ddp = out["agreed_after"]
         same(ours, ddp, "after the ranks agreed")
+    # A rank whose params= are refused locally still takes part, so the others raise too.
+    assert outs[1]["param_missing"][0] == "ValueError"
+    kind, message = outs[0]["param_missing"]
+    assert kind == "RankMismatchError"
+    assert "an error making it (rank 0: none; rank 1: ValueError: " in message
     assert outs[0]["groups_differ"] == outs[1]["groups_differ"]  # the same words everywhere
 
 
@@ -78,3 +85,34 @@ def test_a_checkpoint_saved_from_rank_0_alone_raises_there_and_leaves_the_group_
         ours, ddp = out["lone_after"]["params"]
         same(ours, ddp, "after the lone state_dict")
         assert out["lone_after"]["state_equal"] and all(out["lone_after"]["state_equal"])
+
+
+def test_torchs_own_clip_grad_norm_after_a_sharded_backward_is_ddps(tmp_path):
+    """Item 5a: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` after a
+    sharded backward returns the norm DDP + clip_grad_norm_ returns and clips the slices by
+    the same factor (on old code .grad was None there: it returned 0.0 and clipped nothing).
+    Tolerances: the norm rel 1e-6 (per-parameter norms summed from the slices, in another
+    order than torch's kernel); the parameters after a step whose clipping scaled rtol 1e-5,
+    atol 1e-7, as opt.clip_grad_norm_'s (test_sharded.py); bit for bit where nothing scales."""
+    outs = run(tmp_path, "torch_clipping")
+    for out in outs:
+        for name in ("scaled", "unscaled", "foreach"):
+            run_ = out[f"clip_{name}"]
+            for ours, ddp in run_["norms"]:
+                assert ours == pytest.approx(ddp, rel=1e-6) and ours > 0.05
+            for ours, ddp in run_["steps"]:
+                if name == "unscaled":
+                    same(ours, ddp, name)
+                else:
+                    for a, b in zip(ours, ddp):
+                        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        refused = out["clip_refused"]
+        for what in ("sum", "norm", "sgd", "value"):
+            kind, message = refused[what]
+            assert kind == "RuntimeError" and "opt.clip_grad_norm_(max_norm)" in message, what
+        assert refused["shape"] == [16, 8] and "ShardedGradient" in refused["repr"]
+        assert out["clip_zero_grad"] == [True] * 4
+        ours, ddp = out["clip_accumulated"]
+        for a, b in zip(ours, ddp):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    same(outs[0]["clip_scaled"]["steps"][-1][0], outs[1]["clip_scaled"]["steps"][-1][0], "ranks")

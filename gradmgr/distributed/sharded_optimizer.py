@@ -16,11 +16,13 @@ a checkpoint, stays with them until they are trainable again.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .bucket import BucketPlan
+from .errors import RankMismatchError
 from .gather import ParameterGather
 from .optimizer_agreement import check_agreement, describe
 from .optimizer_state import (
@@ -91,6 +93,22 @@ class ShardedOptimizer:
         self._transport = transport
         self._master_dtype = master_dtype
         self._serial, self._gathered = next(_SERIALS), 0
+        try:
+            entries = self._build(gm, callback, optimizer_class, params, defaults)
+        except Exception as error:
+            # The other ranks are in the comparison: take part, so that they raise too.
+            failed = [("an error making it", f"{type(error).__name__}: {error}")]
+            with contextlib.suppress(RankMismatchError):
+                check_agreement(self._ops, transport, plan.tensor(0), failed)
+            raise
+        check_agreement(self._ops, transport, plan.tensor(0),
+                        [("an error making it", "none"), *entries])
+
+    def _build(self, gm: Any, callback: Any, optimizer_class: Any, params: Any,
+               defaults: Dict[str, Any]) -> List[Tuple[str, str]]:
+        """Lay out this rank's segments and make the wrapped optimizer over them; what the
+        ranks compare (see :mod:`.optimizer_agreement`)."""
+        plan, master_dtype = self._plan, self._master_dtype
         if params is None:
             params = gm.attached_tensors(with_callback=callback)
         self._numbering = numbering = Numbering(user_groups(params))
@@ -99,13 +117,13 @@ class ShardedOptimizer:
         # Never stepped: views (or plain copies) are enough, no master copies.
         self._frozen = self._layout(BucketPlan([numbering.params[i] for i in frozen],
                                                self._ops, _ONE_BUCKET), frozen, None)
-        self._gather = ParameterGather(self._ops, transport, plan, self._world,
+        self._gather = ParameterGather(self._ops, self._transport, plan, self._world,
                                        self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
         """The wrapped optimizer over this rank's segments (for learning-rate schedulers)."""
         params_of = [[numbering.params[i] for i in group] for group in numbering.groups]
-        check_agreement(self._ops, transport, plan.tensor(0), describe(
-            self._ops, optimizer_class, master_dtype, self.optimizer.param_groups, params_of))
+        return describe(self._ops, optimizer_class, master_dtype, self.optimizer.param_groups,
+                        params_of)
 
     def _layout(self, plan: BucketPlan, index: List[int], master_dtype: Optional[str]) -> Layout:
         segments = own_segments(plan, self._rank, self._world)
@@ -145,7 +163,14 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale the gradient shards so that the norm of the whole gradient (every rank's
         shards together, as ``torch.nn.utils.clip_grad_norm_`` computes over full gradients)
-        is at most ``max_norm``; returns that norm, before clipping."""
+        is at most ``max_norm``; returns that norm, before clipping.
+
+        The slices' float32 squares are summed with the framework's sum, then over the ranks,
+        and the root taken in float64: for a 1024 x 1024 weight on 2 ranks, 1.6e-8 (relative)
+        from the float64 norm, where torch's ``clip_grad_norm_`` on the whole gradient is
+        1.5e-5 from it on CPU (its float32 norm kernel's rounding grows with the size). So it
+        is torch's norm to about 1e-5 on large layers, 1e-6 on small ones, and the closer to
+        the exact one."""
         if norm_type != 2.0:
             raise ValueError("ShardedOptimizer.clip_grad_norm_ computes the 2-norm only")
         ops = self._ops
@@ -159,6 +184,7 @@ class ShardedOptimizer:
             for b, chunk in enumerate(self._shards.chunks):
                 if chunk is not None:
                     self._shards.chunks[b] = ops.scale(chunk, coef)
+            self._shards.version += 1
         return total
 
     def memory(self) -> Dict[str, int]:

@@ -8,6 +8,7 @@ on old code leaves the earlier ones' results).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradmgr.distributed import ShardedOptimizer, data_parallel
+from gradmgr.distributed import ShardedOptimizer, data_parallel, no_sync
 
 LR = 1e-2
 
@@ -70,8 +71,8 @@ def no_warnings(out: dict, rank: int) -> None:
 
 def groups_differ(out: dict, rank: int) -> None:
     """Item 5c: rank 0 one group with weight_decay=0.01, the others two groups (weights 0.5,
-    biases 0.0); then a second try with the same groups but another lr on rank 1; then the
-    ranks agree and train on, equal to DDP."""
+    biases 0.0); then a second try with the same groups but another lr on rank 1; then rank 1
+    leaving a parameter out; then the ranks agree and train on, equal to DDP."""
     net = model()
     gm = data_parallel(net, shard=True, bucket_bytes=400)
     weights = [p for p in net.parameters() if p.ndim > 1]
@@ -85,6 +86,9 @@ def groups_differ(out: dict, rank: int) -> None:
     out["groups_differ"] = raised(make)
     lr = LR if rank == 0 else 2 * LR
     out["lr_differs"] = raised(lambda: ShardedOptimizer(gm, torch.optim.SGD, lr=lr))
+    # rank 1 leaves a reduced parameter out: a ValueError there, before the comparison
+    given = list(net.parameters())[:None if rank == 0 else -1]
+    out["param_missing"] = raised(lambda: ShardedOptimizer(gm, torch.optim.SGD, given, lr=LR))
     opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR, weight_decay=0.01)
     theirs = model()
     ddp = DDP(theirs)
@@ -157,7 +161,62 @@ def lone_state_dict(out: dict, rank: int) -> None:
     }
 
 
-SCENARIOS = {f.__name__: f for f in (no_warnings, groups_differ, norm_accuracy, lone_state_dict)}
+def torch_clipping(out: dict, rank: int) -> None:
+    """Item 5a: torch's own clip_grad_norm_(model.parameters(), max_norm) after a sharded
+    backward, next to DDP + clip_grad_norm_: at a max_norm that scales (0.05) and one that
+    does not (1e6), with torch's foreach path too; then what else .grad refuses; then a synced
+    backward, a no_sync one and a synced one without zero_grad between (the stand-ins go
+    before autograd could accumulate into them)."""
+    for name, max_norm, foreach in (("scaled", 0.05, None), ("unscaled", 1e6, None),
+                                    ("foreach", 0.05, True)):
+        net, theirs = model(), model()
+        gm = data_parallel(net, shard=True, bucket_bytes=400)
+        opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
+        ddp = DDP(theirs)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=LR)
+        norms, steps = [], []
+        for step in range(3):
+            x = batch(step, rank)
+            with gm:
+                gm.backward(loss_of(net, x))
+            loss_of(ddp, x).backward()
+            ours = nn.utils.clip_grad_norm_(net.parameters(), max_norm, foreach=foreach)
+            mine = nn.utils.clip_grad_norm_(theirs.parameters(), max_norm, foreach=foreach)
+            norms.append((float(ours), float(mine)))
+            for o in (opt, ref):
+                o.step()
+                o.zero_grad()
+            steps.append((params_of(net), params_of(theirs)))
+        out[f"clip_{name}"] = {"norms": norms, "steps": steps}
+    with gm:
+        gm.backward(loss_of(net, batch(5, rank)))
+    grad = next(net.parameters()).grad
+    out["clip_refused"] = {
+        "sum": raised(lambda: grad.sum()),
+        "norm": raised(lambda: grad.norm()),
+        "sgd": raised(lambda: torch.optim.SGD(net.parameters(), lr=0.1).step()),
+        "value": raised(lambda: nn.utils.clip_grad_value_(net.parameters(), 0.1)),
+        "repr": repr(grad),
+        "shape": list(grad.shape),
+    }
+    opt.zero_grad()
+    out["clip_zero_grad"] = [p.grad is None for p in net.parameters()]
+    ref.zero_grad()
+    for step, synced in enumerate((True, False, True)):
+        x = batch(10 + step, rank)
+        with contextlib.nullcontext() if synced else no_sync(gm), gm:
+            gm.backward(loss_of(net, x))
+        with contextlib.nullcontext() if synced else ddp.no_sync():
+            loss_of(ddp, x).backward()
+    nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+    nn.utils.clip_grad_norm_(theirs.parameters(), 0.05)
+    opt.step()
+    ref.step()
+    out["clip_accumulated"] = (params_of(net), params_of(theirs))
+
+
+SCENARIOS = {f.__name__: f for f in (no_warnings, groups_differ, norm_accuracy, lone_state_dict,
+                                     torch_clipping)}
 OUTDIR = ""
 
 
