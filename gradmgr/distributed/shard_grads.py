@@ -51,7 +51,7 @@ class StandIns:
         self.shards = shards
         self.transport: Any = None
         self.made: Dict[int, Any] = {}  # by plan position, for the current plan
-        self.given: List[Any] = []  # the tensors whose .grad is a stand-in now
+        self.given: List[tuple] = []  # (tensor, its stand-in) given at the last synced step
         self._segments: Optional[List[Segment]] = None
         self._norms: Optional[tuple] = None  # (shards version, norms by position)
 
@@ -64,28 +64,28 @@ class StandIns:
         """After a synced step: ``.grad`` is a stand-in for each planned tensor some rank used
         (where the backend makes them), None for the others (their local gradients are
         summed into the shards, and freed)."""
-        shards, self.transport = self.shards, transport
+        shards, made, self.transport = self.shards, self.made, transport
         make = getattr(shards.ops, "stand_in_grad", None)
-        self.given = []
-        for b, bucket in enumerate(shards.plan.buckets):
-            for slot, position in enumerate(bucket.members):
-                tensor = shards.plan.tensor(position)
+        tensors, given = shards.plan.tensors(), []
+        for bucket, present in zip(shards.plan.buckets, shards.present):
+            for position, used in zip(bucket.members, present):
+                tensor = tensors[position]
                 if tensor is None:
                     continue
                 grad = None
-                if make is not None and shards.present[b][slot]:
-                    grad = self.made.get(position)
+                if used and make is not None:
+                    grad = made.get(position)
                     if grad is None:
-                        grad = self.made[position] = make(tensor, MemberGrad(self, position))
-                    self.given.append(tensor)
+                        grad = made[position] = make(tensor, MemberGrad(self, position))
+                    given.append((tensor, grad))
                 tensor.grad = grad
+        self.given = given
 
     def drop(self) -> None:
         """The stand-ins go (``.grad`` None), where ``.grad`` still holds one."""
         if self.given:
-            made = {id(grad) for grad in self.made.values()}
-            for tensor in self.given:
-                if id(tensor.grad) in made:
+            for tensor, grad in self.given:
+                if tensor.grad is grad:
                     tensor.grad = None
             self.given = []
 
