@@ -116,3 +116,13 @@ def test_torchs_own_clip_grad_norm_after_a_sharded_backward_is_ddps(tmp_path):
         for a, b in zip(ours, ddp):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     same(outs[0]["clip_scaled"]["steps"][-1][0], outs[1]["clip_scaled"]["steps"][-1][0], "ranks")
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_instead_of_the_optimizers_zeroes_the_slices(tmp_path, set_to_none):
+    """``model.zero_grad()`` at the top of each iteration (no ``opt.zero_grad()``), SGD: the
+    parameters are DDP's bit for bit. On old code .grad was None after a synced backward, so
+    model.zero_grad() did nothing and each step added the old gradient slices to the new."""
+    for out in run(tmp_path, "model_zero_grad"):
+        ours, ddp = out[f"model_zero_grad_{set_to_none}"]
+        same(ours, ddp, f"model.zero_grad(set_to_none={set_to_none})")

@@ -10,7 +10,9 @@ the first time one is asked after the shards changed, so every rank must ask, as
 clips under DDP) and its slices, to scale or zero in place (each rank its own). Anything else
 done with it raises an error that says where the gradient is. The stand-ins go at
 ``opt.zero_grad()`` and when the next recording begins, before autograd could accumulate into
-one.
+one; where the program took them away itself (``model.zero_grad()`` sets ``.grad`` None, the
+habit of many scripts), that tensor's slices are zeroed then, as its ``.grad`` would have been
+(before, the shards kept them, and the next step added the old gradient to the new one).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class StandIns:
         self.shards = shards
         self.transport: Any = None
         self.made: Dict[int, Any] = {}  # by plan position, for the current plan
+        self._position: Dict[int, int] = {}  # id(tensor) -> its plan position, where made
         self.given: List[tuple] = []  # (tensor, its stand-in) given at the last synced step
         self._segments: Optional[List[Segment]] = None
         self._norms: Optional[tuple] = None  # (shards version, norms by position)
@@ -58,7 +61,7 @@ class StandIns:
     def planned(self) -> None:
         """A new plan: stand-ins and segments are made again."""
         self.drop()
-        self.made, self._segments, self._norms = {}, None, None
+        self.made, self._position, self._segments, self._norms = {}, {}, None, None
 
     def give(self, transport: Any) -> None:
         """After a synced step: ``.grad`` is a stand-in for each planned tensor some rank used
@@ -80,14 +83,32 @@ class StandIns:
                     given.append((tensor, grad))
                 tensor.grad = grad
         self.given = given
+        if len(self._position) != len(made):
+            self._position = {id(tensors[p]): p for p in made}
 
-    def drop(self) -> None:
-        """The stand-ins go (``.grad`` None), where ``.grad`` still holds one."""
+    def drop(self) -> List[int]:
+        """The stand-ins go (``.grad`` None), where ``.grad`` still holds one; the positions
+        of those the program had taken away itself (``model.zero_grad()`` sets ``.grad``
+        None), in order."""
+        taken = []
         if self.given:
             for tensor, grad in self.given:
                 if tensor.grad is grad:
                     tensor.grad = None
+                else:
+                    taken.append(self._position[id(tensor)])
             self.given = []
+        return taken
+
+    def count(self) -> int:
+        """How many stand-ins the last synced step gave."""
+        return len(self.given)
+
+    def zero(self, position: int) -> None:
+        """Zero this rank's slices of one tensor's gradient (its ``.grad`` was set None)."""
+        ops = self.shards.ops
+        for part in self.parts(position):
+            ops.write(part, 0, ops.zeros(ops.numel(part), part))
 
     def _own(self) -> List[Segment]:
         if self._segments is None:

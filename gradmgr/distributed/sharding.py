@@ -216,8 +216,17 @@ class GradientShards:
         self.stand_ins.give(transport)
 
     def recording(self) -> None:
-        """A recording begins: no stand-in ``.grad`` for autograd to accumulate into."""
-        self.stand_ins.drop()
+        """A recording begins: no stand-in ``.grad`` for autograd to accumulate into; the
+        gradients whose stand-in the program set None itself (``model.zero_grad()``) are
+        zeroed, as that would have zeroed them under DDP."""
+        given = self.stand_ins.count()
+        taken = self.stand_ins.drop()
+        if taken and len(taken) == given:
+            self.zero()
+        else:
+            for position in taken:
+                self.stand_ins.zero(position)
+            self.version += bool(taken)
 
     def accept(self, launched: Sequence[ShardReduction], summed_flags: List[float],
                failed_here: bool) -> None:
@@ -260,8 +269,11 @@ class _NoStandIns:
     def planned(self) -> None:
         pass
 
-    def drop(self) -> None:
-        pass
+    def count(self) -> int:
+        return 0
+
+    def drop(self) -> list:
+        return []
 
     def give(self, transport: Any) -> None:
         for tensor in self.shards.plan.tensors():

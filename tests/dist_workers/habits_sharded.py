@@ -215,8 +215,29 @@ def torch_clipping(out: dict, rank: int) -> None:
     out["clip_accumulated"] = (params_of(net), params_of(theirs))
 
 
+def model_zero_grad(out: dict, rank: int) -> None:
+    """``model.zero_grad()`` (set_to_none=True, or False) instead of ``opt.zero_grad()``, at
+    the top of each iteration as many scripts do, next to DDP doing the same."""
+    for set_to_none in (True, False):
+        net, theirs = model(), model()
+        gm = data_parallel(net, shard=True, bucket_bytes=400)
+        opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
+        ddp = DDP(theirs)
+        ref = torch.optim.SGD(theirs.parameters(), lr=0.1)
+        for step in range(3):
+            net.zero_grad(set_to_none=set_to_none)
+            theirs.zero_grad(set_to_none=set_to_none)
+            x = batch(step, rank)
+            with gm:
+                gm.backward(loss_of(net, x))
+            loss_of(ddp, x).backward()
+            opt.step()
+            ref.step()
+        out[f"model_zero_grad_{set_to_none}"] = (params_of(net), params_of(theirs))
+
+
 SCENARIOS = {f.__name__: f for f in (no_warnings, groups_differ, norm_accuracy, lone_state_dict,
-                                     torch_clipping)}
+                                     torch_clipping, model_zero_grad)}
 OUTDIR = ""
 
 
