@@ -381,3 +381,38 @@ def test_a_parameter_without_saved_state_gets_megengines_initial_state(mge_modul
     np.testing.assert_array_equal(state[0]["exp_avg"], _numpy(saved)[0]["exp_avg"])
     step()
     assert float(_numpy(opt.state_dict())[1]["step"]) == 1.0
+
+
+@pytest.fixture(scope="module")
+def megengine_zero_habits(tmp_path_factory):
+    """2 ranks: issue 25 items 5c and 5b (dist_workers/zero_megengine.py, ``habits``)."""
+    pytest.importorskip("megengine", reason="megengine is not installed in this environment")
+    return spawn("zero_megengine", tmp_path_factory.mktemp("zero_habits"), 2, timeout=90,
+                 GRADMGR_ZERO_PART="habits")
+
+
+def test_ranks_that_build_the_optimizer_differently_raise_on_every_rank(megengine_zero_habits):
+    """Rank 0 one group with weight_decay=0.01, rank 1 two groups (0.5, 0.0): RankMismatchError
+    on every rank at construction, naming the group, the option and each rank's value (on
+    old code no rank raised)."""
+    for out in megengine_zero_habits:
+        kind, message = out["groups_differ"]
+        assert kind == "RankMismatchError"
+        assert "parameter group 0's weight_decay (rank 0: 0.01; rank 1: 0.5)" in message
+
+
+def test_a_checkpoint_taken_on_rank_0_alone_raises_there_and_training_goes_on(
+        megengine_zero_habits):
+    """``if rank == 0: opt.state_dict()``, then a barrier: rank 0 raises a RuntimeError that
+    says what to write (after the group's timeout, 5 s here) and nothing was communicated, so
+    both ranks train on equal to MegEngine's own training, and the documented checkpoint is
+    its optimizer's state (on old code both ranks waited in mismatched collectives until
+    gloo's timeout)."""
+    outs = megengine_zero_habits
+    kind, message = outs[0]["lone_state_dict"]
+    assert kind == "RuntimeError" and "on every rank" in message
+    assert outs[1]["lone_state_dict"] is None
+    for out in outs:
+        close_every_step(out["before"], "before")
+        close_every_step(out["after"], "after")
+        states_close(out["state"], out["native_state"], "the checkpoint after")

@@ -136,6 +136,9 @@ class MegEngineViaTorchTransport:
     def rank(self) -> int:
         return self._torch.rank()
 
+    def arrive(self, key: str) -> Any:
+        return self._torch.arrive(key)
+
     def allreduce_async(self, flat: Any) -> _HostWork:
         buffer = _host_copy(flat)
         return _HostWork(self._torch.start_sum(buffer), buffer, flat.device)

@@ -12,6 +12,7 @@ from torch._utils import _flatten_dense_tensors
 from gradmgr.distributed.contract import NativePath, TensorOps
 
 from .grads import storage_unshared
+from .shard_grad import ShardedGradient, stand_in_grad
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
@@ -41,7 +42,9 @@ class TorchOps(TensorOps):
 
     def local_grad(self, tensor: Any) -> Any:
         if tensor.is_leaf:
-            return tensor.grad
+            grad = tensor.grad
+            # A sharded step's stand-in: what this rank had is in the shards already.
+            return None if type(grad) is ShardedGradient else grad
         with warnings.catch_warnings():  # reading .grad of a non-leaf warns
             warnings.simplefilter("ignore")
             return tensor.grad
@@ -192,6 +195,11 @@ class TorchOps(TensorOps):
         from .modules import watch_forwards
 
         return watch_forwards(module, refusal)
+
+    def stand_in_grad(self, tensor: Any, member: Any) -> Any:
+        """The ``.grad`` of a tensor whose reduced gradient the shards hold (see
+        :mod:`gradmgr.distributed.shard_grads`)."""
+        return stand_in_grad(tensor, member)
 
     def native_path(self, transport: Any) -> Optional[NativePath]:
         from .reducer import native_path  # torch.distributed's private reducer API

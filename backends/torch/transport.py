@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .arrival import arrived, group_store
 from .teardown import collect_cycles_at_exit
 
 
@@ -51,6 +52,12 @@ class TorchCollective:
         d = initialised_dist()
         return d.all_reduce(buffer, op=d.ReduceOp.SUM, group=self.group, async_op=True)
 
+    def arrive(self, key: str) -> Optional[bool]:
+        """Whether every rank reached ``key`` within the group's timeout, asked of the group's
+        store without a collective (see :mod:`.arrival`); None where there is no store."""
+        store = group_store(self.group)
+        return None if store is None else arrived(store, f"gradmgr/{key}", self.world_size())
+
     def broadcast_in_place(self, buffer: Any, src: int, async_op: bool = False) -> Any:
         """Broadcast from the group's rank ``src``; the work in flight where ``async_op``."""
         d = initialised_dist()
@@ -82,19 +89,32 @@ class TorchTransport(TorchCollective):
             # chunk costs the same traffic without the clone (a bucket's size, per bucket).
             return ChunkOfSum(self.start_sum(flat), flat, rank, world)
         chunk = flat.new_empty(flat.numel() // world)
-        work = d.reduce_scatter_tensor(chunk, flat, op=d.ReduceOp.SUM, group=self.group,
-                                       async_op=True)  # never AVG: gloo in torch 2.8 ignores it
+        work = _reduce_scatter_single(d)(chunk, flat, op=d.ReduceOp.SUM, group=self.group,
+                                         async_op=True)  # never AVG: gloo in torch 2.8 ignores it
         return TorchWork(work, chunk)
 
     def all_gather_async(self, chunk: Any) -> TorchWork:
         d = initialised_dist()
         full = chunk.new_empty(chunk.numel() * d.get_world_size(self.group))
-        work = d.all_gather_into_tensor(full, chunk.contiguous(), group=self.group,
-                                        async_op=True)
+        work = _all_gather_single(d)(full, chunk.contiguous(), group=self.group,
+                                     async_op=True)
         return TorchWork(work, full)
 
     def broadcast_async(self, tensor: Any, src: int) -> TorchWork:
         return TorchWork(self.broadcast_in_place(tensor, src, async_op=True), tensor)
+
+
+def _all_gather_single(d: Any) -> Any:
+    """``all_gather_single`` where torch has it (2.13 does, and deprecates
+    ``all_gather_into_tensor`` with a FutureWarning at every call); else the latter, the same
+    collective, not deprecated there (2.8)."""
+    return getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
+
+
+def _reduce_scatter_single(d: Any) -> Any:
+    """``reduce_scatter_single`` where torch has it, else ``reduce_scatter_tensor`` (as
+    :func:`_all_gather_single`)."""
+    return getattr(d, "reduce_scatter_single", None) or d.reduce_scatter_tensor
 
 
 class ChunkOfSum:

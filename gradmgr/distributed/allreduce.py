@@ -15,6 +15,7 @@ from typing import Any, Iterator, List, Optional, Union
 from .._state import get_backwarding_grad_manager
 from .consistency import names_from
 from .contract import Transport
+from .shard_grads import StandIns
 from .sharding import GradientShards
 from .synchronizer import Synchronizer
 from .transport import TransportSpec, check_transport
@@ -288,8 +289,10 @@ class ReduceScatterCallback(AllreduceCallback):
     """Sharded data parallelism (ZeRO-2's gradients): like :class:`AllreduceCallback`, but each
     bucket is reduce-scattered as soon as it is full, so that each rank keeps only its slice of
     the reduced gradients (about 1/world of them) and the full-size gradients are freed as
-    soon as their bucket has gone out. After a synced backward ``.grad`` is None; the slices
-    are what :class:`gradmgr.distributed.ShardedOptimizer` steps. ``no_sync`` steps accumulate
+    soon as their bucket has gone out. After a synced backward ``.grad`` holds no values: None,
+    or on PyTorch a stand-in through which ``torch.nn.utils.clip_grad_norm_`` clips the slices
+    (see :mod:`gradmgr.distributed.shard_grads`); the slices are what
+    :class:`gradmgr.distributed.ShardedOptimizer` steps. ``no_sync`` steps accumulate
     into ``.grad`` locally, as with the allreduce callback; the next synced step
     reduce-scatters what ``.grad`` holds plus its own gradient.
 
@@ -310,7 +313,7 @@ class ReduceScatterCallback(AllreduceCallback):
     bucket buffers that serve it (one in flight, one filling)."""
 
     def _shards_for(self, backend: Any) -> Optional[GradientShards]:
-        return GradientShards(backend.tensor_ops())
+        return GradientShards(backend.tensor_ops(), StandIns)
 
     def synchronizer(self, gm: Any) -> Synchronizer:
         """What this callback does for ``gm`` (the sharded optimizer reads its shards)."""

@@ -16,11 +16,15 @@ a checkpoint, stays with them until they are trainable again.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .bucket import BucketPlan
+from .errors import RankMismatchError
 from .gather import ParameterGather
+from .optimizer_agreement import check_agreement, describe
 from .optimizer_state import (
     Layout,
     Numbering,
@@ -33,6 +37,14 @@ from .optimizer_state import (
 from .sharding import Segment, own_segments
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+_SERIALS = itertools.count()  # the ranks make their ShardedOptimizers in the same order
+_ALONE = (
+    "ShardedOptimizer.state_dict() gathers every rank's slices of the optimizer state, so every "
+    "rank calls it, and rank {rank} called it while not every rank did within the process "
+    "group's timeout (the `if rank == 0: torch.save(opt.state_dict(), path)` habit of DDP "
+    "scripts?). Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
+    "torch.save(state, path)`. Nothing was communicated: the process group is as it was"
+)
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
 
 
@@ -48,10 +60,13 @@ class ShardedOptimizer:
     with the reduce-scatter callback, frozen ones too, in attach order (for
     ``data_parallel(model, shard=True)``: ``model.parameters()``). Every parameter the manager
     reduces must be in ``params``; one it does not reduce (frozen) is numbered but not stepped.
+    Every rank makes it alike: the ranks compare the optimizer class, ``master_dtype`` and
+    each group's options and parameters (one small all-gather), and where they differ every
+    rank raises :class:`RankMismatchError` naming the first difference and each rank's value.
 
-    After :meth:`step` every rank holds the same updated parameters. Every method that
-    communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`) must be called
-    on every rank, and :meth:`load_state_dict` with the same dict on every rank. The
+    After :meth:`step` every rank holds the same updated parameters. Making one, and every
+    method that communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`), must
+    be done on every rank, and :meth:`load_state_dict` with the same dict on every rank. The
     parameter set is fixed when the optimizer is made: after attaching, freezing or
     unfreezing a parameter on every rank, make a new one over the same ``params``
     (``load_state_dict(old.state_dict())`` carries the state over, each parameter's its own).
@@ -77,6 +92,23 @@ class ShardedOptimizer:
         self._world, self._rank = transport.world_size(), transport.rank()
         self._transport = transport
         self._master_dtype = master_dtype
+        self._serial, self._gathered = next(_SERIALS), 0
+        try:
+            entries = self._build(gm, callback, optimizer_class, params, defaults)
+        except Exception as error:
+            # The other ranks are in the comparison: take part, so that they raise too.
+            failed = [("an error making it", f"{type(error).__name__}: {error}")]
+            with contextlib.suppress(RankMismatchError):
+                check_agreement(self._ops, transport, plan.tensor(0), failed)
+            raise
+        check_agreement(self._ops, transport, plan.tensor(0),
+                        [("an error making it", "none"), *entries])
+
+    def _build(self, gm: Any, callback: Any, optimizer_class: Any, params: Any,
+               defaults: Dict[str, Any]) -> List[Tuple[str, str]]:
+        """Lay out this rank's segments and make the wrapped optimizer over them; what the
+        ranks compare (see :mod:`.optimizer_agreement`)."""
+        plan, master_dtype = self._plan, self._master_dtype
         if params is None:
             params = gm.attached_tensors(with_callback=callback)
         self._numbering = numbering = Numbering(user_groups(params))
@@ -85,10 +117,13 @@ class ShardedOptimizer:
         # Never stepped: views (or plain copies) are enough, no master copies.
         self._frozen = self._layout(BucketPlan([numbering.params[i] for i in frozen],
                                                self._ops, _ONE_BUCKET), frozen, None)
-        self._gather = ParameterGather(self._ops, transport, plan, self._world,
+        self._gather = ParameterGather(self._ops, self._transport, plan, self._world,
                                        self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
         """The wrapped optimizer over this rank's segments (for learning-rate schedulers)."""
+        params_of = [[numbering.params[i] for i in group] for group in numbering.groups]
+        return describe(self._ops, optimizer_class, master_dtype, self.optimizer.param_groups,
+                        params_of)
 
     def _layout(self, plan: BucketPlan, index: List[int], master_dtype: Optional[str]) -> Layout:
         segments = own_segments(plan, self._rank, self._world)
@@ -128,7 +163,14 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale the gradient shards so that the norm of the whole gradient (every rank's
         shards together, as ``torch.nn.utils.clip_grad_norm_`` computes over full gradients)
-        is at most ``max_norm``; returns that norm, before clipping."""
+        is at most ``max_norm``; returns that norm, before clipping.
+
+        The slices' float32 squares are summed with the framework's sum, then over the ranks,
+        and the root taken in float64: for a 1024 x 1024 weight on 2 ranks, 1.6e-8 (relative)
+        from the float64 norm, where torch's ``clip_grad_norm_`` on the whole gradient is
+        1.5e-5 from it on CPU (its float32 norm kernel's rounding grows with the size). So it
+        is torch's norm to about 1e-5 on large layers, 1e-6 on small ones, and the closer to
+        the exact one."""
         if norm_type != 2.0:
             raise ValueError("ShardedOptimizer.clip_grad_norm_ computes the 2-norm only")
         ops = self._ops
@@ -142,6 +184,7 @@ class ShardedOptimizer:
             for b, chunk in enumerate(self._shards.chunks):
                 if chunk is not None:
                     self._shards.chunks[b] = ops.scale(chunk, coef)
+            self._shards.version += 1
         return total
 
     def memory(self) -> Dict[str, int]:
@@ -172,7 +215,13 @@ class ShardedOptimizer:
         would give it (state by parameter index over every parameter of ``params``, frozen
         ones included, full-size tensors, none for a parameter never stepped; parameter
         groups with their options): on every rank, whatever the world size, loadable by
-        :meth:`load_state_dict` on any world size (or by the unsharded optimizer)."""
+        :meth:`load_state_dict` on any world size (or by the unsharded optimizer).
+
+        Every rank calls it. Over torch.distributed the ranks first meet in the process group's
+        store: a rank that calls it while the others do not (``if rank == 0:
+        torch.save(opt.state_dict(), ...)``) raises RuntimeError once the group's timeout has
+        passed, having started no collective, instead of waiting in one forever."""
+        self._every_rank_here()
         ops, layouts = self._ops, self._layouts()
         states = [[ops.optimizer_state(self.optimizer, t) for t in layout.tensors]
                   for layout in layouts]
@@ -183,6 +232,15 @@ class ShardedOptimizer:
             options = {k: v for k, v in group.items() if k != "params"}
             groups.append({**options, "params": list(indices)})
         return {"state": {i: full[i] for i in sorted(full)}, "param_groups": groups}
+
+    def _every_rank_here(self) -> None:
+        """Raise, before any collective, where not every rank calls :meth:`state_dict`."""
+        arrive = getattr(self._transport, "arrive", None)
+        if arrive is None or self._world < 2:
+            return
+        if arrive(f"sharded/{self._serial}/state_dict/{self._gathered}") is False:
+            raise RuntimeError(_ALONE.format(rank=self._rank))
+        self._gathered += 1  # a meeting that failed is tried again under its key
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load what :meth:`state_dict` gave (on this or any other world size), or the

@@ -186,22 +186,47 @@ class GradientShards:
     the steps since :meth:`zero` (as ``.grad`` accumulates), and which members have a
     gradient in it (some rank used them)."""
 
-    def __init__(self, ops: TensorOps) -> None:
+    def __init__(self, ops: TensorOps, stand_ins: Any = None) -> None:
         self.ops = ops
         self.plan: Optional[BucketPlan] = None
         self.chunks: List[Any] = []
         self.present: List[List[bool]] = []
+        self.version = 0  # changes whenever the chunks' values do
+        # The planned tensors' .grad after a synced step (shard_grads.StandIns), made here.
+        self.stand_ins = (stand_ins or _NoStandIns)(self)
 
     def planned(self, plan: BucketPlan) -> None:
         """A new plan: the shards of the old one are dropped."""
         if plan is not self.plan:
             self.plan = plan
+            self.stand_ins.planned()
             self.zero()
 
     def zero(self) -> None:
         buckets = self.plan.buckets if self.plan is not None else []
         self.chunks = [None] * len(buckets)
         self.present = [[False] * len(b.members) for b in buckets]
+        self.version += 1
+        self.stand_ins.drop()
+
+    def release(self, transport: Transport) -> None:
+        """After a synced step kept its chunks: the local gradients they summed are freed
+        (``.grad`` None, or a stand-in where some rank used the tensor: see
+        :mod:`.shard_grads`)."""
+        self.stand_ins.give(transport)
+
+    def recording(self) -> None:
+        """A recording begins: no stand-in ``.grad`` for autograd to accumulate into; the
+        gradients whose stand-in the program set None itself (``model.zero_grad()``) are
+        zeroed, as that would have zeroed them under DDP."""
+        given = self.stand_ins.count()
+        taken = self.stand_ins.drop()
+        if taken and len(taken) == given:
+            self.zero()
+        else:
+            for position in taken:
+                self.stand_ins.zero(position)
+            self.version += bool(taken)
 
     def accept(self, launched: Sequence[ShardReduction], summed_flags: List[float],
                failed_here: bool) -> None:
@@ -221,6 +246,7 @@ class GradientShards:
             else:
                 self.chunks[b] = self.ops.add(self.chunks[b], chunk)
             self.present[b] = [was or used != 0 for was, used in zip(self.present[b], flags)]
+        self.version += 1
 
     def grad_of(self, segment: Segment) -> Any:
         """The reduced gradient of a segment (a view where the framework has them), or None
@@ -232,6 +258,27 @@ class GradientShards:
 
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(c) for c in self.chunks if c is not None)
+
+
+class _NoStandIns:
+    """``.grad`` None after a synced step (a manager's shards made without stand-ins)."""
+
+    def __init__(self, shards: GradientShards) -> None:
+        self.shards = shards
+
+    def planned(self) -> None:
+        pass
+
+    def count(self) -> int:
+        return 0
+
+    def drop(self) -> list:
+        return []
+
+    def give(self, transport: Any) -> None:
+        for tensor in self.shards.plan.tensors():
+            if tensor is not None:
+                tensor.grad = None
 
 
 def _any_bucket_failed(plan: BucketPlan, summed: List[float]) -> bool:

@@ -84,6 +84,8 @@ class Synchronizer:
         fingerprint = self.fingerprint
         first = not self.started
         self._replan_if_needed(gm)
+        if self.shards is not None:
+            self.shards.recording()
         sync = options.syncing and not is_paused(gm)
         steps = self.steps
         if len(steps) >= _MAX_OPEN_STEPS:
@@ -315,11 +317,10 @@ class Synchronizer:
 
     def _keep_shards(self, step: Step) -> None:
         """The step's chunks join the shards (or RankFailedError), and the local gradients
-        they summed are freed: ``.grad`` is None after a synced sharded step."""
+        they summed are freed: ``.grad`` is None after a synced sharded step, or a stand-in
+        (see :mod:`.shard_grads`)."""
         self.shards.accept(step.launched, self._end_sharded(step, False), False)
-        for tensor in step.plan.tensors():
-            if tensor is not None:
-                tensor.grad = None
+        self.shards.release(self.transport)
 
     def abort(self, gm: Any) -> None:
         """``gm``'s backward raised: this rank still takes part in the step's collectives,

@@ -203,9 +203,54 @@ def reload(out: dict, rank: int, world: int, outdir: str) -> None:
                           world, range(5, 7), max_norm=1e6)
 
 
+def raised(fn) -> tuple:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - what was raised is the result
+        return type(error).__name__, str(error)
+    return None
+
+
+def habits(out: dict, rank: int, world: int) -> None:
+    """Issue 25 items 5c and 5b on MegEngine: ranks that build ShardedOptimizer with other
+    groups (rank 0 one group with weight_decay=0.01, the others two with 0.5 and 0.0) raise
+    RankMismatchError on every rank; ``if rank == 0: opt.state_dict()`` then a barrier raises
+    on rank 0 once the group's timeout (5 s here) has passed, and training goes on, equal to
+    MegEngine's own on the whole batch."""
+    import datetime
+
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    c10d._get_process_group_store(c10d._get_default_group()).set_timeout(
+        datetime.timedelta(seconds=5))
+    net, ref = Net(detach_frozen=True), Net(detach_frozen=True)
+    gm = data_parallel(net, shard=True, bucket_bytes=BUCKET_BYTES)
+    if rank == 0:
+        out["groups_differ"] = raised(lambda: ShardedOptimizer(gm, AdamW, lr=LR,
+                                                               weight_decay=0.01))
+    else:
+        params = list(net.parameters())  # the frozen layer is attached: every parameter
+        groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": 0.5},
+                  {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0}]
+        out["groups_differ"] = raised(lambda: ShardedOptimizer(gm, AdamW, groups, lr=LR))
+    opt = ShardedOptimizer(gm, AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+    ref_gm = NativeGradManager().attach(ref.parameters())
+    ref_opt = AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    sharded, native = (net, gm, opt), (ref, ref_gm, ref_opt, list(ref.parameters()))
+    out["before"] = train(sharded, native, rank, world, range(2), max_norm=1e6)
+    out["lone_state_dict"] = raised(opt.state_dict) if rank == 0 else None
+    dist.barrier()
+    out["after"] = train(sharded, native, rank, world, range(2, 4), max_norm=1e6)
+    out["state"] = numpy_state(opt.state_dict())
+    out["native_state"] = numpy_state(ref_opt.state_dict())
+
+
 def main(rank: int, world: int, outdir: str) -> None:
     out: dict = {"world": world, "start": values(Net(detach_frozen=True))}
-    if os.environ.get("GRADMGR_ZERO_PART", "main") == "main":
+    if os.environ.get("GRADMGR_ZERO_PART") == "habits":
+        habits(out, rank, world)
+    elif os.environ.get("GRADMGR_ZERO_PART", "main") == "main":
         adamw_data_parallel(out, rank, world, outdir, max_norm=1e6, name="adamw")
         adamw_data_parallel(out, rank, world, "", max_norm=0.05, name="clipped")
         sgd_by_hand(out, rank, world)

@@ -1,0 +1,44 @@
+"""Whether every rank of a process group reached the same point, asked of the group's key-value
+store (c10d's, which ``init_process_group`` rendezvoused through) instead of a collective.
+
+A collective that one rank enters alone cannot be left: the others are in their next
+collective, or in a ``dist.barrier()``, and a rank that gives up leaves the group's collectives
+paired wrongly from then on. Asking the store first can be given up on: a rank that arrives
+alone waits the store's timeout (``init_process_group``'s ``timeout``, the time a collective
+would have waited), takes its arrival back, and raises; the group's collectives are untouched,
+so a program that catches the error goes on. ``ShardedOptimizer.state_dict()`` asks it before
+its collectives, for the ``if rank == 0: torch.save(opt.state_dict(), ...)`` habit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+
+def group_store(group: Any) -> Optional[Any]:
+    """The store of ``group`` (None: the default group), or None where this torch keeps it
+    elsewhere (``ShardedOptimizer`` then checks nothing, as before)."""
+    c10d = dist.distributed_c10d
+    try:  # private: in torch 2.8 and 2.13 alike
+        return c10d._get_process_group_store(group or c10d._get_default_group())
+    except (AttributeError, KeyError, RuntimeError, ValueError):
+        return None
+
+
+def arrived(store: Any, key: str, world: int) -> bool:
+    """Count this rank in at ``key`` (each rank once, and a key used for one meeting only) and
+    wait until all ``world`` ranks have: True; or, where the store's timeout passes first,
+    take this arrival back and return False (unless the last rank came meanwhile)."""
+    done = f"{key}/all"
+    if store.add(key, 1) == world:
+        store.set(done, "1")
+        return True
+    try:
+        store.wait([done])
+        return True
+    except RuntimeError:  # DistStoreError: the store's timeout passed
+        store.add(key, -1)
+        # A rank that counted itself in before our -1 saw all ranks here and went on: so do we.
+        return store.check([done])

@@ -1,0 +1,127 @@
+"""A parameter's ``.grad`` after a synced sharded backward: a stand-in that holds no memory,
+through which ``torch.nn.utils.clip_grad_norm_`` clips the gradient slices the ranks hold
+(see :mod:`gradmgr.distributed.shard_grads`), and which refuses, with an error saying where
+the gradient is, anything else.
+
+Torch's clipping asks each gradient for its 2-norm (``torch.linalg.vector_norm``, or
+``torch._foreach_norm``), takes the norm of those norms, and multiplies each gradient in place
+by the clipped factor (``Tensor.mul_``, or ``torch._foreach_mul_``): the stand-in answers the
+norm of the whole gradient and multiplies this rank's slices by the same factor, so the result
+is DDP's + ``clip_grad_norm_``'s. ``Tensor.zero_`` (``model.zero_grad(set_to_none=False)``)
+zeroes the slices. Reading an attribute (``.shape``, ``.device``, ``.dtype``) works; every
+other operation, from Python or from C++ (autograd, an optimizer's kernels), raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+import torch
+
+_REFUSED = (
+    "{what} on the .grad of a parameter that data_parallel(model, shard=True) reduced: after "
+    "a synced backward each rank holds only its slice of the reduced gradient, in the "
+    "ShardedOptimizer, and .grad is a stand-in that holds no values. "
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (2-norm, on every rank) "
+    "works on it, or opt.clip_grad_norm_(max_norm); opt.step() steps the slices and "
+    "opt.zero_grad() drops them, and the stand-ins. Inside no_sync(gm), .grad holds this "
+    "rank's own whole gradient"
+)
+
+
+class ShardedGradient(torch.Tensor):
+    """The stand-in ``.grad`` of one parameter (``member``: a ``MemberGrad``)."""
+
+    _member: Any
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, member: Any) -> ShardedGradient:
+        grad = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
+                                                   device=like.device)
+        grad._member = member
+        return grad
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return (f"ShardedGradient(shape={list(self.shape)}, dtype={self.dtype}: this rank's "
+                f"slice of it is in the ShardedOptimizer)")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if getattr(func, "__name__", "") == "__get__" or func in _PASSED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise RuntimeError(_REFUSED.format(what=_name(func)))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(_REFUSED.format(what=str(func)))
+
+
+def stand_in_grad(tensor: torch.Tensor, member: Any) -> ShardedGradient:
+    return ShardedGradient(tensor, member)
+
+
+def is_stand_in(grad: Any) -> bool:
+    return type(grad) is ShardedGradient
+
+
+def _name(func: Any) -> str:
+    owner = getattr(func, "__objclass__", None) or getattr(func, "__module__", None)
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return name if owner is None or "." in name else f"{getattr(owner, '__name__', owner)}.{name}"
+
+
+def _norm_of(grad: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,
+             dtype: Any = None, out: Any = None) -> torch.Tensor:
+    if not is_stand_in(grad):
+        return torch.linalg.vector_norm(grad, ord, dim, keepdim, dtype=dtype, out=out)
+    if float(ord) != 2.0 or dim is not None or out is not None:
+        raise RuntimeError(_REFUSED.format(
+            what=f"a norm other than the whole 2-norm (ord={ord}, dim={dim})"))
+    return torch.tensor(grad._member.norm(), dtype=dtype or grad.dtype, device=grad.device)
+
+
+def _foreach_norm(grads: Any, ord: Any = 2, dtype: Any = None) -> list:
+    return [_norm_of(g, ord, dtype=dtype) for g in grads]
+
+
+def _mul_(grad: Any, factor: Any) -> Any:
+    with torch.no_grad():
+        for part in grad._member.parts():
+            part.mul_(factor)
+    grad._member.changed()
+    return grad
+
+
+def _foreach_mul_(grads: Any, factors: Any) -> None:
+    many = isinstance(factors, (list, tuple))
+    for i, grad in enumerate(grads):
+        factor = factors[i] if many else factors
+        if is_stand_in(grad):
+            _mul_(grad, factor)
+        else:
+            grad.mul_(factor)
+
+
+def _zero_(grad: Any) -> Any:
+    with torch.no_grad():
+        for part in grad._member.parts():
+            part.zero_()
+    grad._member.changed()
+    return grad
+
+
+_HANDLERS: Dict[Any, Callable[..., Any]] = {
+    torch.linalg.vector_norm: _norm_of,
+    torch._foreach_norm: _foreach_norm,
+    torch.Tensor.mul_: _mul_,
+    torch._foreach_mul_: _foreach_mul_,
+    torch.Tensor.zero_: _zero_,
+}
+# Metadata that needs no values (model.zero_grad(set_to_none=False) asks requires_grad_(False)).
+_PASSED = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.requires_grad_,
+           torch.Tensor.__repr__}

@@ -1,0 +1,94 @@
+"""Checking, when a ShardedOptimizer is made, that every rank made it alike.
+
+Each rank steps its own slice of the parameters with its own wrapped optimizer: ranks given
+different parameter groups or options (one rank ``weight_decay=0.01``, another two groups with
+0.5 and 0.0) would each step their slices by their own rules, and the all-gathered model would
+be a mixture of both, with no error anywhere. So the ranks compare a digest of what they were
+given (the optimizer class, ``master_dtype``, each group's options and parameters) in one small
+all-gather; where the digests differ, two more gather every rank's description, and every rank
+raises the same RankMismatchError naming the first difference and each rank's value of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, List, Sequence, Tuple
+
+from .errors import RankMismatchError
+
+_DIGEST_BYTES = 8  # small ints (0-255), which a float32 all-gather carries exactly
+
+Entry = Tuple[str, str]  # (what, its value as text)
+
+
+def describe(ops: Any, optimizer_class: Any, master_dtype: Any, groups: Sequence[Dict[str, Any]],
+             params: Sequence[Sequence[Any]]) -> List[Entry]:
+    """What the ranks must agree on, in the order a difference is reported: the optimizer,
+    then group by group its options (the wrapped optimizer's, defaults filled in) and its
+    parameters (shape and dtype, in order), then the number of groups."""
+    module = getattr(optimizer_class, "__module__", "")
+    name = f"{module}.{getattr(optimizer_class, '__qualname__', optimizer_class)}"
+    entries = [("the optimizer class", name), ("master_dtype", repr(master_dtype))]
+    for g, (group, tensors) in enumerate(zip(groups, params)):
+        for key in sorted(k for k in group if k != "params"):
+            entries.append((f"parameter group {g}'s {key}", _text(ops, group[key])))
+        entries.append((f"the number of parameters in group {g}", str(len(tensors))))
+        for i, tensor in enumerate(tensors):
+            entries.append((f"parameter {i} of group {g}",
+                            f"{ops.dtype_name(tensor)}{list(ops.shape(tensor))}"))
+    entries.append(("the number of parameter groups", str(len(groups))))
+    return entries
+
+
+def _text(ops: Any, value: Any) -> str:
+    if ops.is_tensor(value):
+        return (f"tensor({ops.item(value)!r})" if ops.numel(value) == 1
+                else f"a tensor of shape {list(ops.shape(value))}")
+    return repr(value)
+
+
+def check_agreement(ops: Any, transport: Any, like: Any, entries: List[Entry]) -> None:
+    """Raise RankMismatchError on every rank where the ranks' ``entries`` differ (a collective:
+    every rank calls it, one small all-gather where they agree)."""
+    world = transport.world_size()
+    if world < 2:
+        return
+    encoded = "\n".join(f"{what}\t{value}" for what, value in entries).encode()
+    digest = list(hashlib.blake2b(encoded, digest_size=_DIGEST_BYTES).digest())
+    rows = _gathered(ops, transport, like, digest, world)
+    if all(row == rows[0] for row in rows):
+        return
+    lengths = [int(row[0]) for row in _gathered(ops, transport, like, [len(encoded)], world)]
+    size = max(lengths)
+    texts = _gathered(ops, transport, like, list(encoded) + [0] * (size - len(encoded)), world)
+    described = [_decoded(row[:n]) for row, n in zip(texts, lengths)]
+    raise RankMismatchError(_message(described))
+
+
+def _gathered(ops: Any, transport: Any, like: Any, row: List[int], world: int) -> List[list]:
+    values = ops.values(transport.all_gather_async(ops.vector(row, like)).wait())
+    width = len(row)
+    return [values[r * width:(r + 1) * width] for r in range(world)]
+
+
+def _decoded(codes: Sequence[float]) -> List[Entry]:
+    text = bytes(int(c) for c in codes).decode(errors="replace")
+    return [tuple(line.split("\t", 1)) for line in text.split("\n")]  # type: ignore[misc]
+
+
+def _message(described: List[List[Entry]]) -> str:
+    longest = max(len(entries) for entries in described)
+    for i in range(longest):
+        here = [entries[i] if i < len(entries) else None for entries in described]
+        if any(entry != here[0] for entry in here):
+            break
+    what = next(entry[0] for entry in here if entry is not None)
+    per_rank = "; ".join(
+        f"rank {r}: {entry[1]}" if entry is not None and entry[0] == what
+        else f"rank {r}: {entry[0] if entry is not None else 'nothing'} there"
+        for r, entry in enumerate(here))
+    return (f"the ranks built ShardedOptimizer differently, so each would step its slice of "
+            f"the parameters by other rules and the gathered model would mix them: the first "
+            f"difference is {what} ({per_rank}). Every rank must build it with the same "
+            f"optimizer class, the same params (the same parameter groups, in the same order) "
+            f"and the same options")
