@@ -13,10 +13,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 pytest.importorskip("torch")
+
+from ranks import TESTS, rank_env  # noqa: E402
+
+from gradmgr.distributed import free_port  # noqa: E402
 
 SCRIPT = textwrap.dedent(
     """
@@ -49,3 +54,56 @@ def test_a_manager_held_by_a_cycle_is_freed_before_shutdown(tmp_path) -> None:
                           timeout=120, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "freed before shutdown: True" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+
+def test_every_teardown_order_terminates_on_every_path(tmp_path) -> None:
+    """Two ranks tear down 30 groups (10 per data-parallel path), most as the habit of
+    destroying the group before dropping the manager; every round's step is checked against
+    DDP's. A deadlock (torch 2.13's, in ``~ProcessGroupGloo``: see backends/torch/teardown.py)
+    shows as ranks that print nothing more for 40 s (a round takes under a second; all of
+    them about 20 s on 2 busy cores): they are killed and the test fails."""
+    port, world = free_port(), 2
+    logs = [tmp_path / f"log{r}.txt" for r in range(world)]
+    procs = []
+    for r in range(world):
+        with open(logs[r], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dist_workers.teardown_orders", str(r), str(world),
+                 str(port)], cwd=TESTS, env=rank_env(), stdout=log, stderr=subprocess.STDOUT))
+    stalled = _wait_while_printing(procs, logs, stall=40.0, cap=90.0)
+    outputs = [log.read_text() for log in logs]
+    report = "\n".join(f"--- rank {r} (exit {p.returncode}), last round "
+                       f"{_last_round(outputs[r])!r}:\n{outputs[r][-2000:]}"
+                       for r, p in enumerate(procs))
+    assert not stalled, f"the ranks hung ({stalled}) and were killed:\n{report}"
+    assert [p.returncode for p in procs] == [0] * world, f"a rank failed:\n{report}"
+    assert all(out.rstrip().endswith("done") for out in outputs), report
+
+
+def _wait_while_printing(procs: list, logs: list, stall: float, cap: float) -> str:
+    """Wait for ``procs`` while their ``logs`` grow; kill them all once none has grown for
+    ``stall`` seconds or ``cap`` have passed, and say which (``""``: they all ended)."""
+    start = last = time.monotonic()
+    sizes: list = []
+    why = ""
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        current = [log.stat().st_size for log in logs]
+        if current != sizes:
+            sizes, last = current, now
+        if now - last > stall or now - start > cap:
+            why = (f"no output for {stall:.0f} s" if now - last > stall
+                   else f"still running after {cap:.0f} s")
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    return why
+
+
+def _last_round(output: str) -> str:
+    rounds = [line for line in output.splitlines() if "#" in line]
+    return rounds[-1] if rounds else "none"

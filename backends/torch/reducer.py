@@ -102,9 +102,11 @@ class TorchReducer:
             indices.append([self._index[i] for i in range(start, start + len(bucket.members))])
             start += len(bucket.members)
         indices[-1].insert(-1, len(tensors) - 1)
+        # The group's Python object, kept until after the C++ reducer is gone (``__del__``):
+        # the group's last reference must not die in the reducer (see teardown.py).
+        self._group = group if group is not None else dist.group.WORLD
         self._reducer = dist.Reducer(
-            params, indices, [bucket_bytes] * len(indices),
-            group if group is not None else dist.group.WORLD,
+            params, indices, [bucket_bytes] * len(indices), self._group,
             expect_sparse_gradients=[False] * len(params), bucket_bytes_cap=bucket_bytes,
             find_unused_parameters=False, gradient_as_bucket_view=True,
             first_bucket_bytes_cap=first_bucket_bytes,
@@ -122,6 +124,11 @@ class TorchReducer:
         self._window: Optional[tuple] = None
         self._step: Optional[tuple] = None  # the same when this synced step began
         self.broken = False
+
+    def __del__(self) -> None:
+        # The C++ reducer first; the group's Python object (released after this) then frees
+        # a destroyed group with the GIL released, where gloo's threads can finish.
+        self.__dict__.pop("_reducer", None)
 
     def begin(self, sync: bool) -> None:
         """Before a backward's engine run."""
