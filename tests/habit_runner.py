@@ -59,17 +59,21 @@ def run_all(habits, outdir, budget_s: float = TOTAL_S) -> dict:
         folder = os.path.join(str(outdir), f"spawn{spawn}")
         os.makedirs(folder)
         codes, killed, done, started, logs = _spawn(folder, remaining)
-        count = len(remaining)
+        ran = []
         while remaining and all(remaining[0] in d for d in done):
-            case = remaining.pop(0)
-            results[case] = classify(by_name[case.split(":")[0]], [d[case] for d in done], logs)
-        # the spawn ended before the next case ended on every rank: blame it if it started,
-        # or if nothing ran at all; else a case that left its group out of step ended it
-        if remaining and (remaining[0] in started or len(remaining) == count):
+            ran.append(remaining.pop(0))
+            results[ran[-1]] = classify(by_name[ran[-1].split(":")[0]],
+                                        [d[ran[-1]] for d in done], logs)
+        # the spawn ended before the next case ended on every rank: blame that case if it
+        # started (or nothing ran at all); else the last case ended it (out of step), or a
+        # rank hung after it (at exit)
+        if remaining and (remaining[0] in started or not ran):
             case = remaining.pop(0)
             why = "no progress" if killed else "rank exit codes"
             seen = _errors_seen([d.get(case, {}) for d in done])
             results[case] = Result(HANG if killed else CRASH, f"{why}: {codes}\n{seen}", logs)
+        elif killed:
+            results[ran[-1]] = Result(HANG, f"a rank hung after this case: {codes}", logs)
     for case in remaining:
         results[case] = Result(HANG, f"not run: the harness's {budget_s} s were spent")
     return results

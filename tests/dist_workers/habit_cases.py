@@ -12,6 +12,7 @@ hang or crash a rank on today's code, so it runs after the others (the parent sp
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -23,7 +24,7 @@ from torch import nn
 from gradmgr import GradManager
 from gradmgr.distributed import RankFailedError
 
-from .habit_sides import PATHS, STEPS, Side, batch, loss_fn, make_model, state, train
+from .habit_sides import LR, MOMENTUM, PATHS, STEPS, Side, batch, loss_fn, make_model, state, train
 
 ALL, UNSHARDED, SHARDED = PATHS, PATHS[:2], PATHS[2:]
 
@@ -315,15 +316,21 @@ def _custom_function(kind, rank, drop: bool) -> dict:
         h = _HalfFor.apply(x, m.fc1.weight, drop) + m.fc1.bias
         return m.fc2(torch.tanh(m.bn(h)))
 
-    if side.gm is None:  # DDP's forward must run for its reducer: call it with the function
-        m.forward = forward
+    return _train_through(side, forward)
+
+
+def _train_through(side, forward, steps: int = STEPS) -> dict:
+    """Train with ``forward`` as the model's forward: on DDP through the wrapper (whose
+    forward prepares its reducer), on gradmgr called as it is."""
+    if side.gm is None:
+        side.model.forward = forward
         forward = side.net
     opt, out = side.optimizer(), {}
-    for step in range(STEPS):
-        out[f"loss {step}"] = np.float32(side.step(*batch(rank, step), forward=forward))
+    for step in range(steps):
+        out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step), forward=forward))
         opt.step()
         opt.zero_grad()
-    out.update(state(m))
+    out.update(state(side.model))
     return out
 
 
@@ -336,6 +343,68 @@ def custom_function_none_all(kind, rank, world):
 def custom_function_none_one(kind, rank, world):
     """Issue 25 item 4: the same, on rank 1 only."""
     return _custom_function(kind, rank, drop=rank == 1)
+
+
+def tied_weight(kind, rank, world):
+    """A layer used twice in the forward (a tied weight)."""
+    side = Side(kind, rank)
+    m = side.model
+
+    def forward(x):
+        h = torch.tanh(m.bn(m.fc1(x)))
+        return m.fc2(h) + m.fc2(torch.tanh(h))
+    return _train_through(side, forward)
+
+
+def checkpointed(kind, rank, world):
+    """Activation checkpointing, ``torch.utils.checkpoint.checkpoint(..., use_reentrant=
+    False)``, around the first block."""
+    side = Side(kind, rank)
+    m = side.model
+
+    def forward(x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(m.bn(m.fc1(t))), x,
+                                              use_reentrant=False)
+        return m.fc2(h)
+    return _train_through(side, forward)
+
+
+def two_forwards(kind, rank, world):
+    """Two forwards (two halves of the batch), one backward of the summed losses, with
+    ``broadcast_buffers=False`` (DDP's broadcast at the second forward would overwrite the
+    BatchNorm statistics the first one saved for the backward: torch refuses it)."""
+    side = Side(kind, rank, ddp={"broadcast_buffers": False}, dp={"broadcast_buffers": False})
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        with side.recording():
+            loss = loss_fn(side.net(x[:2]), y[:2]) + loss_fn(side.net(x[2:]), y[2:])
+            side.backward(loss)
+        out[f"loss {step}"] = np.float32(loss.item())
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def zero_checkpoint(kind, rank, world):
+    """A ZeroRedundancyOptimizer script's checkpoint on a ShardedOptimizer:
+    ``opt.consolidate_state_dict(to=0)`` on every rank, then ``if rank == 0:
+    opt.state_dict()`` (the reference: DDP with ZeroRedundancyOptimizer over SGD)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    side = Side(kind, rank)
+    if side.gm is None:
+        opt = ZeroRedundancyOptimizer(side.model.parameters(), torch.optim.SGD, lr=LR,
+                                      momentum=MOMENTUM)
+    else:
+        opt = side.optimizer()
+    out = _loop(side, opt)
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        out.update(optimizer_state(opt))
+    dist.barrier()
+    return out
 
 
 def skip_failed_batch(kind, rank, world):
@@ -497,6 +566,7 @@ def destroy_then_del(kind, rank, world):
     out = train(side, steps=1)
     dist.destroy_process_group()
     del side
+    gc.collect()  # what the process would free at exit, freed inside the case
     return out
 
 
@@ -540,6 +610,15 @@ HABITS = [
           'gradient accumulation under `no_sync`'),
     Habit("custom_function_none_all", custom_function_none_all,
           'a custom `autograd.Function` returning `None` for a weight (item 4)'),
+    Habit("tied_weight", tied_weight,
+          'a layer used twice in the forward (tied weights)'),
+    Habit("checkpointed", checkpointed,
+          'activation checkpointing, `use_reentrant=False`'),
+    Habit("two_forwards", two_forwards,
+          'two forwards, one backward of the summed losses (`broadcast_buffers=False`)'),
+    Habit("zero_checkpoint", zero_checkpoint,
+          "ZeRO's checkpoint: `opt.consolidate_state_dict(to=0)`, then rank 0's `state_dict()`",
+          paths=SHARDED, risky=True),
     Habit("skip_failed_batch", skip_failed_batch,
           "a rank's batch fails inside the step; every rank catches it and skips the batch"),
     Habit("forward_outside_with", forward_outside_with,

@@ -16,6 +16,7 @@ import datetime
 import os
 import pickle
 import sys
+import time
 import traceback
 
 import torch
@@ -79,10 +80,21 @@ class Group:
 
     def start(self) -> None:
         self.count += 1
+        if self.count == 1:
+            self._wait_for_every_rank()
         dist.init_process_group(
             "gloo", init_method=f"file://{os.path.join(self.outdir, f'store{self.count}')}",
             rank=self.rank, world_size=self.world,
             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+
+    def _wait_for_every_rank(self, limit_s: float = 120) -> None:
+        """Every rank has imported torch and gradmgr: the short timeout is the process
+        group's, not a slow import's."""
+        open(os.path.join(self.outdir, f"ready{self.rank}"), "w").close()
+        deadline = time.monotonic() + limit_s
+        while not all(os.path.exists(os.path.join(self.outdir, f"ready{r}"))
+                      for r in range(self.world)) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def restart_if_gone(self) -> None:
         if not dist.is_initialized():
