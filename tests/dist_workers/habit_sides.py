@@ -127,3 +127,32 @@ def train(side: Side, steps: int = STEPS, opt=None, **step_kw) -> dict:
         opt.zero_grad()
     out.update(state(side.model))
     return out
+
+
+def loop(side: Side, opt, zero=None, after_step=None, steps: int = STEPS) -> dict:
+    """The plain loop over ``opt``; ``zero`` instead of ``opt.zero_grad``, ``after_step(step,
+    out)`` after each step."""
+    out = {}
+    for step in range(steps):
+        out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step)))
+        opt.step()
+        (zero or opt.zero_grad)()
+        if after_step:
+            after_step(step, out)
+    out.update(state(side.model))
+    return out
+
+
+def train_through(side, forward, steps: int = STEPS) -> dict:
+    """Train with ``forward`` as the model's forward: on DDP through the wrapper (whose
+    forward prepares its reducer), on gradmgr called as it is."""
+    if side.gm is None:
+        side.model.forward = forward
+        forward = side.net
+    opt, out = side.optimizer(), {}
+    for step in range(steps):
+        out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step), forward=forward))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
