@@ -86,7 +86,7 @@ def _errors_seen(outcomes: list) -> str:
 
 
 def _spawn(folder: str, cases: list):
-    env = rank_env()
+    env = rank_env(CUDA_VISIBLE_DEVICES="")  # the script is CPU-only, on any machine
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(os.path.join(folder, f"log{r}.txt"), "w"))
                 for r in range(WORLD)]

@@ -18,6 +18,10 @@ habit_runner.CASE_TIMEOUT_S) or kills a rank costs a new spawn. About 70 s on to
 
 from __future__ import annotations
 
+import os
+import traceback
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
@@ -26,14 +30,23 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import habit_table  # noqa: E402
-from dist_workers.habit_cases import HABITS  # noqa: E402
-from habit_runner import TOTAL_S, run_all  # noqa: E402
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(TOTAL_S + 120)]
+from dist_workers.habit_cases import HABITS, Habit  # noqa: E402
+from dist_workers.habit_harness import by_gradmgr  # noqa: E402
+from habit_runner import (  # noqa: E402
+    CLEAR,
+    CRASH,
+    DDP_FAILED,
+    DIFFERENT,
+    SAME,
+    TOTAL_S,
+    classify,
+    run_all,
+)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every case's Result; the cases run once per module (about 2 minutes)."""
     return run_all(HABITS, tmp_path_factory.mktemp("habits"))
 
 
@@ -54,6 +67,8 @@ def test_the_docs_table_has_a_row_per_habit():
                 f"{'runs' if applies else 'does not run'} that path")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(TOTAL_S + 120)
 @pytest.mark.parametrize("habit", HABITS, ids=[h.name for h in HABITS])
 def test_habit_lands_in_its_documented_column(results, habit):
     cells = habit_table.rows()[habit.title]
@@ -64,3 +79,70 @@ def test_habit_lands_in_its_documented_column(results, habit):
             wrong.append(f"[{path}] expected {want!r}, got {got.column!r}: {got.detail}\n"
                          f"{got.logs[-3000:]}")
     assert not wrong, f"habit {habit.name!r} ({habit.title}):\n" + "\n".join(wrong)
+
+
+# ---------------------------------------------------------------- the columns themselves
+def _error(by_gradmgr: bool, kind: str = "RuntimeError", message: str = "use X instead"):
+    return {"error": {"type": kind, "message": message, "site": "x.py:1",
+                      "by_gradmgr": by_gradmgr, "traceback": ""}}
+
+
+def _values(**arrays):
+    return {"values": {k: np.asarray(v) for k, v in arrays.items()}}
+
+
+HABIT = HABITS[0]
+
+
+@pytest.mark.parametrize("ranks, column", [
+    ([{"ddp": _values(w=[1.0]), "gm": _values(w=[1.0]), "in_step": True}] * 2, SAME),
+    ([{"ddp": _values(w=[1.0]), "gm": _values(w=[1.0]), "in_step": True},
+      {"ddp": _values(w=[1.0]), "gm": _values(w=[np.nextafter(1.0, 2.0)]), "in_step": True}],
+     DIFFERENT),
+    ([{"ddp": _values(w=np.float32(1)), "gm": _values(w=np.float64(1)), "in_step": True}] * 2,
+     DIFFERENT),
+    ([{"ddp": _values(w=[1.0]), "gm": _error(True), "in_step": True}] * 2, CLEAR),
+    ([{"ddp": _values(w=[1.0]), "gm": _error(False), "in_step": True}] * 2, CRASH),
+    ([{"ddp": _values(w=[1.0]), "gm": _error(True), "in_step": True},
+      {"ddp": _values(w=[1.0]), "gm": _values(w=[1.0]), "in_step": True}], CRASH),
+    ([{"ddp": _values(w=[1.0]), "gm": _error(True), "in_step": False}] * 2, CRASH),
+    ([{"ddp": _error(False), "gm": _values(w=[1.0]), "in_step": True}] * 2, DDP_FAILED),
+])
+def test_a_case_lands_in_its_column(ranks, column):
+    assert classify(HABIT, ranks, "").column == column
+
+
+def test_without_a_reference_no_error_is_a_silent_difference():
+    broken = Habit("ddp_then_data_parallel", "t", ddp=False)
+    ranks = [{"gm": _values(w=[1.0]), "in_step": True}] * 2
+    assert classify(broken, ranks, "").column == DIFFERENT
+
+
+def test_only_the_accepted_foreign_error_counts_as_clear():
+    habit = Habit("module_attribute", "t", accept=("AttributeError", "'module'"))
+    said = _error(False, "AttributeError", "'Model' object has no attribute 'module'")
+    other = _error(False, "AttributeError", "'Model' object has no attribute 'fc9'")
+    assert classify(habit, [{"ddp": _values(), "gm": said, "in_step": True}] * 2, "").column \
+        == CLEAR
+    assert classify(habit, [{"ddp": _values(), "gm": other, "in_step": True}] * 2, "").column \
+        == CRASH
+
+
+def test_gradmgr_raising_is_told_from_torch_raising_through_gradmgr():
+    """gradmgr's own ``raise ...(...)`` and classes count; torch's C++ error surfacing in a
+    gradmgr line that calls torch, a bare re-raise, or gloo's text do not."""
+    import gradmgr
+    from gradmgr.distributed import make_allreduce_cb
+
+    inside = os.path.join(os.path.dirname(gradmgr.__file__), "distributed", "x.py")
+    frame = traceback.FrameSummary(inside, 1, "f", line="raise ValueError(f'use {x}')")
+    assert by_gradmgr(ValueError("use x"), frame)
+    for line in ("self._work.wait()", "raise error"):
+        assert not by_gradmgr(RuntimeError("x"), traceback.FrameSummary(inside, 1, "f", line=line))
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:535] Read error")
+    assert not by_gradmgr(gloo, frame)
+    torch_frame = traceback.FrameSummary(torch.__file__, 1, "f", line="raise ValueError('x')")
+    assert not by_gradmgr(ValueError("x"), torch_frame)
+    with pytest.raises(ValueError) as raised:
+        make_allreduce_cb("max")
+    assert by_gradmgr(raised.value, traceback.extract_tb(raised.tb)[-1])

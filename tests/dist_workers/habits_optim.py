@@ -94,6 +94,8 @@ def grad_scaler(kind, rank, world):
     side = Side(kind, rank)
     opt, out = side.optimizer(), {}
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    if not scaler.is_enabled():  # then this row would check nothing: say so
+        raise RuntimeError("torch.amp.GradScaler('cpu') is disabled in this torch")
     for step in range(STEPS):
         side.step(*batch(rank, step), scale=scaler.scale)
         scaler.unscale_(opt)
@@ -112,6 +114,7 @@ def cuda_grad_scaler(kind, rank, world):
     side = Side(kind, rank)
     opt, out = side.optimizer(), {}
     scaler = _cuda_scaler()
+    out["scaler enabled"] = np.array(scaler.is_enabled())  # False: no CUDA (CUDA_VISIBLE_DEVICES)
     for step in range(STEPS):
         side.step(*batch(rank, step), scale=scaler.scale)
         scaler.step(opt)
