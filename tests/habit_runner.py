@@ -157,7 +157,8 @@ def classify(habit, ranks: list, logs: str) -> Result:
         return Result(CRASH, "the process group was left out of step\n" + lines,
                       tracebacks + "\n" + logs)
     if errors:
-        if len(errors) < len(ranks):
+        needed = set(range(len(ranks)) if habit.alone is None else [habit.alone])
+        if not needed <= set(errors):
             return Result(CRASH, f"an error on rank(s) {sorted(errors)} only\n" + lines,
                           tracebacks)
         if all(is_clear(e, habit) for e in errors.values()):

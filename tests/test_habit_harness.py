@@ -118,6 +118,15 @@ def test_without_a_reference_no_error_is_a_silent_difference():
     assert classify(broken, ranks, "").column == DIFFERENT
 
 
+def test_a_call_on_one_rank_needs_its_clear_error_only():
+    """``if rank == 0: opt.state_dict()``: rank 0's error suffices, the others go on."""
+    habit = Habit("checkpoint_rank0", "t", alone=0)
+    ranks = [{"ddp": _values(), "gm": _error(True), "in_step": True},
+             {"ddp": _values(), "gm": _values(), "in_step": True}]
+    assert classify(habit, ranks, "").column == CLEAR
+    assert classify(habit, ranks[::-1], "").column == CRASH
+
+
 def test_only_the_accepted_foreign_error_counts_as_clear():
     habit = Habit("module_attribute", "t", accept=("AttributeError", "'module'"))
     said = _error(False, "AttributeError", "'Model' object has no attribute 'module'")

@@ -6,8 +6,10 @@ it applies to. What it returns (losses, norms, parameters, buffers) is compared 
 
 ``ddp=False``: DDP itself is silently wrong (or hangs) with this habit, so it is not run;
 gradmgr must raise. ``accept``: an exception that is not gradmgr's but counts as clear,
-``(type name, text it contains)``. ``risky``: may hang or crash a rank on today's code, so it
-runs after the others; ``teardown``: destroys its process group, so it runs last.
+``(type name, text it contains)``. ``alone``: only that rank runs the habit's call
+(``if rank == 0: ...``), so only it must raise, and the others go on. ``risky``: may hang or
+crash a rank on today's code, so it runs after the others; ``teardown``: destroys its
+process group, so it runs last.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Habit:
     ddp: bool = True
     accept: Optional[Tuple[str, str]] = None
     risky: bool = False
+    alone: Optional[int] = None  # only this rank makes the call: its clear error suffices
     teardown: bool = False
 
     @property
@@ -111,7 +114,7 @@ HABITS = [
           paths=SHARDED, ddp=False),
     Habit("checkpoint_rank0",
           '`if rank == 0: torch.save(opt.state_dict(), path)` (item 5)',
-          risky=True),
+          risky=True, alone=0),
     Habit("custom_function_none_one",
           'a custom `autograd.Function` returning `None` for a weight on one rank (item 4)',
           risky=True),

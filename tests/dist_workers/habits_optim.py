@@ -68,9 +68,11 @@ def checkpoint_rank0(kind, rank, world):
     side = Side(kind, rank)
     opt = side.optimizer()
     out = loop(side, opt)
-    if rank == 0:
-        out.update(optimizer_state(opt))
-    dist.barrier()
+    try:
+        if rank == 0:
+            out.update(optimizer_state(opt))
+    finally:  # where rank 0 raised, the program goes on: the group must still work
+        dist.barrier()
     return out
 
 
