@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -71,7 +72,9 @@ def run_all(habits, outdir, budget_s: float = TOTAL_S) -> dict:
             case = remaining.pop(0)
             why = "no progress" if killed else "rank exit codes"
             seen = _errors_seen([d.get(case, {}) for d in done])
-            results[case] = Result(HANG if killed else CRASH, f"{why}: {codes}\n{seen}", logs)
+            where = "; ".join(started.get(case, []))  # which side each rank was running
+            results[case] = Result(HANG if killed else CRASH,
+                                   f"{why}: {codes} (last started: {where})\n{seen}", logs)
         elif killed:
             results[ran[-1]] = Result(HANG, f"a rank hung after this case: {codes}", logs)
     for case in remaining:
@@ -95,17 +98,18 @@ def _spawn(folder: str, cases: list):
              ",".join(cases)], cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT)
             for r in range(WORLD)]
         killed = _watch(procs, [os.path.join(folder, f"rank{r}.pkl") for r in range(WORLD)])
-    done, started = [], set()
+    done, started = [], {}  # {case: "case side" each rank last started}
     for r in range(WORLD):
         with contextlib.suppress(FileNotFoundError), open(f"{folder}/rank{r}.started") as f:
-            started.add(f.read())
+            text = f.read()
+            started[text.split()[0]] = started.get(text.split()[0], []) + [f"rank {r}: {text}"]
         path = os.path.join(folder, f"rank{r}.pkl")
         with open(path, "rb") if os.path.exists(path) else contextlib.nullcontext() as f:
             done.append(pickle.load(f) if f else {})
     tails = []
     for r, p in enumerate(procs):
         with open(os.path.join(folder, f"log{r}.txt")) as f:
-            tails.append(f"--- rank {r} (exit {p.returncode}):\n{f.read()[-2500:]}")
+            tails.append(f"--- rank {r} (exit {p.returncode}):\n{f.read()[-4000:]}")
     return [p.returncode for p in procs], killed, done, started, "\n".join(tails)
 
 
@@ -120,13 +124,22 @@ def _watch(procs: list, progress: list) -> bool:
             if stamp != seen[i]:
                 seen[i], last = stamp, time.monotonic()
         if time.monotonic() - last > CASE_TIMEOUT_S:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            _stop(procs)
             return True
         time.sleep(0.2)
     return False
+
+
+def _stop(procs: list) -> None:
+    """Kill what still runs, after asking it for its threads' stacks (faulthandler, in the
+    rank's log): where a rank hung is the first thing its fix needs."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGUSR1)
+    time.sleep(2.0)
+    for p in running:
+        p.kill()
+        p.wait()
 
 
 # ---------------------------------------------------------------- columns

@@ -13,8 +13,10 @@ when one hangs or dies. The process groups start from files in OUTDIR with a sho
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -111,13 +113,15 @@ class Group:
         return check.tolist() == [index * self.world, float(self.world)]
 
 
-def run_case(habit, path: str, rank: int, world: int, group: Group) -> dict:
+def run_case(habit, path: str, rank: int, world: int, group: Group, started: str) -> dict:
+    """The habit on DDP, then on gradmgr's ``path``; ``started`` names the side now running
+    (for the parent, if this rank hangs or dies)."""
     result = {}
-    if habit.ddp:
-        result["ddp"] = outcome(habit.fn, "ddp", rank, world)
+    for side, kind in (("ddp", "ddp"), ("gm", path)) if habit.ddp else (("gm", path),):
+        with open(started, "w") as f:
+            f.write(f"{habit.name}:{path} {side}")
+        result[side] = outcome(habit.fn, kind, rank, world)
         group.restart_if_gone()
-    result["gm"] = outcome(habit.fn, path, rank, world)
-    group.restart_if_gone()
     return result
 
 
@@ -126,13 +130,13 @@ def main(argv: list) -> None:
     from .habit_cases import BY_NAME
 
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's "where are you?"
     group = Group(rank, world, outdir)
     path, done = os.path.join(outdir, f"rank{rank}.pkl"), {}
     for index, case in enumerate(cases):
         name, kind = case.split(":")
-        with open(os.path.join(outdir, f"rank{rank}.started"), "w") as f:
-            f.write(case)
-        done[case] = result = run_case(BY_NAME[name], kind, rank, world, group)
+        done[case] = result = run_case(BY_NAME[name], kind, rank, world, group,
+                                       os.path.join(outdir, f"rank{rank}.started"))
         result["in_step"] = group.in_step(index)
         with open(path + ".tmp", "wb") as f:
             pickle.dump(done, f)
