@@ -70,16 +70,24 @@ def run_all(habits, outdir, budget_s: float = TOTAL_S) -> dict:
         # rank hung after it (at exit)
         if remaining and (remaining[0] in started or not ran):
             case = remaining.pop(0)
-            why = "no progress" if killed else "rank exit codes"
-            seen = _errors_seen([d.get(case, {}) for d in done])
-            where = "; ".join(started.get(case, []))  # which side each rank was running
-            results[case] = Result(HANG if killed else CRASH,
-                                   f"{why}: {codes} (last started: {where})\n{seen}", logs)
+            results[case] = _unfinished(case, killed, codes, done, started.get(case, []), logs)
         elif killed:
             results[ran[-1]] = Result(HANG, f"a rank hung after this case: {codes}", logs)
     for case in remaining:
         results[case] = Result(HANG, f"not run: the harness's {budget_s} s were spent")
     return results
+
+
+def _unfinished(case: str, killed: bool, codes: list, done: list, sides: list,
+                logs: str) -> Result:
+    """The column of a case that did not end on every rank: a hang (the ranks were killed)
+    or a crash, unless every rank was in DDP's run (``sides``: what each rank started)."""
+    column = HANG if killed else CRASH
+    if sides and all(s.endswith(" ddp") for s in sides):
+        column = DDP_FAILED  # DDP's own run hung or died: not gradmgr's doing
+    why = "no progress" if killed else "rank exit codes"
+    seen = _errors_seen([d.get(case, {}) for d in done])
+    return Result(column, f"{why}: {codes} (last started: {'; '.join(sides)})\n{seen}", logs)
 
 
 def _errors_seen(outcomes: list) -> str:

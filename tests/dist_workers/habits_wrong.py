@@ -140,11 +140,16 @@ def rank_skips_silently(kind, rank, world):
 
 def destroy_then_del(kind, rank, world):
     """Issue 25 item 9: one step, ``dist.destroy_process_group()``, then ``del gm`` (and
-    ``del model``): the harness starts a new group afterwards."""
+    ``del model``): the harness starts a new group afterwards. DDP's reference frees its
+    wrapper first, the documented order: freed after its group, DDP itself hung here once on
+    torch 2.13 (in ``~ProcessGroupGloo``, as gradmgr does in issue 25 item 9)."""
     side = Side(kind, rank)
     out = train(side, steps=1)
+    if kind == "ddp":
+        del side
+        gc.collect()
     dist.destroy_process_group()
-    del side
+    side = None  # gradmgr: the manager freed after its group
     gc.collect()  # what the process would free at exit, freed inside the case
     return out
 
