@@ -5,7 +5,7 @@ Columns: "same as DDP" (every rank's values equal DDP's bit for bit), "clear err
 rank raised, each error gradmgr's own, or the one the habit accepts, and the process group
 still in step), or a failure: "different" (silent), "hang/timeout", "crash" (a rank died, a
 raw torch or gloo error, an error on some ranks only, or a group left out of step), and
-"DDP failed" (the reference itself failed: a harness bug).
+"DDP failed" (the reference itself raised, hung or died: a harness bug, or DDP's own).
 
 The cases run in as few spawns as possible: one runs them all in order until a case kills a
 rank or stops making progress for :data:`CASE_TIMEOUT_S`; that case is put in its column
@@ -31,7 +31,7 @@ DIFFERENT, HANG, CRASH, DDP_FAILED = "different", "hang/timeout", "crash", "DDP 
 WORLD = 2
 CASE_TIMEOUT_S = 45  # a case makes progress within 2 process-group timeouts (10 s) and more
 START_S = 60  # importing torch and gradmgr on a loaded machine
-TOTAL_S = 600  # every case, hangs included, on today's code about 70 s
+TOTAL_S = 600  # every case, hangs included: about 2 minutes here (2 busy cores) on today's code
 
 
 @dataclass

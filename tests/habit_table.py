@@ -62,7 +62,9 @@ def observed(habits, results: dict, documented: dict) -> str:
 def main() -> None:
     import tempfile
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(DOCS))  # this checkout's gradmgr, in the ranks too
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    sys.path[:0] = [root, os.path.dirname(os.path.abspath(__file__))]
     from dist_workers.habit_cases import HABITS
     from habit_runner import run_all
 
