@@ -1,6 +1,7 @@
-"""Habits that cannot give what the user meant under gradmgr (issue 25's items 1-3 and
+"""Habits where the script itself is wrong for data parallelism (issue 25's items 1-3 and
 7-9, habit_cases.py runs them): a second wrapper, a bypassed recording, ranks that disagree,
-a model converted after wrapping, a group destroyed first. Each must raise, or (item 9) end.
+a model converted after wrapping, a group destroyed first. Each must raise, or do what the
+user meant (item 8: train the converted model; item 9: end).
 """
 
 from __future__ import annotations
