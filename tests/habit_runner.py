@@ -29,7 +29,7 @@ from ranks import TESTS, rank_env
 SAME, CLEAR = "same as DDP", "clear error"
 DIFFERENT, HANG, CRASH, DDP_FAILED = "different", "hang/timeout", "crash", "DDP failed"
 WORLD = 2
-CASE_TIMEOUT_S = 45  # a case makes progress within 2 process-group timeouts (10 s) and more
+CASE_TIMEOUT_S = 30  # a case ends within 2 process-group timeouts (10 s each) and a margin
 START_S = 60  # importing torch and gradmgr on a loaded machine
 TOTAL_S = 600  # every case, hangs included: about 2 minutes here (2 busy cores) on today's code
 
