@@ -199,16 +199,24 @@ def classify(habit, ranks: list, logs: str) -> Result:
 
 
 def first_difference(got: dict, want: dict) -> str:
-    """'' when ``got`` equals ``want`` bit for bit (the same keys, dtypes, shapes, values)."""
+    """'' when ``got`` equals ``want`` bit for bit (the same keys, dtypes, shapes, values);
+    else how the first value differs (in the habit's order: returned values, parameters,
+    buffers) and which others do."""
     if sorted(got) != sorted(want):
         return f"other values: {sorted(set(got) ^ set(want))}"
-    for key in want:  # in the habit's order: returned values, parameters, buffers
-        a, b = np.asarray(got[key]), np.asarray(want[key])
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{key}: {a.dtype}{a.shape} where DDP has {b.dtype}{b.shape}"
-        if not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
-            if a.dtype.kind in "fc":
-                gap = float(np.max(np.abs(a.astype("f8") - b.astype("f8"))))
-                return f"{key}: up to {gap:.3g} from DDP's"
-            return f"{key}: {a!r} where DDP has {b!r}"
-    return ""
+    wrong = [(key, _difference(np.asarray(got[key]), np.asarray(want[key]))) for key in want]
+    wrong = [(key, how) for key, how in wrong if how]
+    if not wrong:
+        return ""
+    names = ", ".join(key for key, _ in wrong[:8]) + (", ..." if len(wrong) > 8 else "")
+    return f"{wrong[0][0]}: {wrong[0][1]} ({len(wrong)} of {len(want)} values differ: {names})"
+
+
+def _difference(a: np.ndarray, b: np.ndarray) -> str:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype}{a.shape} where DDP has {b.dtype}{b.shape}"
+    if np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
+        return ""
+    if a.dtype.kind in "fc":
+        return f"up to {float(np.max(np.abs(a.astype('f8') - b.astype('f8')))):.3g} from DDP's"
+    return f"{a!r} where DDP has {b!r}"
