@@ -1,0 +1,131 @@
+"""The habits of the habit harness (issue 25), in the order of the docs table: each is the
+documented training script of habit_sides.py with one habit a DDP or ZeroRedundancyOptimizer
+user brings typed in, as a function ``name(kind, rank, world) -> dict`` (habits_model.py,
+habits_optim.py, habits_wrong.py) run once on DDP (``kind`` "ddp") and once per gradmgr path
+it applies to. What it returns (losses, norms, parameters, buffers) is compared bit for bit.
+
+``ddp=False``: DDP itself is silently wrong (or hangs) with this habit, so it is not run;
+gradmgr must raise. ``accept``: an exception that is not gradmgr's but counts as clear,
+``(type name, text it contains)``. ``alone``: only that rank runs the habit's call
+(``if rank == 0: ...``), so only it must raise, and the others go on. ``risky``: may hang or
+crash a rank on today's code, so it runs after the others; ``teardown``: destroys its
+process group, so it runs last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+from . import habits_model, habits_optim, habits_wrong
+from .habit_sides import PATHS
+
+ALL, SHARDED = PATHS, PATHS[2:]
+
+
+@dataclass(frozen=True)
+class Habit:
+    name: str  # its function's name
+    title: str  # its row in docs/switching-from-ddp.md
+    paths: Tuple[str, ...] = ALL
+    ddp: bool = True
+    accept: Optional[Tuple[str, str]] = None
+    risky: bool = False
+    alone: Optional[int] = None  # only this rank makes the call: its clear error suffices
+    teardown: bool = False
+
+    @property
+    def fn(self) -> Callable:
+        for module in (habits_model, habits_optim, habits_wrong):
+            if hasattr(module, self.name):
+                return getattr(module, self.name)
+        raise LookupError(f"no habit function {self.name!r}")
+
+
+HABITS = [
+    Habit("documented",
+          'none: the documented script'),
+    Habit("module_attribute",
+          '`model.module.state_dict()` for the checkpoint',
+          accept=("AttributeError", "'module'")),
+    Habit("train_eval_switch",
+          '`model.eval()`, a validation forward under `no_grad`, `model.train()`, between steps'),
+    Habit("eval_after_training",
+          'evaluation after training: `model.eval()`, a validation pass (item 6)'),
+    Habit("no_grad_in_train_mode",
+          'a forward under `torch.no_grad()` between steps, in train mode'),
+    Habit("broadcast_buffers_false",
+          '`broadcast_buffers=False`'),
+    Habit("zero_grad_keep",
+          '`opt.zero_grad(set_to_none=False)`'),
+    Habit("model_zero_grad",
+          '`model.zero_grad()` instead of `opt.zero_grad()`'),
+    Habit("adam",
+          '`torch.optim.Adam` instead of SGD'),
+    Habit("lr_scheduler",
+          '`StepLR(opt, 1)` over the optimizer'),
+    Habit("clip_torch",
+          "torch's `clip_grad_norm_(model.parameters(), ...)` (item 5)"),
+    Habit("grad_scaler",
+          '`torch.amp.GradScaler("cpu")`: `scale`, `unscale_`, clip, `step`, `update`'),
+    Habit("cuda_grad_scaler",
+          '`torch.cuda.amp.GradScaler()` on a machine without CUDA'),
+    Habit("autocast_bf16",
+          'the forward under `torch.autocast("cpu", dtype=torch.bfloat16)`'),
+    Habit("parameter_hook",
+          '`register_hook` on a parameter'),
+    Habit("freeze_mid_training",
+          '`requires_grad_(False)` on a layer after a step, every rank'),
+    Habit("unused_layer",
+          'a layer the forward never uses'),
+    Habit("accumulate_no_sync",
+          'gradient accumulation under `no_sync`'),
+    Habit("custom_function_none_all",
+          'a custom `autograd.Function` returning `None` for a weight (item 4)'),
+    Habit("tied_weight",
+          'a layer used twice in the forward (tied weights)'),
+    Habit("checkpointed",
+          'activation checkpointing, `use_reentrant=False`'),
+    Habit("two_forwards",
+          'two forwards, one backward of the summed losses (`broadcast_buffers=False`)'),
+    Habit("zero_checkpoint",
+          "ZeRO's checkpoint: `opt.consolidate_state_dict(to=0)`, then rank 0's `state_dict()`",
+          paths=SHARDED, risky=True),
+    Habit("skip_failed_batch",
+          "a rank's batch fails inside the step; every rank catches it and skips the batch"),
+    Habit("forward_outside_with",
+          'the forward before `with gm:`, only the backward inside'),
+    Habit("backward_inside_with_single",
+          '`loss.backward()` inside `with gm:`, one process (item 3)',
+          paths=("single",)),
+    Habit("ddp_then_data_parallel",
+          '`net = DDP(model)` kept, then `data_parallel(net)` (item 1)',
+          ddp=False),
+    Habit("data_parallel_then_ddp",
+          '`data_parallel(model)`, then `net = DDP(model)` (item 1)',
+          ddp=False),
+    Habit("forgotten_with",
+          '`with gm:` forgotten: a plain `loss.backward()` (item 2)',
+          ddp=False),
+    Habit("double_after_wrap",
+          '`model.double()` after wrapping (item 8)'),
+    Habit("sharded_groups_differ",
+          'ranks give `ShardedOptimizer` different groups (item 5)',
+          paths=SHARDED, ddp=False),
+    Habit("checkpoint_rank0",
+          '`if rank == 0: torch.save(opt.state_dict(), path)` (item 5)',
+          risky=True, alone=0),
+    Habit("custom_function_none_one",
+          'a custom `autograd.Function` returning `None` for a weight on one rank (item 4)',
+          risky=True),
+    Habit("no_sync_on_rank0_only",
+          'only rank 0 wraps a micro-batch in `no_sync` (item 7)',
+          ddp=False, risky=True),
+    Habit("rank_skips_silently",
+          'one rank skips a batch before its forward (`continue`)',
+          ddp=False, risky=True),
+    Habit("destroy_then_del",
+          '`dist.destroy_process_group()`, then `del gm` (item 9)',
+          teardown=True),
+]
+BY_NAME = {h.name: h for h in HABITS}

@@ -1,0 +1,158 @@
+"""The habit harness's training script, written once for both sides of a comparison: torch's
+DDP (the reference) and gradmgr on one of its data-parallel paths.
+
+A :class:`Side` hides what switching changes (the wrapper, the step, ``no_sync``, the
+optimizer, clipping); a habit (habit_cases.py) is the documented script with one habit typed
+in, and records what it returns (losses, norms) and each rank's parameters and buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradmgr.distributed import ShardedOptimizer, data_parallel, no_sync
+
+PATHS = ("native", "buckets", "sharded")  # gradmgr's paths; "ddp" is the reference
+LR, MOMENTUM, STEPS = 0.1, 0.9, 3
+
+
+class Model(nn.Module):
+    """Two Linear layers around a BatchNorm (a buffer DDP broadcasts at every forward)."""
+
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)
+        self.extra = nn.Linear(3, 3) if extra else None  # never used in forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def make_model(rank: int, **kw) -> Model:
+    torch.manual_seed(rank)  # each rank its own weights: the first broadcast matters
+    return Model(**kw)
+
+
+def batch(rank: int, step: int, micro: int = 0) -> tuple:
+    """Rank ``rank``'s own data."""
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y)
+
+
+class Side:
+    """One side of a comparison: ``kind`` "ddp" (DDP), or a gradmgr path: "native" (torch's
+    reducer, the default), "buckets" (``native=False``) or "sharded" (``shard=True`` and a
+    :class:`ShardedOptimizer`). ``net`` is what the script calls; ``model`` the module."""
+
+    def __init__(self, kind: str, rank: int, model: nn.Module = None, ddp: dict = None,
+                 dp: dict = None) -> None:
+        self.kind, self.rank = kind, rank
+        self.model = make_model(rank) if model is None else model
+        self.gm = None
+        if kind == "ddp":
+            self.net = DDP(self.model, **(ddp or {}))
+        else:
+            self.net = self.model
+            self.gm = data_parallel(self.model, **self.dp_options(), **(dp or {}))
+
+    def dp_options(self) -> dict:
+        if self.kind == "sharded":
+            return {"shard": True}
+        return {"native": self.kind == "native"}
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "sharded"
+
+    def optimizer(self, cls=torch.optim.SGD, params=None, **kw):
+        """``cls`` over the parameters (``params``: groups), as the DDP script builds it."""
+        kw = kw or {"lr": LR, "momentum": MOMENTUM}
+        if self.sharded:
+            return ShardedOptimizer(self.gm, cls, params, **kw)
+        return cls(self.model.parameters() if params is None else params, **kw)
+
+    def paused(self, pause: bool = True):
+        """DDP's ``no_sync()``, or gradmgr's ``no_sync(gm)``, when ``pause``."""
+        if not pause:
+            return contextlib.nullcontext()
+        return self.net.no_sync() if self.gm is None else no_sync(self.gm)
+
+    def recording(self):
+        return contextlib.nullcontext() if self.gm is None else self.gm
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.gm is None:
+            loss.backward()
+        else:
+            self.gm.backward(loss)
+
+    def step(self, x, y, pause: bool = False, scale=None, forward=None) -> float:
+        """The documented step: forward and backward, DDP's way or gradmgr's."""
+        forward = forward or self.net
+        with self.paused(pause), self.recording():
+            loss = loss_fn(forward(x), y)
+            self.backward(loss if scale is None else scale(loss))
+        return loss.item()
+
+    def clip(self, opt, max_norm: float = 1.0) -> float:
+        """The documented clipping: torch's, or the ShardedOptimizer's own."""
+        if self.sharded:
+            return float(opt.clip_grad_norm_(max_norm))
+        return float(nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
+
+def state(model: nn.Module) -> dict:
+    """Every parameter and buffer of ``model``, by name, as arrays."""
+    out = {f"param {n}": p.detach().numpy().copy() for n, p in model.named_parameters()}
+    out.update({f"buffer {n}": b.detach().numpy().copy() for n, b in model.named_buffers()})
+    return out
+
+
+def train(side: Side, steps: int = STEPS, opt=None, **step_kw) -> dict:
+    """The plain loop: ``steps`` steps of SGD with momentum; the losses and the final state."""
+    opt = opt or side.optimizer()
+    out = {}
+    for step in range(steps):
+        out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step), **step_kw))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def loop(side: Side, opt, zero=None, after_step=None, steps: int = STEPS) -> dict:
+    """The plain loop over ``opt``; ``zero`` instead of ``opt.zero_grad``, ``after_step(step,
+    out)`` after each step."""
+    out = {}
+    for step in range(steps):
+        out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step)))
+        opt.step()
+        (zero or opt.zero_grad)()
+        if after_step:
+            after_step(step, out)
+    out.update(state(side.model))
+    return out
+
+
+def train_through(side, forward, steps: int = STEPS) -> dict:
+    """Train with ``forward`` as the model's forward: on DDP through the wrapper (whose
+    forward prepares its reducer), on gradmgr called as it is."""
+    if side.gm is None:
+        side.model.forward = forward
+        forward = side.net
+    opt, out = side.optimizer(), {}
+    for step in range(steps):
+        out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step), forward=forward))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out

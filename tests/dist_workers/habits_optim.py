@@ -1,0 +1,171 @@
+"""Habits of the optimizer (habit_cases.py runs them): zeroing, Adam, schedulers, torch's
+clipping, checkpoints (DDP's and ZeRO's), parameter groups, mixed precision."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .habit_sides import LR, MOMENTUM, STEPS, Side, batch, loop, state
+
+
+# ---------------------------------------------------------------- optimizer habits
+def zero_grad_keep(kind, rank, world):
+    """``opt.zero_grad(set_to_none=False)``: zeroed ``.grad`` tensors kept."""
+    side = Side(kind, rank)
+    opt = side.optimizer()
+    return loop(side, opt, zero=lambda: opt.zero_grad(set_to_none=False))
+
+
+def model_zero_grad(kind, rank, world):
+    """``model.zero_grad()`` instead of the optimizer's."""
+    side = Side(kind, rank)
+    return loop(side, side.optimizer(), zero=side.model.zero_grad)
+
+
+def adam(kind, rank, world):
+    """``torch.optim.Adam`` instead of SGD."""
+    side = Side(kind, rank)
+    return loop(side, side.optimizer(torch.optim.Adam, lr=0.01))
+
+
+def lr_scheduler(kind, rank, world):
+    """``StepLR(opt, 1, gamma=0.5)`` over the optimizer, stepped after each ``opt.step()``."""
+    side = Side(kind, rank)
+    opt = side.optimizer()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    return loop(side, opt, after_step=lambda step, out: sched.step())
+
+
+def clip_torch(kind, rank, world):
+    """Issue 25 item 5: torch's ``clip_grad_norm_(model.parameters(), ...)`` after the
+    backward (on a ShardedOptimizer too); its norm is recorded."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        side.step(*batch(rank, step))
+        out[f"norm {step}"] = np.float32(nn.utils.clip_grad_norm_(side.model.parameters(), 0.5))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def optimizer_state(opt) -> dict:
+    """An optimizer's ``state_dict()`` as arrays (groups and per-parameter state)."""
+    saved = opt.state_dict()
+    out = {"param_groups": np.array(repr(saved["param_groups"]))}
+    for i, entry in saved["state"].items():
+        out.update({f"state {i} {k}": torch.as_tensor(v).numpy() for k, v in entry.items()})
+    return out
+
+
+def checkpoint_rank0(kind, rank, world):
+    """Issue 25 item 5: ``if rank == 0: torch.save(opt.state_dict(), path)``, every DDP
+    script's checkpoint, then ``dist.barrier()``."""
+    side = Side(kind, rank)
+    opt = side.optimizer()
+    out = loop(side, opt)
+    try:
+        if rank == 0:
+            out.update(optimizer_state(opt))
+    finally:  # where rank 0 raised, the program goes on: the group must still work
+        dist.barrier()
+    return out
+
+
+def sharded_groups_differ(kind, rank, world):
+    """Issue 25 item 5: the ranks build ``ShardedOptimizer`` with other parameter groups or
+    hyperparameters (rank 0 one group with ``weight_decay=0.01``, rank 1 two groups)."""
+    side = Side(kind, rank)
+    m = side.model
+    if rank == 0:
+        groups = [{"params": list(m.parameters()), "weight_decay": 0.01}]
+    else:
+        groups = [{"params": list(m.fc1.parameters()), "weight_decay": 0.5},
+                  {"params": [*m.bn.parameters(), *m.fc2.parameters()], "weight_decay": 0.0}]
+    return loop(side, side.optimizer(params=groups, lr=0.1))
+
+
+# ---------------------------------------------------------------- mixed precision
+def grad_scaler(kind, rank, world):
+    """``torch.amp.GradScaler("cpu")``: ``scale(loss)``, ``unscale_`` and torch's clipping,
+    ``scaler.step(opt)``, ``update()``."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    if not scaler.is_enabled():  # then this row would check nothing: say so
+        raise RuntimeError("torch.amp.GradScaler('cpu') is disabled in this torch")
+    for step in range(STEPS):
+        side.step(*batch(rank, step), scale=scaler.scale)
+        scaler.unscale_(opt)
+        out[f"norm {step}"] = np.float32(nn.utils.clip_grad_norm_(side.model.parameters(), 1.0))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out[f"scale {step}"] = np.float32(scaler.get_scale())
+    out.update(state(side.model))
+    return out
+
+
+def cuda_grad_scaler(kind, rank, world):
+    """``torch.cuda.amp.GradScaler()`` kept from a GPU script, on a CPU-only machine (torch
+    disables it with a warning)."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    scaler = _cuda_scaler()
+    out["scaler enabled"] = np.array(scaler.is_enabled())  # False: no CUDA (CUDA_VISIBLE_DEVICES)
+    for step in range(STEPS):
+        side.step(*batch(rank, step), scale=scaler.scale)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def _cuda_scaler():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated, and disabled without CUDA: both said
+        return torch.cuda.amp.GradScaler()
+
+
+def autocast_bf16(kind, rank, world):
+    """The forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        def forward(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return side.net(x)
+        out[f"loss {step}"] = np.float32(side.step(*batch(rank, step), forward=forward))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def zero_checkpoint(kind, rank, world):
+    """A ZeroRedundancyOptimizer script's checkpoint on a ShardedOptimizer:
+    ``opt.consolidate_state_dict(to=0)`` on every rank, then ``if rank == 0:
+    opt.state_dict()`` (the reference: DDP with ZeroRedundancyOptimizer over SGD)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    side = Side(kind, rank)
+    if side.gm is None:
+        opt = ZeroRedundancyOptimizer(side.model.parameters(), torch.optim.SGD, lr=LR,
+                                      momentum=MOMENTUM)
+    else:
+        opt = side.optimizer()
+    out = loop(side, opt)
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        out.update(optimizer_state(opt))
+    dist.barrier()
+    return out
+
+

@@ -1,0 +1,157 @@
+"""Habits where the script itself is wrong for data parallelism (issue 25's items 1-3 and
+7-9, habit_cases.py runs them): a second wrapper, a bypassed recording, ranks that disagree,
+a model converted after wrapping, a group destroyed first. Each must raise, or do what the
+user meant (item 8: train the converted model; item 9: end).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch.distributed as dist
+from torch import nn
+
+from gradmgr import GradManager
+
+from .habit_sides import STEPS, Side, batch, loss_fn, make_model, state, train
+
+
+# ---------------------------------------------------------------- issue 25's items 1-3, 7-9
+def ddp_then_data_parallel(kind, rank, world):
+    """Issue 25 item 1: ``net = DDP(model)`` kept, then ``gm = data_parallel(net)``; training
+    through ``net`` with ``with gm: gm.backward(loss)``."""
+    model = make_model(rank)
+    net = nn.parallel.DistributedDataParallel(model)
+    side = Side(kind, rank, model=net)
+    return train(side)
+
+
+def data_parallel_then_ddp(kind, rank, world):
+    """Issue 25 item 1: ``gm = data_parallel(model)``, then ``net = DDP(model)``; training
+    through ``net`` with ``with gm: gm.backward(loss)``."""
+    side = Side(kind, rank)
+    net = nn.parallel.DistributedDataParallel(side.model)
+    return train(side, forward=net)
+
+
+def forgotten_with(kind, rank, world):
+    """Issue 25 item 2: ``gm = data_parallel(model)``, but the DDP loop kept: a plain
+    ``loss.backward()``, no ``with gm:``."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        loss = loss_fn(side.net(batch(rank, step)[0]), batch(rank, step)[1])
+        loss.backward()
+        out[f"loss {step}"] = np.float32(loss.item())
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def forward_outside_with(kind, rank, world):
+    """The forward before ``with gm:``, only ``gm.backward(loss)`` inside."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        loss = loss_fn(side.net(x), y)
+        with side.recording():
+            side.backward(loss)
+        out[f"loss {step}"] = np.float32(loss.item())
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+class _Halve:
+    """A gradient callback: the documented result is half the gradient."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, tensor, grad):
+        self.calls += 1
+        return grad * 0.5
+
+
+def backward_inside_with_single(kind, rank, world):
+    """Issue 25 item 3, in one process (no data parallel): ``loss.backward()`` inside
+    ``with gm:`` of a manager with a callback. The reference is ``gm.backward(loss)``."""
+    model = make_model(0)
+    cb = _Halve()
+    gm = GradManager().attach(model.parameters(), callbacks=[cb])
+    x, y = batch(rank, 0)
+    with gm:
+        loss = loss_fn(model(x), y)
+        loss.backward() if kind != "ddp" else gm.backward(loss)
+    out = {f"grad {n}": p.grad.numpy() for n, p in model.named_parameters()}
+    out["callback calls"] = np.array(cb.calls)
+    return out
+
+
+def no_sync_on_rank0_only(kind, rank, world):
+    """Issue 25 item 7: only rank 0 wraps the first micro-batch in ``no_sync``."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(2):
+        for micro in range(2):
+            out[f"loss {step}.{micro}"] = np.float32(
+                side.step(*batch(rank, step, micro), pause=micro == 0 and rank == 0))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def double_after_wrap(kind, rank, world):
+    """Issue 25 item 8: ``model.double()`` after ``data_parallel(model)``. After ``DDP``
+    every rank keeps its own gradient, silently: the reference is DDP wrapping the model
+    converted first, what the user meant."""
+    if kind == "ddp":
+        side = Side(kind, rank, model=make_model(rank).double())
+    else:
+        side = Side(kind, rank)
+        side.model.double()
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        out[f"loss {step}"] = np.float32(side.step(x.double(), y))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def rank_skips_silently(kind, rank, world):
+    """Rank 1 skips step 1 before its forward (``continue``), the other rank trains on."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        if step == 1 and rank == 1:
+            continue
+        out[f"loss {step}"] = np.float32(side.step(*batch(rank, step)))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side.model))
+    return out
+
+
+def destroy_then_del(kind, rank, world):
+    """Issue 25 item 9: one step, ``dist.destroy_process_group()``, then ``del gm`` (and
+    ``del model``): the harness starts a new group afterwards. DDP's reference frees its
+    wrapper first, the documented order: freed after its group, DDP itself hung here once on
+    torch 2.13 (in ``~ProcessGroupGloo``, as gradmgr does in issue 25 item 9)."""
+    side = Side(kind, rank)
+    out = train(side, steps=1)
+    if kind == "ddp":
+        del side
+        gc.collect()
+    dist.destroy_process_group()
+    side = None  # gradmgr: the manager freed after its group
+    gc.collect()  # what the process would free at exit, freed inside the case
+    return out
+
+
