@@ -255,6 +255,21 @@ def _marker(reducer_ref: weakref.ref) -> Any:
         if owner is not None:
             mark = owner._reducer._autograd_hook
             for i in owner._unmarked:
-                mark(i)
+                _mark_once(mark, i)
 
     return mark_unreached
+
+
+def _mark_once(mark: Any, index: int) -> None:
+    """Mark ``index`` ready unless the reducer's own hook already did: a tensor whose
+    ``.grad`` did not change may still have been reached, by a backward that gave it no
+    gradient (a custom ``autograd.Function`` returning None for it). The engine then ran its
+    accumulator, and the reducer's hook with it, which put ``.grad`` (or zeros) in its bucket
+    slot, as marking it here would. Only that tells the two apart, so the reducer's refusal
+    to mark it twice (raised before it changes anything) is the answer; any other error is
+    the transport's, and propagates."""
+    try:
+        mark(index)
+    except RuntimeError as error:
+        if "ready only once" not in str(error):
+            raise
