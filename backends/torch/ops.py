@@ -14,6 +14,7 @@ from gradmgr.distributed.contract import NativePath, TensorOps
 from .grads import storage_unshared
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
 
 
@@ -32,6 +33,11 @@ class TorchOps(TensorOps):
             return all(map(_REQUIRES_GRAD, tensors))
         except AttributeError:  # None: a tensor died
             return False
+
+    def dtypes(self, tensors: Sequence[Any]) -> List[Any]:
+        # module.double() (.half(), .to(dtype)) swaps each parameter's data in place: the same
+        # objects, another dtype. One C-level pass: it runs at every recording.
+        return list(map(_DTYPE, tensors))
 
     def any_trainable(self, tensors: Sequence[Any]) -> bool:
         return any(t.requires_grad for t in tensors if t is not None)

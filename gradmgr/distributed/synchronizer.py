@@ -117,9 +117,7 @@ class Synchronizer:
         return step
 
     def _replan_if_needed(self, gm: Any) -> None:
-        if (self.plan is None or self.epoch != gm.attach_epoch
-                or not self.ops.all_trainable(self._planned())
-                or self.ops.any_trainable(self.excluded)):
+        if self.plan is None or self._plan_outdated(gm):
             self._plan(gm)
         reducer = self.reducer
         if self.native and reducer is not None:
@@ -130,6 +128,14 @@ class Synchronizer:
                 # group): build it again, so that this step raises the transport's error again.
                 self._set_native(True)
 
+    def _plan_outdated(self, gm: Any) -> bool:
+        """Whether the trainable attached tensors changed since planning: attached, frozen,
+        unfrozen, died, or (``model.double()`` after planning) of another dtype now."""
+        ops, planned = self.ops, self._planned()
+        return (self.epoch != gm.attach_epoch or not ops.all_trainable(planned)
+                or ops.dtypes(planned) != self.plan.dtypes
+                or ops.any_trainable(self.excluded))
+
     def plan_now(self, gm: Any) -> BucketPlan:
         """The plan the next recording will use, made now where there is none yet (the sharded
         optimizer lays its segments out on it)."""
@@ -138,7 +144,7 @@ class Synchronizer:
             return self.plan
 
     def _planned(self) -> List[Any]:
-        # The reducer holds the planned tensors: no weak references to follow.
+        # The reducer holds the planned tensors (in plan order): no weak references to follow.
         return self.plan.tensors() if self.reducer is None else self.reducer.tensors
 
     def settle(self, step: Step) -> None:
@@ -170,7 +176,7 @@ class Synchronizer:
             native = options.native and self.shards is None
             self.native_path = ops.native_path(self.transport) if native else None
         native = self._native_possible(gm, tensors)
-        new_plan = self.plan is None or not self.plan.matches(tensors)
+        new_plan = self.plan is None or not self.plan.matches(tensors, ops)
         if new_plan:
             first_bytes = min(options.bucket_bytes, FIRST_BUCKET_BYTES)
             self.plan = BucketPlan(tensors, ops, options.bucket_bytes, first_bytes)
