@@ -60,6 +60,7 @@ class Synchronizer:
         self.reducer: Optional[NativeReducer] = None
         self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
         self.started = False  # the first recording's check and broadcast are done
+        self.unsynced = 0  # recordings inside no_sync since the last synced one (PlanCheck)
         self.flush_hook: Any = None  # the after-backward callback registered for the manager
         # Synced steps finished so far: one finishing while another recording is open (a
         # split backward's finish()) writes .grad during that recording.
@@ -85,6 +86,10 @@ class Synchronizer:
         first = not self.started
         self._replan_if_needed(gm)
         sync = options.syncing and not is_paused(gm)
+        if sync:
+            accumulated, self.unsynced = self.unsynced, 0
+        else:
+            accumulated, self.unsynced = None, self.unsynced + 1
         steps = self.steps
         if len(steps) >= _MAX_OPEN_STEPS:
             del steps[min(steps)]
@@ -107,7 +112,7 @@ class Synchronizer:
                 first or request or self.fingerprint is not fingerprint)
         if wanted and like is not None and self.transport.world_size() > 1:
             step.check = PlanCheck(self.transport, self.ops, self.fingerprint, like,
-                                   request=request)
+                                   request=request, accumulated=accumulated)
             if first or not at_record:
                 self.settle(step)
         if first and at_record:
@@ -154,6 +159,7 @@ class Synchronizer:
         if check is not None:
             step.check = None
             if not check.agreed():
+                self.unsynced = 0  # every rank starts counting afresh (see PlanCheck)
                 step.mismatch = check.error(step.plan.tensors(), self._mode(self.native),
                                             "with the allreduce callback, trainable",
                                             self.name_of)

@@ -56,10 +56,14 @@ def data_parallel(
         _refuse_modules_that_differ(module, params + buffers, group, transport)
     broadcast(params + (buffers if broadcast_buffers else []), src, group=group,
               transport=transport)
-    gm = GradManager().attach(params, callbacks=[cb])
+    gm = GradManager()
     if broadcast_buffers and buffers:
+        # Before attaching (which registers the callback's own record hook): a recording's
+        # first collective is then this broadcast, taken by every rank alike, and the plan
+        # check comes after it, so that ranks that disagree about no_sync pair check with
+        # check, which tells them so (see gradmgr.distributed.consistency).
         gm.register_record_callback(_BufferSync(gm, buffers, src, group, transport))
-    return gm
+    return gm.attach(params, callbacks=[cb])
 
 
 def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
