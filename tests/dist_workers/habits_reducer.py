@@ -86,9 +86,8 @@ class Side:
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 self.ddp(x, **kwargs).backward()
             return
-        with contextlib.nullcontext() if sync else no_sync(self.gm):
-            with self.gm:
-                self.gm.backward(self.net(x, **kwargs))
+        with contextlib.nullcontext() if sync else no_sync(self.gm), self.gm:
+            self.gm.backward(self.net(x, **kwargs))
 
     def after_sync(self, out: dict, name: str, zero: bool = True) -> None:
         """Save what this side holds after a synced step (``{name}``), then (sharded: step
@@ -238,9 +237,9 @@ def _disagree(out: dict, name: str, rank: int, net: nn.Module, ref: nn.Module,
 
     def accumulate() -> None:
         for micro in range(2):
-            with no_sync(gm) if rank == 0 and micro == 0 else contextlib.nullcontext():
-                with gm:
-                    gm.backward(net(batch(10 + micro, rank)))
+            pause = rank == 0 and micro == 0
+            with no_sync(gm) if pause else contextlib.nullcontext(), gm:
+                gm.backward(net(batch(10 + micro, rank)))
 
     out[f"{name}_error"] = error_text(accumulate)
     if SHARD:
