@@ -35,8 +35,8 @@ class AllreduceCallback:
     * plans buckets from the attached tensors that are trainable (on PyTorch: that require
       grad; a frozen parameter is left out and keeps ``.grad`` as it is, as with DDP), in
       reverse attach order, by dtype and device, about ``bucket_bytes`` each (the first at most
-      1 MiB, as in DDP, so communication starts early); again where they changed, also in
-      dtype (``model.double()`` after attaching);
+      1 MiB, as in DDP, so communication starts early); and again when they change
+      (attached, frozen, unfrozen, or converted in place: ``model.double()`` after attaching);
     * at every synced step (and the first), launches one small collective that compares
       every rank's plan (count, order, shapes, dtypes, and how they are reduced) and where
       each rank is in its accumulation (inside :meth:`no_sync` or not, and how many

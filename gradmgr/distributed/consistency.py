@@ -169,7 +169,9 @@ def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], wh
               f"or on none).")
     rank_of = getattr(transport, "rank", None)
     if rank_of is None:
-        return f"the ranks planned different tensors for data-parallel reduction. {advice}"
+        return (f"the ranks planned different tensors for data-parallel reduction, or they "
+                f"disagree about no_sync (every rank must enter it for the same recordings). "
+                f"{advice}")
     rank = rank_of()
     counts = [int(row[0]) for row in _gather(transport, ops, rank, world, [len(tensors)], like)]
     longest = max(counts)
