@@ -380,7 +380,8 @@ class MirrorTransport:
         return _Handle(flat * 2)
 
 
-PLAN_CHECK_SIZE = 2 * (3 + 8) + 1  # fingerprint and its squares (no rank()), the request flag
+PLAN_CHECK_SIZE = 2 * (3 + 8 + 3) + 1  # fingerprint (count, plan, accumulation) and its
+# squares (no rank()), the request flag
 
 
 @pytest.mark.parametrize("verify, expected", [("step", [1, 1, 1, 0, 1]),

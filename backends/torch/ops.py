@@ -15,6 +15,7 @@ from .grads import storage_unshared
 from .shard_grad import ShardedGradient, stand_in_grad
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
 
 
@@ -33,6 +34,11 @@ class TorchOps(TensorOps):
             return all(map(_REQUIRES_GRAD, tensors))
         except AttributeError:  # None: a tensor died
             return False
+
+    def dtypes(self, tensors: Sequence[Any]) -> List[Any]:
+        # module.double() (.half(), .to(dtype)) swaps each parameter's data in place: the same
+        # objects, another dtype. One C-level pass: it runs at every recording.
+        return list(map(_DTYPE, tensors))
 
     def any_trainable(self, tensors: Sequence[Any]) -> bool:
         return any(t.requires_grad for t in tensors if t is not None)

@@ -94,7 +94,8 @@ class TorchReducer:
         # One "used" flag per tensor, then a "this rank failed" marker.
         self.flags = torch.zeros(len(tensors) + 1, dtype=last.dtype, device=last.device,
                                  requires_grad=True)
-        self.tensors: List[torch.Tensor] = tensors
+        self._tensors: List[torch.Tensor] = tensors  # in bucket order, as the flags are
+        self.tensors: List[torch.Tensor] = planned  # in plan order (the contract's)
         params = tensors[:-1] + [self.flags, last]
         self._index = list(range(len(tensors) - 1)) + [len(tensors)]  # tensor -> param
         indices, start = [], 0
@@ -135,7 +136,7 @@ class TorchReducer:
         if self._window is None:
             self._window = self._step = self._open_window()
         elif sync:
-            self._step = _snapshot(self.tensors)
+            self._step = _snapshot(self._tensors)
         if sync:
             self._reducer.prepare_for_backward([])
 
@@ -143,16 +144,16 @@ class TorchReducer:
         """Snapshot ``.grad``, after giving each one that is a view (into a bucket, from the
         last synced step) a copy of its own: views of one bucket share one version counter,
         so accumulating into any of them would look like a gradient for all."""
-        return _snapshot(self.tensors, own_views=True)
+        return _snapshot(self._tensors, own_views=True)
 
     def used_since_window(self) -> List[int]:
         """Ids of the tensors whose ``.grad`` changed since the window opened (and close it):
         for a synced step that the Python path takes (a split backward)."""
         if self._window is None:
             return []
-        unchanged = set(_unchanged(self.tensors, self._window))
+        unchanged = set(_unchanged(self._tensors, self._window))
         self._window = self._step = None
-        return [id(t) for i, t in enumerate(self.tensors) if i not in unchanged]
+        return [id(t) for i, t in enumerate(self._tensors) if i not in unchanged]
 
     def finish(self, sync: bool, used: Collection[int] = (), failed: bool = False) -> None:
         """After the engine run: mark what got no gradient in it, and reduce the flags of
@@ -162,7 +163,7 @@ class TorchReducer:
         other ranks raise RankFailedError."""
         if not sync:
             return
-        tensors = self.tensors
+        tensors = self._tensors
         step, window = self._step, self._window
         self._window = self._step = None
         unreached = _unchanged(tensors, step)
@@ -208,9 +209,9 @@ class TorchReducer:
         error where the cause was a sparse gradient (the reducer's own error does not say)."""
         self.broken = True
         step, self._window, self._step = self._step, None, None
-        sparse = [t for t in self.tensors if t.grad is not None and t.grad.is_sparse]
+        sparse = [t for t in self._tensors if t.grad is not None and t.grad.is_sparse]
         if step is not None:  # what had no .grad has none again (the others keep local sums)
-            for tensor, old in zip(self.tensors, step[0]):
+            for tensor, old in zip(self._tensors, step[0]):
                 if old is None:
                     tensor.grad = None
         if sparse:
@@ -262,6 +263,21 @@ def _marker(reducer_ref: weakref.ref) -> Any:
         if owner is not None:
             mark = owner._reducer._autograd_hook
             for i in owner._unmarked:
-                mark(i)
+                _mark_once(mark, i)
 
     return mark_unreached
+
+
+def _mark_once(mark: Any, index: int) -> None:
+    """Mark ``index`` ready unless the reducer's own hook already did: a tensor whose
+    ``.grad`` did not change may still have been reached, by a backward that gave it no
+    gradient (a custom ``autograd.Function`` returning None for it). The engine then ran its
+    accumulator, and the reducer's hook with it, which put ``.grad`` (or zeros) in its bucket
+    slot, as marking it here would. Only that tells the two apart, so the reducer's refusal
+    to mark it twice (raised before it changes anything) is the answer; any other error is
+    the transport's, and propagates."""
+    try:
+        mark(index)
+    except RuntimeError as error:
+        if "ready only once" not in str(error):
+            raise

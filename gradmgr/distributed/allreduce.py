@@ -36,13 +36,16 @@ class AllreduceCallback:
     * plans buckets from the attached tensors that are trainable (on PyTorch: that require
       grad; a frozen parameter is left out and keeps ``.grad`` as it is, as with DDP), in
       reverse attach order, by dtype and device, about ``bucket_bytes`` each (the first at most
-      1 MiB, as in DDP, so communication starts early);
+      1 MiB, as in DDP, so communication starts early); and again when they change
+      (attached, frozen, unfrozen, or converted in place: ``model.double()`` after attaching);
     * at every synced step (and the first), launches one small collective that compares
-      every rank's plan (count, order, shapes, dtypes, and how they are reduced); the step
-      reads it before launching anything else, so it overlaps the forward. Where the plans
-      differ (one rank alone attached, froze or unfroze a tensor, say), every rank raises
-      :class:`gradmgr.distributed.RankMismatchError` naming the first differing tensor,
-      rather than reducing mismatched buffers;
+      every rank's plan (count, order, shapes, dtypes, and how they are reduced) and where
+      each rank is in its accumulation (inside :meth:`no_sync` or not, and how many
+      recordings inside it came before); the step reads it before launching anything else,
+      so it overlaps the forward. Where they differ (one rank alone attached, froze or
+      unfroze a tensor, say, or entered ``no_sync`` where another did not), every rank raises
+      :class:`gradmgr.distributed.RankMismatchError` naming the first difference, rather
+      than reducing mismatched buffers or pairing one step's collectives with another's;
     * on the first plan, with ``broadcast=True`` (default), overwrites the planned tensors on
       every rank with rank ``src``'s values, as DDP does when it wraps a model (buffers: see
       :func:`gradmgr.distributed.broadcast` and :func:`gradmgr.distributed.data_parallel`);
@@ -98,10 +101,11 @@ class AllreduceCallback:
         src: the rank whose values the broadcast spreads.
         verify: compare the ranks' plans: ``True`` or ``"step"``, at every synced step (one
             small collective each, overlapping the forward; catches a change made on one
-            rank alone); ``"plan"``, only at steps where this rank re-planned (no per-step
-            cost, but a rank that alone attaches, freezes or unfreezes a tensor then takes a
-            collective the others do not: gloo aborts, or gradients are wrong); ``False``:
-            never.
+            rank alone, and ranks that disagree about ``no_sync``); ``"plan"``, only at steps
+            where this rank re-planned (no per-step cost, but a rank that alone attaches,
+            freezes or unfreezes a tensor then takes a collective the others do not, and
+            ranks that disagree about ``no_sync`` pair one step's collectives with another's:
+            gloo aborts or hangs, or gradients are wrong); ``False``: never (the same).
         names: a module (its ``named_parameters()`` and ``named_buffers()``) or a mapping from
             tensor to name: errors about ranks that planned different tensors name them
             (:func:`gradmgr.distributed.data_parallel` passes its module).

@@ -94,6 +94,7 @@ class BucketPlan:
                  first_bucket_bytes: Optional[int] = None) -> None:
         first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
         self._refs = [weakref.ref(t) for t in tensors]
+        self.dtypes = ops.dtypes(tensors)  # compared at every recording (see TensorOps.dtypes)
         self.buckets: List[Bucket] = []
         self.where: Dict[int, Tuple[int, int]] = {}  # id(tensor) -> (bucket, slot)
         open_by_key: Dict[Tuple[str, str], Bucket] = {}
@@ -126,11 +127,12 @@ class BucketPlan:
         """The planned tensor at ``position`` (None if it died since)."""
         return self._refs[position]()
 
-    def matches(self, tensors: Sequence[Any]) -> bool:
-        """True while ``tensors`` are exactly the planned ones, in the same order."""
+    def matches(self, tensors: Sequence[Any], ops: Optional[TensorOps] = None) -> bool:
+        """True while ``tensors`` are exactly the planned ones, in the same order (and, given
+        the ``ops``, with the same dtypes)."""
         return len(tensors) == len(self._refs) and all(
             ref() is t for ref, t in zip(self._refs, tensors)
-        )
+        ) and (ops is None or ops.dtypes(tensors) == self.dtypes)
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -8,6 +8,13 @@ small collective that has the same size on every rank, whether or not this rank 
 rank that alone changed its plan must not be the only one to communicate. If they differ, a
 few more collectives find the first differing tensor, and every rank raises an error naming it
 (or, for the same tensors, its own reduction settings).
+
+The check also carries where each rank is in its accumulation: whether its recording is
+synced, and how many recordings inside ``no_sync`` came before it. Collectives pair by their
+order alone, so a rank that syncs a micro-batch that another accumulates would pair its
+reductions with the other's next step (silently wrong sums, then a crash inside the
+transport or a hang); the check, the first collective of every synced step on every rank,
+pairs with the other's check instead and they differ.
 """
 
 from __future__ import annotations
@@ -63,14 +70,18 @@ class PlanCheck:
     """
 
     __slots__ = ("_transport", "_ops", "_like", "_world", "_rank", "_width", "_handle",
-                 "requested")
+                 "_accumulation", "requested")
 
     def __init__(self, transport: Any, ops: TensorOps, fingerprint: Sequence[int],
-                 like: Any, request: bool = False) -> None:
+                 like: Any, request: bool = False, accumulated: Optional[int] = 0) -> None:
         self._transport, self._ops, self._like = transport, ops, like
         self._world = world = transport.world_size()
         rank_of = getattr(transport, "rank", None)
         self._rank = rank_of() if rank_of is not None else None
+        # accumulated: recordings inside no_sync since the last synced one, before this synced
+        # recording; None: this recording is inside no_sync (its check is the first one).
+        self._accumulation = _accumulation_chunks(accumulated)
+        fingerprint = list(fingerprint) + self._accumulation
         self._width = len(fingerprint)
         if self._rank is not None:
             flat = _own_row(self._rank, world, fingerprint)
@@ -94,8 +105,40 @@ class PlanCheck:
         """The error every rank raises where the plans (``tensors`` reduced per ``mode``)
         differ; a few more collectives (so call it on every rank) find the first difference,
         which ``name_of(tensor)`` names where it knows the tensor."""
-        return RankMismatchError(_mismatch_message(self._transport, self._ops, tensors, what,
-                                                   self._world, mode, self._like, name_of))
+        transport, ops, world, like = self._transport, self._ops, self._world, self._like
+        rank_of = getattr(transport, "rank", None)
+        if rank_of is not None:
+            rows = _gather(transport, ops, rank_of(), world, self._accumulation, like)
+            if any(row != rows[0] for row in rows):
+                return RankMismatchError(_accumulation_message(rows))
+        return RankMismatchError(_mismatch_message(transport, ops, tensors, what, world, mode,
+                                                   like, name_of))
+
+
+def _accumulation_chunks(accumulated: Optional[int]) -> List[int]:
+    """0 for a recording inside no_sync, else 1 + the recordings inside no_sync before it
+    (capped: only equality matters), as bytes."""
+    code = 0 if accumulated is None else 1 + min(accumulated, 2**(8 * _COUNT_CHUNKS) - 2)
+    return _count_chunks(code)
+
+
+def _read_accumulation(row: Sequence[float]) -> str:
+    code = sum(int(b) << (8 * i) for i, b in enumerate(row))
+    if code == 0:
+        return "records inside no_sync"
+    return f"starts a synced step after {code - 1} recording(s) inside no_sync"
+
+
+def _accumulation_message(rows: List[List[float]]) -> str:
+    per_rank = "; ".join(f"rank {r} {_read_accumulation(row)}" for r, row in enumerate(rows))
+    return (f"the ranks disagree about no_sync (gradient accumulation): at this step {per_rank}. "
+            f"Collectives pair by their order alone, so a rank that reduces a micro-batch "
+            f"that another only accumulates would pair its reductions with another step of "
+            f"the others: gradients silently mixed, then a crash or a hang. Enter no_sync(gm) "
+            f"(or cb.no_sync()) for the same recordings on every rank, e.g. "
+            f"`with (no_sync(gm) if micro < k - 1 else contextlib.nullcontext()), gm:` with "
+            f"the same k everywhere; a rank with fewer micro-batches can record empty ones "
+            f"(`with no_sync(gm), gm: gm.backward()`). Nothing was reduced at this step")
 
 
 def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],
@@ -126,7 +169,9 @@ def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], wh
               f"or on none).")
     rank_of = getattr(transport, "rank", None)
     if rank_of is None:
-        return f"the ranks planned different tensors for data-parallel reduction. {advice}"
+        return (f"the ranks planned different tensors for data-parallel reduction, or they "
+                f"disagree about no_sync (every rank must enter it for the same recordings). "
+                f"{advice}")
     rank = rank_of()
     counts = [int(row[0]) for row in _gather(transport, ops, rank, world, [len(tensors)], like)]
     longest = max(counts)

@@ -118,7 +118,7 @@ class NativeReducer(Protocol):
     """A framework's own reducer running whole backwards (torch's C++ ``Reducer``)."""
 
     tensors: List[Any]
-    """The planned tensors, held strongly (the reducer holds them)."""
+    """The planned tensors in plan order, held strongly (the reducer holds them)."""
     broken: bool
     """A backward failed midway, or building it raised: build a new one."""
 
@@ -195,6 +195,15 @@ class TensorOps:
         """Whether every tensor is alive (not None) and trainable; checked at every recording,
         so a framework whose tensors can be frozen should make it cheap."""
         return all(t is not None and self.trainable(t) for t in tensors)
+
+    def dtypes(self, tensors: Sequence[Any]) -> Sequence[Any]:
+        """The tensors' dtypes, in order, as values that compare equal while every dtype is
+        unchanged (the tensors are alive: :meth:`all_trainable` was asked first). Compared
+        at every recording with those at planning, so that a dtype changed in place
+        (``module.double()`` on PyTorch keeps the parameter objects) makes a new plan: a
+        framework whose tensors can do that should make it one cheap pass. The default, for
+        tensors that cannot: nothing to compare."""
+        return ()
 
     def any_trainable(self, tensors: Sequence[Any]) -> bool:
         """Whether some tensor (None: died, skipped) is trainable now."""

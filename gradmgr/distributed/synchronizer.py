@@ -60,6 +60,7 @@ class Synchronizer:
         self.reducer: Optional[NativeReducer] = None
         self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
         self.started = False  # the first recording's check and broadcast are done
+        self.unsynced = 0  # recordings inside no_sync since the last synced one (PlanCheck)
         self.flush_hook: Any = None  # the after-backward callback registered for the manager
         # Synced steps finished so far: one finishing while another recording is open (a
         # split backward's finish()) writes .grad during that recording.
@@ -87,6 +88,10 @@ class Synchronizer:
         if self.shards is not None:
             self.shards.recording()
         sync = options.syncing and not is_paused(gm)
+        if sync:
+            accumulated, self.unsynced = self.unsynced, 0
+        else:
+            accumulated, self.unsynced = None, self.unsynced + 1
         steps = self.steps
         if len(steps) >= _MAX_OPEN_STEPS:
             del steps[min(steps)]
@@ -109,7 +114,7 @@ class Synchronizer:
                 first or request or self.fingerprint is not fingerprint)
         if wanted and like is not None and self.transport.world_size() > 1:
             step.check = PlanCheck(self.transport, self.ops, self.fingerprint, like,
-                                   request=request)
+                                   request=request, accumulated=accumulated)
             if first or not at_record:
                 self.settle(step)
         if first and at_record:
@@ -119,9 +124,7 @@ class Synchronizer:
         return step
 
     def _replan_if_needed(self, gm: Any) -> None:
-        if (self.plan is None or self.epoch != gm.attach_epoch
-                or not self.ops.all_trainable(self._planned())
-                or self.ops.any_trainable(self.excluded)):
+        if self.plan is None or self._plan_outdated(gm):
             self._plan(gm)
         reducer = self.reducer
         if self.native and reducer is not None:
@@ -132,6 +135,14 @@ class Synchronizer:
                 # group): build it again, so that this step raises the transport's error again.
                 self._set_native(True)
 
+    def _plan_outdated(self, gm: Any) -> bool:
+        """Whether the trainable attached tensors changed since planning: attached, frozen,
+        unfrozen, died, or (``model.double()`` after planning) of another dtype now."""
+        ops, planned = self.ops, self._planned()
+        return (self.epoch != gm.attach_epoch or not ops.all_trainable(planned)
+                or ops.dtypes(planned) != self.plan.dtypes
+                or ops.any_trainable(self.excluded))
+
     def plan_now(self, gm: Any) -> BucketPlan:
         """The plan the next recording will use, made now where there is none yet (the sharded
         optimizer lays its segments out on it)."""
@@ -140,7 +151,7 @@ class Synchronizer:
             return self.plan
 
     def _planned(self) -> List[Any]:
-        # The reducer holds the planned tensors: no weak references to follow.
+        # The reducer holds the planned tensors (in plan order): no weak references to follow.
         return self.plan.tensors() if self.reducer is None else self.reducer.tensors
 
     def settle(self, step: Step) -> None:
@@ -150,6 +161,7 @@ class Synchronizer:
         if check is not None:
             step.check = None
             if not check.agreed():
+                self.unsynced = 0  # every rank starts counting afresh (see PlanCheck)
                 step.mismatch = check.error(step.plan.tensors(), self._mode(self.native),
                                             "with the allreduce callback, trainable",
                                             self.name_of)
@@ -172,7 +184,7 @@ class Synchronizer:
             native = options.native and self.shards is None
             self.native_path = ops.native_path(self.transport) if native else None
         native = self._native_possible(gm, tensors)
-        new_plan = self.plan is None or not self.plan.matches(tensors)
+        new_plan = self.plan is None or not self.plan.matches(tensors, ops)
         if new_plan:
             first_bytes = min(options.bucket_bytes, FIRST_BUCKET_BYTES)
             self.plan = BucketPlan(tensors, ops, options.bucket_bytes, first_bytes)

@@ -1,0 +1,143 @@
+"""Issue 25, items 4, 7 and 8 on 2 gloo ranks, on torch's C++ Reducer (``native``), gradmgr's
+buckets (``python``) and the sharded path (``shard``), next to DDP:
+
+* 4: a custom ``autograd.Function`` whose backward returns None for an attached weight (on
+  every rank, or on rank 0 only) gives ``DDP(find_unused_parameters=True)``'s gradients;
+* 8: ``model.double()`` after ``data_parallel`` re-plans and gives the gradients of DDP built
+  on the double model (sharded: the parameters after SGD, with a new ShardedOptimizer; the old
+  one refuses to step); on one rank alone, every rank raises RankMismatchError naming it;
+* 7: ranks that disagree about ``no_sync`` raise RankMismatchError on every rank, saying so,
+  at once (not gloo's abort or timeout), and an agreeing step after it equals DDP's; a rank
+  with fewer micro-batches that pads with an empty ``no_sync`` recording equals DDP.
+
+The ranks run dist_workers/habits_reducer.py as subprocesses, one spawn per path, gloo's
+timeout 60 s and the spawn's 200 s (pytest's is 300 s): a rank that hangs or dies fails its
+scenario's tests with every rank's log, never the run. Tolerances: bit for bit against DDP
+(2 ranks: both sum the same two numbers; SGD's update is elementwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from ranks import TESTS, rank_env, wait_all  # noqa: E402
+
+from gradmgr.distributed import free_port  # noqa: E402
+
+WORLD = 2
+# Those that break the process group on the old code last (see the worker's docstring).
+SCENARIOS = ["none_all", "none_one", "double", "uneven_padded", "double_one_rank",
+             "disagree_first", "disagree_later", "disagree_buffers"]
+
+
+class Ranks:
+    """What the ranks of one spawn left: exit codes, saved arrays (possibly partial), logs."""
+
+    def __init__(self, outdir, codes: list) -> None:
+        self.codes = codes
+        self.outs, self.logs = [], []
+        for r in range(len(codes)):
+            path = os.path.join(outdir, f"rank{r}.npz")
+            self.outs.append(dict(np.load(path)) if os.path.exists(path) else {})
+            with open(os.path.join(outdir, f"log{r}.txt")) as f:
+                self.logs.append(f.read()[-3000:])
+
+    def scenario(self, name: str) -> list:
+        """Each rank's arrays once every rank completed ``name``; else fail with the logs."""
+        if all(out.get(f"{name}_done") for out in self.outs):
+            return self.outs
+        tails = "\n".join(f"--- rank {r} (exit {c}):\n{log}"
+                          for r, (c, log) in enumerate(zip(self.codes, self.logs)))
+        pytest.fail(f"scenario {name} did not complete on every rank:\n{tails}")
+
+
+@pytest.fixture(scope="module", params=["native", "python", "shard"])
+def ranks(request, tmp_path_factory) -> Ranks:
+    outdir = tmp_path_factory.mktemp(f"reducer_{request.param}")
+    env = rank_env(HABITS_SCENARIOS=",".join(SCENARIOS), HABITS_PATH=request.param)
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
+                for r in range(WORLD)]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "dist_workers.run", "habits_reducer", str(r), str(WORLD),
+             str(port), str(outdir), "gloo"],
+            cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT)
+            for r in range(WORLD)]
+        wait_all(procs, 200)
+    return Ranks(outdir, [p.returncode for p in procs])
+
+
+def same(out: dict, ours: str, theirs: str) -> None:
+    """The arrays saved as ``{ours}{i}`` equal ``{theirs}{i}`` bit for bit (or both absent:
+    no gradient on either side)."""
+    n = int(out[f"{theirs}n"])
+    assert int(out[f"{ours}n"]) == n
+    for i in range(n):
+        a, b = out.get(f"{ours}{i}"), out.get(f"{theirs}{i}")
+        assert (a is None) == (b is None), f"{ours}{i}: one side has no gradient"
+        if a is not None:
+            assert a.dtype == b.dtype, (ours, i, a.dtype, b.dtype)
+            np.testing.assert_array_equal(a, b, err_msg=f"{ours}{i}")
+
+
+# ---------------------------------------------------------------- 4
+@pytest.mark.parametrize("where", ["all", "one"])
+def test_backward_returning_none_equals_ddp_find_unused(ranks, where):
+    name = f"none_{where}"
+    for out in ranks.scenario(name):
+        for step in (0, 1, 2, 4):
+            same(out, f"{name}_gm{step}_", f"{name}_ddp{step}_")
+
+
+# ---------------------------------------------------------------- 8
+def test_double_after_data_parallel_equals_ddp_on_the_double_model(ranks, request):
+    for out in ranks.scenario("double"):
+        assert list(out["double_dtypes"]) == ["torch.float64"]
+        for step in (1, 2):
+            same(out, f"double_gm{step}_", f"double_ddp{step}_")
+        if "double_old_opt_error" in out:  # sharded: the optimizer made before refuses
+            message = str(out["double_old_opt_error"])
+            assert message.startswith("RuntimeError") and "make a new one" in message, message
+
+
+def test_double_on_one_rank_raises_on_every_rank(ranks):
+    for rank, out in enumerate(ranks.scenario("double_one_rank")):
+        message = str(out["double_one_error"])
+        assert message.startswith("RankMismatchError"), (rank, message)
+        assert "float32[" in message and "float64[" in message, (rank, message)
+        assert "fc" in message, (rank, message)  # the parameter's name
+
+
+# ---------------------------------------------------------------- 7
+@pytest.mark.parametrize("when", ["first", "later", "buffers"])
+def test_ranks_that_disagree_about_no_sync_raise_on_every_rank(ranks, when):
+    name = f"disagree_{when}"
+    for rank, out in enumerate(ranks.scenario(name)):
+        message = str(out[f"{name}_error"])
+        assert message.startswith("RankMismatchError"), (rank, message)
+        assert "disagree about no_sync" in message and "rank 0" in message, (rank, message)
+        assert "with (no_sync(gm) if micro < k - 1" in message, (rank, message)
+
+
+@pytest.mark.parametrize("when", ["first", "later", "buffers"])
+def test_an_agreeing_step_after_the_disagreement_equals_ddp(ranks, when):
+    name = f"disagree_{when}"
+    for out in ranks.scenario(name):
+        same(out, f"{name}_after_gm", f"{name}_after_ddp")
+
+
+def test_a_rank_padding_with_an_empty_no_sync_recording_equals_ddp(ranks):
+    for out in ranks.scenario("uneven_padded"):
+        same(out, "uneven_gm", "uneven_ddp")
