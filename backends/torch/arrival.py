@@ -4,10 +4,10 @@ store (c10d's, which ``init_process_group`` rendezvoused through) instead of a c
 A collective that one rank enters alone cannot be left: the others are in their next
 collective, or in a ``dist.barrier()``, and a rank that gives up leaves the group's collectives
 paired wrongly from then on. Asking the store first can be given up on: a rank that arrives
-alone waits the store's timeout (``init_process_group``'s ``timeout``, the time a collective
-would have waited), takes its arrival back, and raises; the group's collectives are untouched,
-so a program that catches the error goes on. ``ShardedOptimizer.state_dict()`` asks it before
-its collectives, for the ``if rank == 0: torch.save(opt.state_dict(), ...)`` habit.
+alone waits half the store's timeout (``init_process_group``'s ``timeout``, the time a
+collective would have waited), takes its arrival back, and raises; the group's collectives
+are untouched, so a program that catches the error goes on. ``ShardedOptimizer.state_dict()``
+asks it before its collectives, for the ``if rank == 0: torch.save(opt.state_dict(), ...)`` habit.
 """
 
 from __future__ import annotations
@@ -27,18 +27,25 @@ def group_store(group: Any) -> Optional[Any]:
         return None
 
 
+def patience(store: Any) -> Any:
+    """How long a rank waits for the others: half the store's timeout (the group's). The
+    ranks already inside their next collective wait the whole of it there, so a rank that
+    gives up at half still meets them in it, and the group stays in step."""
+    return store.timeout / 2
+
+
 def arrived(store: Any, key: str, world: int) -> bool:
     """Count this rank in at ``key`` (each rank once, and a key used for one meeting only) and
-    wait until all ``world`` ranks have: True; or, where the store's timeout passes first,
+    wait until all ``world`` ranks have: True; or, where :func:`patience` runs out first,
     take this arrival back and return False (unless the last rank came meanwhile)."""
     done = f"{key}/all"
     if store.add(key, 1) == world:
         store.set(done, "1")
         return True
     try:
-        store.wait([done])
+        store.wait([done], patience(store))
         return True
-    except RuntimeError:  # DistStoreError: the store's timeout passed
+    except RuntimeError:  # DistStoreError: the wait's timeout passed
         store.add(key, -1)
         # A rank that counted itself in before our -1 saw all ranks here and went on: so do we.
         return store.check([done])

@@ -40,8 +40,8 @@ _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 _SERIALS = itertools.count()  # the ranks make their ShardedOptimizers in the same order
 _ALONE = (
     "ShardedOptimizer.state_dict() gathers every rank's slices of the optimizer state, so every "
-    "rank calls it, and rank {rank} called it while not every rank did within the process "
-    "group's timeout (the `if rank == 0: torch.save(opt.state_dict(), path)` habit of DDP "
+    "rank calls it, and rank {rank} called it while not every rank did within half the "
+    "process group's timeout (the `if rank == 0: torch.save(opt.state_dict(), path)` habit of DDP "
     "scripts?). Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
     "torch.save(state, path)`. Nothing was communicated: the process group is as it was"
 )
@@ -219,8 +219,8 @@ class ShardedOptimizer:
 
         Every rank calls it. Over torch.distributed the ranks first meet in the process group's
         store: a rank that calls it while the others do not (``if rank == 0:
-        torch.save(opt.state_dict(), ...)``) raises RuntimeError once the group's timeout has
-        passed, having started no collective, instead of waiting in one forever."""
+        torch.save(opt.state_dict(), ...)``) raises RuntimeError once half the group's timeout
+        has passed, having started no collective, instead of waiting in one forever."""
         self._every_rank_here()
         ops, layouts = self._ops, self._layouts()
         states = [[ops.optimizer_state(self.optimizer, t) for t in layout.tensors]

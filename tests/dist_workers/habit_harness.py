@@ -29,10 +29,12 @@ OUT_OF_STEP = 3  # the exit status of a rank whose process group was left out of
 
 
 def _gradmgr_dirs() -> tuple:
-    import gradmgr
+    """gradmgr's source folders: the core, and the backends (installed as gradmgr.backends,
+    a folder of their own in a checkout)."""
+    import gradmgr.backends  # binds gradmgr too
 
-    root = os.path.dirname(os.path.realpath(gradmgr.__file__))
-    return root, os.path.realpath(os.path.join(root, "backends"))
+    return tuple(os.path.realpath(os.path.dirname(m.__file__))
+                 for m in (gradmgr, gradmgr.backends))
 
 
 def by_gradmgr(error: BaseException, frame) -> bool:

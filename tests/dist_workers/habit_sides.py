@@ -110,10 +110,25 @@ class Side:
         return float(nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
 
-def state(model: nn.Module) -> dict:
-    """Every parameter and buffer of ``model``, by name, as arrays."""
+def state(side: Side) -> dict:
+    """Every parameter and buffer of the side's model, by name, as arrays, after one evaluation
+    forward (``eval()``, ``no_grad``) through what the script calls, and that forward's output.
+
+    Buffers are compared as the next forward computes with them: DDP broadcasts rank 0's
+    buffers at a forward that follows a synced step (this one), gradmgr when the synced step
+    ends; between the two, DDP's other ranks still hold their own, which its next forward
+    overwrites before using them (docs/switching-from-ddp.md, "Habits, checked")."""
+    model = side.model
+    training = model.training
+    first = next(model.parameters())
+    probe = torch.randn(4, 6, generator=torch.Generator().manual_seed(7)).to(first.dtype)
+    model.eval()
+    with torch.no_grad():
+        output = side.net(probe)
+    model.train(training)
     out = {f"param {n}": p.detach().numpy().copy() for n, p in model.named_parameters()}
     out.update({f"buffer {n}": b.detach().numpy().copy() for n, b in model.named_buffers()})
+    out["evaluation output"] = output.detach().float().numpy().copy()
     return out
 
 
@@ -125,7 +140,7 @@ def train(side: Side, steps: int = STEPS, opt=None, **step_kw) -> dict:
         out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step), **step_kw))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -139,20 +154,19 @@ def loop(side: Side, opt, zero=None, after_step=None, steps: int = STEPS) -> dic
         (zero or opt.zero_grad)()
         if after_step:
             after_step(step, out)
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
 def train_through(side, forward, steps: int = STEPS) -> dict:
-    """Train with ``forward`` as the model's forward: on DDP through the wrapper (whose
-    forward prepares its reducer), on gradmgr called as it is."""
-    if side.gm is None:
-        side.model.forward = forward
-        forward = side.net
+    """Train with ``forward`` as the model's forward (set on the model, so that the script
+    calls ``net(x)`` as usual: on DDP the wrapper, whose forward prepares its reducer; on
+    gradmgr the model, whose forward hooks run)."""
+    side.model.forward = forward
     opt, out = side.optimizer(), {}
     for step in range(steps):
-        out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step), forward=forward))
+        out[f"loss {step}"] = np.float32(side.step(*batch(side.rank, step)))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out

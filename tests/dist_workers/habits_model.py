@@ -41,7 +41,7 @@ def train_eval_switch(kind, rank, world):
         with torch.no_grad():
             out[f"eval {step}"] = side.net(batch(rank, 100 + step)[0]).numpy()
         side.model.train()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -54,7 +54,7 @@ def eval_after_training(kind, rank, world):
     with torch.no_grad():
         x, y = batch(rank, 100)
         out["validation loss"] = loss_fn(side.net(x), y).numpy()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -69,7 +69,7 @@ def no_grad_in_train_mode(kind, rank, world):
         side.step(*batch(rank, step))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -117,7 +117,7 @@ def accumulate_no_sync(kind, rank, world):
             out[f"loss {step}.{micro}"] = np.float32(side.step(x, y, pause=micro == 0))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -196,7 +196,7 @@ def two_forwards(kind, rank, world):
         out[f"loss {step}"] = np.float32(loss.item())
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -226,7 +226,7 @@ def skip_failed_batch(kind, rank, world):
         out[f"loss {step}"] = np.float32(loss.item())
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 

@@ -49,7 +49,7 @@ def clip_torch(kind, rank, world):
         out[f"norm {step}"] = np.float32(nn.utils.clip_grad_norm_(side.model.parameters(), 0.5))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -106,7 +106,7 @@ def grad_scaler(kind, rank, world):
         scaler.update()
         opt.zero_grad()
         out[f"scale {step}"] = np.float32(scaler.get_scale())
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -122,7 +122,7 @@ def cuda_grad_scaler(kind, rank, world):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -145,7 +145,7 @@ def autocast_bf16(kind, rank, world):
         out[f"loss {step}"] = np.float32(side.step(*batch(rank, step), forward=forward))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 

@@ -46,7 +46,7 @@ def forgotten_with(kind, rank, world):
         out[f"loss {step}"] = np.float32(loss.item())
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -62,7 +62,7 @@ def forward_outside_with(kind, rank, world):
         out[f"loss {step}"] = np.float32(loss.item())
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -102,7 +102,7 @@ def no_sync_on_rank0_only(kind, rank, world):
                 side.step(*batch(rank, step, micro), pause=micro == 0 and rank == 0))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -121,7 +121,7 @@ def double_after_wrap(kind, rank, world):
         out[f"loss {step}"] = np.float32(side.step(x.double(), y))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
@@ -135,7 +135,7 @@ def rank_skips_silently(kind, rank, world):
         out[f"loss {step}"] = np.float32(side.step(*batch(rank, step)))
         opt.step()
         opt.zero_grad()
-    out.update(state(side.model))
+    out.update(state(side))
     return out
 
 
