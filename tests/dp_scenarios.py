@@ -277,16 +277,28 @@ def sgd_reference(fw: Any, world: int, steps: int = 1, frozen=(), **kwargs: Any)
 def sharded_steps(fw: Any, rank: int, world: int) -> Result:
     """Two steps over one bucket (c, b, a: 10 elements) whose chunks cut ``b`` between the
     ranks: every rank ends each step with plain SGD's values on the mean gradient; ``.grad``
-    stays None (the reduced gradients are the shards) and each rank holds its chunk only."""
+    holds no gradient (the reduced gradients are the shards: None, or on PyTorch a stand-in
+    that refuses to be read) and each rank holds its chunk only."""
     ps = params(fw)
     gm, opt = sharded(fw, ps)
     step(gm, fw, ps, data(fw, rank))
-    out = {"grads": grads(fw, ps), "memory": opt.memory()}
+    out = {"grads": [_held_grad(fw, p) for p in ps], "memory": opt.memory()}
     out["got_first"] = sgd_step(opt, fw, ps)
     step(gm, fw, ps, data(fw, rank))
     out["got"] = sgd_step(opt, fw, ps)
     out["want_first"], out["want"] = (sgd_reference(fw, world, s) for s in (1, 2))
     return out
+
+
+def _held_grad(fw: Any, p: Any) -> Any:
+    """``p``'s ``.grad`` after a sharded step: None, or "stand-in" where reading it raises
+    the sharded path's error (PyTorch's stand-in, through which torch's clipping works)."""
+    try:
+        return fw.grad(p)
+    except RuntimeError as exc:
+        if "shard=True" not in str(exc):
+            raise
+        return "stand-in"
 
 
 def sharded_without_sync(fw: Any, rank: int, world: int) -> Result:

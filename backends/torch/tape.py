@@ -234,7 +234,7 @@ class TorchTape(Tape):
         self._foreign: Optional[dict] = None
         self._checked = False  # the graph was checked (each manager's first backward)
         self._warned = False
-        weakref.finalize(self, self.watched.remove_hooks)
+        weakref.finalize(self, self.watched.remove_hooks, False)  # see remove_hooks
 
     @property
     def has_snapshots(self) -> bool:

@@ -208,6 +208,7 @@ def double_one_rank(out: dict, rank: int, world: int) -> None:
     gm = wrap(net)
     with gm:
         gm.backward(net(batch(0, rank)))
+    net.zero_grad(set_to_none=True)  # as between steps (sharded: .double() refuses a stand-in)
     if rank == 1:
         net.double()
     dtype = torch.float64 if rank == 1 else torch.float32
