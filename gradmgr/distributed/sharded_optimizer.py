@@ -45,6 +45,12 @@ _ALONE = (
     "scripts?). Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
     "torch.save(state, path)`. Nothing was communicated: the process group is as it was"
 )
+_NOT_TO = (
+    "ShardedOptimizer.state_dict() on rank {rank} after consolidate_state_dict(to={to}): as "
+    "with ZeroRedundancyOptimizer, only rank {to} holds the consolidated state, until the next "
+    "step. Write `if rank == {to}: torch.save(opt.state_dict(), path)`, or, without "
+    "consolidate_state_dict, `state = opt.state_dict()` on every rank"
+)
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
 
 
@@ -65,7 +71,8 @@ class ShardedOptimizer:
     rank raises :class:`RankMismatchError` naming the first difference and each rank's value.
 
     After :meth:`step` every rank holds the same updated parameters. Making one, and every
-    method that communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`), must
+    method that communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`,
+    :meth:`consolidate_state_dict`), must
     be done on every rank, and :meth:`load_state_dict` with the same dict on every rank. The
     parameter set is fixed when the optimizer is made: after attaching, freezing or
     unfreezing a parameter on every rank, make a new one over the same ``params``
@@ -93,6 +100,7 @@ class ShardedOptimizer:
         self._transport = transport
         self._master_dtype = master_dtype
         self._serial, self._gathered = next(_SERIALS), 0
+        self._consolidated: Optional[Tuple[int, Any]] = None  # (to, state): see consolidate
         try:
             entries = self._build(gm, callback, optimizer_class, params, defaults)
         except Exception as error:
@@ -139,6 +147,7 @@ class ShardedOptimizer:
         """Step this rank's segments with their reduced gradients, then all-gather the
         updated parameters."""
         self._check_plan()
+        self._consolidated = None  # the state it holds is the state before this step
         ops, shards, plan = self._ops, self._shards, self._plan
         reduced = self._reduced
         for segment, tensor in zip(reduced.segments, reduced.tensors):
@@ -220,18 +229,50 @@ class ShardedOptimizer:
         Every rank calls it. Over torch.distributed the ranks first meet in the process group's
         store: a rank that calls it while the others do not (``if rank == 0:
         torch.save(opt.state_dict(), ...)``) raises RuntimeError once the group's timeout has
-        passed, having started no collective, instead of waiting in one forever."""
+        passed, having started no collective, instead of waiting in one forever.
+
+        After :meth:`consolidate_state_dict` (``to``), until the next :meth:`step` or
+        :meth:`load_state_dict`, it communicates nothing: rank ``to`` returns the state
+        consolidated then (with the groups' options as they are now, a scheduler's learning
+        rate included), and every other rank raises RuntimeError, as
+        ``ZeroRedundancyOptimizer`` does."""
+        if self._consolidated is not None:
+            to, full = self._consolidated
+            if self._rank != to:
+                raise RuntimeError(_NOT_TO.format(rank=self._rank, to=to))
+            return {"state": dict(full), "param_groups": self._groups()}
         self._every_rank_here()
+        return {"state": self._full_state(), "param_groups": self._groups()}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """``ZeroRedundancyOptimizer``'s checkpoint: gather the whole optimizer state on rank
+        ``to`` (a collective: every rank calls it, with the same ``to``), so that rank ``to``
+        alone can then call :meth:`state_dict` (``if rank == 0: torch.save(opt.state_dict(),
+        path)``) until the next :meth:`step`."""
+        if not isinstance(to, int) or not 0 <= to < self._world:
+            raise ValueError(f"ShardedOptimizer.consolidate_state_dict: to={to!r} is not a "
+                             f"rank of this group (0 to {self._world - 1})")
+        self._consolidated = None
+        self._every_rank_here()
+        full = self._full_state()
+        self._consolidated = (to, full if self._rank == to else {})
+
+    def _full_state(self) -> Dict[int, Dict[str, Any]]:
+        """Every parameter's full state by index (a collective)."""
         ops, layouts = self._ops, self._layouts()
         states = [[ops.optimizer_state(self.optimizer, t) for t in layout.tensors]
                   for layout in layouts]
         ranks = Ranks(ops, self._transport, self._rank, self._world, self._plan.tensor(0))
         full = consolidate(ranks, layouts, states)
+        return {i: full[i] for i in sorted(full)}
+
+    def _groups(self) -> List[Dict[str, Any]]:
+        """The parameter groups as the unsharded optimizer saves them: options, indices."""
         groups = []
         for group, indices in zip(self.optimizer.param_groups, self._numbering.groups):
             options = {k: v for k, v in group.items() if k != "params"}
             groups.append({**options, "params": list(indices)})
-        return {"state": {i: full[i] for i in sorted(full)}, "param_groups": groups}
+        return groups
 
     def _every_rank_here(self) -> None:
         """Raise, before any collective, where not every rank calls :meth:`state_dict`."""
@@ -252,6 +293,7 @@ class ShardedOptimizer:
         its parameter's). Every rank decides from the dict alone, so every rank raises."""
         ops = self._ops
         saved, options = saved_states(ops, self._numbering, state_dict)
+        self._consolidated = None
         for group, saved_options in zip(self.optimizer.param_groups, options):
             group.update(saved_options)
         for layout in self._layouts():

@@ -1,0 +1,119 @@
+"""Rank program: the habits of ZeroRedundancyOptimizer scripts on ``data_parallel(model,
+shard=True)`` + ``ShardedOptimizer``, next to DDP (+ ZeroRedundancyOptimizer where the habit is
+its own): ZeRO's checkpoint, learning-rate schedulers, ``torch.amp.GradScaler``. Every rank
+pickles what the parent checks to ``OUTDIR/rank{RANK}.pkl`` after each scenario.
+
+``HABITS_ZERO`` names the scenarios to run, in order (comma-separated).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradmgr.distributed import ShardedOptimizer, data_parallel
+
+LR = 1e-2
+STEPS = 3
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net(x).square().mean()
+
+
+def params_of(net: nn.Module) -> list:
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def raised(fn) -> tuple:
+    """``(type name, message)`` of what ``fn()`` raised, or None."""
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - what was raised is the result
+        return type(error).__name__, str(error)
+    return None
+
+
+def sides(rank: int, zero: bool, **kw):
+    """DDP with ``torch.optim.Adam`` (under ZeroRedundancyOptimizer where ``zero``), and
+    gradmgr's sharded path with a ShardedOptimizer over Adam: ``(nets, opts, steps)``, where
+    ``steps[i](x)`` runs side i's forward and backward."""
+    theirs, ours = model(), model()
+    ddp = DDP(theirs)
+    if zero:
+        ref = ZeroRedundancyOptimizer(theirs.parameters(), torch.optim.Adam, lr=LR, **kw)
+    else:
+        ref = torch.optim.Adam(theirs.parameters(), lr=LR, **kw)
+    gm = data_parallel(ours, shard=True, bucket_bytes=400)
+    opt = ShardedOptimizer(gm, torch.optim.Adam, lr=LR, **kw)
+
+    def ddp_step(x, scale=lambda loss: loss):
+        scale(loss_of(ddp, x)).backward()
+
+    def gm_step(x, scale=lambda loss: loss):
+        with gm:
+            gm.backward(scale(loss_of(ours, x)))
+    return (theirs, ours), (ref, opt), (ddp_step, gm_step)
+
+
+def plain(state: dict) -> dict:
+    """A state dict's values as plain tensors and numbers, for pickling and comparing."""
+    return {"state": {int(i): {k: torch.as_tensor(v).clone() for k, v in s.items()}
+                      for i, s in state["state"].items()},
+            "param_groups": repr(state["param_groups"])}
+
+
+# ---------------------------------------------------------------------- scenarios
+def consolidate(out: dict, rank: int) -> None:
+    """ZeRO's checkpoint: ``opt.consolidate_state_dict(to=0)`` on every rank, then rank 0's
+    ``state_dict()``: ZeroRedundancyOptimizer's (over Adam) on both sides; the other rank's
+    ``state_dict()`` raises there, on both sides; after another step, ``state_dict()`` on
+    every rank is the ShardedOptimizer's collective one again, the new state."""
+    nets, opts, steps = sides(rank, zero=True)
+    for step in range(STEPS):
+        for opt, run in zip(opts, steps):
+            run(batch(step, rank))
+            opt.step()
+            opt.zero_grad()
+    for opt in opts:
+        opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        out["consolidated"] = [plain(opt.state_dict()) for opt in opts]
+    else:
+        out["consolidated"] = [raised(opt.state_dict) for opt in opts]
+    out["params"] = [params_of(net) for net in nets]
+    out["bad_to"] = raised(lambda: opts[1].consolidate_state_dict(to=2))
+    steps[1](batch(STEPS, rank))
+    opts[1].step()
+    out["after_step"] = plain(opts[1].state_dict())
+    opts[1].consolidate_state_dict(to=1)
+    out["to_1"] = plain(opts[1].state_dict()) if rank == 1 else raised(opts[1].state_dict)
+    dist.barrier()
+
+
+SCENARIOS = {"consolidate": consolidate}
+
+
+def main(rank: int, world: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    out: dict = {}
+    for name in os.environ["HABITS_ZERO"].split(","):
+        SCENARIOS[name](out, rank)
+        out[f"{name}_done"] = True
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)
