@@ -59,3 +59,60 @@ def test_zeros_checkpoint_consolidate_state_dict_to_0(tmp_path):
         same_state(outs[0]["after_step"], ref, "the state before the step")
     same_state(outs[1]["to_1"], outs[0]["after_step"], "consolidated on rank 1")
     assert outs[0]["to_1"][0] == "RuntimeError" and "only rank 1 holds" in outs[0]["to_1"][1]
+
+
+def test_a_learning_rate_scheduler_over_the_sharded_optimizer(tmp_path):
+    """``StepLR(opt, 1, gamma=0.5)`` over the ShardedOptimizer (on torch a
+    ``torch.optim.Optimizer``): the learning rates, parameters, the scheduler's state dict and
+    the optimizer's (``initial_lr`` in the groups) equal DDP + Adam + StepLR's, bit for bit;
+    so does a LambdaLR made after training; add_param_group, step hooks and ``.state`` raise
+    saying why. On old code: TypeError "ShardedOptimizer is not an Optimizer"."""
+    for out in run(tmp_path, "scheduler"):
+        assert out["is_optimizer"]
+        assert out["lrs"][1] == out["lrs"][0] == [[LR / 2], [LR / 4], [LR / 8]]
+        same(out["params"][1], out["params"][0], "parameters")
+        assert out["sched_state"][1] == out["sched_state"][0]
+        same_state(out["opt_state"][1], out["opt_state"][0], "the optimizer's state dict")
+        assert "'initial_lr': 0.01" in out["opt_state"][1]["param_groups"]
+        assert out["lambda_lr"][1] == out["lambda_lr"][0] == [LR / 2]  # from initial_lr
+        same(out["params_after_lambda"][1], out["params_after_lambda"][0], "after LambdaLR")
+        (k1, m1), (k2, m2), (k3, m3) = out["refused"]
+        assert k1 == "NotImplementedError" and "make a new ShardedOptimizer" in m1
+        assert k2 == "NotImplementedError" and "register_step_pre_hook" in m2
+        assert k3 == "AttributeError" and "opt.optimizer.state" in m3
+
+
+LR = 1e-2
+
+
+@pytest.mark.megengine
+def test_megengines_scheduler_and_zeros_checkpoint(tmp_path):
+    """MegEngine: ``MultiStepLR(opt, [1, 2], gamma=0.5)`` over the ShardedOptimizer (a
+    ``megengine.optimizer.Optimizer`` there), next to MegEngine's own AdamW + MultiStepLR on
+    the whole batch: the same learning rates (exactly) and parameters (``rtol=1e-5,
+    atol=1e-6``, the tolerance of test_megengine_sharded.py: the batch's sum is split over
+    the ranks); ``consolidate_state_dict(to=0)`` then rank 0's ``state_dict()`` is AdamW's own
+    state (moments ``rtol=1e-5``, steps exactly), rank 1's raises. On old code: MegEngine's
+    scheduler raised TypeError (not an Optimizer)."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("megengine", reason="megengine is not installed in this environment")
+    outs = spawn("habits_zero_megengine", tmp_path, 2, timeout=90)
+    for rank, out in enumerate(outs):
+        assert out["is_optimizer"]
+        assert out["lrs"][0] == out["lrs"][1] == [[LR / 2], [LR / 4], [LR / 4]]
+        for step in range(3):
+            run = out[f"step {step}"]
+            for name, want in run["native"][0].items():
+                np.testing.assert_allclose(run["ours"][0][name], want, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"rank {rank}, step {step}, {name}")
+    theirs, ours = outs[0]["native_state"], outs[0]["state"]
+    assert sorted(ours["state"]) == sorted(theirs["state"])
+    for index, state in theirs["state"].items():
+        for key, want in state.items():
+            got = ours["state"][index][key]
+            if key == "step":
+                np.testing.assert_array_equal(got, want)
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert outs[1]["state"][0] == "RuntimeError"
+    assert "only rank 0 holds" in outs[1]["state"][1]

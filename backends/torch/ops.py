@@ -179,6 +179,11 @@ class TorchOps(TensorOps):
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = None if grad is None else grad.to(segment.dtype)
 
+    def optimizer_base(self) -> Optional[type]:
+        from .sharded_base import TorchShardedBase
+
+        return TorchShardedBase
+
     def optimizer_state(self, optimizer: Any, param: Any) -> Dict[str, Any]:
         return dict(optimizer.state.get(param, {}))
 

@@ -175,6 +175,11 @@ class TensorOps:
         """``(dtype name, device name)``: gradients sharing a key share a bucket."""
         raise NotImplementedError
 
+    def optimizer_base(self) -> Optional[type]:
+        """A class ``ShardedOptimizer`` also derives from on this framework (its optimizer
+        base, so that the framework's learning-rate schedulers accept it), or None."""
+        return None
+
     def shape(self, tensor: Any) -> Tuple[int, ...]:
         """The tensor's shape as a tuple of ints."""
         return tuple(int(n) for n in tensor.shape)

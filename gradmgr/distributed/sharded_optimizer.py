@@ -52,6 +52,7 @@ _NOT_TO = (
     "consolidate_state_dict, `state = opt.state_dict()` on every rank"
 )
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
+_WITH_BASE: Dict[Tuple[type, type], type] = {}  # see ShardedOptimizer.__new__
 
 
 class ShardedOptimizer:
@@ -85,8 +86,21 @@ class ShardedOptimizer:
         >>> #     gm.backward(loss_fn(model(x), y))
         >>> # opt.clip_grad_norm_(1.0)        # over every rank's shards
         >>> # opt.step(); opt.zero_grad()
-        >>> # scheduler = torch.optim.lr_scheduler.StepLR(opt.optimizer, 10)
+        >>> # scheduler = torch.optim.lr_scheduler.StepLR(opt, 10)  # an Optimizer on torch
     """
+
+    def __new__(cls, gm: Any, *args: Any, **kwargs: Any) -> ShardedOptimizer:
+        # On a framework with an optimizer base class (torch.optim.Optimizer) the instance is
+        # one too, for its schedulers: a subclass made once per (class, base).
+        base = _sharded_callback(gm).synchronizer(gm).ops.optimizer_base()
+        if base is not None and not issubclass(cls, base):
+            made = _WITH_BASE.get((cls, base))
+            if made is None:
+                made = type(cls.__name__, (cls, base), {"__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
+                _WITH_BASE[(cls, base)] = made
+            cls = made
+        return object.__new__(cls)
 
     def __init__(self, gm: Any, optimizer_class: Any, params: Optional[Iterable[Any]] = None,
                  *, master_dtype: Optional[str] = None, **defaults: Any) -> None:
@@ -207,7 +221,8 @@ class ShardedOptimizer:
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
-        """The wrapped optimizer's parameter groups (their ``lr`` and other options)."""
+        """The wrapped optimizer's parameter groups (their ``lr`` and other options): what a
+        learning-rate scheduler sets is what the next :meth:`step` uses."""
         return self.optimizer.param_groups
 
     def _check_plan(self) -> None:

@@ -106,7 +106,39 @@ def consolidate(out: dict, rank: int) -> None:
     dist.barrier()
 
 
-SCENARIOS = {"consolidate": consolidate}
+def scheduler(out: dict, rank: int) -> None:
+    """``StepLR(opt, 1, gamma=0.5)`` over the ShardedOptimizer, stepped after each step, next
+    to DDP + Adam + the same scheduler: the learning rates, the parameters, the scheduler's and
+    the optimizer's state dicts; then a LambdaLR made over the optimizer after training, and
+    the torch Optimizer methods that cannot work on a sharded optimizer."""
+    nets, opts, steps = sides(rank, zero=False)
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) for opt in opts]
+    out["is_optimizer"] = isinstance(opts[1], torch.optim.Optimizer)
+    out["lrs"] = [[], []]
+    for step in range(STEPS):
+        for i, (opt, run, sched) in enumerate(zip(opts, steps, scheds)):
+            run(batch(step, rank))
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            out["lrs"][i].append(sched.get_last_lr())
+    out["params"] = [params_of(net) for net in nets]
+    out["sched_state"] = [repr(sched.state_dict()) for sched in scheds]
+    out["opt_state"] = [plain(opt.state_dict()) for opt in opts]
+    lam = [torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (epoch + 1))
+           for opt in opts]
+    for opt, run, sched in zip(opts, steps, lam):
+        run(batch(STEPS, rank))
+        opt.step()
+        sched.step()
+    out["lambda_lr"] = [[g["lr"] for g in opt.param_groups] for opt in opts]
+    out["params_after_lambda"] = [params_of(net) for net in nets]
+    out["refused"] = [raised(lambda: opts[1].add_param_group({"params": []})),
+                      raised(lambda: opts[1].register_step_pre_hook(print)),
+                      raised(lambda: opts[1].state)]
+
+
+SCENARIOS = {"consolidate": consolidate, "scheduler": scheduler}
 
 
 def main(rank: int, world: int, outdir: str) -> None:
