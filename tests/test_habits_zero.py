@@ -82,6 +82,20 @@ def test_a_learning_rate_scheduler_over_the_sharded_optimizer(tmp_path):
         assert k3 == "AttributeError" and "opt.optimizer.state" in m3
 
 
+def test_torch_amp_grad_scaler_over_the_sharded_optimizer(tmp_path):
+    """``torch.amp.GradScaler("cpu")`` with a ShardedOptimizer: ``unscale_`` unscales each rank's
+    slices through the parameters' stand-in ``.grad`` (``opt.param_groups`` hold the model's
+    parameters), and a non-finite value in one rank's slice makes every rank skip the step
+    and halve the scale, as DDP + Adam + GradScaler do: scales and parameters after every step
+    equal DDP's bit for bit. On old code: torch's AssertionError "No inf checks were
+    recorded"."""
+    for out in run(tmp_path, "scaler"):
+        assert out["scales"][1] == out["scales"][0] == [1024.0, 1024.0, 512.0, 512.0]
+        for step, (ours, ddp) in enumerate(zip(out["params"][1], out["params"][0])):
+            same(ours, ddp, f"parameters after step {step}")
+        same(out["params"][1][2], out["params"][1][1], "the skipped step 2")
+
+
 LR = 1e-2
 
 

@@ -115,7 +115,29 @@ def _zero_(grad: Any) -> Any:
     return grad
 
 
+def _unscale_(grads: Any, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``torch.amp.GradScaler.unscale_``'s kernel: unscales this rank's slices of the stand-ins
+    in place, and sets ``found_inf`` where any rank's slices hold a non-finite value (one small
+    allreduce), so that every rank skips the step, or steps, and scales alike."""
+    plain = [g for g in grads if not is_stand_in(g)]
+    members = [g._member for g in grads if is_stand_in(g)]
+    unscale = torch._amp_foreach_non_finite_check_and_unscale_
+    with torch._C.DisableTorchFunctionSubclass():
+        if plain:
+            unscale(plain, found_inf, inv_scale)
+        if members:
+            parts = [p for member in members for p in member.parts()]
+            here = torch.zeros_like(found_inf)
+            if parts:
+                unscale(parts, here, inv_scale)
+            for member in members:
+                member.changed()
+            if members[0].on_some_rank(bool(here.item())):
+                found_inf.fill_(1.0)
+
+
 _HANDLERS: Dict[Any, Callable[..., Any]] = {
+    torch._amp_foreach_non_finite_check_and_unscale_: _unscale_,
     torch.linalg.vector_norm: _norm_of,
     torch._foreach_norm: _foreach_norm,
     torch.Tensor.mul_: _mul_,

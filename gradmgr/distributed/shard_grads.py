@@ -45,6 +45,11 @@ class MemberGrad:
         """The slices were written in place: norms asked from now on are computed again."""
         self._stand_ins.shards.version += 1
 
+    def on_some_rank(self, found: bool) -> bool:
+        """Whether ``found`` is true on some rank (a small allreduce: every rank asks, for
+        the same tensors), so that every rank decides alike (a gradient scaler's skip)."""
+        return self._stand_ins.on_some_rank(found)
+
 
 class StandIns:
     """The stand-in ``.grad`` of one manager's shards (a :class:`GradientShards`)."""
@@ -116,6 +121,13 @@ class StandIns:
             self._segments = own_segments(self.shards.plan, transport.rank(),
                                           transport.world_size())
         return self._segments
+
+    def on_some_rank(self, found: bool) -> bool:
+        ops = self.shards.ops
+        like = next(t for t in self.shards.plan.tensors() if t is not None)
+        summed = ops.values(self.transport.allreduce_async(
+            ops.vector([1.0 if found else 0.0], like)).wait())
+        return summed[0] > 0
 
     def norms(self) -> List[float]:
         shards = self.shards

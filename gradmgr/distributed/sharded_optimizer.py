@@ -142,7 +142,13 @@ class ShardedOptimizer:
         self._gather = ParameterGather(self._ops, self._transport, plan, self._world,
                                        self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
-        """The wrapped optimizer over this rank's segments (for learning-rate schedulers)."""
+        """The wrapped optimizer over this rank's segments."""
+        # The groups the program sees: the unsharded optimizer's (the model's parameters, the
+        # wrapped groups' options), copied into the wrapped groups at each step.
+        self._param_groups = [
+            {**{k: v for k, v in wrapped.items() if k != "params"},
+             "params": [numbering.params[i] for i in indices]}
+            for wrapped, indices in zip(self.optimizer.param_groups, numbering.groups)]
         params_of = [[numbering.params[i] for i in group] for group in numbering.groups]
         return describe(self._ops, optimizer_class, master_dtype, self.optimizer.param_groups,
                         params_of)
@@ -169,6 +175,8 @@ class ShardedOptimizer:
             if param is not None:
                 ops.refresh_segment(tensor, param, segment.start, segment.stop)
             ops.set_segment_grad(tensor, shards.grad_of(segment))
+        for ours, wrapped in zip(self._param_groups, self.optimizer.param_groups):
+            wrapped.update((k, v) for k, v in ours.items() if k != "params")
         self.optimizer.step()
         self._gather()
 
@@ -221,9 +229,12 @@ class ShardedOptimizer:
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
-        """The wrapped optimizer's parameter groups (their ``lr`` and other options): what a
-        learning-rate scheduler sets is what the next :meth:`step` uses."""
-        return self.optimizer.param_groups
+        """The parameter groups as the unsharded optimizer has them: the model's parameters
+        (``params``) and the options, which :meth:`step` passes to the wrapped optimizer's
+        groups, so that what a learning-rate scheduler sets is what the next step uses.
+        The parameters' ``.grad`` after a synced backward are the stand-ins (PyTorch) that
+        ``clip_grad_norm_`` and ``torch.amp.GradScaler.unscale_`` work through."""
+        return self._param_groups
 
     def _check_plan(self) -> None:
         if self._synchronizer.plan is not self._plan:
@@ -284,7 +295,7 @@ class ShardedOptimizer:
     def _groups(self) -> List[Dict[str, Any]]:
         """The parameter groups as the unsharded optimizer saves them: options, indices."""
         groups = []
-        for group, indices in zip(self.optimizer.param_groups, self._numbering.groups):
+        for group, indices in zip(self._param_groups, self._numbering.groups):
             options = {k: v for k, v in group.items() if k != "params"}
             groups.append({**options, "params": list(indices)})
         return groups
@@ -309,8 +320,10 @@ class ShardedOptimizer:
         ops = self._ops
         saved, options = saved_states(ops, self._numbering, state_dict)
         self._consolidated = None
-        for group, saved_options in zip(self.optimizer.param_groups, options):
-            group.update(saved_options)
+        for ours, wrapped, saved_options in zip(self._param_groups, self.optimizer.param_groups,
+                                                options):
+            ours.update(saved_options)
+            wrapped.update(saved_options)
         for layout in self._layouts():
             for segment, tensor in zip(layout.segments, layout.tensors):
                 state = saved.get(layout.index[segment.position])

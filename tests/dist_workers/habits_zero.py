@@ -138,7 +138,40 @@ def scheduler(out: dict, rank: int) -> None:
                       raised(lambda: opts[1].state)]
 
 
-SCENARIOS = {"consolidate": consolidate, "scheduler": scheduler}
+def scaler(out: dict, rank: int) -> None:
+    """``torch.amp.GradScaler("cpu", init_scale=1024)``: ``scale(loss)``, backward,
+    ``unscale_(opt)``, ``step(opt)``, ``update()``, next to DDP + Adam + the same scaler. At step
+    2 a hook on the first weight puts an inf into its gradient's first element on every rank
+    (before the reduction, in both): the reduced gradient is non-finite there only, in one
+    rank's slice, and every rank must skip the step and halve the scale, as under DDP. Step 3
+    leaves ``unscale_`` to ``scaler.step``."""
+    nets, opts, steps = sides(rank, zero=False)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in opts]
+    poison = {"on": False}
+
+    def hook(grad):
+        if not poison["on"]:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+    for net in nets:
+        net[0].weight.register_hook(hook)
+    out["scales"], out["params"] = [[], []], [[], []]
+    for step in range(4):
+        poison["on"] = step == 2
+        for i, (opt, run, sc) in enumerate(zip(opts, steps, scalers)):
+            run(batch(step, rank), scale=sc.scale)
+            if step != 3:
+                sc.unscale_(opt)
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+            out["scales"][i].append(sc.get_scale())
+            out["params"][i].append(params_of(nets[i]))
+
+
+SCENARIOS = {"consolidate": consolidate, "scheduler": scheduler, "scaler": scaler}
 
 
 def main(rank: int, world: int, outdir: str) -> None:
