@@ -7,9 +7,12 @@ Torch's clipping asks each gradient for its 2-norm (``torch.linalg.vector_norm``
 ``torch._foreach_norm``), takes the norm of those norms, and multiplies each gradient in place
 by the clipped factor (``Tensor.mul_``, or ``torch._foreach_mul_``): the stand-in answers the
 norm of the whole gradient and multiplies this rank's slices by the same factor, so the result
-is DDP's + ``clip_grad_norm_``'s. ``Tensor.zero_`` (``model.zero_grad(set_to_none=False)``)
-zeroes the slices. Reading an attribute (``.shape``, ``.device``, ``.dtype``) works; every
-other operation, from Python or from C++ (autograd, an optimizer's kernels), raises.
+is DDP's + ``clip_grad_norm_``'s. ``torch.amp.GradScaler.unscale_``'s kernel
+(``torch._amp_foreach_non_finite_check_and_unscale_``) unscales the slices and finds a
+non-finite value in any rank's slices, on every rank. ``Tensor.zero_``
+(``model.zero_grad(set_to_none=False)``) zeroes the slices. Reading an attribute (``.shape``,
+``.device``, ``.dtype``) works; every other operation, from Python or from C++ (autograd, an
+optimizer's kernels), raises.
 """
 
 from __future__ import annotations

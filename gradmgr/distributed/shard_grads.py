@@ -133,15 +133,25 @@ class StandIns:
         shards = self.shards
         if self._norms is not None and self._norms[0] == shards.version:
             return self._norms[1]
-        ops = shards.ops
-        squares = [0.0] * len(shards.plan.tensors())
+        ops, tensors = shards.ops, shards.plan.tensors()
+        # per tensor: the sum of squares of split ones; the framework's own norm of those
+        # one rank holds whole (then torch's clip_grad_norm_ is DDP's bit for bit), and a 1
+        n = len(tensors)
+        sums = [0.0] * (3 * n)
         for segment in self._own():
             grad = shards.grad_of(segment)
-            if grad is not None:
-                squares[segment.position] += ops.sum_squares([grad])
-        like = next(t for t in shards.plan.tensors() if t is not None)
-        summed = ops.values(self.transport.allreduce_async(ops.vector(squares, like)).wait())
-        norms = [math.sqrt(max(s, 0.0)) for s in summed]
+            if grad is None:
+                continue
+            p = segment.position
+            whole = tensors[p] is not None and segment.stop - segment.start == ops.numel(tensors[p])
+            if whole:
+                sums[n + p], sums[2 * n + p] = ops.norm(grad), 1.0
+            else:
+                sums[p] += ops.sum_squares([grad])
+        like = next(t for t in tensors if t is not None)
+        summed = ops.values(self.transport.allreduce_async(ops.vector(sums, like)).wait())
+        norms = [summed[n + p] if summed[2 * n + p] else math.sqrt(max(summed[p], 0.0))
+                 for p in range(n)]
         self._norms = (shards.version, norms)
         return norms
 

@@ -164,6 +164,8 @@ def scaler(out: dict, rank: int) -> None:
             run(batch(step, rank), scale=sc.scale)
             if step != 3:
                 sc.unscale_(opt)
+                out.setdefault(f"norms {step}", []).append(
+                    [torch.linalg.vector_norm(p.grad) for p in nets[i].parameters()])
             sc.step(opt)
             sc.update()
             opt.zero_grad()
