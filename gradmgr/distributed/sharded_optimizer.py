@@ -71,6 +71,11 @@ class ShardedOptimizer:
     each group's options and parameters (one small all-gather), and where they differ every
     rank raises :class:`RankMismatchError` naming the first difference and each rank's value.
 
+    On PyTorch it is also a ``torch.optim.Optimizer``, on MegEngine a
+    ``megengine.optimizer.Optimizer`` (the backend's ``TensorOps.optimizer_base``), so that
+    learning-rate schedulers take it; :attr:`param_groups` are the unsharded optimizer's
+    groups, whose options :meth:`step` passes to the wrapped optimizer.
+
     After :meth:`step` every rank holds the same updated parameters. Making one, and every
     method that communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`,
     :meth:`consolidate_state_dict`), must
