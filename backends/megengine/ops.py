@@ -101,6 +101,11 @@ class MegEngineOps(TensorOps):
             grad = grad.astype(segment.dtype)
         segment.grad = grad
 
+    def optimizer_base(self) -> Optional[type]:
+        from .sharded_base import MegEngineShardedBase
+
+        return MegEngineShardedBase
+
     def optimizer_state(self, optimizer: Any, param: Any) -> Dict[str, Any]:
         return dict(optimizer._state.get(param, {}))
 

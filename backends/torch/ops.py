@@ -145,6 +145,9 @@ class TorchOps(TensorOps):
             return 0.0
         return float(sum(t.detach().float().square().sum() for t in tensors))
 
+    def norm(self, tensor: Any) -> float:
+        return float(torch.linalg.vector_norm(tensor.detach()))
+
     def segment(self, param: Any, start: int, stop: int, master_dtype: Optional[str]) -> Any:
         part = param.detach().reshape(-1)[start:stop]  # a view where param is contiguous
         if master_dtype is not None and str(param.dtype) != f"torch.{master_dtype}":
@@ -178,6 +181,11 @@ class TorchOps(TensorOps):
 
     def set_segment_grad(self, segment: Any, grad: Any) -> None:
         segment.grad = None if grad is None else grad.to(segment.dtype)
+
+    def optimizer_base(self) -> Optional[type]:
+        from .sharded_base import TorchShardedBase
+
+        return TorchShardedBase
 
     def optimizer_state(self, optimizer: Any, param: Any) -> Dict[str, Any]:
         return dict(optimizer.state.get(param, {}))

@@ -7,9 +7,12 @@ Torch's clipping asks each gradient for its 2-norm (``torch.linalg.vector_norm``
 ``torch._foreach_norm``), takes the norm of those norms, and multiplies each gradient in place
 by the clipped factor (``Tensor.mul_``, or ``torch._foreach_mul_``): the stand-in answers the
 norm of the whole gradient and multiplies this rank's slices by the same factor, so the result
-is DDP's + ``clip_grad_norm_``'s. ``Tensor.zero_`` (``model.zero_grad(set_to_none=False)``)
-zeroes the slices. Reading an attribute (``.shape``, ``.device``, ``.dtype``) works; every
-other operation, from Python or from C++ (autograd, an optimizer's kernels), raises.
+is DDP's + ``clip_grad_norm_``'s. ``torch.amp.GradScaler.unscale_``'s kernel
+(``torch._amp_foreach_non_finite_check_and_unscale_``) unscales the slices and finds a
+non-finite value in any rank's slices, on every rank. ``Tensor.zero_``
+(``model.zero_grad(set_to_none=False)``) zeroes the slices. Reading an attribute (``.shape``,
+``.device``, ``.dtype``) works; every other operation, from Python or from C++ (autograd, an
+optimizer's kernels), raises.
 """
 
 from __future__ import annotations
@@ -115,7 +118,29 @@ def _zero_(grad: Any) -> Any:
     return grad
 
 
+def _unscale_(grads: Any, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``torch.amp.GradScaler.unscale_``'s kernel: unscales this rank's slices of the stand-ins
+    in place, and sets ``found_inf`` where any rank's slices hold a non-finite value (one small
+    allreduce), so that every rank skips the step, or steps, and scales alike."""
+    plain = [g for g in grads if not is_stand_in(g)]
+    members = [g._member for g in grads if is_stand_in(g)]
+    unscale = torch._amp_foreach_non_finite_check_and_unscale_
+    with torch._C.DisableTorchFunctionSubclass():
+        if plain:
+            unscale(plain, found_inf, inv_scale)
+        if members:
+            parts = [p for member in members for p in member.parts()]
+            here = torch.zeros_like(found_inf)
+            if parts:
+                unscale(parts, here, inv_scale)
+            for member in members:
+                member.changed()
+            if members[0].on_some_rank(bool(here.item())):
+                found_inf.fill_(1.0)
+
+
 _HANDLERS: Dict[Any, Callable[..., Any]] = {
+    torch._amp_foreach_non_finite_check_and_unscale_: _unscale_,
     torch.linalg.vector_norm: _norm_of,
     torch._foreach_norm: _foreach_norm,
     torch.Tensor.mul_: _mul_,

@@ -10,6 +10,7 @@ one piece both use as it is.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Collection, Dict, List, Optional, Protocol, Sequence, Tuple
 
 _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
@@ -175,6 +176,11 @@ class TensorOps:
         """``(dtype name, device name)``: gradients sharing a key share a bucket."""
         raise NotImplementedError
 
+    def optimizer_base(self) -> Optional[type]:
+        """A class ``ShardedOptimizer`` also derives from on this framework (its optimizer
+        base, so that the framework's learning-rate schedulers accept it), or None."""
+        return None
+
     def shape(self, tensor: Any) -> Tuple[int, ...]:
         """The tensor's shape as a tuple of ints."""
         return tuple(int(n) for n in tensor.shape)
@@ -330,6 +336,11 @@ class TensorOps:
     def sum_squares(self, tensors: Sequence[Any]) -> float:
         """The sum of the squares of every element of ``tensors`` (a host value)."""
         raise NotImplementedError
+
+    def norm(self, tensor: Any) -> float:
+        """The 2-norm of ``tensor`` as the framework's own norm computes it (a host value):
+        a stand-in ``.grad`` whose whole gradient one rank holds answers exactly that."""
+        return math.sqrt(self.sum_squares([tensor]))
 
     def segment(self, param: Any, start: int, stop: int, master_dtype: Optional[str]) -> Any:
         """What the sharded optimizer steps for ``param.flatten()[start:stop]``: a view into

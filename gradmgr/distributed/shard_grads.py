@@ -45,6 +45,11 @@ class MemberGrad:
         """The slices were written in place: norms asked from now on are computed again."""
         self._stand_ins.shards.version += 1
 
+    def on_some_rank(self, found: bool) -> bool:
+        """Whether ``found`` is true on some rank (a small allreduce: every rank asks, for
+        the same tensors), so that every rank decides alike (a gradient scaler's skip)."""
+        return self._stand_ins.on_some_rank(found)
+
 
 class StandIns:
     """The stand-in ``.grad`` of one manager's shards (a :class:`GradientShards`)."""
@@ -117,19 +122,36 @@ class StandIns:
                                           transport.world_size())
         return self._segments
 
+    def on_some_rank(self, found: bool) -> bool:
+        ops = self.shards.ops
+        like = next(t for t in self.shards.plan.tensors() if t is not None)
+        summed = ops.values(self.transport.allreduce_async(
+            ops.vector([1.0 if found else 0.0], like)).wait())
+        return summed[0] > 0
+
     def norms(self) -> List[float]:
         shards = self.shards
         if self._norms is not None and self._norms[0] == shards.version:
             return self._norms[1]
-        ops = shards.ops
-        squares = [0.0] * len(shards.plan.tensors())
+        ops, tensors = shards.ops, shards.plan.tensors()
+        # per tensor: the sum of squares of split ones; the framework's own norm of those
+        # one rank holds whole (then torch's clip_grad_norm_ is DDP's bit for bit), and a 1
+        n = len(tensors)
+        sums = [0.0] * (3 * n)
         for segment in self._own():
             grad = shards.grad_of(segment)
-            if grad is not None:
-                squares[segment.position] += ops.sum_squares([grad])
-        like = next(t for t in shards.plan.tensors() if t is not None)
-        summed = ops.values(self.transport.allreduce_async(ops.vector(squares, like)).wait())
-        norms = [math.sqrt(max(s, 0.0)) for s in summed]
+            if grad is None:
+                continue
+            p = segment.position
+            whole = tensors[p] is not None and segment.stop - segment.start == ops.numel(tensors[p])
+            if whole:
+                sums[n + p], sums[2 * n + p] = ops.norm(grad), 1.0
+            else:
+                sums[p] += ops.sum_squares([grad])
+        like = next(t for t in tensors if t is not None)
+        summed = ops.values(self.transport.allreduce_async(ops.vector(sums, like)).wait())
+        norms = [summed[n + p] if summed[2 * n + p] else math.sqrt(max(summed[p], 0.0))
+                 for p in range(n)]
         self._norms = (shards.version, norms)
         return norms
 

@@ -45,7 +45,14 @@ _ALONE = (
     "scripts?). Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
     "torch.save(state, path)`. Nothing was communicated: the process group is as it was"
 )
+_NOT_TO = (
+    "ShardedOptimizer.state_dict() on rank {rank} after consolidate_state_dict(to={to}): as "
+    "with ZeroRedundancyOptimizer, only rank {to} holds the consolidated state, until the next "
+    "step. Write `if rank == {to}: torch.save(opt.state_dict(), path)`, or, without "
+    "consolidate_state_dict, `state = opt.state_dict()` on every rank"
+)
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
+_WITH_BASE: Dict[Tuple[type, type], type] = {}  # see ShardedOptimizer.__new__
 
 
 class ShardedOptimizer:
@@ -64,8 +71,14 @@ class ShardedOptimizer:
     each group's options and parameters (one small all-gather), and where they differ every
     rank raises :class:`RankMismatchError` naming the first difference and each rank's value.
 
+    On PyTorch it is also a ``torch.optim.Optimizer``, on MegEngine a
+    ``megengine.optimizer.Optimizer`` (the backend's ``TensorOps.optimizer_base``), so that
+    learning-rate schedulers take it; :attr:`param_groups` are the unsharded optimizer's
+    groups, whose options :meth:`step` passes to the wrapped optimizer.
+
     After :meth:`step` every rank holds the same updated parameters. Making one, and every
-    method that communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`), must
+    method that communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`,
+    :meth:`consolidate_state_dict`), must
     be done on every rank, and :meth:`load_state_dict` with the same dict on every rank. The
     parameter set is fixed when the optimizer is made: after attaching, freezing or
     unfreezing a parameter on every rank, make a new one over the same ``params``
@@ -78,8 +91,21 @@ class ShardedOptimizer:
         >>> #     gm.backward(loss_fn(model(x), y))
         >>> # opt.clip_grad_norm_(1.0)        # over every rank's shards
         >>> # opt.step(); opt.zero_grad()
-        >>> # scheduler = torch.optim.lr_scheduler.StepLR(opt.optimizer, 10)
+        >>> # scheduler = torch.optim.lr_scheduler.StepLR(opt, 10)  # an Optimizer on torch
     """
+
+    def __new__(cls, gm: Any, *args: Any, **kwargs: Any) -> ShardedOptimizer:
+        # On a framework with an optimizer base class (torch.optim.Optimizer) the instance is
+        # one too, for its schedulers: a subclass made once per (class, base).
+        base = _sharded_callback(gm).synchronizer(gm).ops.optimizer_base()
+        if base is not None and not issubclass(cls, base):
+            made = _WITH_BASE.get((cls, base))
+            if made is None:
+                made = type(cls.__name__, (cls, base), {"__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
+                _WITH_BASE[(cls, base)] = made
+            cls = made
+        return object.__new__(cls)
 
     def __init__(self, gm: Any, optimizer_class: Any, params: Optional[Iterable[Any]] = None,
                  *, master_dtype: Optional[str] = None, **defaults: Any) -> None:
@@ -93,6 +119,7 @@ class ShardedOptimizer:
         self._transport = transport
         self._master_dtype = master_dtype
         self._serial, self._gathered = next(_SERIALS), 0
+        self._consolidated: Optional[Tuple[int, Any]] = None  # (to, state): see consolidate
         try:
             entries = self._build(gm, callback, optimizer_class, params, defaults)
         except Exception as error:
@@ -120,7 +147,13 @@ class ShardedOptimizer:
         self._gather = ParameterGather(self._ops, self._transport, plan, self._world,
                                        self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
-        """The wrapped optimizer over this rank's segments (for learning-rate schedulers)."""
+        """The wrapped optimizer over this rank's segments."""
+        # The groups the program sees: the unsharded optimizer's (the model's parameters, the
+        # wrapped groups' options), copied into the wrapped groups at each step.
+        self._param_groups = [
+            {**{k: v for k, v in wrapped.items() if k != "params"},
+             "params": [numbering.params[i] for i in indices]}
+            for wrapped, indices in zip(self.optimizer.param_groups, numbering.groups)]
         params_of = [[numbering.params[i] for i in group] for group in numbering.groups]
         return describe(self._ops, optimizer_class, master_dtype, self.optimizer.param_groups,
                         params_of)
@@ -139,6 +172,7 @@ class ShardedOptimizer:
         """Step this rank's segments with their reduced gradients, then all-gather the
         updated parameters."""
         self._check_plan()
+        self._consolidated = None  # the state it holds is the state before this step
         ops, shards, plan = self._ops, self._shards, self._plan
         reduced = self._reduced
         for segment, tensor in zip(reduced.segments, reduced.tensors):
@@ -146,6 +180,8 @@ class ShardedOptimizer:
             if param is not None:
                 ops.refresh_segment(tensor, param, segment.start, segment.stop)
             ops.set_segment_grad(tensor, shards.grad_of(segment))
+        for ours, wrapped in zip(self._param_groups, self.optimizer.param_groups):
+            wrapped.update((k, v) for k, v in ours.items() if k != "params")
         self.optimizer.step()
         self._gather()
 
@@ -198,8 +234,12 @@ class ShardedOptimizer:
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
-        """The wrapped optimizer's parameter groups (their ``lr`` and other options)."""
-        return self.optimizer.param_groups
+        """The parameter groups as the unsharded optimizer has them: the model's parameters
+        (``params``) and the options, which :meth:`step` passes to the wrapped optimizer's
+        groups, so that what a learning-rate scheduler sets is what the next step uses.
+        The parameters' ``.grad`` after a synced backward are the stand-ins (PyTorch) that
+        ``clip_grad_norm_`` and ``torch.amp.GradScaler.unscale_`` work through."""
+        return self._param_groups
 
     def _check_plan(self) -> None:
         if self._synchronizer.plan is not self._plan:
@@ -220,18 +260,50 @@ class ShardedOptimizer:
         Every rank calls it. Over torch.distributed the ranks first meet in the process group's
         store: a rank that calls it while the others do not (``if rank == 0:
         torch.save(opt.state_dict(), ...)``) raises RuntimeError once half the group's timeout
-        has passed, having started no collective, instead of waiting in one forever."""
+        has passed, having started no collective, instead of waiting in one forever.
+
+        After :meth:`consolidate_state_dict` (``to``), until the next :meth:`step` or
+        :meth:`load_state_dict`, it communicates nothing: rank ``to`` returns the state
+        consolidated then (with the groups' options as they are now, a scheduler's learning
+        rate included), and every other rank raises RuntimeError, as
+        ``ZeroRedundancyOptimizer`` does."""
+        if self._consolidated is not None:
+            to, full = self._consolidated
+            if self._rank != to:
+                raise RuntimeError(_NOT_TO.format(rank=self._rank, to=to))
+            return {"state": dict(full), "param_groups": self._groups()}
         self._every_rank_here()
+        return {"state": self._full_state(), "param_groups": self._groups()}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """``ZeroRedundancyOptimizer``'s checkpoint: gather the whole optimizer state on rank
+        ``to`` (a collective: every rank calls it, with the same ``to``), so that rank ``to``
+        alone can then call :meth:`state_dict` (``if rank == 0: torch.save(opt.state_dict(),
+        path)``) until the next :meth:`step`."""
+        if not isinstance(to, int) or not 0 <= to < self._world:
+            raise ValueError(f"ShardedOptimizer.consolidate_state_dict: to={to!r} is not a "
+                             f"rank of this group (0 to {self._world - 1})")
+        self._consolidated = None
+        self._every_rank_here()
+        full = self._full_state()
+        self._consolidated = (to, full if self._rank == to else {})
+
+    def _full_state(self) -> Dict[int, Dict[str, Any]]:
+        """Every parameter's full state by index (a collective)."""
         ops, layouts = self._ops, self._layouts()
         states = [[ops.optimizer_state(self.optimizer, t) for t in layout.tensors]
                   for layout in layouts]
         ranks = Ranks(ops, self._transport, self._rank, self._world, self._plan.tensor(0))
         full = consolidate(ranks, layouts, states)
+        return {i: full[i] for i in sorted(full)}
+
+    def _groups(self) -> List[Dict[str, Any]]:
+        """The parameter groups as the unsharded optimizer saves them: options, indices."""
         groups = []
-        for group, indices in zip(self.optimizer.param_groups, self._numbering.groups):
+        for group, indices in zip(self._param_groups, self._numbering.groups):
             options = {k: v for k, v in group.items() if k != "params"}
             groups.append({**options, "params": list(indices)})
-        return {"state": {i: full[i] for i in sorted(full)}, "param_groups": groups}
+        return groups
 
     def _every_rank_here(self) -> None:
         """Raise, before any collective, where not every rank calls :meth:`state_dict`."""
@@ -252,8 +324,11 @@ class ShardedOptimizer:
         its parameter's). Every rank decides from the dict alone, so every rank raises."""
         ops = self._ops
         saved, options = saved_states(ops, self._numbering, state_dict)
-        for group, saved_options in zip(self.optimizer.param_groups, options):
-            group.update(saved_options)
+        self._consolidated = None
+        for ours, wrapped, saved_options in zip(self._param_groups, self.optimizer.param_groups,
+                                                options):
+            ours.update(saved_options)
+            wrapped.update(saved_options)
         for layout in self._layouts():
             for segment, tensor in zip(layout.segments, layout.tensors):
                 state = saved.get(layout.index[segment.position])
