@@ -245,8 +245,9 @@ class ShardedOptimizer:
         if self._synchronizer.plan is not self._plan:
             raise RuntimeError(
                 "the data-parallel plan changed since this ShardedOptimizer was made (a "
-                "parameter attached, frozen or unfrozen): make a new one over the same params, "
-                "new.load_state_dict(old.state_dict()) carries the optimizer state over"
+                "parameter attached, frozen or unfrozen, or its dtype changed): make a new one "
+                "over the same params, new.load_state_dict(old.state_dict()) carries the "
+                "optimizer state over"
             )
 
     # ------------------------------------------------------------------ checkpoints
