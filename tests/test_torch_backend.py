@@ -172,6 +172,36 @@ def test_a_dead_manager_leaves_no_python_hook_call_behind():
     assert len(seen) == 2 and torch.equal(seen[1], torch.ones(2))
 
 
+def test_attach_while_a_dead_managers_hooks_are_collected(monkeypatch):
+    """A manager freed by the garbage collector drops its tensors' emptied hook dicts; an
+    automatic collection inside another manager's register_hook on the same tensor (torch
+    allocates between reading the dict and filling it) made attach() fail with "'NoneType'
+    object does not support item assignment" (seen in the 2-rank suite after a merge). The
+    collection is made to come at that very allocation."""
+    w = torch.ones(2, requires_grad=True)
+    dead = GradManager().attach(w, callbacks=lambda t, g: g)
+    cycle = [dead]
+    cycle.append(cycle)  # only the collector frees it now
+    del dead, cycle
+    handle_class, threshold = torch.utils.hooks.RemovableHandle, gc.get_threshold()
+
+    class CollectingHandle(handle_class):
+        def __init__(self, *args, **kwargs):
+            if gc.isenabled():  # an automatic collection, where one may come
+                gc.collect()
+            super().__init__(*args, **kwargs)
+
+    gc.set_threshold(10**6)  # no other automatic collection until then
+    monkeypatch.setattr(torch.utils.hooks, "RemovableHandle", CollectingHandle)
+    try:
+        second = GradManager().attach(w, callbacks=lambda t, g: 2 * g)
+    finally:
+        monkeypatch.undo()
+        gc.set_threshold(*threshold)
+    with second:
+        second.backward((w * 3).sum())
+    torch.testing.assert_close(w.grad, torch.full((2,), 6.0))
+
 @pytest.mark.megengine
 def test_mixing_frameworks_is_a_type_error():
     mge = pytest.importorskip("megengine")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -67,6 +68,20 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     if stand_in is None or stand_in.shape != grad.shape:
         stand_in = stand_ins[key] = zeros_like_cheaply(grad)
     return stand_in
+
+
+def _register_without_collecting(tensor: torch.Tensor, hook: Any) -> Any:
+    """``tensor.register_hook(hook)`` with the garbage collector held off: a dead tape's
+    finalizer (``WatchedTensors.remove_hooks``) drops an emptied hook dict, and run by a
+    collection inside ``register_hook`` (between torch reading the tensor's hook dict and
+    filling it) it failed that call ("'NoneType' object does not support item assignment")."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return tensor.register_hook(hook)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _note_foreign(tape: TorchTape, key: int) -> None:
@@ -234,7 +249,7 @@ class TorchTape(Tape):
         self._foreign: Optional[dict] = None
         self._checked = False  # the graph was checked (each manager's first backward)
         self._warned = False
-        weakref.finalize(self, self.watched.remove_hooks, False)  # see remove_hooks
+        weakref.finalize(self, self.watched.remove_hooks)
 
     @property
     def has_snapshots(self) -> bool:
@@ -275,9 +290,8 @@ class TorchTape(Tape):
             watched.hookless[key] = watched.entries[key].ref
             return
         watched.hookless.pop(key, None)
-        watched.handles[key] = tensor.register_hook(
-            functools.partial(_hook, weakref.ref(self), key, tensor.is_leaf)
-        )
+        hook = functools.partial(_hook, weakref.ref(self), key, tensor.is_leaf)
+        watched.handles[key] = _register_without_collecting(tensor, hook)
 
     def _add_missing_hooks(self) -> None:
         """Hooks for eager tensors that require grad now but did not when watched (a frozen

@@ -143,18 +143,12 @@ class Watched:
                     # The engine walks the dict in insertion order: re-insert at the end.
                     hooks[handle.id] = hooks.pop(handle.id)
 
-    def remove_hooks(self, drop_empty: bool = True) -> None:
+    def remove_hooks(self) -> None:
         """Remove the tape's tensor hooks. Removing a handle leaves an empty hook dict, and
         PyTorch still calls into Python for it in every backward (about 3 us per tensor), so a
-        tensor left with no Python hook gets none at all (which drops that call), unless
-        ``drop_empty`` is false: the garbage collector runs this for a dead tape at any
-        allocation, also inside another tape's ``register_hook`` on the same tensor, between
-        torch making the tensor's empty hook dict and filling it (dropping it then fails that
-        call with "'NoneType' object does not support item assignment")."""
+        tensor left with no Python hook gets none at all (which drops that call)."""
         for key, handle in list(self.handles.items()):
             handle.remove()
-            if not drop_empty:
-                continue
             entry = self.entries.get(key)
             tensor = None if entry is None else entry.ref()
             if tensor is not None and not tensor._backward_hooks:
