@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr.distributed import data_parallel, no_sync
 
+from .scenarios import run_named
 from .torch_suite import Net, grads, local_batch, save
 
 SHARD = os.environ.get("HABITS_SHARD") == "1"
@@ -218,10 +219,4 @@ SCENARIOS = {f.__name__: f for f in (
 
 
 def main(rank: int, world: int, outdir: str) -> None:
-    out: dict = {}
-    path = os.path.join(outdir, f"rank{rank}.npz")
-    for name in os.environ["HABITS_SCENARIOS"].split(","):
-        SCENARIOS[name](out, rank, world)
-        out[f"{name}_done"] = np.array(True)
-        np.savez(path, **out)
-    dist.barrier()
+    run_named(SCENARIOS, rank, world, outdir)

@@ -27,11 +27,12 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr.distributed import ShardedOptimizer, data_parallel, no_sync
+
+from .scenarios import run_named
 
 LR = 0.1
 PATH = os.environ.get("HABITS_PATH", "native")
@@ -302,10 +303,4 @@ SCENARIOS = {f.__name__: f for f in (
 
 
 def main(rank: int, world: int, outdir: str) -> None:
-    out: dict = {}
-    path = os.path.join(outdir, f"rank{rank}.npz")
-    for name in os.environ["HABITS_SCENARIOS"].split(","):
-        SCENARIOS[name](out, rank, world)
-        out[f"{name}_done"] = np.array(True)
-        np.savez(path, **out)
-    dist.barrier()
+    run_named(SCENARIOS, rank, world, outdir)

@@ -8,8 +8,6 @@ which scenario did not complete. Scenarios that may crash go last.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -19,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradmgr import GradManager
 from gradmgr.distributed import RankFailedError, data_parallel, make_allreduce_cb, no_sync
 
+from .scenarios import run_named
 from .torch_suite import Net, ddp_step_and_save, grads, local_batch, save
 
 
@@ -179,11 +178,5 @@ SCENARIOS = {f.__name__: f for f in (
 
 
 def main(rank: int, world: int, outdir: str) -> None:
-    out: dict = {}
-    path = os.path.join(outdir, f"rank{rank}.npz")
-    for name in os.environ["HABITS_SCENARIOS"].split(","):
-        SCENARIOS[name](out, rank, world)
-        out[f"{name}_done"] = np.array(True)
-        np.savez(path, **out)
-    dist.barrier()
+    run_named(SCENARIOS, rank, world, outdir)
 
