@@ -177,7 +177,7 @@ def test_gpt_data_parallel_sharded_matches_ddp(setup: str, args: List[str],
     until a step's clipping scaled the gradients (its factor may differ from torch's in the
     last bit: the script checks the parameters after that step against DDP's to 1e-6, then
     the ranks' against each other), and stay within 1e-3 over these 3 steps (measured: below
-    1e-5); the gradient norm equals torch's to float32 rounding; each rank holds about half
+    1e-5); the gradient norm equals torch's to rel 1e-5 (NORM_RTOL); each rank holds about half
     of AdamW's state."""
     require("torch")
     steps = 3
