@@ -73,3 +73,45 @@ def _load(outdir, rank: int):
         with open(pickled, "rb") as f:
             return pickle.load(f)
     return dict(np.load(os.path.join(outdir, f"rank{rank}.npz")))
+
+
+class Ranks:
+    """What the ranks of one scenario spawn left: exit codes, saved arrays (possibly partial,
+    saved after each scenario), the ends of their logs."""
+
+    def __init__(self, outdir, codes: list) -> None:
+        self.codes = codes
+        self.outs, self.logs = [], []
+        for r in range(len(codes)):
+            path = os.path.join(outdir, f"rank{r}.npz")
+            self.outs.append(dict(np.load(path)) if os.path.exists(path) else {})
+            with open(os.path.join(outdir, f"log{r}.txt")) as f:
+                self.logs.append(f.read()[-3000:])
+
+    def scenario(self, name: str) -> list:
+        """Each rank's arrays, once every rank completed scenario ``name``; else fail with
+        the exit codes (-6: SIGABRT inside gloo) and the ends of the logs."""
+        if all(out.get(f"{name}_done") for out in self.outs):
+            return self.outs
+        tails = "\n".join(f"--- rank {r} (exit {c}):\n{log}"
+                          for r, (c, log) in enumerate(zip(self.codes, self.logs)))
+        pytest.fail(f"scenario {name} did not complete on every rank:\n{tails}")
+
+
+def spawn_scenarios(worker: str, outdir, scenarios: list, world: int = 2,
+                    timeout: float = 200, **env: str) -> Ranks:
+    """Run the named ``scenarios`` of ``dist_workers.<worker>`` (its main:
+    ``dist_workers.scenarios.run_named``) on ``world`` gloo ranks (gloo's timeout: 60 s, see
+    dist_workers/run.py); never raises for a rank that failed: see :meth:`Ranks.scenario`."""
+    env = rank_env(HABITS_SCENARIOS=",".join(scenarios), **env)
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
+                for r in range(world)]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "dist_workers.run", worker, str(r), str(world), str(port),
+             str(outdir), "gloo"],
+            cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
+        wait_all(procs, timeout)
+    return Ranks(outdir, [p.returncode for p in procs])
+

@@ -15,8 +15,6 @@ atol=1e-6`` (the mean of two half-batch means against one mean, over three SGD s
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import sys
 
@@ -28,9 +26,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from ranks import TESTS, rank_env, wait_all  # noqa: E402
-
-from gradmgr.distributed import free_port  # noqa: E402
+from ranks import TESTS, rank_env, spawn_scenarios, wait_all  # noqa: E402
 
 WORLD = 2
 MAIN = ["habit_backward_cb", "habit_backward_dp", "nested_no_sync", "step_mismatch_names",
@@ -38,55 +34,17 @@ MAIN = ["habit_backward_cb", "habit_backward_dp", "nested_no_sync", "step_mismat
 WRAP = ["wrap_other_layer_size", "wrap_missing_buffer"]  # today: a broadcast of unequal sizes
 
 
-class Ranks:
-    """What the ranks of one spawn left: exit codes, saved arrays (possibly partial), logs."""
-
-    def __init__(self, outdir, codes: list) -> None:
-        self.codes = codes
-        self.outs, self.logs = [], []
-        for r in range(len(codes)):
-            path = os.path.join(outdir, f"rank{r}.npz")
-            self.outs.append(dict(np.load(path)) if os.path.exists(path) else {})
-            with open(os.path.join(outdir, f"log{r}.txt")) as f:
-                self.logs.append(f.read()[-3000:])
-
-    def scenario(self, name: str) -> list:
-        """Each rank's arrays, once every rank completed scenario ``name``; else fail with
-        the exit codes (-6: SIGABRT inside gloo) and the ends of the logs."""
-        if all(out.get(f"{name}_done") for out in self.outs):
-            return self.outs
-        tails = "\n".join(f"--- rank {r} (exit {c}):\n{log}"
-                          for r, (c, log) in enumerate(zip(self.codes, self.logs)))
-        pytest.fail(f"scenario {name} did not complete on every rank:\n{tails}")
-
-
-def spawn_scenarios(outdir, scenarios: list, timeout: float = 200, **env: str) -> Ranks:
-    """Run ``dist_workers.habits_suite`` on 2 ranks (dist_workers/run.py gives gloo a 60 s
-    timeout); never raises for a rank that failed: see :meth:`Ranks.scenario`."""
-    env = rank_env(HABITS_SCENARIOS=",".join(scenarios), **env)
-    port = free_port()
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
-                for r in range(WORLD)]
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "dist_workers.run", "habits_suite", str(r), str(WORLD),
-             str(port), str(outdir), "gloo"],
-            cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(WORLD)]
-        wait_all(procs, timeout)
-    return Ranks(outdir, [p.returncode for p in procs])
-
-
 @pytest.fixture(scope="module", params=["native", "python"])
 def main_ranks(request, tmp_path_factory):
     """The main scenarios on torch's C++ Reducer path and on gradmgr's own buckets."""
     native = "1" if request.param == "native" else "0"
-    return spawn_scenarios(tmp_path_factory.mktemp(f"habits_{request.param}"), MAIN,
+    return spawn_scenarios("habits_suite", tmp_path_factory.mktemp(f"habits_{request.param}"), MAIN,
                            GRADMGR_NATIVE_REDUCER=native)
 
 
 @pytest.fixture(scope="module")
 def wrap_ranks(tmp_path_factory):
-    return spawn_scenarios(tmp_path_factory.mktemp("habits_wrap"), WRAP)
+    return spawn_scenarios("habits_suite", tmp_path_factory.mktemp("habits_wrap"), WRAP)
 
 
 def equal_to_ddp(out: dict, name: str, count: int = 8) -> None:

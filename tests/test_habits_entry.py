@@ -23,15 +23,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-import contextlib  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
-from ranks import TESTS, rank_env, wait_all  # noqa: E402
-from test_habits_distributed import Ranks  # noqa: E402
-
-from gradmgr.distributed import free_port  # noqa: E402
+from ranks import spawn_scenarios  # noqa: E402
 
 WORLD = 2
 
@@ -41,25 +34,10 @@ PATHS = {"native": {"GRADMGR_NATIVE_REDUCER": "1"}, "python": {"GRADMGR_NATIVE_R
          "shard": {"HABITS_SHARD": "1"}}
 
 
-def spawn_scenarios(outdir, scenarios: list, timeout: float = 200, **env: str) -> Ranks:
-    """``dist_workers.habits_entry`` on 2 ranks (gloo's timeout: 60 s, see run.py)."""
-    env = rank_env(HABITS_SCENARIOS=",".join(scenarios), **env)
-    port = free_port()
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
-                for r in range(WORLD)]
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "dist_workers.run", "habits_entry", str(r), str(WORLD),
-             str(port), str(outdir), "gloo"],
-            cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(WORLD)]
-        wait_all(procs, timeout)
-    return Ranks(outdir, [p.returncode for p in procs])
-
-
 @pytest.fixture(scope="module", params=list(PATHS))
 def ranks(request, tmp_path_factory):
     outdir = tmp_path_factory.mktemp(f"entry_{request.param}")
-    spawned = spawn_scenarios(outdir, SCENARIOS, **PATHS[request.param])
+    spawned = spawn_scenarios("habits_entry", outdir, SCENARIOS, **PATHS[request.param])
     spawned.path = request.param
     return spawned
 

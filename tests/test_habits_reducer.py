@@ -18,11 +18,6 @@ scenario's tests with every rank's log, never the run. Tolerances: bit for bit a
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -31,9 +26,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from ranks import TESTS, rank_env, wait_all  # noqa: E402
-
-from gradmgr.distributed import free_port  # noqa: E402
+from ranks import Ranks, spawn_scenarios  # noqa: E402
 
 WORLD = 2
 # Those that break the process group on the old code last (see the worker's docstring).
@@ -41,42 +34,10 @@ SCENARIOS = ["none_all", "none_one", "double", "uneven_padded", "double_one_rank
              "disagree_first", "disagree_later", "disagree_buffers"]
 
 
-class Ranks:
-    """What the ranks of one spawn left: exit codes, saved arrays (possibly partial), logs."""
-
-    def __init__(self, outdir, codes: list) -> None:
-        self.codes = codes
-        self.outs, self.logs = [], []
-        for r in range(len(codes)):
-            path = os.path.join(outdir, f"rank{r}.npz")
-            self.outs.append(dict(np.load(path)) if os.path.exists(path) else {})
-            with open(os.path.join(outdir, f"log{r}.txt")) as f:
-                self.logs.append(f.read()[-3000:])
-
-    def scenario(self, name: str) -> list:
-        """Each rank's arrays once every rank completed ``name``; else fail with the logs."""
-        if all(out.get(f"{name}_done") for out in self.outs):
-            return self.outs
-        tails = "\n".join(f"--- rank {r} (exit {c}):\n{log}"
-                          for r, (c, log) in enumerate(zip(self.codes, self.logs)))
-        pytest.fail(f"scenario {name} did not complete on every rank:\n{tails}")
-
-
 @pytest.fixture(scope="module", params=["native", "python", "shard"])
 def ranks(request, tmp_path_factory) -> Ranks:
-    outdir = tmp_path_factory.mktemp(f"reducer_{request.param}")
-    env = rank_env(HABITS_SCENARIOS=",".join(SCENARIOS), HABITS_PATH=request.param)
-    port = free_port()
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
-                for r in range(WORLD)]
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "dist_workers.run", "habits_reducer", str(r), str(WORLD),
-             str(port), str(outdir), "gloo"],
-            cwd=TESTS, env=env, stdout=logs[r], stderr=subprocess.STDOUT)
-            for r in range(WORLD)]
-        wait_all(procs, 200)
-    return Ranks(outdir, [p.returncode for p in procs])
+    return spawn_scenarios("habits_reducer", tmp_path_factory.mktemp(f"reducer_{request.param}"),
+                           SCENARIOS, HABITS_PATH=request.param)
 
 
 def same(out: dict, ours: str, theirs: str) -> None:

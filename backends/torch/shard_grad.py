@@ -92,12 +92,17 @@ def _foreach_norm(grads: Any, ord: Any = 2, dtype: Any = None) -> list:
     return [_norm_of(g, ord, dtype=dtype) for g in grads]
 
 
-def _mul_(grad: Any, factor: Any) -> Any:
+def _in_place(grad: Any, change: Callable[[torch.Tensor], Any]) -> Any:
+    """``change`` each of this rank's slices of the stand-in's gradient, in place."""
     with torch.no_grad():
         for part in grad._member.parts():
-            part.mul_(factor)
+            change(part)
     grad._member.changed()
     return grad
+
+
+def _mul_(grad: Any, factor: Any) -> Any:
+    return _in_place(grad, lambda part: part.mul_(factor))
 
 
 def _foreach_mul_(grads: Any, factors: Any) -> None:
@@ -111,11 +116,7 @@ def _foreach_mul_(grads: Any, factors: Any) -> None:
 
 
 def _zero_(grad: Any) -> Any:
-    with torch.no_grad():
-        for part in grad._member.parts():
-            part.zero_()
-    grad._member.changed()
-    return grad
+    return _in_place(grad, torch.Tensor.zero_)
 
 
 def _unscale_(grads: Any, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

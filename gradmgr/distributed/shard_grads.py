@@ -43,7 +43,7 @@ class MemberGrad:
 
     def changed(self) -> None:
         """The slices were written in place: norms asked from now on are computed again."""
-        self._stand_ins.shards.version += 1
+        self._stand_ins.shards.changed()
 
     def on_some_rank(self, found: bool) -> bool:
         """Whether ``found`` is true on some rank (a small allreduce: every rank asks, for

@@ -217,10 +217,7 @@ class ShardedOptimizer:
         total = math.sqrt(summed[0])
         coef = max_norm / (total + _EPS)
         if coef < 1.0:
-            for b, chunk in enumerate(self._shards.chunks):
-                if chunk is not None:
-                    self._shards.chunks[b] = ops.scale(chunk, coef)
-            self._shards.version += 1
+            self._shards.scale(coef)
         return total
 
     def memory(self) -> Dict[str, int]:

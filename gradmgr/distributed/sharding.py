@@ -186,14 +186,15 @@ class GradientShards:
     the steps since :meth:`zero` (as ``.grad`` accumulates), and which members have a
     gradient in it (some rank used them)."""
 
-    def __init__(self, ops: TensorOps, stand_ins: Any = None) -> None:
+    def __init__(self, ops: TensorOps, stand_ins: Any) -> None:
         self.ops = ops
         self.plan: Optional[BucketPlan] = None
         self.chunks: List[Any] = []
         self.present: List[List[bool]] = []
         self.version = 0  # changes whenever the chunks' values do
-        # The planned tensors' .grad after a synced step (shard_grads.StandIns), made here.
-        self.stand_ins = (stand_ins or _NoStandIns)(self)
+        # The planned tensors' .grad after a synced step: stand_ins is shard_grads.StandIns
+        # (passed in: that module builds on this one).
+        self.stand_ins = stand_ins(self)
 
     def planned(self, plan: BucketPlan) -> None:
         """A new plan: the shards of the old one are dropped."""
@@ -206,7 +207,7 @@ class GradientShards:
         buckets = self.plan.buckets if self.plan is not None else []
         self.chunks = [None] * len(buckets)
         self.present = [[False] * len(b.members) for b in buckets]
-        self.version += 1
+        self.changed()
         self.stand_ins.drop()
 
     def release(self, transport: Transport) -> None:
@@ -226,7 +227,8 @@ class GradientShards:
         else:
             for position in taken:
                 self.stand_ins.zero(position)
-            self.version += bool(taken)
+            if taken:
+                self.changed()
 
     def accept(self, launched: Sequence[ShardReduction], summed_flags: List[float],
                failed_here: bool) -> None:
@@ -246,6 +248,16 @@ class GradientShards:
             else:
                 self.chunks[b] = self.ops.add(self.chunks[b], chunk)
             self.present[b] = [was or used != 0 for was, used in zip(self.present[b], flags)]
+        self.changed()
+
+    def scale(self, coef: float) -> None:
+        """Multiply every chunk by ``coef`` (clipping)."""
+        self.chunks = [None if c is None else self.ops.scale(c, coef) for c in self.chunks]
+        self.changed()
+
+    def changed(self) -> None:
+        """The chunks' values changed (written in place, or replaced): what was computed from
+        them (the stand-ins' norms) is computed again."""
         self.version += 1
 
     def grad_of(self, segment: Segment) -> Any:
@@ -258,27 +270,6 @@ class GradientShards:
 
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(c) for c in self.chunks if c is not None)
-
-
-class _NoStandIns:
-    """``.grad`` None after a synced step (a manager's shards made without stand-ins)."""
-
-    def __init__(self, shards: GradientShards) -> None:
-        self.shards = shards
-
-    def planned(self) -> None:
-        pass
-
-    def count(self) -> int:
-        return 0
-
-    def drop(self) -> list:
-        return []
-
-    def give(self, transport: Any) -> None:
-        for tensor in self.shards.plan.tensors():
-            if tensor is not None:
-                tensor.grad = None
 
 
 def _any_bucket_failed(plan: BucketPlan, summed: List[float]) -> bool:

@@ -108,9 +108,8 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
 _FORGOTTEN = (
     "data_parallel(): a backward computes the model's gradients after a forward that ran with "
     "gradients enabled outside `with gm:` (loss.backward(), typed by habit after dropping "
-    "DDP?): it "
-    "would compute this rank's gradients only, so the ranks' gradients, and then their "
-    "parameters, would differ. Run the forward and gm.backward(loss) inside the recording: "
+    "DDP?): it would compute this rank's gradients only, so the ranks' gradients, and then "
+    "their parameters, would differ. Run the forward and gm.backward(loss) inside the recording: "
     "`with gm: gm.backward(loss_fn(model(x), y))`. (A forward for evaluation: under "
     "torch.no_grad(), or simply never backwarded, is fine.)"
 )
