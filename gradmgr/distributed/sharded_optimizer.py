@@ -21,6 +21,7 @@ import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from ..manager import callback_chains
 from .bucket import BucketPlan
 from .errors import RankMismatchError
 from .gather import ParameterGather
@@ -355,7 +356,7 @@ class ShardedOptimizer:
 
 def _sharded_callback(gm: Any) -> Any:
     found = []
-    for _, callbacks in gm.callback_chains():
+    for _, callbacks in callback_chains(gm):
         for cb in callbacks:
             if hasattr(cb, "synchronizer") and cb not in found:
                 found.append(cb)
