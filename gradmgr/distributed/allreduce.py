@@ -231,9 +231,26 @@ class AllreduceCallback:
         records, it raises ``RuntimeError``.
 
         Example:
-            >>> # with cb.no_sync():
-            >>> #     with gm: gm.backward(loss(micro_batch_1))
-            >>> # with gm: gm.backward(loss(micro_batch_2))   # reduces both micro-batches
+            Here a process group of one rank:
+
+            >>> import torch
+            >>> import torch.distributed as dist
+            >>> from gradmgr import GradManager
+            >>> from gradmgr.distributed import free_port, make_allreduce_cb
+            >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+            ...                         rank=0, world_size=1)
+            >>> w = torch.zeros(2, requires_grad=True)
+            >>> cb = make_allreduce_cb()
+            >>> gm = GradManager().attach(w, callbacks=[cb])
+            >>> with cb.no_sync():
+            ...     with gm:
+            ...         gm.backward(w.sum())       # this rank's own, not reduced
+            >>> with gm:
+            ...     gm.backward(w.sum())           # reduces both micro-batches
+            >>> w.grad
+            tensor([2., 2.])
+            >>> del gm, cb
+            >>> dist.destroy_process_group()
         """
         if any(gm.is_recording for gm in list(self._synchronizers)):
             raise RuntimeError(
