@@ -10,15 +10,21 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from typing import Any, Iterator, List, Optional, Union
+from typing import Any, Iterator, List, Literal, Optional, Union
 
 from .._state import get_backwarding_grad_manager
+from ..hooks import set_backward_delegate
 from .consistency import names_from
 from .contract import Transport
 from .shard_grads import StandIns
 from .sharding import GradientShards
 from .synchronizer import Synchronizer
 from .transport import TransportSpec, check_transport
+
+# The string options, typed so that a checker (mypy) catches reduce="avg" before a run does
+Reduce = Literal["mean", "sum"]
+Compression = Literal["fp16", "bf16"]
+Verify = Union[bool, Literal["step", "plan"]]
 
 _REDUCE = ("mean", "sum")
 _VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
@@ -78,11 +84,24 @@ class AllreduceCallback:
     that did it.
 
     Example:
-        >>> # torch.distributed.init_process_group("gloo", ...) in every process
-        >>> # cb = make_allreduce_cb("mean")
-        >>> # gm = GradManager().attach(model.parameters(), callbacks=[cb])
-        >>> # with gm:
-        >>> #     gm.backward(loss_fn(model(x), y))   # .grad is now the mean over ranks
+        Here a process group of one rank; under ``torchrun`` every rank runs the same lines
+        and ``.grad`` is the mean over the ranks:
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr import GradManager
+        >>> from gradmgr.distributed import free_port, make_allreduce_cb
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> cb = make_allreduce_cb("mean")
+        >>> gm = GradManager().attach(model.parameters(), callbacks=[cb])
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(3, 2)).sum())
+        >>> model.weight.grad
+        tensor([[3., 3.]])
+        >>> del gm, cb  # before the group goes, as with DDP
+        >>> dist.destroy_process_group()
 
     Args:
         reduce: ``"mean"`` or ``"sum"`` over processes.
@@ -122,15 +141,15 @@ class AllreduceCallback:
 
     def __init__(
         self,
-        reduce: str = "mean",
+        reduce: Reduce = "mean",
         group: Any = None,
         bucket_bytes: Optional[int] = None,
-        compression: Optional[str] = None,
+        compression: Optional[Compression] = None,
         transport: TransportSpec = None,
         *,
         broadcast: bool = True,
         src: int = 0,
-        verify: Union[bool, str] = True,
+        verify: Verify = True,
         native: Optional[bool] = None,
         names: Any = None,
     ) -> None:
@@ -190,7 +209,7 @@ class AllreduceCallback:
         gm.register_backward_error_callback(hooks.abort)
         gm.register_release_callback(hooks.release)
         if self.native:
-            gm.set_backward_delegate(hooks.delegate)
+            set_backward_delegate(gm, hooks.delegate)
 
     __gradmgr_bind__ = bind
 
@@ -212,9 +231,26 @@ class AllreduceCallback:
         records, it raises ``RuntimeError``.
 
         Example:
-            >>> # with cb.no_sync():
-            >>> #     with gm: gm.backward(loss(micro_batch_1))
-            >>> # with gm: gm.backward(loss(micro_batch_2))   # reduces both micro-batches
+            Here a process group of one rank:
+
+            >>> import torch
+            >>> import torch.distributed as dist
+            >>> from gradmgr import GradManager
+            >>> from gradmgr.distributed import free_port, make_allreduce_cb
+            >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+            ...                         rank=0, world_size=1)
+            >>> w = torch.zeros(2, requires_grad=True)
+            >>> cb = make_allreduce_cb()
+            >>> gm = GradManager().attach(w, callbacks=[cb])
+            >>> with cb.no_sync():
+            ...     with gm:
+            ...         gm.backward(w.sum())       # this rank's own, not reduced
+            >>> with gm:
+            ...     gm.backward(w.sum())           # reduces both micro-batches
+            >>> w.grad
+            tensor([2., 2.])
+            >>> del gm, cb
+            >>> dist.destroy_process_group()
         """
         if any(gm.is_recording for gm in list(self._synchronizers)):
             raise RuntimeError(
@@ -307,9 +343,30 @@ class ReduceScatterCallback(AllreduceCallback):
     ``reduce_scatter_async`` and ``all_gather_async`` (the backends' own have them).
 
     Example:
-        >>> # cb = make_reduce_scatter_cb("mean")
-        >>> # gm = GradManager().attach(model.parameters(), callbacks=[cb])
-        >>> # opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-3)
+        Here a process group of one rank (which keeps all of every gradient); under
+        ``torchrun`` every rank runs the same lines:
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr import GradManager
+        >>> from gradmgr.distributed import ShardedOptimizer, free_port, make_reduce_scatter_cb
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> torch.nn.init.ones_(model.weight)
+        Parameter containing:
+        tensor([[1., 1.]], requires_grad=True)
+        >>> cb = make_reduce_scatter_cb("mean")
+        >>> gm = GradManager().attach(model.parameters(), callbacks=[cb])
+        >>> opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.5)
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(1, 2)).sum())
+        >>> opt.step()
+        >>> model.weight
+        Parameter containing:
+        tensor([[0.5000, 0.5000]], requires_grad=True)
+        >>> del opt, gm, cb  # before the group goes
+        >>> dist.destroy_process_group()
     """
 
     DEFAULT_BUCKET_BYTES = 16 * 2**20
@@ -328,10 +385,10 @@ class ReduceScatterCallback(AllreduceCallback):
 
 
 def make_reduce_scatter_cb(
-    reduce: str = "mean",
+    reduce: Reduce = "mean",
     group: Any = None,
     bucket_bytes: Optional[int] = None,
-    compression: Optional[str] = None,
+    compression: Optional[Compression] = None,
     transport: TransportSpec = None,
     **options: Any,
 ) -> ReduceScatterCallback:
@@ -348,10 +405,10 @@ def make_reduce_scatter_cb(
 
 
 def make_allreduce_cb(
-    reduce: str = "mean",
+    reduce: Reduce = "mean",
     group: Any = None,
     bucket_bytes: Optional[int] = None,
-    compression: Optional[str] = None,
+    compression: Optional[Compression] = None,
     transport: TransportSpec = None,
     **options: Any,
 ) -> AllreduceCallback:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional, Set
 
+from ..hooks import after_backward_callbacks
+from ..manager import attach_epoch, callback_chains
 from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
 from .contract import NativePath, NativeReducer, TensorOps, Transport
@@ -139,7 +141,7 @@ class Synchronizer:
         """Whether the trainable attached tensors changed since planning: attached, frozen,
         unfrozen, died, or (``model.double()`` after planning) of another dtype now."""
         ops, planned = self.ops, self._planned()
-        return (self.epoch != gm.attach_epoch or not ops.all_trainable(planned)
+        return (self.epoch != attach_epoch(gm) or not ops.all_trainable(planned)
                 or ops.dtypes(planned) != self.plan.dtypes
                 or ops.any_trainable(self.excluded))
 
@@ -194,7 +196,7 @@ class Synchronizer:
         if new_plan or native != self.native:
             self._set_native(native)  # drops the old plan's reducer
         self.excluded = [t for t in attached if not ops.trainable(t)]
-        self.epoch = gm.attach_epoch
+        self.epoch = attach_epoch(gm)
 
     def _mode(self, native: bool) -> str:
         """How this rank reduces, compared across ranks with the planned tensors: ranks that
@@ -216,16 +218,16 @@ class Synchronizer:
         if not (path is not None and tensors and options.reduce == "mean"
                 and options.compression is None):
             return False
-        chains = gm.callback_chains()
+        chains = callback_chains(gm)
         if any(callbacks and callbacks != (options,) for _, callbacks in chains):
             return False
-        return (gm.after_backward_callbacks == (self.flush_hook,)
+        return (after_backward_callbacks(gm) == (self.flush_hook,)
                 and path.accepts([t for t, _ in chains], tensors))
 
     def _native_still_possible(self, gm: Any, tensors: List[Any]) -> bool:
         """What can change between recordings without a new plan: the manager's after-backward
         callbacks, and what the backend's path checks at every recording."""
-        return (gm.after_backward_callbacks == (self.flush_hook,)
+        return (after_backward_callbacks(gm) == (self.flush_hook,)
                 and self.native_path.still_accepts(tensors))
 
     def _set_native(self, native: bool) -> None:
@@ -259,7 +261,7 @@ class Synchronizer:
         """The backward delegate: this step goes to the reducer when the plan says so and
         nothing was attached since the recording started."""
         with self.lock:
-            if not self.native or self.epoch != gm.attach_epoch:
+            if not self.native or self.epoch != attach_epoch(gm):
                 return None
             step = self.steps.get(gm.step)
             if step is None:
@@ -375,7 +377,7 @@ class Synchronizer:
 
 
 class NativeStep:
-    """A backward handed to the reducer (see ``GradManager.set_backward_delegate``)."""
+    """A backward handed to the reducer (see ``gradmgr.hooks.set_backward_delegate``)."""
 
     __slots__ = ("_sync", "_synchronizer")
 

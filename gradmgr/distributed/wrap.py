@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional
 
 from ..manager import GradManager
 from ..registry import backend_for
-from .allreduce import AllreduceCallback, ReduceScatterCallback
+from .allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
 from .consistency import PlanCheck, names_from, plan_fingerprint
 from .sync import broadcast, is_paused
 from .transport import TransportSpec, resolve_transport
@@ -15,15 +15,15 @@ from .transport import TransportSpec, resolve_transport
 
 def data_parallel(
     module: Any,
-    reduce: str = "mean",
+    reduce: Reduce = "mean",
     *,
     broadcast_buffers: bool = True,
     src: int = 0,
     group: Any = None,
     bucket_bytes: Optional[int] = None,
-    compression: Any = None,
+    compression: Optional[Compression] = None,
     transport: TransportSpec = None,
-    verify: Union[bool, str] = True,
+    verify: Verify = True,
     native: Optional[bool] = None,
     shard: bool = False,
 ) -> GradManager:
@@ -48,10 +48,22 @@ def data_parallel(
     raises ``TypeError``: pass the model itself.
 
     Example:
-        >>> # gm = data_parallel(model)
-        >>> # with gm:
-        >>> #     gm.backward(loss_fn(model(x), y))   # .grad: the mean over ranks
-        >>> # with no_sync(gm): ...                    # gradient accumulation
+        Here a process group of one rank; under ``torchrun`` every rank runs the same lines
+        and ``.grad`` is the mean over the ranks (the README's data-parallel quick start):
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr.distributed import free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> gm = data_parallel(model)
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(3, 2)).sum())
+        >>> model.weight.grad
+        tensor([[3., 3.]])
+        >>> del gm  # before the group goes, as with DDP
+        >>> dist.destroy_process_group()
     """
     _refuse_wrapper(module)
     kind = ReduceScatterCallback if shard else AllreduceCallback
