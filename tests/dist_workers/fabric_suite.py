@@ -1,0 +1,128 @@
+"""One rank of the Lightning Fabric tests: ``python -m dist_workers.fabric_suite RANK OUTDIR
+SCENARIO...``, started by tests/test_lightning.py with Fabric's environment variables
+(LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT), so that Fabric launches nothing itself.
+
+Each scenario trains the same script, seeds and data with Fabric's own ``DDPStrategy`` and with
+``GradmgrStrategy`` on each of its paths, and saves every side's losses, gradient norms and
+final parameters (``rank{RANK}.pkl``: {scenario: {side: result}}), or the error a side raised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import sys
+
+import torch
+
+TIMEOUT = datetime.timedelta(seconds=60)
+STEPS = 4
+
+
+def sides(scenario: str) -> dict:
+    from lightning_fabric.strategies import DDPStrategy
+
+    from gradmgr.integrations.lightning import GradmgrStrategy
+
+    # DDP needs find_unused_parameters for a layer no forward uses; gradmgr finds them always.
+    unused = scenario == "frozen_unused"
+    out = {
+        "ddp": lambda: DDPStrategy(timeout=TIMEOUT, find_unused_parameters=unused),
+        "native": lambda: GradmgrStrategy(timeout=TIMEOUT),
+        "buckets": lambda: GradmgrStrategy(timeout=TIMEOUT, native=False),
+    }
+    if scenario in ("sgd", "adam", "accumulate", "clip_norm", "frozen_unused"):
+        out["sharded"] = lambda: GradmgrStrategy(timeout=TIMEOUT, shard=True)
+    return out
+
+
+class Net(torch.nn.Module):
+    def __init__(self, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.norm = torch.nn.BatchNorm1d(16) if batchnorm else torch.nn.Identity()
+        self.fc2 = torch.nn.Linear(16, 16)
+        self.fc3 = torch.nn.Linear(16, 1)
+        self.unused = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.norm(self.fc1(x))))))
+
+
+def _batches(rank: int, count: int) -> list:
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)) for _ in range(count)]
+
+
+def _model(scenario: str, rank: int) -> torch.nn.Module:
+    torch.manual_seed(rank)  # different weights on each rank, until the strategy broadcasts
+    model = Net(batchnorm=scenario.startswith("skipped"))
+    if scenario != "frozen_unused":
+        del model.unused  # DDPStrategy's default would refuse it
+    else:
+        model.fc1.requires_grad_(False)
+    return model
+
+
+def _optimizer(scenario: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters()]
+    if scenario == "sgd" or scenario.startswith("skipped"):
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def train(scenario: str, strategy, rank: int) -> dict:
+    from lightning_fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="32-true")
+    fabric.launch()
+    model = _model(scenario, rank)
+    model, opt = fabric.setup(model, _optimizer(scenario, model))
+    losses, norms = [], []
+    micro = 2 if scenario in ("accumulate", "skipped_accumulate") else 1
+    data = iter(_batches(rank, STEPS * micro * 2))
+    for step in range(STEPS):
+        if scenario in ("skipped", "skipped_accumulate"):
+            x, y = next(data)
+            model(x)  # a forward whose backward never comes (a skipped batch)
+            with torch.no_grad():
+                model(x)  # an evaluation
+        for m in range(micro):
+            x, y = next(data)
+            with fabric.no_backward_sync(model, enabled=m < micro - 1):
+                loss = torch.nn.functional.mse_loss(model(x), y) / micro
+                fabric.backward(loss)
+            losses.append(loss.item())
+        if scenario == "clip_norm":
+            norms.append(float(fabric.clip_gradients(model, opt, max_norm=0.05)))
+        if scenario == "clip_val":
+            fabric.clip_gradients(model, opt, clip_val=0.01)
+        opt.step()
+        opt.zero_grad()
+    inner = model.module
+    inner = getattr(inner, "module", inner)  # DDP's or gradmgr's wrapper
+    params = {n: p.detach().clone().numpy() for n, p in inner.named_parameters()}
+    params.update({f"buffer:{n}": b.clone().numpy() for n, b in inner.named_buffers()})
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def main(rank: int, outdir: str, scenarios: list) -> None:
+    torch.set_num_threads(1)
+    results: dict = {}
+    for scenario in scenarios:
+        results[scenario] = {}
+        for side, make in sides(scenario).items():
+            try:
+                results[scenario][side] = train(scenario, make(), rank)
+            except Exception as error:  # noqa: BLE001 - the test shows it, with its side
+                results[scenario][side] = {"error": f"{type(error).__name__}: {error}"}
+                torch.distributed.barrier()
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3:])
