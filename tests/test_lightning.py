@@ -14,13 +14,22 @@ import sys
 import numpy as np
 import pytest
 
-from gradmgr.distributed import free_port
-from ranks import TESTS, rank_env, wait_all
-
 pytestmark = pytest.mark.torch
 pytest.importorskip("torch")
 pytest.importorskip("lightning_fabric")
 
+from ranks import TESTS, rank_env, wait_all  # noqa: E402
+
+from gradmgr.distributed import free_port  # noqa: E402
+
+MISUSES = {  # what each rank raises, and words its message must hold
+    "unknown option": ("TypeError", "find_unused_parameters"),
+    "backward without a recording": ("RuntimeError", "found no step"),
+    "retain_graph": ("TypeError", "retain_graph"),
+    "sharded clip_val": ("NotImplementedError", "max_norm"),
+    "sharded optimizer with state": ("ValueError", "already has state"),
+    "sharded optimizer of another model": ("ValueError", "exactly one module"),
+}
 SCENARIOS = ["sgd", "adam", "accumulate", "clip_norm", "clip_val", "frozen_unused", "skipped",
              "skipped_accumulate"]
 
@@ -38,14 +47,19 @@ def _spawn(outdir, scenarios, timeout: float = 240) -> list:
                          MASTER_PORT=port)) for r in range(2)]
         wait_all(procs, timeout)
     if [p.returncode for p in procs] != [0, 0]:
-        tails = [open(os.path.join(outdir, f"log{r}.txt")).read()[-3000:] for r in range(2)]
+        tails = [_read(os.path.join(outdir, f"log{r}.txt"), "r")[-3000:] for r in range(2)]
         pytest.fail("Fabric ranks failed:\n" + "\n---\n".join(tails))
-    return [pickle.load(open(os.path.join(outdir, f"rank{r}.pkl"), "rb")) for r in range(2)]
+    return [pickle.loads(_read(os.path.join(outdir, f"rank{r}.pkl"), "rb")) for r in range(2)]
+
+
+def _read(path: str, mode: str):
+    with open(path, mode) as f:
+        return f.read()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list:
-    return _spawn(tmp_path_factory.mktemp("fabric"), SCENARIOS)
+    return _spawn(tmp_path_factory.mktemp("fabric"), [*SCENARIOS, "misuses"])
 
 
 def _sides(results, scenario):
@@ -92,7 +106,7 @@ def test_accumulation_after_a_skipped_forward_is_ddps_to_rounding(results):
     to float rounding (SGD: losses to 1e-6 relative, parameters
     to 1e-6 absolute after 4 steps)."""
     for rank, ddp, ours in _sides(results, "skipped_accumulate"):
-        for side, result in ours.items():
+        for result in ours.values():
             np.testing.assert_allclose(result["losses"], ddp["losses"], rtol=1e-6)
             ref, got = _params(ddp, rank), _params(result, rank)
             for k in ref:
@@ -107,3 +121,12 @@ def test_every_rank_ends_with_the_same_parameters(results):
             for k, v in result["params"].items():
                 if not k.startswith("buffer"):
                     assert np.array_equal(v, other["params"][k]), (scenario, side, k)
+
+
+@pytest.mark.slow
+def test_misuses_raise_clear_errors_on_every_rank(results):
+    for rank in range(2):
+        raised = results[rank]["misuses"]
+        assert sorted(raised) == sorted(MISUSES)
+        for case, (kind, words) in MISUSES.items():
+            assert raised[case].startswith(kind + ":") and words in raised[case], (rank, case)

@@ -141,7 +141,9 @@ class GradmgrStrategy(DDPStrategy):
         if unknown:
             raise TypeError(
                 f"GradmgrStrategy got {unknown}: neither DDPStrategy's arguments nor "
-                f"data_parallel()'s options ({', '.join(sorted(_OPTIONS))})"
+                f"data_parallel()'s options ({', '.join(sorted(_OPTIONS))}). DDP's own "
+                "(find_unused_parameters, static_graph, gradient_as_bucket_view) have no "
+                "counterpart to set: gradmgr finds unused parameters by itself"
             )
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,

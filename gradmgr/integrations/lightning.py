@@ -12,7 +12,10 @@ installed, that raises ``ImportError`` saying what to install.
 from __future__ import annotations
 
 import importlib
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List
+
+if TYPE_CHECKING:  # for type checkers only: importing it would import Lightning
+    from gradmgr.backends.torch.lightning import GradmgrModule, GradmgrStrategy
 
 _IMPLEMENTATION = "gradmgr.backends.torch.lightning"
 __all__: List[str] = ["GradmgrModule", "GradmgrStrategy"]

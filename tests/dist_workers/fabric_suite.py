@@ -82,7 +82,7 @@ def train(scenario: str, strategy, rank: int) -> dict:
     losses, norms = [], []
     micro = 2 if scenario in ("accumulate", "skipped_accumulate") else 1
     data = iter(_batches(rank, STEPS * micro * 2))
-    for step in range(STEPS):
+    for _ in range(STEPS):
         if scenario in ("skipped", "skipped_accumulate"):
             x, y = next(data)
             model(x)  # a forward whose backward never comes (a skipped batch)
@@ -107,10 +107,61 @@ def train(scenario: str, strategy, rank: int) -> dict:
     return {"losses": losses, "norms": norms, "params": params}
 
 
+def _raised(fn) -> str:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the test checks its type and message
+        return f"{type(error).__name__}: {error}"
+    return "nothing raised"
+
+
+def misuses(rank: int) -> dict:
+    """What each misuse raises, on every rank, with nothing communicated."""
+    from lightning_fabric import Fabric
+
+    from gradmgr.integrations.lightning import GradmgrStrategy
+
+    def setup(**options):
+        fabric = Fabric(accelerator="cpu", devices=2,
+                        strategy=GradmgrStrategy(timeout=TIMEOUT, **options))
+        fabric.launch()
+        model = _model("adam", rank)
+        model, opt = fabric.setup(model, _optimizer("adam", model))
+        return fabric, model, opt
+
+    x, y = _batches(rank, 1)[0]
+    fabric, model, opt = setup()
+
+    def backward_after_no_grad_forward():
+        with torch.no_grad():
+            model(x)
+        fabric.backward(model.module(x).sum())  # the user's module, not Fabric's
+
+    def backward_with_retain_graph():
+        fabric.backward(model(x).sum(), retain_graph=True)
+
+    out = {"unknown option": _raised(lambda: GradmgrStrategy(find_unused_parameters=True)),
+           "backward without a recording": _raised(backward_after_no_grad_forward),
+           "retain_graph": _raised(backward_with_retain_graph)}
+    fabric, model, opt = setup(shard=True)
+    fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+    out["sharded clip_val"] = _raised(lambda: fabric.clip_gradients(model, opt, clip_val=1.0))
+    opt.step()
+    stepped = torch.optim.Adam(model.module.parameters())  # an optimizer that has stepped:
+    stepped.state[next(iter(stepped.param_groups[0]["params"]))]["step"] = torch.tensor(1.0)
+    out["sharded optimizer with state"] = _raised(lambda: fabric.setup_optimizers(stepped))
+    other = torch.optim.Adam(_model("adam", rank).parameters())
+    out["sharded optimizer of another model"] = _raised(lambda: fabric.setup_optimizers(other))
+    return out
+
+
 def main(rank: int, outdir: str, scenarios: list) -> None:
     torch.set_num_threads(1)
     results: dict = {}
     for scenario in scenarios:
+        if scenario == "misuses":
+            results[scenario] = misuses(rank)
+            continue
         results[scenario] = {}
         for side, make in sides(scenario).items():
             try:
