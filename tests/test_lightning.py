@@ -94,6 +94,9 @@ def test_same_bits_as_fabric_ddp(results, scenario):
                     np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-6, err_msg=k)
                 continue
             assert result["norms"] == ddp["norms"], (scenario, side, rank)
+            assert len(result["evals"]) == len(ddp["evals"])
+            for got_eval, ref_eval in zip(result["evals"], ddp["evals"]):
+                assert np.array_equal(got_eval, ref_eval), (scenario, side, rank)
             for k in ref:
                 assert np.array_equal(got[k], ref[k]), (scenario, side, rank, k)
 
@@ -108,6 +111,9 @@ def test_accumulation_after_a_skipped_forward_is_ddps_to_rounding(results):
     for rank, ddp, ours in _sides(results, "skipped_accumulate"):
         for result in ours.values():
             np.testing.assert_allclose(result["losses"], ddp["losses"], rtol=1e-6)
+            assert len(result["evals"]) == len(ddp["evals"]) == 8
+            for got_eval, ref_eval in zip(result["evals"], ddp["evals"]):
+                np.testing.assert_allclose(got_eval, ref_eval, rtol=0, atol=1e-6)
             ref, got = _params(ddp, rank), _params(result, rank)
             for k in ref:
                 np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-6, err_msg=k)

@@ -79,21 +79,33 @@ def train(scenario: str, strategy, rank: int) -> dict:
     fabric.launch()
     model = _model(scenario, rank)
     model, opt = fabric.setup(model, _optimizer(scenario, model))
-    losses, norms = [], []
+    losses, norms, evals = [], [], []
+    skips = scenario in ("skipped", "skipped_accumulate")
     micro = 2 if scenario in ("accumulate", "skipped_accumulate") else 1
     data = iter(_batches(rank, STEPS * micro * 2))
+    x_eval = _batches(7 + rank, 1)[0][0]
+
+    def evaluate():  # in eval mode: BatchNorm's running statistics show in the output
+        model.eval()
+        with torch.no_grad():
+            evals.append(model(x_eval).numpy())
+        model.train()
+
     for _ in range(STEPS):
-        if scenario in ("skipped", "skipped_accumulate"):
+        if skips:
             x, y = next(data)
             model(x)  # a forward whose backward never comes (a skipped batch)
+            evaluate()  # DDP broadcasts rank 0's buffers here, after a synced forward
             with torch.no_grad():
-                model(x)  # an evaluation
+                model(x)  # in training mode: updates this rank's statistics
         for m in range(micro):
             x, y = next(data)
             with fabric.no_backward_sync(model, enabled=m < micro - 1):
                 loss = torch.nn.functional.mse_loss(model(x), y) / micro
                 fabric.backward(loss)
             losses.append(loss.item())
+            if skips and m < micro - 1:
+                evaluate()  # DDP broadcasts nothing here: each rank's own statistics
         if scenario == "clip_norm":
             norms.append(float(fabric.clip_gradients(model, opt, max_norm=0.05)))
         if scenario == "clip_val":
@@ -104,7 +116,7 @@ def train(scenario: str, strategy, rank: int) -> dict:
     inner = getattr(inner, "module", inner)  # DDP's or gradmgr's wrapper
     params = {n: p.detach().clone().numpy() for n, p in inner.named_parameters()}
     params.update({f"buffer:{n}": b.clone().numpy() for n, b in inner.named_buffers()})
-    return {"losses": losses, "norms": norms, "params": params}
+    return {"losses": losses, "norms": norms, "params": params, "evals": evals}
 
 
 def _raised(fn) -> str:
