@@ -24,6 +24,8 @@ from gradmgr.distributed import free_port  # noqa: E402
 
 MISUSES = {  # what each rank raises, and words its message must hold
     "unknown option": ("TypeError", "find_unused_parameters"),
+    "two modules waiting": ("RuntimeError", "model=model"),
+    "forward outside no_backward_sync": ("RuntimeError", "found no step"),
     "backward without a recording": ("RuntimeError", "found no step"),
     "retain_graph": ("TypeError", "retain_graph"),
     "sharded clip_val": ("NotImplementedError", "max_norm"),
@@ -31,7 +33,7 @@ MISUSES = {  # what each rank raises, and words its message must hold
     "sharded optimizer of another model": ("ValueError", "exactly one module"),
 }
 SCENARIOS = ["sgd", "adam", "accumulate", "clip_norm", "clip_val", "frozen_unused", "skipped",
-             "skipped_accumulate"]
+             "skipped_accumulate", "bf16_mixed", "gan"]
 
 
 def _spawn(outdir, scenarios, timeout: float = 240) -> list:
@@ -44,7 +46,7 @@ def _spawn(outdir, scenarios, timeout: float = 240) -> list:
             [sys.executable, "-m", "dist_workers.fabric_suite", str(r), str(outdir), *scenarios],
             cwd=TESTS, stdout=logs[r], stderr=subprocess.STDOUT,
             env=rank_env(LOCAL_RANK=str(r), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=port)) for r in range(2)]
+                         MASTER_PORT=port, FABRIC_CKPT_DIR=str(outdir))) for r in range(2)]
         wait_all(procs, timeout)
     if [p.returncode for p in procs] != [0, 0]:
         tails = [_read(os.path.join(outdir, f"log{r}.txt"), "r")[-3000:] for r in range(2)]
@@ -94,6 +96,7 @@ def test_same_bits_as_fabric_ddp(results, scenario):
                     np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-6, err_msg=k)
                 continue
             assert result["norms"] == ddp["norms"], (scenario, side, rank)
+            assert result["keys"] == ddp["keys"], (scenario, side, rank)  # fabric.save's
             assert len(result["evals"]) == len(ddp["evals"])
             for got_eval, ref_eval in zip(result["evals"], ddp["evals"]):
                 assert np.array_equal(got_eval, ref_eval), (scenario, side, rank)
@@ -111,7 +114,7 @@ def test_accumulation_after_a_skipped_forward_is_ddps_to_rounding(results):
     for rank, ddp, ours in _sides(results, "skipped_accumulate"):
         for result in ours.values():
             np.testing.assert_allclose(result["losses"], ddp["losses"], rtol=1e-6)
-            assert len(result["evals"]) == len(ddp["evals"]) == 8
+            assert len(result["evals"]) == len(ddp["evals"]) == 9
             for got_eval, ref_eval in zip(result["evals"], ddp["evals"]):
                 np.testing.assert_allclose(got_eval, ref_eval, rtol=0, atol=1e-6)
             ref, got = _params(ddp, rank), _params(result, rank)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -36,18 +37,30 @@ _FORWARD_OUTSIDE = (
 )
 
 
+_SYNC_CHANGED = (
+    "GradmgrStrategy: fabric.backward(loss) runs outside the fabric.no_backward_sync(model) "
+    "block its forward ran in: DDP would skip the reduction the forward chose, gradmgr would "
+    "not know which to do. Put the forward and fabric.backward(loss) in the same block."
+)
+
+
 class GradmgrModule(torch.nn.Module):
     """What :meth:`GradmgrStrategy.setup_module` returns in place of DDP's wrapper: the module,
     whose forward, run with gradients enabled, starts ``gm``'s recording (where none is in
     progress) for the strategy's backward to end. ``module`` is the user's module, ``gm`` its
     data-parallel manager."""
 
-    def __init__(self, module: torch.nn.Module, gm: Any, buffer_options: Dict[str, Any]) -> None:
+    def __init__(self, module: torch.nn.Module, gm: Any,
+                 buffer_options: Optional[Dict[str, Any]]) -> None:
         super().__init__()
         self.module = module
         self.gm = gm
         self._buffers_from = buffer_options  # src, group, transport; None: no broadcast
+        _LIVE.add(self)
         self._synced_forward = False  # this recording ran a synced forward with gradients
+        # A forward with gradients ran since the last backward: whether it was inside
+        # no_backward_sync (None: none is waiting for its backward).
+        self.waiting: Optional[bool] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         gm = self.gm
@@ -55,8 +68,10 @@ class GradmgrModule(torch.nn.Module):
             self._sync_buffers_again()
         if torch.is_grad_enabled():
             if not gm.is_recording:
+                _make_room(self)
                 gm.record()
-            self._synced_forward = not is_paused(gm)
+            self.waiting = is_paused(gm)
+            self._synced_forward = not self.waiting
         return self.module(*args, **kwargs)
 
     def _sync_buffers_again(self) -> None:
@@ -71,22 +86,24 @@ class GradmgrModule(torch.nn.Module):
         self._synced_forward = False
 
     def give_up_step(self) -> None:
-        """End a recording whose forwards were never backwarded, before a ``no_sync`` one.
-        Ending a synced recording broadcasts rank ``src``'s buffers, for the next forward;
-        DDP broadcasts at the next forward only where the last one was synced with gradients
-        (not after an evaluation under ``no_grad``, which in training mode updates
+        """End a recording whose forwards wait for their backward: before a ``no_sync`` one,
+        or for another module's recording (two recordings at once would be gradmgr's higher
+        order). Ending a synced recording broadcasts rank ``src``'s buffers, for the next
+        forward; DDP broadcasts at the next forward only where the last one was synced with
+        gradients (not after an evaluation under ``no_grad``, which in training mode updates
         BatchNorm's statistics): elsewhere each rank keeps its own, as with DDP."""
         keep = []
         if not self._synced_forward and self._buffers_from is not None:
             keep = [(b, b.clone()) for b in self.module.buffers()]
-        self.end_step()
+        self._synced_forward = False
+        self.gm.release()
         with torch.no_grad():
             for buffer, value in keep:
                 buffer.copy_(value)
 
     def end_step(self) -> None:
-        """End the recording a forward started (its backward ran, or it is given up)."""
-        self._synced_forward = False
+        """After the backward: nothing waits any more, the recording ends."""
+        self._synced_forward, self.waiting = False, None
         if self.gm.is_recording:
             self.gm.release()
 
@@ -104,6 +121,20 @@ class _NoBackwardSync(_BackwardSyncControl):
         return _paused(module)
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every GradmgrModule, of every strategy
+
+
+def _make_room(wrapped: GradmgrModule) -> None:
+    """Before ``wrapped`` records: the other set-up modules' recordings end (a GAN's
+    generator, whose forward waits while the discriminator steps; a forward whose backward
+    raised before it ran). Their forwards still wait, and their backward records again: with
+    one manager recording at a time, no backward is taken for a higher-order one (gradmgr's
+    rule for a backward while another manager records)."""
+    for other in list(_LIVE):
+        if other is not wrapped and other.gm.is_recording:
+            other.give_up_step()
+
+
 @contextlib.contextmanager
 def _paused(module: GradmgrModule) -> Iterator[None]:
     # A recording still open here had forwards only (their backward never came: a skipped
@@ -111,6 +142,7 @@ def _paused(module: GradmgrModule) -> Iterator[None]:
     # that the accumulation starts with its own recording, as no_sync requires.
     if module.gm.is_recording:
         module.give_up_step()
+    module.waiting = None  # a backward inside would accumulate what DDP reduces: refused
     with no_sync(module.gm):
         yield
 
@@ -181,9 +213,12 @@ class GradmgrStrategy(DDPStrategy):
                 f"(got {len(args)} positional, {sorted(kwargs)}): gm.backward(loss) runs it "
                 "(no retain_graph, no inputs=)"
             )
-        wrapped = self._recording(module)
+        wrapped = self._waiting(module)
         self.precision.pre_backward(tensor, module)
         try:
+            if not wrapped.gm.is_recording:  # given up for another module's: record again
+                _make_room(wrapped)
+                wrapped.gm.record()
             wrapped.gm.backward(self._scaled(tensor))
         finally:
             wrapped.end_step()
@@ -226,7 +261,7 @@ class GradmgrStrategy(DDPStrategy):
         self._modules = []
         super().teardown()
 
-    def _recording(self, module: Optional[torch.nn.Module]) -> GradmgrModule:
+    def _waiting(self, module: Optional[torch.nn.Module]) -> GradmgrModule:
         """The set-up module whose step this backward ends: ``model=`` if Fabric passed it."""
         if module is not None:
             found = [w for w in self._modules if w is module]
@@ -234,15 +269,17 @@ class GradmgrStrategy(DDPStrategy):
                 raise TypeError("GradmgrStrategy: fabric.backward(loss, model=...) needs a "
                                 "module set up with this strategy")
         else:
-            found = [w for w in self._modules if w.gm.is_recording]
+            found = [w for w in self._modules if w.waiting is not None]
         if len(found) > 1:
             raise RuntimeError(
                 "GradmgrStrategy: the forwards of several set-up modules are waiting for "
                 "their backward; say which one this loss trains: "
                 "fabric.backward(loss, model=model)"
             )
-        if not found or not found[0].gm.is_recording:
+        if not found or found[0].waiting is None:
             raise RuntimeError(_FORWARD_OUTSIDE)
+        if found[0].waiting != is_paused(found[0].gm):
+            raise RuntimeError(_SYNC_CHANGED)
         return found[0]
 
     def _scaled(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import datetime
 import os
 import pickle
 import sys
+import traceback
 
 import torch
 
@@ -75,7 +76,10 @@ def _optimizer(scenario: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 def train(scenario: str, strategy, rank: int) -> dict:
     from lightning_fabric import Fabric
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="32-true")
+    if scenario == "gan":
+        return train_gan(strategy, rank)
+    precision = "bf16-mixed" if scenario == "bf16_mixed" else "32-true"
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
     fabric.launch()
     model = _model(scenario, rank)
     model, opt = fabric.setup(model, _optimizer(scenario, model))
@@ -112,17 +116,56 @@ def train(scenario: str, strategy, rank: int) -> dict:
             fabric.clip_gradients(model, opt, clip_val=0.01)
         opt.step()
         opt.zero_grad()
-    inner = model.module
-    inner = getattr(inner, "module", inner)  # DDP's or gradmgr's wrapper
+    evaluate()
+    inner = model.module  # Fabric's: the user's module, not DDP's or gradmgr's wrapper
     params = {n: p.detach().clone().numpy() for n, p in inner.named_parameters()}
     params.update({f"buffer:{n}": b.clone().numpy() for n, b in inner.named_buffers()})
-    return {"losses": losses, "norms": norms, "params": params, "evals": evals}
+    path = os.path.join(os.environ["FABRIC_CKPT_DIR"], f"{scenario}-{type(strategy).__name__}")
+    fabric.save(path, {"model": model, "opt": opt})
+    state = {"model": model}
+    fabric.load(path, state)  # the model's own keys, loaded into it
+    keys = sorted(torch.load(path, weights_only=True)["model"])
+    return {"losses": losses, "norms": norms, "params": params, "evals": evals, "keys": keys}
+
+
+def train_gan(strategy, rank: int) -> dict:
+    """A generator trained through a discriminator: two modules set up, the generator's
+    forward waiting while the discriminator steps, fabric.backward(loss, model=...)."""
+    from lightning_fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(rank)
+    gen = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    disc = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    gen, opt_g = fabric.setup(gen, torch.optim.Adam(gen.parameters(), lr=1e-2))
+    disc, opt_d = fabric.setup(disc, torch.optim.Adam(disc.parameters(), lr=1e-2))
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    g = torch.Generator().manual_seed(2000 + rank)
+    losses = []
+    for _ in range(STEPS):
+        z, real = torch.randn(8, 3, generator=g), torch.randn(8, 4, generator=g)
+        fake = gen(z)
+        opt_d.zero_grad()  # the generator's last backward computed these with DDP
+        d_loss = bce(disc(real), torch.ones(8, 1)) + bce(disc(fake.detach()), torch.zeros(8, 1))
+        fabric.backward(d_loss, model=disc)
+        opt_d.step()
+        g_loss = bce(disc(fake), torch.ones(8, 1))
+        fabric.backward(g_loss, model=gen)
+        opt_g.step()
+        opt_g.zero_grad()
+        losses += [d_loss.item(), g_loss.item()]
+    params = {f"{name}.{n}": p.detach().clone().numpy()
+              for name, net in (("gen", gen), ("disc", disc))
+              for n, p in net.module.named_parameters()}
+    return {"losses": losses, "norms": [], "params": params, "evals": [], "keys": []}
 
 
 def _raised(fn) -> str:
     try:
         fn()
     except Exception as error:  # noqa: BLE001 - the test checks its type and message
+        traceback.print_exc()  # in the rank's log
         return f"{type(error).__name__}: {error}"
     return "nothing raised"
 
@@ -155,6 +198,22 @@ def misuses(rank: int) -> dict:
     out = {"unknown option": _raised(lambda: GradmgrStrategy(find_unused_parameters=True)),
            "backward without a recording": _raised(backward_after_no_grad_forward),
            "retain_graph": _raised(backward_with_retain_graph)}
+    fabric, model, opt = setup()
+
+    def backward_of_two_waiting_modules():
+        other = fabric.setup(_model("adam", rank))
+        fabric.backward((model(x) + other(x)).sum())  # whose step is this?
+
+    out["two modules waiting"] = _raised(backward_of_two_waiting_modules)
+
+    def backward_outside_the_forwards_no_backward_sync():
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y), model=model)  # clean up
+        loss = model(x).sum()
+        with fabric.no_backward_sync(model):
+            fabric.backward(loss, model=model)
+
+    out["forward outside no_backward_sync"] = _raised(
+        backward_outside_the_forwards_no_backward_sync)
     fabric, model, opt = setup(shard=True)
     fabric.backward(torch.nn.functional.mse_loss(model(x), y))
     out["sharded clip_val"] = _raised(lambda: fabric.clip_gradients(model, opt, clip_val=1.0))
@@ -180,6 +239,7 @@ def main(rank: int, outdir: str, scenarios: list) -> None:
                 results[scenario][side] = train(scenario, make(), rank)
             except Exception as error:  # noqa: BLE001 - the test shows it, with its side
                 results[scenario][side] = {"error": f"{type(error).__name__}: {error}"}
+                traceback.print_exc()
                 torch.distributed.barrier()
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
