@@ -7,7 +7,9 @@ Lightning Fabric) only when ``GradmgrStrategy`` is first asked for.
 Fabric runs ``out = model(x)`` and ``fabric.backward(loss)`` with nothing around the two, where
 gradmgr wants both inside one recording: the module :meth:`GradmgrStrategy.setup_module`
 returns starts the recording at a forward run with gradients enabled, and the strategy's
-:meth:`~GradmgrStrategy.backward` ends it after ``gm.backward(loss)``.
+:meth:`~GradmgrStrategy.backward` ends it after ``gm.backward(loss)``. One set-up module
+records at a time (a backward while another manager records would be gradmgr's higher-order
+one): another's forward ends a waiting recording, whose backward then records again.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ class GradmgrModule(torch.nn.Module):
 
 
 class _NoBackwardSync(_BackwardSyncControl):
-    # Fabric's hook for fabric.no_backward_sync(): every Fabric strategy sets one.
+    # Fabric's hook for fabric.no_backward_sync(): every Fabric strategy sets one (a private
+    # name of Lightning's, but the only place Fabric looks; DDPStrategy's own is one too).
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> Any:
         if not enabled:
             return contextlib.nullcontext()
@@ -138,8 +141,10 @@ def _make_room(wrapped: GradmgrModule) -> None:
 @contextlib.contextmanager
 def _paused(module: GradmgrModule) -> Iterator[None]:
     # A recording still open here had forwards only (their backward never came: a skipped
-    # batch, an evaluation with gradients enabled); DDP forgets such forwards too. End it, so
-    # that the accumulation starts with its own recording, as no_sync requires.
+    # batch, an evaluation with gradients enabled). End it, so that the accumulation starts
+    # with its own recording, as no_sync requires. (DDP's reducer, armed by such a forward,
+    # reduces the accumulated micro-batch anyway; gradmgr accumulates it locally, as asked:
+    # the same sum to float rounding, docs/lightning.md.)
     if module.gm.is_recording:
         module.give_up_step()
     module.waiting = None  # a backward inside would accumulate what DDP reduces: refused
