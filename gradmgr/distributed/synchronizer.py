@@ -362,6 +362,10 @@ class Synchronizer:
                 self.settle(step)
             except RankMismatchError:
                 return  # the others raise it too and launch nothing
+            # Before the failed step: torch's reducer replaces a kept .grad that is a view
+            # into its bucket by a copy, which is no change of the user's.
+            changed = (step.finished_before == self.finished  # .grad written by gradmgr
+                       and self.ops.grads_changed(self._planned(), step.grads_at_record))
             if self.native:
                 self._reducer_for(step)
                 self.reducer.fail_step(self.used)
@@ -369,8 +373,6 @@ class Synchronizer:
                 step.launch_failed(self.wire)
                 if self.shards is not None:
                     self._end_sharded(step, True)
-            changed = (step.finished_before == self.finished  # .grad written by gradmgr
-                       and self.ops.grads_changed(self._planned(), step.grads_at_record))
         step.drain()
         if changed:
             raise RuntimeError(_HABIT)
