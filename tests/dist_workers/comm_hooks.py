@@ -1,0 +1,188 @@
+"""Rank program for DDP communication hooks (issue 26, item 3): gradmgr with ``comm_hook=``
+next to DDP with ``register_comm_hook``, the same hook, several SGD steps.
+
+A scenario is ``{hook}_{path}_{buckets}``: ``hook`` one of :data:`HOOKS`, ``path`` ``native``
+(torch's C++ reducer) or ``python`` (gradmgr's buckets), ``buckets`` ``one`` (DDP's default
+cap: one bucket) or ``two`` (a cap that makes two). Each saves, after every step, both models'
+parameters (``{name}_s{step}_gm{i}``, ``..._ddp{i}``) and, for PowerSGD, plain DDP's
+(``..._ref{i}``); ``probe_{path}`` saves what a hook saw of each bucket on both sides.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradmgr.distributed import data_parallel
+
+from .data import batch, shard
+from .scenarios import run_named
+
+STEPS = 6
+TWO_BUCKETS_BYTES = 200  # without the unused layer: out and hidden.bias, then hidden.weight
+
+
+class HookNet(nn.Module):
+    """A frozen first layer, two trained ones with biases, and (``unused``) a layer never
+    used."""
+
+    def __init__(self, unused: bool = True) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.frozen = nn.Linear(6, 16)
+        self.hidden = nn.Linear(16, 12)
+        self.out = nn.Linear(12, 3)
+        if unused:
+            self.unused = nn.Linear(5, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(torch.tanh(self.frozen(x))))
+        return ((self.out(h) - y) ** 2).mean()
+
+
+def bf16_renamed(state, bucket):
+    """torch's bf16_compress_hook under another name: DDP refuses the hook by its name where
+    NCCL is missing (gloo), though gloo reduces bf16."""
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def quantize_hook(state, bucket):
+    """A user's hook: each rank's gradients rounded to multiples of 2**-8, averaged; the
+    result is a tensor of its own (not the bucket's memory)."""
+    world = dist.get_world_size()
+    quantized = torch.round(bucket.buffer() * 256) / 256 / world
+    return dist.all_reduce(quantized, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def powersgd_state() -> powerSGD_hook.PowerSGDState:
+    return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=2, random_seed=0)
+
+
+HOOKS = {  # name: (gradmgr's hook, DDP's hook, a fresh state)
+    "allreduce": (default_hooks.allreduce_hook, default_hooks.allreduce_hook, lambda: None),
+    "fp16": (default_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook,
+             lambda: None),
+    "bf16": (default_hooks.bf16_compress_hook, bf16_renamed, lambda: None),
+    "quantize": (quantize_hook, quantize_hook, lambda: None),
+    "powersgd": (powerSGD_hook.powerSGD_hook, powerSGD_hook.powerSGD_hook, powersgd_state),
+}
+
+
+def local_batch(step: int, rank: int, world: int) -> tuple:
+    x, y = batch(step)
+    return torch.from_numpy(shard(x, rank, world)), torch.from_numpy(shard(y, rank, world))
+
+
+def params(module: nn.Module) -> list:
+    return [p.detach().numpy().copy() for p in module.parameters()]
+
+
+def save(out: dict, prefix: str, values: list) -> None:
+    for i, v in enumerate(values):
+        out[f"{prefix}{i}"] = v
+
+
+def sgd_step(module: nn.Module, opt: torch.optim.Optimizer, backward, x, y) -> None:
+    backward(module(x, y))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def ddp_options(unused: bool, cap) -> dict:
+    return dict(find_unused_parameters=unused,
+                bucket_cap_mb=None if cap is None else cap / 2**20)
+
+
+def train(out: dict, rank: int, world: int, name: str, path: str, buckets: str) -> None:
+    """``STEPS`` SGD steps of gradmgr and DDP with the hook ``name`` (and plain DDP for
+    PowerSGD); parameters saved after each.
+
+    PowerSGD runs without the unused layer, and DDP without ``find_unused_parameters``: with
+    it, DDP launches its used-parameters allreduce while PowerSGD's future callbacks launch
+    theirs, and over gloo the two ranks pair them differently (a gloo abort, DDP's own)."""
+    ours, theirs, state = HOOKS[name]
+    cap = TWO_BUCKETS_BYTES if buckets == "two" else None
+    unused = name != "powersgd"
+    net, net_ddp, net_ref = HookNet(unused), HookNet(unused), HookNet(unused)
+    gm = data_parallel(net, comm_hook=ours, comm_state=state(), native=path == "native",
+                       bucket_bytes=cap)
+    ddp = DDP(net_ddp, **ddp_options(unused, cap))
+    ddp.register_comm_hook(state(), theirs)
+    ref = DDP(net_ref, **ddp_options(unused, cap)) if name == "powersgd" else None
+    sides = [(net, gm)] + [(m, None) for m in (ddp, ref) if m is not None]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m, _ in sides]
+
+    def gm_backward(loss):
+        gm.backward(loss)
+
+    for step in range(STEPS):
+        x, y = local_batch(step, rank, world)
+        with gm:
+            sgd_step(net, opts[0], gm_backward, x, y)
+        for (module, _), opt in zip(sides[1:], opts[1:]):
+            sgd_step(module, opt, lambda loss: loss.backward(), x, y)
+        prefix = f"{name}_{path}_{buckets}_s{step}"
+        save(out, f"{prefix}_gm", params(net))
+        save(out, f"{prefix}_ddp", params(net_ddp))
+        if ref is not None:
+            save(out, f"{prefix}_ref", params(net_ref))
+    cb = next(chain[0] for _, chain in gm.callback_chains() if chain)
+    out[f"{name}_{path}_{buckets}_path"] = np.array(str(cb.path(gm)))
+
+
+def probe_hook(names: dict, seen: list):
+    """A hook that records what it sees of each bucket, then averages it."""
+
+    def probe(state, bucket):
+        seen.append("{} last={} grads={} params={} numel={}".format(
+            bucket.index(), bucket.is_last(), [tuple(g.shape) for g in bucket.gradients()],
+            [names[id(p)] for p in bucket.parameters()], bucket.buffer().numel()))
+        return default_hooks.allreduce_hook(state, bucket)
+
+    return probe
+
+
+def probe(out: dict, rank: int, world: int, path: str) -> None:
+    """What a hook sees of each bucket, gradmgr's and DDP's (by default: buckets re-formed in
+    the order gradients arrived, after the first step), at three steps."""
+    for buckets, cap in (("one", None), ("two", TWO_BUCKETS_BYTES)):
+        net, net_ddp = HookNet(False), HookNet(False)
+        ours, theirs = [], []
+        gm = data_parallel(net, native=path == "native", bucket_bytes=cap, comm_hook=probe_hook(
+            {id(p): n for n, p in net.named_parameters()}, ours))
+        ddp = DDP(net_ddp, **ddp_options(False, cap))
+        ddp.register_comm_hook(None, probe_hook(
+            {id(p): n for n, p in net_ddp.named_parameters()}, theirs))
+        for step in range(3):
+            x, y = local_batch(step, rank, world)
+            with gm:
+                gm.backward(net(x, y))
+            ddp(x, y).backward()
+        out[f"probe_{path}_{buckets}_gm"] = np.array(ours)
+        out[f"probe_{path}_{buckets}_ddp"] = np.array(theirs)
+
+
+def scenarios() -> dict:
+    table = {}
+    for name in HOOKS:
+        for path in ("native", "python"):
+            for buckets in ("one", "two"):
+                table[f"{name}_{path}_{buckets}"] = (
+                    lambda out, rank, world, n=name, p=path, b=buckets:
+                    train(out, rank, world, n, p, b))
+    for path in ("native", "python"):
+        table[f"probe_{path}"] = lambda out, rank, world, p=path: probe(out, rank, world, p)
+    return table
+
+
+def main(rank: int, world: int, outdir: str) -> None:
+    run_named(scenarios(), rank, world, outdir)
