@@ -91,10 +91,13 @@ def save(out: dict, prefix: str, values: list) -> None:
         out[f"{prefix}{i}"] = v
 
 
-def sgd_step(module: nn.Module, opt: torch.optim.Optimizer, backward, x, y) -> None:
+def sgd_step(module: nn.Module, opt: torch.optim.Optimizer, backward, x, y) -> np.ndarray:
+    """One step; which parameters had no ``.grad`` (the frozen and the unused layer's)."""
     backward(module(x, y))
+    none = np.array([p.grad is None for p in module.parameters()])
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return none
 
 
 def ddp_options(unused: bool, cap) -> dict:
@@ -121,16 +124,14 @@ def train(out: dict, rank: int, world: int, name: str, path: str, buckets: str) 
     sides = [(net, gm)] + [(m, None) for m in (ddp, ref) if m is not None]
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m, _ in sides]
 
-    def gm_backward(loss):
-        gm.backward(loss)
-
     for step in range(STEPS):
         x, y = local_batch(step, rank, world)
-        with gm:
-            sgd_step(net, opts[0], gm_backward, x, y)
-        for (module, _), opt in zip(sides[1:], opts[1:]):
-            sgd_step(module, opt, lambda loss: loss.backward(), x, y)
         prefix = f"{name}_{path}_{buckets}_s{step}"
+        with gm:
+            out[f"{prefix}_none_gm"] = sgd_step(net, opts[0], gm.backward, x, y)
+        for (module, _), opt, side in zip(sides[1:], opts[1:], ("ddp", "ref")):
+            out[f"{prefix}_none_{side}"] = sgd_step(module, opt, lambda loss: loss.backward(),
+                                                    x, y)
         save(out, f"{prefix}_gm", params(net))
         save(out, f"{prefix}_ddp", params(net_ddp))
         if ref is not None:
@@ -175,7 +176,7 @@ def scenarios() -> dict:
     table = {}
     for name in HOOKS:
         for path in ("native", "python"):
-            for buckets in ("one", "two"):
+            for buckets in ("one", "two"):  # (PowerSGD on two: see the test)
                 table[f"{name}_{path}_{buckets}"] = (
                     lambda out, rank, world, n=name, p=path, b=buckets:
                     train(out, rank, world, n, p, b))
