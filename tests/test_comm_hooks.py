@@ -136,6 +136,7 @@ def test_hook_options_are_checked():
         make_allreduce_cb("mean", comm_state=object())
 
 
+@pytest.mark.megengine
 def test_megengine_refuses_a_hook():
     mge = pytest.importorskip("megengine", reason="megengine is not installed here")
     param = mge.Parameter(np.ones(3, dtype="float32"))

@@ -144,9 +144,10 @@ def probe_hook(names: dict, seen: list):
     """A hook that records what it sees of each bucket, then averages it."""
 
     def probe(state, bucket):
-        seen.append("{} last={} grads={} params={} numel={}".format(
-            bucket.index(), bucket.is_last(), [tuple(g.shape) for g in bucket.gradients()],
-            [names[id(p)] for p in bucket.parameters()], bucket.buffer().numel()))
+        shapes = [tuple(g.shape) for g in bucket.gradients()]
+        members = [names[id(p)] for p in bucket.parameters()]
+        seen.append(f"{bucket.index()} last={bucket.is_last()} grads={shapes} "
+                    f"params={members} numel={bucket.buffer().numel()}")
         return default_hooks.allreduce_hook(state, bucket)
 
     return probe
