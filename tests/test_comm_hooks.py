@@ -41,7 +41,7 @@ PATHS = {"native": "reducer", "python": "buckets"}
 STEPS = 6
 TRAIN = [f"{h}_{p}_{b}" for h in EXACT for p in PATHS for b in ("one", "two")]
 POWERSGD = [f"powersgd_{p}_one" for p in PATHS]
-PROBE = [f"probe_{p}" for p in PATHS]
+PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising") for p in PATHS]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,30 @@ def test_hook_sees_ddps_buckets(ranks, path):
             theirs = list(out[f"probe_{path}_{buckets}_ddp"])
             assert len(ours) == 3 * count
             assert ours[count:] == theirs[-2 * count:], (ours, theirs)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_hook_with_no_sync_equals_ddp(ranks, path):
+    """Gradient accumulation: the hook reduces the local sum of the micro-batches, as DDP's."""
+    for rank, out in enumerate(ranks.scenario(f"accumulate_{path}")):
+        for step in range(3):
+            prefix = f"accumulate_{path}_s{step}"
+            for i, (gm, ddp) in enumerate(zip(_params(out, prefix, "gm"),
+                                              _params(out, prefix, "ddp"))):
+                np.testing.assert_array_equal(gm, ddp, err_msg=f"rank {rank} {prefix} {i}")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_hook_that_raises(ranks, path):
+    """The hook's error is the backward's, on every rank; the ranks stay paired and the next
+    steps equal DDP's."""
+    for rank, out in enumerate(ranks.scenario(f"raising_{path}")):
+        assert list(out[f"raising_{path}_errors"]) == ["1: ValueError: the hook failed"], rank
+        for step in (0, 2, 3):
+            prefix = f"raising_{path}_s{step}"
+            for i, (gm, ddp) in enumerate(zip(_params(out, prefix, "gm"),
+                                              _params(out, prefix, "ddp"))):
+                np.testing.assert_array_equal(gm, ddp, err_msg=f"rank {rank} {prefix} {i}")
 
 
 # ---------------------------------------------------------------- refused combinations

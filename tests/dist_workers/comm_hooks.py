@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradmgr.distributed import data_parallel
+from gradmgr.distributed import data_parallel, no_sync
 
 from .data import batch, shard
 from .scenarios import run_named
@@ -173,6 +173,68 @@ def probe(out: dict, rank: int, world: int, path: str) -> None:
         out[f"probe_{path}_{buckets}_ddp"] = np.array(theirs)
 
 
+def accumulate(out: dict, rank: int, world: int, path: str) -> None:
+    """Gradient accumulation with fp16_compress_hook: a ``no_sync`` micro-batch, then a
+    synced one (the hook sees both summed), three times; DDP's ``no_sync`` next to it."""
+    hook = default_hooks.fp16_compress_hook
+    net, net_ddp = HookNet(), HookNet()
+    gm = data_parallel(net, comm_hook=hook, native=path == "native")
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    ddp.register_comm_hook(None, hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (net, net_ddp)]
+    for step in range(3):
+        for micro in range(2):
+            x, y = local_batch(2 * step + micro, rank, world)
+            if micro == 0:
+                with no_sync(gm), gm:
+                    gm.backward(net(x, y))
+                with ddp.no_sync():
+                    ddp(x, y).backward()
+            else:
+                with gm:
+                    gm.backward(net(x, y))
+                ddp(x, y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        save(out, f"accumulate_{path}_s{step}_gm", params(net))
+        save(out, f"accumulate_{path}_s{step}_ddp", params(net_ddp))
+
+
+def raising(out: dict, rank: int, world: int, path: str) -> None:
+    """A hook that raises at its second call: the backward raises its error on every rank;
+    the ranks stay paired, and the next steps (the hook no longer raising) equal DDP's."""
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("the hook failed")
+        return default_hooks.allreduce_hook(state, bucket)
+
+    net, net_ddp = HookNet(), HookNet()
+    gm = data_parallel(net, comm_hook=hook, native=path == "native")
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    errors = []
+    for step in range(4):
+        x, y = local_batch(step, rank, world)
+        try:
+            with gm:
+                gm.backward(net(x, y))
+        except Exception as error:  # noqa: BLE001 - what the step raised, kept as text
+            errors.append(f"{step}: {type(error).__name__}: {error}")
+            net.zero_grad(set_to_none=True)
+            continue
+        ddp(x, y).backward()
+        save(out, f"raising_{path}_s{step}_gm", [p.grad.numpy().copy() for p in
+                                                 net.parameters() if p.grad is not None])
+        save(out, f"raising_{path}_s{step}_ddp", [p.grad.numpy().copy() for p in
+                                                  net_ddp.parameters() if p.grad is not None])
+        for m in (net, net_ddp):
+            m.zero_grad(set_to_none=True)
+    out[f"raising_{path}_errors"] = np.array(errors)
+
+
 def scenarios() -> dict:
     table = {}
     for name in HOOKS:
@@ -182,7 +244,9 @@ def scenarios() -> dict:
                     lambda out, rank, world, n=name, p=path, b=buckets:
                     train(out, rank, world, n, p, b))
     for path in ("native", "python"):
-        table[f"probe_{path}"] = lambda out, rank, world, p=path: probe(out, rank, world, p)
+        for kind, run in (("probe", probe), ("accumulate", accumulate), ("raising", raising)):
+            table[f"{kind}_{path}"] = (lambda out, rank, world, p=path, run=run:
+                                      run(out, rank, world, p))
     return table
 
 
