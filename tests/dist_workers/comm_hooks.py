@@ -62,6 +62,16 @@ def quantize_hook(state, bucket):
     return dist.all_reduce(quantized, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
+def int8_hook(state, bucket):
+    """A user's hook that scales by the bucket's largest value (8-bit quantization): a flag
+    of gradmgr's in the buffer (a 1) would change the scale, and so every gradient."""
+    world = dist.get_world_size()
+    buffer = bucket.buffer()
+    scale = buffer.abs().max().clamp_min(1e-30) / 127
+    quantized = torch.round(buffer / scale) * scale / world
+    return dist.all_reduce(quantized, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
 def powersgd_state() -> powerSGD_hook.PowerSGDState:
     return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                        start_powerSGD_iter=2, random_seed=0)
@@ -73,6 +83,7 @@ HOOKS = {  # name: (gradmgr's hook, DDP's hook, a fresh state)
              lambda: None),
     "bf16": (default_hooks.bf16_compress_hook, bf16_renamed, lambda: None),
     "quantize": (quantize_hook, quantize_hook, lambda: None),
+    "int8": (int8_hook, int8_hook, lambda: None),
     "powersgd": (powerSGD_hook.powerSGD_hook, powerSGD_hook.powerSGD_hook, powersgd_state),
 }
 
