@@ -46,7 +46,7 @@ def data_parallel(
     to wrap at once. The other options are :class:`AllreduceCallback`'s; ``verify=False``
     also skips this first comparison. ``shard=True`` reduce-scatters the gradients instead
     (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
-    :class:`ShardedOptimizer`; ``native`` and ``comm_hook`` do not apply).
+    :class:`ShardedOptimizer`; ``native`` does not apply, ``comm_hook`` raises ``ValueError``).
     ``comm_hook=hook, comm_state=state`` is DDP's ``register_comm_hook(state, hook)``.
     ``data_parallel(DDP(model))``
     raises ``TypeError``: pass the model itself.
