@@ -116,12 +116,16 @@ def test_hook_with_no_sync_equals_ddp(ranks, path):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_hook_that_raises(ranks, path):
-    """The hook's error is the backward's, on every rank; the ranks stay paired and the next
-    steps equal DDP's."""
+def test_hook_that_fails(ranks, path):
+    """A hook that raises, returns no future, or a future of a tensor of the wrong shape: the
+    backward raises, on every rank; the ranks stay paired and the next steps equal DDP's."""
     for rank, out in enumerate(ranks.scenario(f"raising_{path}")):
-        assert list(out[f"raising_{path}_errors"]) == ["1: ValueError: the hook failed"], rank
-        for step in (0, 2, 3):
+        errors = list(out[f"raising_{path}_errors"])
+        assert len(errors) == 3, (rank, errors)
+        assert errors[0] == "1: ValueError: the hook failed", (rank, errors)
+        assert errors[1].startswith("2: TypeError") and "returned Tensor" in errors[1], errors
+        assert errors[2].startswith("3: ") and "gave a tensor of shape (1,)" in errors[2], errors
+        for step in (0, 4, 5):
             prefix = f"raising_{path}_s{step}"
             for i, (gm, ddp) in enumerate(zip(_params(out, prefix, "gm"),
                                               _params(out, prefix, "ddp"))):

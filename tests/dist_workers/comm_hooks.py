@@ -213,27 +213,31 @@ def accumulate(out: dict, rank: int, world: int, path: str) -> None:
 
 
 def raising(out: dict, rank: int, world: int, path: str) -> None:
-    """A hook that raises at its second call: the backward raises its error on every rank;
-    the ranks stay paired, and the next steps (the hook no longer raising) equal DDP's."""
+    """A hook that raises at its second call, returns no future at its third and a future of
+    a tensor of the wrong shape at its fourth: each of those backwards raises, on every rank;
+    the ranks stay paired, and the next steps (the hook then right) equal DDP's."""
     calls = []
 
     def hook(state, bucket):
         calls.append(1)
         if len(calls) == 2:
             raise ValueError("the hook failed")
-        return default_hooks.allreduce_hook(state, bucket)
+        if len(calls) == 3:
+            return bucket.buffer()
+        future = default_hooks.allreduce_hook(state, bucket)
+        return future.then(lambda f: f.value()[:1]) if len(calls) == 4 else future
 
     net, net_ddp = HookNet(), HookNet()
     gm = data_parallel(net, comm_hook=hook, native=path == "native")
     ddp = DDP(net_ddp, find_unused_parameters=True)
     errors = []
-    for step in range(4):
+    for step in range(6):
         x, y = local_batch(step, rank, world)
         try:
             with gm:
                 gm.backward(net(x, y))
         except Exception as error:  # noqa: BLE001 - what the step raised, kept as text
-            errors.append(f"{step}: {type(error).__name__}: {error}")
+            errors.append(f"{step}: {type(error).__name__}: {error}"[:300])
             net.zero_grad(set_to_none=True)
             continue
         ddp(x, y).backward()
