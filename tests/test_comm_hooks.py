@@ -44,7 +44,8 @@ STEPS = 6
 TRAIN = [f"{h}_{p}_{b}" for h in EXACT for p in PATHS for b in ("one", "two")]
 TRAIN += [f"int8_{p}_one" for p in PATHS]  # its scale is per bucket: one, as DDP's
 POWERSGD = [f"powersgd_{p}_one" for p in PATHS]
-PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising") for p in PATHS]
+PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising", "mismatch")
+         for p in PATHS]
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +131,17 @@ def test_hook_that_fails(ranks, path):
             for i, (gm, ddp) in enumerate(zip(_params(out, prefix, "gm"),
                                               _params(out, prefix, "ddp"))):
                 np.testing.assert_array_equal(gm, ddp, err_msg=f"rank {rank} {prefix} {i}")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_ranks_with_different_hooks_raise(ranks, path):
+    """Ranks with different hooks would pair different collectives: every rank raises
+    RankMismatchError at the first step, naming its hook."""
+    hooks = ["fp16_compress_hook", "allreduce_hook"]
+    for rank, out in enumerate(ranks.scenario(f"mismatch_{path}")):
+        message = str(out[f"mismatch_{path}_error"])
+        assert f"comm_hook={hooks[rank]}" in message and "comm_hook= options" in message, (
+            rank, message)
 
 
 # ---------------------------------------------------------------- refused combinations

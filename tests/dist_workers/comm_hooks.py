@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradmgr.distributed import data_parallel, no_sync
+from gradmgr.distributed import RankMismatchError, data_parallel, no_sync
 
 from .data import batch, shard
 from .scenarios import run_named
@@ -250,6 +250,21 @@ def raising(out: dict, rank: int, world: int, path: str) -> None:
     out[f"raising_{path}_errors"] = np.array(errors)
 
 
+def mismatch(out: dict, rank: int, world: int, path: str) -> None:
+    """Rank 0 with fp16_compress_hook, rank 1 with allreduce_hook: their collectives would not
+    pair; every rank raises RankMismatchError at the first step, naming the hooks."""
+    hook = default_hooks.fp16_compress_hook if rank == 0 else default_hooks.allreduce_hook
+    net = HookNet()
+    gm = data_parallel(net, comm_hook=hook, native=path == "native")
+    x, y = local_batch(0, rank, world)
+    try:
+        with gm:
+            gm.backward(net(x, y))
+        out[f"mismatch_{path}_error"] = np.array("no error")
+    except RankMismatchError as error:
+        out[f"mismatch_{path}_error"] = np.array(str(error))
+
+
 def scenarios() -> dict:
     table = {}
     for name in HOOKS:
@@ -259,7 +274,8 @@ def scenarios() -> dict:
                     lambda out, rank, world, n=name, p=path, b=buckets:
                     train(out, rank, world, n, p, b))
     for path in ("native", "python"):
-        for kind, run in (("probe", probe), ("accumulate", accumulate), ("raising", raising)):
+        for kind, run in (("probe", probe), ("accumulate", accumulate), ("raising", raising),
+                          ("mismatch", mismatch)):
             table[f"{kind}_{path}"] = (lambda out, rank, world, p=path, run=run:
                                       run(out, rank, world, p))
     return table
