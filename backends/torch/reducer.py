@@ -121,7 +121,7 @@ class TorchReducer:
         # from the order given (the plan's; one broadcast, at the same plan on every rank).
         self._reducer._push_all_rebuilt_params()
         self._reducer._rebuild_buckets()
-        if comm_hook is not None:  # as DDP's register_comm_hook (the reducer then divides not)
+        if comm_hook is not None:  # as DDP registers one (the hook divides, not the reducer)
             dist._register_comm_hook(self._reducer, comm_hook.state,
                                      comm_hook.for_reducer(self.flags, self._group))
         self._unmarked: Sequence[int] = ()  # reducer indices: no gradient in this engine run
