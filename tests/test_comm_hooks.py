@@ -15,8 +15,9 @@ within the error DDP + PowerSGD itself shows against plain DDP (the issue's boun
 here: 0.19 to 0.23 in the parameters from the third step, where PowerSGD starts), and
 measured equal bit for bit to DDP + PowerSGD, which is asserted too (DDP with its default
 buckets, one for this model, which gradmgr's then match in index, order and members).
-PowerSGD is not run on several buckets: its future callbacks launch collectives while the
-next bucket's go out, which gloo pairs differently on the two ranks, with DDP as with gradmgr.
+PowerSGD is not compared on several buckets over gloo: its future callbacks launch collectives
+while the next bucket's go out, which gloo pairs differently on the two ranks (DDP hangs;
+gradmgr refuses it with ValueError, tested).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ STEPS = 6
 TRAIN = [f"{h}_{p}_{b}" for h in EXACT for p in PATHS for b in ("one", "two")]
 TRAIN += [f"int8_{p}_one" for p in PATHS]  # its scale is per bucket: one, as DDP's
 POWERSGD = [f"powersgd_{p}_one" for p in PATHS]
-PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising", "mismatch")
+PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising", "mismatch", "racing")
          for p in PATHS]
 
 
@@ -142,6 +143,16 @@ def test_ranks_with_different_hooks_raise(ranks, path):
         message = str(out[f"mismatch_{path}_error"])
         assert f"comm_hook={hooks[rank]}" in message and "comm_hook= options" in message, (
             rank, message)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_powersgd_over_gloo_with_buckets_is_refused(ranks, path):
+    """PowerSGD over gloo with two buckets: DDP hangs at its third step (measured, torch
+    2.8); gradmgr aborted inside gloo before it refused. Now a ValueError on every rank."""
+    for rank, out in enumerate(ranks.scenario(f"racing_{path}")):
+        for message in out[f"racing_{path}_errors"]:
+            assert "more than one bucket" in str(message) and "NCCL" in str(message), (
+                rank, message)
 
 
 # ---------------------------------------------------------------- refused combinations

@@ -75,6 +75,7 @@ class TorchCommHook:
                parameters: Callable[[], List[torch.Tensor]]) -> HookWork:
         """Start ``hook`` on one of gradmgr's buckets (the values first, the flags after
         ``bucket.numel``); the handle's ``wait()`` returns ``flat`` reduced."""
+        _refuse_racing(self, bucket.index, last)
         numel = bucket.numel
         flags = transport.allreduce_async(flat[numel:])  # launched first on every rank
         data = flat[:numel]
@@ -123,6 +124,7 @@ class _ReducerHook:
         self.__qualname__ = self.__name__ = hook.describe()
 
     def __call__(self, state: Any, bucket: Any) -> Any:
+        _refuse_racing(self._hook, bucket.index(), bucket.is_last())
         parameters = bucket.parameters()
         position = _position(parameters, self._flags)
         if position is None:
@@ -148,6 +150,25 @@ class _ReducerHook:
             return buffer
 
         return torch.futures.collect_all([flags_future, hook_future]).then(merge)
+
+
+def _refuse_racing(hook: TorchCommHook, index: int, last: bool) -> None:
+    """PowerSGD's future callbacks launch collectives (from gloo's threads) while the next
+    bucket's go out (from the backward's): over gloo the ranks pair them differently, and
+    the step aborts inside gloo (DDP's hangs). Refused at the first of several buckets,
+    before anything is launched, alike on every rank."""
+    if index != 0 or last:
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    state = hook.state
+    if isinstance(state, PowerSGDState) and dist.get_backend(state.process_group) == "gloo":
+        raise ValueError(
+            f"comm_hook {hook.describe()} over gloo with more than one bucket: PowerSGD "
+            "launches collectives from its future callbacks while the next bucket's go out, "
+            "and gloo pairs them differently on the ranks (DDP hangs there). Make one bucket "
+            "(bucket_bytes= at least the size of all gradients), or use NCCL"
+        )
 
 
 def _call(hook: TorchCommHook, bucket: Any) -> Any:

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradmgr.distributed import RankMismatchError, data_parallel, no_sync
+from gradmgr import GradManager
+from gradmgr.distributed import RankMismatchError, data_parallel, make_allreduce_cb, no_sync
 
 from .data import batch, shard
 from .scenarios import run_named
@@ -250,6 +251,27 @@ def raising(out: dict, rank: int, world: int, path: str) -> None:
     out[f"raising_{path}_errors"] = np.array(errors)
 
 
+def racing(out: dict, rank: int, world: int, path: str) -> None:
+    """PowerSGD over gloo with two buckets (DDP hangs there): ValueError on every rank, at
+    every step, instead of an abort inside gloo."""
+    net = HookNet(False)
+    cb = make_allreduce_cb("mean", comm_hook=powerSGD_hook.powerSGD_hook,
+                           comm_state=powersgd_state(), native=path == "native",
+                           bucket_bytes=TWO_BUCKETS_BYTES)
+    gm = GradManager().attach(net.parameters(), callbacks=[cb])
+    errors = []
+    for step in range(2):
+        x, y = local_batch(step, rank, world)
+        try:
+            with gm:
+                gm.backward(net(x, y))
+            errors.append("no error")
+        except ValueError as error:
+            errors.append(str(error))
+        net.zero_grad(set_to_none=True)
+    out[f"racing_{path}_errors"] = np.array(errors)
+
+
 def mismatch(out: dict, rank: int, world: int, path: str) -> None:
     """Rank 0 with fp16_compress_hook, rank 1 with allreduce_hook: their collectives would not
     pair; every rank raises RankMismatchError at the first step, naming the hooks."""
@@ -275,7 +297,7 @@ def scenarios() -> dict:
                     train(out, rank, world, n, p, b))
     for path in ("native", "python"):
         for kind, run in (("probe", probe), ("accumulate", accumulate), ("raising", raising),
-                          ("mismatch", mismatch)):
+                          ("mismatch", mismatch), ("racing", racing)):
             table[f"{kind}_{path}"] = (lambda out, rank, world, p=path, run=run:
                                       run(out, rank, world, p))
     return table
