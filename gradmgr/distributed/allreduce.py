@@ -135,6 +135,13 @@ class AllreduceCallback:
             callback, and what the backend asks (PyTorch: leaves, dense, no
             post-accumulate-grad hook). Same results, DDP's cost; it holds the planned tensors
             while bound. None: on unless the environment sets ``GRADMGR_NATIVE_REDUCER=0``.
+        comm_hook: a DDP communication hook, ``hook(state, bucket) -> Future`` as
+            ``DistributedDataParallel.register_comm_hook`` takes it (torch's own:
+            ``fp16_compress_hook``, ``powerSGD_hook``, ...; PyTorch only): each bucket goes
+            to it undivided and its result becomes the bucket's reduced gradients, as with
+            DDP, on torch's reducer and on gradmgr's buckets. Replaces ``compression``
+            (give one of the two) and ``reduce`` (leave it ``"mean"``).
+        comm_state: the hook's ``state`` (``PowerSGDState``, a process group, None).
     """
 
     DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb=25
@@ -152,7 +159,10 @@ class AllreduceCallback:
         verify: Verify = True,
         native: Optional[bool] = None,
         names: Any = None,
+        comm_hook: Any = None,
+        comm_state: Any = None,
     ) -> None:
+        self._check_comm_hook(comm_hook, comm_state, reduce, compression)
         if reduce not in _REDUCE:
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
         if compression not in _COMPRESSION:
@@ -174,9 +184,28 @@ class AllreduceCallback:
         self.native = (os.environ.get("GRADMGR_NATIVE_REDUCER", "1") != "0"
                        if native is None else native)
         self.transport_spec = transport
+        self.comm_hook, self.comm_state = comm_hook, comm_state
         self._names = names_from(names)
         self._sync = True
         self._synchronizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _check_comm_hook(self, hook: Any, state: Any, reduce: str,
+                         compression: Optional[str]) -> None:
+        if hook is None:
+            if state is not None:
+                raise ValueError("comm_state= is the state of a comm_hook=: pass the hook too")
+            return
+        if not callable(hook):
+            raise TypeError(f"comm_hook must be callable as hook(state, bucket), got "
+                            f"{type(hook).__name__}")
+        if compression is not None:
+            raise ValueError(
+                f"comm_hook= and compression={compression!r} both say how buckets travel: "
+                "choose one (fp16_compress_hook, or compression='fp16' without a hook)")
+        if reduce != "mean":
+            raise ValueError(
+                f"comm_hook= decides the reduction (torch's hooks average), so reduce must "
+                f"stay 'mean', got {reduce!r}")
 
     # ------------------------------------------------------------------ public
     def __call__(self, tensor: Any, grad: Any) -> Any:
@@ -373,6 +402,16 @@ class ReduceScatterCallback(AllreduceCallback):
     """Smaller than the allreduce path's: a sharded backward's transient memory is the two
     bucket buffers that serve it (one in flight, one filling)."""
 
+    def _check_comm_hook(self, hook: Any, state: Any, reduce: str,
+                         compression: Optional[str]) -> None:
+        if hook is not None:
+            raise ValueError(
+                "comm_hook= does not apply to sharded data parallelism (shard=True, a "
+                "reduce-scatter callback): DDP's hooks return a whole allreduced bucket, "
+                "where each rank keeps only its slice here. Use compression='fp16' or "
+                "'bf16' there, or shard=False to keep the hook")
+        super()._check_comm_hook(hook, state, reduce, compression)
+
     def _shards_for(self, backend: Any) -> Optional[GradientShards]:
         return GradientShards(backend.tensor_ops(), StandIns)
 
@@ -413,7 +452,7 @@ def make_allreduce_cb(
     **options: Any,
 ) -> AllreduceCallback:
     """A data-parallel allreduce callback; see :class:`AllreduceCallback` (``options``:
-    ``broadcast``, ``src``, ``verify``, ``native``, ``names``).
+    ``broadcast``, ``src``, ``verify``, ``native``, ``names``, ``comm_hook``, ``comm_state``).
 
     Example:
         >>> cb = make_allreduce_cb("mean", bucket_bytes=4 * 2**20)

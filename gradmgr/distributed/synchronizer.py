@@ -17,10 +17,10 @@ from ..hooks import after_backward_callbacks
 from ..manager import attach_epoch, callback_chains
 from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
-from .contract import NativePath, NativeReducer, TensorOps, Transport
+from .contract import CommHook, NativePath, NativeReducer, TensorOps, Transport
 from .errors import RankMismatchError, SparseGradientError, sparse_message
 from .sharding import GradientShards, ShardWire
-from .steps import PendingGradient, Step, Wire
+from .steps import HookWire, PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
 from .transport import resolve_transport
 
@@ -46,6 +46,10 @@ class Synchronizer:
         self.shards = shards  # the sharded path (reduce-scatter): this rank's gradient shards
         self.backend = backend
         self.ops: TensorOps = backend.tensor_ops()
+        # A communication hook as the backend runs it (refused there by one that has none).
+        self.comm_hook: Optional[CommHook] = (
+            None if options.comm_hook is None
+            else self.ops.comm_hook(options.comm_hook, options.comm_state))
         self.name_of = name_of
         self.lock = threading.RLock()  # CUDA backwards call from engine worker threads
         self.transport: Optional[Transport] = None
@@ -181,8 +185,12 @@ class Synchronizer:
         if self.transport is None:
             self.transport = resolve_transport(options.transport_spec, self.backend,
                                                options.group)
-            kind = Wire if self.shards is None else ShardWire
-            self.wire = kind(ops, self.transport, options.reduce == "mean", options.compression)
+            if self.comm_hook is not None:
+                self.wire = HookWire(ops, self.transport, self.comm_hook)
+            else:
+                kind = Wire if self.shards is None else ShardWire
+                self.wire = kind(ops, self.transport, options.reduce == "mean",
+                                 options.compression)
             native = options.native and self.shards is None
             self.native_path = ops.native_path(self.transport) if native else None
         native = self._native_possible(gm, tensors)
@@ -205,8 +213,9 @@ class Synchronizer:
         options = self.options
         path = ("the framework's own reducer" if native else "gradmgr's buckets"
                 if self.shards is None else "gradmgr's buckets, reduce-scattered")
+        hook = "" if self.comm_hook is None else f", comm_hook={self.comm_hook.describe()}"
         return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
-                f"bucket_bytes={options.bucket_bytes}")
+                f"bucket_bytes={options.bucket_bytes}{hook}")
 
     # ------------------------------------------------------------------ the reducer's path
     def _native_possible(self, gm: Any, tensors: List[Any]) -> bool:
@@ -243,7 +252,8 @@ class Synchronizer:
         self._drop_reducer()
         bucket_bytes = self.options.bucket_bytes
         self.reducer = self.native_path.build(self.plan, bucket_bytes,
-                                              min(bucket_bytes, FIRST_BUCKET_BYTES))
+                                              min(bucket_bytes, FIRST_BUCKET_BYTES),
+                                              self.comm_hook)
 
     def _drop_reducer(self) -> None:
         if self.reducer is not None:  # a no_sync window may be open: keep what it saw used

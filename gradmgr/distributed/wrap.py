@@ -26,6 +26,8 @@ def data_parallel(
     verify: Verify = True,
     native: Optional[bool] = None,
     shard: bool = False,
+    comm_hook: Any = None,
+    comm_state: Any = None,
 ) -> GradManager:
     """A GradManager that trains ``module`` data-parallel, set up as
     ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
@@ -44,7 +46,9 @@ def data_parallel(
     to wrap at once. The other options are :class:`AllreduceCallback`'s; ``verify=False``
     also skips this first comparison. ``shard=True`` reduce-scatters the gradients instead
     (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
-    :class:`ShardedOptimizer`; ``native`` does not apply). ``data_parallel(DDP(model))``
+    :class:`ShardedOptimizer`; ``native`` does not apply, ``comm_hook`` raises ``ValueError``).
+    ``comm_hook=hook, comm_state=state`` is DDP's ``register_comm_hook(state, hook)``.
+    ``data_parallel(DDP(model))``
     raises ``TypeError``: pass the model itself.
 
     Example:
@@ -68,7 +72,8 @@ def data_parallel(
     _refuse_wrapper(module)
     kind = ReduceScatterCallback if shard else AllreduceCallback
     cb = kind(reduce, group, bucket_bytes, compression, transport, broadcast=False, src=src,
-              verify=verify, native=False if shard else native, names=module)
+              verify=verify, native=False if shard else native, names=module,
+              comm_hook=comm_hook, comm_state=comm_state)
     params, buffers = list(module.parameters()), list(module.buffers())
     if verify:
         _refuse_modules_that_differ(module, params + buffers, group, transport)
