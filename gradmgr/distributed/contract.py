@@ -158,6 +158,32 @@ class NativePath(Protocol):
         """A reducer over the plan's tensors (collective: every rank builds one together)."""
 
 
+class JoinSupport(Protocol):
+    """The framework's context for uneven inputs (on PyTorch, torch's
+    ``torch.distributed.algorithms.Join``), which the manager ``data_parallel`` returns and a
+    :class:`gradmgr.distributed.ShardedOptimizer` take part in (see
+    :mod:`gradmgr.distributed.joining`)."""
+
+    def disabled_config(self) -> Any:
+        """What a joinable holds outside the context (its ``_join_config``: ``enable``,
+        ``throw_on_early_termination``, ``is_first_joinable``)."""
+
+    def notify(self, joinable: Any) -> Any:
+        """Tell the context that this rank has not joined (the first joinable's collective;
+        raises where ``throw_on_early_termination`` and a rank has joined)."""
+
+    def context(self, joinables: List[Any], enable: bool, throw_on_early_termination: bool,
+                **kwargs: Any) -> Any:
+        """The context manager over ``joinables``."""
+
+    def device(self, like: Any) -> Any:
+        """The device the context's own collectives use."""
+
+    def process_group(self, group: Any) -> Any:
+        """The process group the context's own collectives use (``group``, None: the
+        default one)."""
+
+
 class TensorOps:
     """Framework-specific tensor operations for data parallelism (one instance per backend).
 
@@ -428,6 +454,10 @@ class TensorOps:
         buckets do the work)."""
         return None
 
+    def join_support(self) -> Optional[JoinSupport]:
+        """The framework's context for uneven inputs, or None (the default: none)."""
+        return None
 
-__all__ = ["BucketBuffer", "Handle", "NativePath", "NativeReducer", "ShardingTransport",
-           "TensorOps", "Transport"]
+
+__all__ = ["BucketBuffer", "Handle", "JoinSupport", "NativePath", "NativeReducer",
+           "ShardingTransport", "TensorOps", "Transport"]
