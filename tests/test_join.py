@@ -13,6 +13,8 @@ without Join). Errors (``throw_on_early_termination=True``) must be DDP's, on ev
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -113,3 +115,76 @@ def test_sharded_clipping_after_a_rank_joined_stops_every_rank(two):
 def test_three_ranks_uneven(three, path):
     assert_like_ddp(three, f"plain:{path}", exact=False)
     assert_like_ddp(three, f"accumulate:{path}", exact=False)
+
+
+# ------------------------------------------------------------------ one process
+@pytest.fixture
+def gloo_one_rank():
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                               torch.nn.Linear(4, 2))
+
+
+def test_join_on_one_rank_trains_as_without(gloo_one_rank):
+    """No rank joins early: the steps inside Join are the plain ones, bit for bit."""
+    from torch.distributed.algorithms.join import Join
+
+    from gradmgr.distributed import data_parallel
+
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    results = []
+    for joined in (False, True):
+        model = _model()
+        gm = data_parallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Join([gm]) if joined else contextlib.nullcontext():
+            for _ in range(3):
+                with gm:
+                    gm.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+        results.append([t.detach().clone() for t in (*model.parameters(), *model.buffers())])
+    for plain, joined in zip(*results):
+        assert torch.equal(plain, joined)
+
+
+def test_join_refusals(gloo_one_rank):
+    from torch.distributed.algorithms.join import Join
+
+    from gradmgr.distributed import ShardedOptimizer, data_parallel
+
+    model = _model()
+    with pytest.raises(NotImplementedError, match="divide_by_initial_world_size=False"):
+        data_parallel(model).join(divide_by_initial_world_size=False)
+    with pytest.raises(ValueError, match="verify=True"):
+        Join([data_parallel(model, verify=False)])
+    gm = data_parallel(model, shard=True)
+    opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="first joinable"):
+        with Join([opt, gm]):
+            with gm:
+                gm.backward(model(torch.randn(5, 3)).sum())
+
+
+@pytest.mark.megengine
+def test_join_on_megengine_says_what_to_do(gloo_one_rank):
+    mge = pytest.importorskip("megengine")
+    import megengine.module as M
+
+    from gradmgr.distributed import data_parallel
+
+    gm = data_parallel(M.Linear(3, 2))
+    for use in (gm.join, lambda: gm.join_hook(), lambda: gm.join_device):
+        with pytest.raises(NotImplementedError, match="same number of batches"):
+            use()
+    del mge
