@@ -46,7 +46,9 @@ def data_parallel(
     also skips this first comparison. ``shard=True`` reduce-scatters the gradients instead
     (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
     :class:`ShardedOptimizer`; ``native`` does not apply). ``data_parallel(DDP(model))``
-    raises ``TypeError``: pass the model itself.
+    raises ``TypeError``: pass the model itself. The manager is a joinable of torch's
+    ``Join`` context for uneven inputs (``with Join([gm]):``, or ``gm.join()`` as DDP's
+    ``model.join()``; see :mod:`gradmgr.distributed.joining`).
 
     Example:
         >>> # gm = data_parallel(model)
