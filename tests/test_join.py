@@ -26,7 +26,7 @@ if not dist.is_available():
 from ranks import spawn_scenarios  # noqa: E402
 
 PATHS = ["native", "buckets", "sharded"]
-CASES = [f"{s}:{p}" for s in ("plain", "accumulate", "throw") for p in PATHS] + [
+CASES = [f"{s}:{p}" for s in ("plain", "accumulate", "throw", "empty") for p in PATHS] + [
     "join_method:native", "join_method:buckets", "clip:native", "clip:sharded"]
 CASES3 = [f"{s}:{p}" for s in ("plain", "accumulate") for p in PATHS]
 
@@ -79,6 +79,13 @@ def test_uneven_batches_give_ddp_join_parameters(two, path):
 @pytest.mark.parametrize("path", PATHS)
 def test_no_sync_accumulation_inside_join(two, path):
     assert_like_ddp(two, f"accumulate:{path}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_without_any_batch(two, path):
+    """It joins before the first step: before torch's reducer was ever built, before any
+    plan check (the others' first step asks it to build one, and it does)."""
+    assert_like_ddp(two, f"empty:{path}")
 
 
 @pytest.mark.parametrize("path", ["native", "buckets"])

@@ -109,6 +109,16 @@ def throw(side: Side, rank: int, world: int) -> None:
     plain(side, rank, world, throw_on_early_termination=True)
 
 
+def empty(side: Side, rank: int, world: int) -> None:
+    """The last rank has no batch at all: it joins before its first step (native: before
+    torch's reducer was ever built; every path: before the first plan check)."""
+    with Join(side.joinables):
+        for x, y in batches(rank, world)[:0 if rank == world - 1 else None]:
+            side.step(x, y)
+            side.opt.step()
+            side.opt.zero_grad()
+
+
 def clip(side: Side, rank: int, world: int) -> None:
     """Clipping every step: on the sharded path a collective a joined rank cannot take part
     in (ShardedOptimizer.clip_grad_norm_ and torch's clip_grad_norm_ through the stand-ins)."""
@@ -126,7 +136,7 @@ def clip(side: Side, rank: int, world: int) -> None:
 
 
 SCENARIOS = {"plain": plain, "accumulate": accumulate, "join_method": join_method,
-             "throw": throw, "clip": clip}
+             "throw": throw, "clip": clip, "empty": empty}
 
 
 def run(scenario: str, kind: str, rank: int, world: int) -> dict:
