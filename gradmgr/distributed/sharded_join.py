@@ -6,7 +6,7 @@ take, after the manager's hook has taken its part of the step's reduce-scatter (
 rank's slice of the others' summed gradient out), this rank steps its slice with that
 gradient and takes part in the all-gather: every rank's parameters are then those of DDP +
 Join with the unsharded optimizer. (``ZeroRedundancyOptimizer``'s join hook steps the joined
-rank's slice with the ``.grad`` it last held instead.)
+rank's slice with whatever ``.grad`` it still holds instead, none after ``zero_grad()``.)
 
 Before their step (and before :meth:`ShardedOptimizer.clip_grad_norm_`) the ranks inside an
 enabled context exchange what they are about to do (one small collective): a joined rank
