@@ -26,7 +26,8 @@ if not dist.is_available():
 from ranks import spawn_scenarios  # noqa: E402
 
 PATHS = ["native", "buckets", "sharded"]
-CASES = [f"{s}:{p}" for s in ("plain", "accumulate", "throw", "empty") for p in PATHS] + [
+CASES = [f"{s}:{p}" for s in ("plain", "accumulate", "throw", "empty", "failed")
+         for p in PATHS] + [
     "join_method:native", "join_method:buckets", "clip:native", "clip:sharded"]
 CASES3 = [f"{s}:{p}" for s in ("plain", "accumulate") for p in PATHS]
 
@@ -86,6 +87,16 @@ def test_a_rank_without_any_batch(two, path):
     """It joins before the first step: before torch's reducer was ever built, before any
     plan check (the others' first step asks it to build one, and it does)."""
     assert_like_ddp(two, f"empty:{path}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_failed_step_after_a_rank_joined_is_skipped(two, path):
+    """A batch whose forward raises (caught, the batch skipped: the failed-step habit) once
+    the other rank joined: the joined rank shadows the failed step and goes on, instead of
+    raising RankFailedError out of Join while the other trains on (a hang). The result: DDP
+    + Join without that batch (DDP itself cannot skip a batch whose forward raised under
+    Join: its joined rank shadows a backward that never comes)."""
+    assert_like_ddp(two, f"failed:{path}")
 
 
 @pytest.mark.parametrize("path", ["native", "buckets"])

@@ -143,6 +143,10 @@ class NativeReducer(Protocol):
         """Ids of the tensors whose ``.grad`` changed since the accumulation window opened
         (and close it)."""
 
+    def shadow(self) -> bool:
+        """A joined rank's part of a synced step (uneven inputs): the step's collectives with
+        zero gradients, no tensor used; the sums dropped. Whether no rank failed."""
+
 
 class NativePath(Protocol):
     """How a backend's own reducer can take whole backwards over from the Python buckets."""

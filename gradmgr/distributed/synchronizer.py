@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set
 from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
 from .contract import NativePath, NativeReducer, TensorOps, Transport
-from .errors import RankMismatchError, SparseGradientError, sparse_message
+from .errors import RankFailedError, RankMismatchError, SparseGradientError, sparse_message
 from .sharding import GradientShards, ShardWire
 from .steps import PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
@@ -333,11 +333,12 @@ class Synchronizer:
                 return sync
             if self.native:
                 self.used.update(self.reducer.used_since_window())
-                self.reducer.shadow()
+                completed = self.reducer.shadow()
             else:
-                _shadow_step(self, plan)
+                completed = _shadow_step(self, plan)
             self.used.clear()
-            self.shadowed += 1
+            if completed:  # (a failed step is skipped: no optimizer step to shadow)
+                self.shadowed += 1
             return True
 
     # ------------------------------------------------------------------ a step ends
@@ -414,16 +415,23 @@ class Synchronizer:
             raise RuntimeError(_HABIT)
 
 
-def _shadow_step(synchronizer: Synchronizer, plan: BucketPlan) -> None:
-    """A joined rank's part of a synced step's reductions on gradmgr's buckets: zeros."""
+def _shadow_step(synchronizer: Synchronizer, plan: BucketPlan) -> bool:
+    """A joined rank's part of a synced step's reductions on gradmgr's buckets: zeros.
+    Returns whether the step completed (a rank that failed makes the others skip it; the
+    joined rank goes on shadowing, it does not raise)."""
     step = Step(plan, True)
     step.launch_zeros(synchronizer.wire)
-    if synchronizer.shards is not None:
-        synchronizer.shards.zero()  # its slice is the others' step's gradient, alone
-        synchronizer.keep_shards(step)
-    else:
-        for reduction in step.launched:  # the sums are dropped; the last bucket's flags say
-            reduction.result(0)          # whether a rank failed (RankFailedError)
+    try:
+        if synchronizer.shards is not None:
+            synchronizer.shards.zero()  # its slice is the others' step's gradient, alone
+            synchronizer.keep_shards(step)
+        else:
+            for reduction in step.launched:  # the sums are dropped; the last bucket's
+                reduction.result(0)          # flags say whether a rank failed
+    except RankFailedError:
+        step.drain()
+        return False
+    return True
 
 
 class NativeStep:

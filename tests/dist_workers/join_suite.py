@@ -119,6 +119,34 @@ def empty(side: Side, rank: int, world: int) -> None:
             side.opt.zero_grad()
 
 
+def failed(side: Side, rank: int, world: int) -> None:
+    """Rank 0's batch 3 fails in its forward after rank 1 joined: rank 0 catches and skips
+    it, rank 1 shadows the failed step and goes on (DDP: the batch left out, see
+    ``skipped``)."""
+    with Join(side.joinables):
+        for i, (x, y) in enumerate(batches(rank, world)):
+            try:
+                with side.gm:
+                    if rank == 0 and i == 3:
+                        raise ValueError("a bad batch")
+                    side.gm.backward(loss_of(side.net, x, y))
+            except ValueError:
+                continue
+            side.opt.step()
+            side.opt.zero_grad()
+
+
+def skipped(side: Side, rank: int, world: int) -> None:
+    """DDP's equal of ``failed``: rank 0 never has batch 3."""
+    with Join(side.joinables):
+        for i, (x, y) in enumerate(batches(rank, world)):
+            if rank == 0 and i == 3:
+                continue
+            side.step(x, y)
+            side.opt.step()
+            side.opt.zero_grad()
+
+
 def clip(side: Side, rank: int, world: int) -> None:
     """Clipping every step: on the sharded path a collective a joined rank cannot take part
     in (ShardedOptimizer.clip_grad_norm_ and torch's clip_grad_norm_ through the stand-ins)."""
@@ -137,6 +165,13 @@ def clip(side: Side, rank: int, world: int) -> None:
 
 SCENARIOS = {"plain": plain, "accumulate": accumulate, "join_method": join_method,
              "throw": throw, "clip": clip, "empty": empty}
+
+
+def failed_or_skipped(side: Side, rank: int, world: int) -> None:
+    (skipped if side.kind == "ddp" else failed)(side, rank, world)
+
+
+SCENARIOS["failed"] = failed_or_skipped
 
 
 def run(scenario: str, kind: str, rank: int, world: int) -> dict:
