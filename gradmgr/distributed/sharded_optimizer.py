@@ -21,6 +21,7 @@ import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .allreduce import ReduceScatterCallback
 from ..manager import callback_chains
 from .bucket import BucketPlan
 from .errors import RankMismatchError
@@ -35,6 +36,7 @@ from .optimizer_state import (
     saved_states,
     user_groups,
 )
+from .sharded_join import CLIP, STEP, OptimizerJoinHook, active, announce, guard
 from .sharding import Segment, own_segments
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -137,6 +139,11 @@ class ShardedOptimizer:
         self._master_dtype = master_dtype
         self._serial, self._gathered = next(_SERIALS), 0
         self._consolidated: Optional[Tuple[int, Any]] = None  # (to, state): see consolidate
+        self._join_support = self._ops.join_support()
+        # torch's Joinable protocol (uneven inputs, see .sharded_join): the context sets it
+        self._join_config = (None if self._join_support is None
+                             else self._join_support.disabled_config())
+        self._shards.stand_ins.before_collective = guard(self)
         try:
             entries = self._build(gm, callback, optimizer_class, params, defaults)
         except Exception as error:
@@ -188,6 +195,12 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Step this rank's segments with their reduced gradients, then all-gather the
         updated parameters."""
+        if active(self):
+            announce(self, STEP)
+        self.step_slice()
+
+    def step_slice(self) -> None:
+        """:meth:`step`'s work (a joined rank's too: see :mod:`.sharded_join`)."""
         self._check_plan()
         self._consolidated = None  # the state it holds is the state before this step
         ops, shards, plan = self._ops, self._shards, self._plan
@@ -226,6 +239,8 @@ class ShardedOptimizer:
         the exact one."""
         if norm_type != 2.0:
             raise ValueError("ShardedOptimizer.clip_grad_norm_ computes the 2-norm only")
+        if active(self):
+            announce(self, CLIP)
         ops = self._ops
         grads = [g for g in map(self._shards.grad_of, self._reduced.segments) if g is not None]
         local = ops.sum_squares(grads)
@@ -263,6 +278,25 @@ class ShardedOptimizer:
                 "over the same params, new.load_state_dict(old.state_dict()) carries the "
                 "optimizer state over"
             )
+
+    # ------------------------------------------------------------------ uneven inputs
+    def join_hook(self, **kwargs: Any) -> OptimizerJoinHook:
+        """A joined rank's part (``with Join([gm, opt]):``; see :mod:`.sharded_join`)."""
+        return OptimizerJoinHook(self, self._synchronizer, self._joins())
+
+    @property
+    def join_device(self) -> Any:
+        return self._joins().device(self._plan.tensor(0))
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._joins().process_group(_sharded_callback(self._gm).group)
+
+    def _joins(self) -> Any:
+        if self._join_support is None:
+            raise NotImplementedError("uneven inputs (Join) are PyTorch's: see "
+                                      "data_parallel's manager's join_hook")
+        return self._join_support
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -374,7 +408,7 @@ def _sharded_callback(gm: Any) -> Any:
     found = []
     for _, callbacks in callback_chains(gm):
         for cb in callbacks:
-            if hasattr(cb, "synchronizer") and cb not in found:
+            if isinstance(cb, ReduceScatterCallback) and cb not in found:
                 found.append(cb)
     if len(found) != 1:
         raise ValueError(
