@@ -21,8 +21,8 @@ import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .allreduce import ReduceScatterCallback
 from ..manager import callback_chains
+from .allreduce import ReduceScatterCallback
 from .bucket import BucketPlan
 from .errors import RankMismatchError
 from .gather import ParameterGather
