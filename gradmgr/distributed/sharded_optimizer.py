@@ -172,6 +172,7 @@ class ShardedOptimizer:
                                        self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
         """The wrapped optimizer over this rank's segments."""
+        self._stepped_with: List[Dict[str, Any]] = []  # its groups' options after its step
         # The groups the program sees: the unsharded optimizer's (the model's parameters, the
         # wrapped groups' options), copied into the wrapped groups at each step.
         self._param_groups = [
@@ -210,9 +211,12 @@ class ShardedOptimizer:
             if param is not None:
                 ops.refresh_segment(tensor, param, segment.start, segment.stop)
             ops.set_segment_grad(tensor, shards.grad_of(segment))
-        for ours, wrapped in zip(self._param_groups, self.optimizer.param_groups):
+        wrapped_groups = self.optimizer.param_groups
+        _refuse_changes_behind(wrapped_groups, self._stepped_with)
+        for ours, wrapped in zip(self._param_groups, wrapped_groups):
             wrapped.update((k, v) for k, v in ours.items() if k != "params")
         self.optimizer.step()
+        self._stepped_with = [_options(group) for group in wrapped_groups]
         self._gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -378,6 +382,7 @@ class ShardedOptimizer:
                                                 options):
             ours.update(saved_options)
             wrapped.update(saved_options)
+        self._stepped_with = [_options(group) for group in self.optimizer.param_groups]
         for layout in self._layouts():
             for segment, tensor in zip(layout.segments, layout.tensors):
                 state = saved.get(layout.index[segment.position])
@@ -402,6 +407,38 @@ class ShardedOptimizer:
                 value = ops.copy(value)
             sliced[key] = value
         return sliced
+
+
+_CHANGED_BEHIND = (
+    "ShardedOptimizer: {key!r} of the wrapped optimizer's group {index} (opt.optimizer) was "
+    "changed since its last step, and the step takes the groups' options from the "
+    "ShardedOptimizer's own param_groups, so the change would be lost (an LR scheduler built "
+    "on opt.optimizer trains at a constant rate). Build schedulers on the ShardedOptimizer "
+    "itself (StepLR(opt, ...)) and change options through opt.param_groups"
+)
+
+
+def _options(group: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _refuse_changes_behind(groups: List[Dict[str, Any]],
+                           stepped_with: List[Dict[str, Any]]) -> None:
+    """Options of ``opt.optimizer``'s groups that changed since its last step: a scheduler
+    over the wrapped optimizer, whose change each step overwrites. New keys are fine (a
+    scheduler made on ``opt`` adds ``initial_lr`` to the program's groups, copied in)."""
+    for index, (group, before) in enumerate(zip(groups, stepped_with)):
+        for key, old in before.items():
+            new = group.get(key, old)
+            if new is not old and not _equal(new, old):
+                raise RuntimeError(_CHANGED_BEHIND.format(key=key, index=index))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a tensor-valued option: only identity counts
+        return False
 
 
 def _sharded_callback(gm: Any) -> Any:
