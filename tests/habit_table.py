@@ -18,7 +18,7 @@ HEADER = ["Habit", "What DDP does", "gradmgr", "`native=False`", "`shard=True`"]
 COLUMN = {"native": 2, "single": 2, "buckets": 3, "sharded": 4}  # the one-process habit: 2
 NOT_RUN = "—"  # a path the habit does not apply to
 CELLS = ("same as DDP", "clear error", NOT_RUN)
-GAP = "known gap"  # "known gap (issue N): crash": what it does today, until issue N lands
+GAP = "known gap"  # "known gap (what closes it): crash": what it does today
 
 
 def rows(path: str = DOCS) -> dict:
