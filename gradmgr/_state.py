@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
 
 if TYPE_CHECKING:
@@ -29,12 +30,17 @@ class StartingGroup(NamedTuple):
 
 class ThreadState(threading.local):
     def __init__(self) -> None:
-        self.recording: List[GradManager] = []
+        self.recording: List[weakref.ref] = []  # weak references to the recording managers
         self.backwarding: List[GradManager] = []
         self.starting_group: Optional[StartingGroup] = None
 
 
 state = ThreadState()
+
+
+def recording_managers() -> List[GradManager]:
+    """The managers recording in this thread, in the order they started (live ones only)."""
+    return [m for m in (ref() for ref in state.recording) if m is not None]
 
 
 def get_backwarding_grad_manager() -> Optional[GradManager]:

@@ -64,7 +64,12 @@ class GradManager(StepHooks):
         # recording thread's recording managers it joined (None: not recording; a backward may
         # run in another thread), its group, and its started tape (the manager's, or a
         # provisional one; None until the backend is known).
-        self._managers: Optional[List[GradManager]] = None
+        self._managers: Optional[List[weakref.ref]] = None
+        # What the thread's list holds while this manager records: a weak reference, so that
+        # a manager dropped while recording is freed (as MegEngine's is) and its recording
+        # ended by _Leftover instead of changing every later backward in the thread.
+        self._leftover = _Leftover()
+        self._ref = weakref.ref(self, self._leftover.collected)
         self._recording_group: Optional[object] = None
         self._recording_tape: Optional[Tape] = None
         self._step = -1  # the latest recording's number
@@ -198,8 +203,8 @@ class GradManager(StepHooks):
         self._step = next(_state.record_counter)
         self._backward_ran = False
         self._recording_group = None if starting is None else starting.group
-        managers = self._managers = state.recording
-        managers.append(self)
+        managers = self._managers = self._leftover.managers = state.recording
+        managers.append(self._ref)
         try:
             if self._record_callbacks:
                 self._run_record_callbacks()  # before the tape snapshots anything
@@ -232,7 +237,7 @@ class GradManager(StepHooks):
         else:
             provisional = ProvisionalTape(candidates)
             provisional.start()
-            self._recording_tape = provisional
+            self._recording_tape = self._leftover.provisional = provisional
 
     @property
     def is_recording(self) -> bool:
@@ -261,11 +266,11 @@ class GradManager(StepHooks):
             tape = provisional.settle(backend)
             self._recording_tape = None
             if tape is not None:
-                self._tape = self._recording_tape = tape
+                self._tape = self._recording_tape = self._leftover.tape = tape
 
     def _own_tape(self) -> Tape:
         if self._tape is None:
-            self._tape = self._backend.new_tape()
+            self._tape = self._leftover.tape = self._backend.new_tape()
         return self._tape
 
     def _taping(self) -> bool:
@@ -282,7 +287,7 @@ class GradManager(StepHooks):
                             for t, spec in self._attached.live()])
 
     def _warn_if_started_late(self) -> None:
-        later = [m for m in self._managers
+        later = [m for m in _live(self._managers)
                  if m is not self and m._step > self._step and m._taping()]
         if later:
             warnings.warn(
@@ -306,10 +311,11 @@ class GradManager(StepHooks):
         managers, self._managers = self._managers, None
         if managers is None:
             return
-        if managers and managers[-1] is self:
+        ref = self._ref
+        if managers and managers[-1] is ref:
             managers.pop()
-        elif self in managers:
-            managers.remove(self)
+        elif ref in managers:
+            managers.remove(ref)
         tape, self._recording_tape = self._recording_tape, None
         bypassed = None
         if tape is not None:
@@ -425,7 +431,7 @@ class GradManager(StepHooks):
         recording managers hold others too (alone, it is ``(False, False)``)."""
         # A manager whose own backward is running (this one runs inside its callback) can no
         # longer differentiate anything recorded now.
-        others = [m for m in self._managers if m is not self and m._delivery is None]
+        others = [m for m in _live(self._managers) if m is not self and m._delivery is None]
         group = self._recording_group
         create_graph = any(
             m._step < self._step and (group is None or m._recording_group is not group)
@@ -553,6 +559,36 @@ class GradManager(StepHooks):
         name = self._backend.name if self._backend else "no backend yet"
         state = "recording" if self._managers is not None else "idle"
         return f"<GradManager {name}, {len(self._attached)} attached, {state}>"
+
+
+def _live(refs: List[weakref.ref]) -> List[GradManager]:
+    """The live managers of a thread's list of recording ones (see GradManager._ref)."""
+    return [m for m in (ref() for ref in refs) if m is not None]
+
+
+class _Leftover:
+    """What a manager's recording leaves to end if the manager is collected while recording
+    (``def h(): gm.record()``): its place in the thread's list of recording managers and its
+    tapes. Holds no reference to the manager; the manager sets these as they change."""
+
+    __slots__ = ("managers", "tape", "provisional")
+
+    def __init__(self) -> None:
+        self.managers: Optional[List[weakref.ref]] = None  # the list of the latest record()
+        self.tape: Optional[Tape] = None  # the manager's own tape
+        self.provisional: Optional[Tape] = None  # its latest provisional one
+
+    def collected(self, ref: weakref.ref) -> None:
+        """The manager died: if it was recording, end the recording (a tape's stop() undoes
+        what it changed: PyTorch inputs' ``requires_grad``, grad mode, MegEngine's ``Grad``),
+        so that it no longer records (higher order) later backwards of its thread."""
+        managers = self.managers
+        if managers is None or ref not in managers:
+            return  # not recording
+        managers.remove(ref)
+        for tape in (self.provisional, self.tape):
+            if tape is not None:
+                tape.stop()
 
 
 class _Backwarding:
