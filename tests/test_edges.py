@@ -9,6 +9,7 @@ import gc
 import weakref
 
 import numpy as np
+import pytest
 
 from gradmgr import GradManager
 
@@ -71,3 +72,157 @@ def test_dropped_recording_megengine_as_native(mge_fw):
         # Native frees a manager with nothing attached; one with an attached tensor it keeps
         # alive through the callback it gave the engine (a leak gradmgr does not copy).
         assert freed and native_freed == (not attach_x)
+
+
+# ------------------------------------------------------------------ operations before record()
+def _pre_record_program(fw, manager_class):
+    """``r3 = L2 + L1`` before ``record()``, ``r4 = r3 + r3`` inside, ``L1`` attached."""
+    l1, l2 = fw.parameter([1.0, 1.0]), fw.parameter([1.0, 1.0])
+    r3 = l2 + l1
+    gm = manager_class().attach(l1)
+    with gm:
+        r4 = r3 + r3
+        gm.backward(fw.sum(r4))
+    return fw.grad(l1)
+
+
+def test_pre_record_only_path_megengine_as_native(mge_fw):
+    from megengine.autodiff import GradManager as NativeGradManager
+
+    assert _pre_record_program(mge_fw, NativeGradManager) is None  # a constant to MegEngine
+    assert _pre_record_program(mge_fw, GradManager) is None
+
+
+def test_pre_record_only_path_torch_warns(torch_fw):
+    from gradmgr.backends.torch import PreRecordGradientWarning
+
+    with pytest.warns(PreRecordGradientWarning, match="AddBackward0"):
+        grad = _pre_record_program(torch_fw, GradManager)
+    np.testing.assert_array_equal(grad, [2.0, 2.0])  # loss.backward()'s, as documented
+
+
+def test_attached_mid_recording_after_its_only_use_torch_warns(torch_fw):
+    """S8: ``y = x * 2`` recorded, then ``attach(x)``: MegEngine gives x no gradient."""
+    import torch
+    from gradmgr.backends.torch import PreRecordGradientWarning
+
+    x = torch.ones(2, requires_grad=True)
+    gm = GradManager()
+    with pytest.warns(PreRecordGradientWarning), gm:
+        y = x * 2
+        gm.attach(x)
+        gm.backward((y * 3).sum())
+
+
+# ------------------------------------------------------------------ MegEngine's distributed names
+@pytest.mark.megengine
+def test_megengine_distributed_names_imported_before_the_ranks_started(tmp_path):
+    """A MegEngine script's first lines (``from megengine.distributed import make_allreduce_cb,
+    bcast_list_``, ``all_reduce_sum``, ``SyncBatchNorm``) on ranks started by ``spawn_local``:
+    the names work whether imported before the start or looked up after, and
+    ``all_reduce_sum`` is differentiated as MegEngine's is (its gradient: the sum over ranks of
+    the output gradients). MegEngine's own collectives need a GPU, so the reference is the math
+    and SyncBatchNorm in one process over both ranks' batches."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch.distributed")
+    from dist_workers import megengine_names as job
+    from ranks import TESTS, rank_env, wait_all
+
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "dist_workers.megengine_names",
+                                 str(tmp_path)], cwd=TESTS, env=rank_env(), stdout=f,
+                                stderr=subprocess.STDOUT)
+        wait_all([proc], 240)
+    if proc.returncode != 0:
+        pytest.fail(f"the job failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
+    outs = [dict(np.load(tmp_path / f"rank{r}.npz", allow_pickle=True)) for r in range(2)]
+    data = [job.rank_data(r) for r in range(2)]
+    for rank, out in enumerate(outs):
+        for tag in ("early", "late"):
+            np.testing.assert_array_equal(out[f"bcast_{tag}"], data[0]["w0"])  # rank 0's
+            assert str(out[f"cb_{tag}_module"]).startswith("gradmgr.")  # gradmgr's callback
+            np.testing.assert_allclose(out[f"cb_{tag}"], (data[0]["x"] + data[1]["x"]) / 2,
+                                       rtol=1e-6)
+            # d/dw of all_reduce_sum(sum(w * x_r)), seeded with 1 on both ranks: 2 * x_r
+            np.testing.assert_array_equal(out[f"ar_{tag}"], 2 * data[rank]["x"])
+    ref = _sync_bn_reference(data)
+    for rank, out in enumerate(outs):
+        part = slice(rank * 2, rank * 2 + 2)
+        np.testing.assert_allclose(out["bn_out"], ref["out"][part], rtol=1e-5, atol=1e-6)
+        # the input's gradient has the terms through the other rank's statistics
+        np.testing.assert_allclose(out["bn_x_grad"], ref["x_grad"][part], rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(out["bn_weight_grad"], ref["weight_grad"][rank],
+                                   rtol=1e-4, atol=1e-5)
+
+
+def _sync_bn_reference(data):
+    """SyncBatchNorm in one process (statistics of both ranks' batches together), with
+    MegEngine's own GradManager: the output, the input's gradient of the sum of both ranks'
+    losses, and each rank's weight gradient of its own loss."""
+    import megengine
+    import megengine.functional as F
+    import megengine.module as M
+    from megengine.autodiff import GradManager as NativeGradManager
+
+    x_all = np.concatenate([d["bn_x"] for d in data])
+    out, weight_grads = None, []
+    for rank in range(3):  # rank 2: both losses, for the input's gradient
+        c = np.zeros_like(x_all)
+        for r in ([rank] if rank < 2 else [0, 1]):
+            c[r * 2:r * 2 + 2] = data[r]["bn_c"]
+        bn = M.SyncBatchNorm(x_all.shape[1])
+        x = megengine.tensor(x_all)
+        gm = NativeGradManager().attach([x, bn.weight])
+        with gm:
+            y = bn(x)
+            gm.backward(F.sum(y * megengine.tensor(c)))
+        out, x_grad = y.numpy(), x.grad.numpy()
+        weight_grads.append(bn.weight.grad.numpy())
+    return {"out": out, "x_grad": x_grad, "weight_grad": weight_grads[:2]}
+
+
+# ------------------------------------------------------------ a recording with nothing attached
+_GUESSED = """
+import torch
+from gradmgr import GradManager
+alone = GradManager()
+with alone:  # only torch imported: the recording takes torch's tape
+    pass
+member, other = GradManager(), GradManager().attach(torch.ones(1, requires_grad=True))
+with member | other:  # a torch group's member with nothing attached
+    pass
+mid = GradManager()
+mid.record()  # still recording when the first (MegEngine) tensor is attached
+import megengine
+import megengine.functional as F
+from megengine.autodiff import GradManager as NativeGradManager
+grads = []
+for gm in (alone, member, mid, NativeGradManager()):
+    w = megengine.Parameter([1.0, 2.0])
+    gm.attach(w)
+    if gm is not mid:
+        gm.record()
+    gm.backward(F.sum(w * w))
+    grads.append(w.grad.numpy().tolist())
+print(grads)
+"""
+
+
+@pytest.mark.megengine
+def test_a_recording_with_nothing_attached_does_not_pin_the_framework():
+    """Only torch imported at ``record()`` (alone, or as a torch group's member): a later
+    MegEngine tensor is accepted and differentiated as MegEngine's own manager does."""
+    import ast
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    done = subprocess.run([sys.executable, "-c", _GUESSED], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    grads = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert grads == [grads[-1]] * 4 and grads[-1] == [2.0, 4.0]
