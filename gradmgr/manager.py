@@ -57,6 +57,9 @@ class GradManager(StepHooks):
     def __init__(self, backend: Union[str, Backend, None] = None) -> None:
         super().__init__()  # the registrations (StepHooks)
         self._backend: Optional[Backend] = resolve_backend(backend)
+        # The backend was only guessed (a recording or a backward with nothing attached took
+        # the only imported framework, or its group's): the first attached tensor decides.
+        self._guessed = False
         self._attached = Attachments()
         self._tape: Optional[Tape] = None  # the backend's, for the manager's whole life
         # The recording (record() to release()), in the manager itself rather than an object
@@ -82,7 +85,7 @@ class GradManager(StepHooks):
     @property
     def backend(self) -> Optional[Backend]:
         """The backend in use, or None until the first tensor is attached."""
-        return self._backend
+        return None if self._guessed else self._backend
 
     def attach(
         self,
@@ -113,7 +116,9 @@ class GradManager(StepHooks):
                 manager.
         """
         callback_list = check_callbacks(callbacks)
-        tensor_list, backend = check_tensors(tensors, self._backend)
+        tensor_list, backend = check_tensors(tensors, self.backend)
+        if self._guessed:
+            self._replace_guess(backend)
         self._use_backend(backend)
         for cb in callback_list:
             bind = getattr(cb, "__gradmgr_bind__", None)
@@ -233,7 +238,7 @@ class GradManager(StepHooks):
         with the group's: on MegEngine, one started later would not join the native group)."""
         candidates = [group_backend] if group_backend is not None else imported_backends()
         if len(candidates) == 1:
-            self._backend = candidates[0]
+            self._backend, self._guessed = candidates[0], True
         else:
             provisional = ProvisionalTape(candidates)
             provisional.start()
@@ -255,6 +260,23 @@ class GradManager(StepHooks):
         """
         delivery = self._delivery
         return self._step if delivery is None else delivery.step
+
+    def _replace_guess(self, backend: Backend, still_guessed: bool = False) -> None:
+        """A tensor of ``backend`` is given to a manager whose backend was only guessed (or
+        is unknown): keep the guess if it is the tensor's framework; otherwise forget it (and
+        its tape, restarted in the tensor's framework if recording). An attached tensor
+        settles the backend; a ``y`` (``still_guessed``) is only the next guess."""
+        self._guessed = still_guessed
+        if backend is self._backend or self._backend is None:
+            return
+        recording = self._managers is not None
+        if recording and self._recording_tape is not None:
+            tape, self._recording_tape = self._recording_tape, None
+            tape.stop()
+        self._backend, self._tape = backend, None
+        if recording:
+            self._warn_if_started_late()
+            self._start_tape()
 
     def _use_backend(self, backend: Optional[Backend]) -> None:
         """The backend just became known (from a tensor): settle a provisional tape."""
@@ -400,7 +422,10 @@ class GradManager(StepHooks):
         backend = self._backend
         if dy is None and backend is not None and backend_for(y) is backend:
             return [y], [backend.ones_like(y)]  # the common call: backward(loss)
-        ys, dys, backend = check_outputs(y, dy, backend)
+        ys, dys, backend = check_outputs(y, dy, self.backend)
+        if backend is not None and not len(self._attached) and (
+                self._guessed or self._backend is None):
+            self._replace_guess(backend, still_guessed=True)  # y's framework: not attached
         self._use_backend(backend)
         return ys, dys
 
