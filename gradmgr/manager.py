@@ -355,11 +355,15 @@ class GradManager(StepHooks):
         if exc_type is None:
             self.release()
             return
+        tape = self._recording_tape
+        explained = None if tape is None else tape.explain(exc)
         self._leaving_on_error = True  # the block's own error wins
         try:
             self.release()
         finally:
             self._leaving_on_error = False
+        if explained is not None:
+            raise explained from exc
 
     # ----------------------------------------------------------------- backward
     def backward(self, y: Any = None, dy: Any = None) -> None:

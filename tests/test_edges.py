@@ -226,3 +226,91 @@ def test_a_recording_with_nothing_attached_does_not_pin_the_framework():
     assert done.returncode == 0, done.stderr[-2000:]
     grads = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert grads == [grads[-1]] * 4 and grads[-1] == [2.0, 4.0]
+
+
+# ------------------------------------------------------------------ freezing after attach
+def test_freeze_rule_torch(torch_fw):
+    """The contract's rule (point 15), against plain autograd of ``3 * w`` ([3, 3]): a tensor
+    attached while it requires grad, then frozen, gets no gradient; attached again while
+    frozen, it is an input of that manager (attach asks for its gradient, as in MegEngine) and
+    gets [3, 3]; another manager attaching the frozen tensor decides for itself alone; a
+    Parameter stays frozen whatever its attach calls (loss.backward() and DDP)."""
+    import torch
+
+    def step(gm, w):
+        with gm:
+            gm.backward((w * 3.0).sum())
+        grad, w.grad = w.grad, None
+        return None if grad is None else grad.tolist()
+
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    gm1 = GradManager().attach(w)
+    w.requires_grad_(False)
+    assert step(gm1, w) is None
+    gm2 = GradManager().attach(w)  # another manager: an input of gm2 only
+    assert step(gm2, w) == [3.0, 3.0] and step(gm1, w) is None
+    gm1.attach(w)  # attached again while frozen: now an input of gm1 too
+    assert step(gm1, w) == [3.0, 3.0] and not w.requires_grad
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    gm3 = GradManager().attach(p)
+    p.requires_grad_(False)
+    gm3.attach(p)
+    assert step(gm3, p) is None
+    p.requires_grad_(True)  # unfrozen: trainable again
+    assert step(gm3, p) == [3.0, 3.0]
+
+
+def test_attach_again_changes_nothing_but_callbacks_megengine_as_native(mge_fw):
+    """MegEngine tensors have no freezing: every attached tensor gets its gradient, and
+    attaching again only appends callbacks (native's rule)."""
+    import megengine
+    import megengine.functional as F
+    from megengine.autodiff import GradManager as NativeGradManager
+
+    def run(manager_class):
+        w = megengine.Parameter([1.0, 2.0])
+        gm = manager_class().attach(w)
+        gm.attach(w, callbacks=lambda t, g: g * 2)
+        with gm:
+            gm.backward(F.sum(w * 3.0))
+        return w.grad.numpy()
+
+    np.testing.assert_array_equal(run(GradManager), run(NativeGradManager))
+
+
+# ------------------------------------------------------------------ an input changed in place
+def test_input_changed_in_place_says_what_happened_torch(torch_fw):
+    """``x`` attached with requires_grad off (an input); ``x.sub_(0.5)`` inside the recording:
+    torch's own error speaks of a flag the user never set."""
+    import torch
+
+    x = torch.tensor([1.0, 2.0])
+    gm = GradManager().attach(x)
+    with pytest.raises(RuntimeError, match=r"x = x - 0\.5") as caught:
+        with gm:
+            x.sub_(0.5)
+    assert "requires_grad on for 1 tensor" in str(caught.value)
+    assert "leaf Variable" in str(caught.value.__cause__)  # torch's own, chained
+    assert not x.requires_grad and not gm.is_recording
+    with gm:  # what the message says to write: the gradient of (x - 0.5) ** 2 is 2 * x - 1
+        x2 = x - 0.5
+        gm.backward((x2 * x2).sum())
+    assert x.grad.tolist() == [1.0, 3.0]
+
+
+def test_input_changed_in_place_megengine_as_native(mge_fw):
+    """MegEngine changes an attached input in place without complaint (``-=`` inside the
+    recording): the same gradient as its own manager (the engine's snapshot rule)."""
+    import megengine
+    import megengine.functional as F
+    from megengine.autodiff import GradManager as NativeGradManager
+
+    def run(manager_class):
+        x = megengine.tensor([1.0, 2.0])
+        gm = manager_class().attach(x)
+        with gm:
+            x -= 0.5
+            gm.backward(F.sum(x * x))
+        return x.grad.numpy()
+
+    np.testing.assert_array_equal(run(GradManager), run(NativeGradManager))
