@@ -21,8 +21,9 @@ record_counter = itertools.count()
 
 
 class StartingGroup(NamedTuple):
-    """A group starting its members: each member's ``record()`` joins ``group`` and, knowing
-    no framework yet, takes ``backend`` (the other members' framework, or None)."""
+    """A group starting its members: each member's ``record()`` joins ``group`` (a token that
+    identifies this start of the group) and, knowing no framework yet, takes ``backend`` (the
+    other members' framework, or None)."""
 
     group: Any
     backend: Optional[Backend]

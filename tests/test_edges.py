@@ -313,3 +313,22 @@ def test_input_changed_in_place_megengine_as_native(mge_fw):
         return x.grad.numpy()
 
     np.testing.assert_array_equal(run(GradManager), run(NativeGradManager))
+
+
+def test_dropped_group_member_is_freed_torch(torch_fw):
+    """A group's member dropped while the group records: the other member does not keep it
+    alive (through the group), so its recording ends when it is collected."""
+    import torch
+
+    x = torch.tensor([3.0, 4.0])
+    kept = GradManager().attach(torch.ones(1, requires_grad=True))
+
+    def h():
+        dropped = GradManager().attach(x)
+        (kept | dropped).record()
+        return weakref.ref(dropped)
+
+    ref = h()
+    gc.collect()
+    assert ref() is None and not x.requires_grad
+    kept.release()
