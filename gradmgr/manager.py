@@ -165,11 +165,14 @@ class GradManager(StepHooks):
             tape.watch(tensor, spec.sink, eager)
 
     def _sink_for(self, spec: AttachSpec, key: int) -> Callable[[Any], Any]:
-        manager = weakref.ref(self)  # tapes keep sinks: no reference cycle through them
+        # Tapes keep sinks, and a tape's finalizer may keep what it holds until the tape dies:
+        # no strong reference to the manager, nor to its callbacks (one that holds the
+        # manager would keep it alive for ever).
+        manager, spec_ref = weakref.ref(self), weakref.ref(spec)
 
         def sink(grad: Any) -> Any:
-            owner = manager()
-            tensor = spec.tensor()
+            owner, spec = manager(), spec_ref()
+            tensor = None if spec is None else spec.tensor()
             if owner is None or tensor is None:
                 return None
             if spec.callbacks:

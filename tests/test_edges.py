@@ -106,12 +106,13 @@ def test_attached_mid_recording_after_its_only_use_torch_warns(torch_fw):
     import torch
     from gradmgr.backends.torch import PreRecordGradientWarning
 
-    x = torch.ones(2, requires_grad=True)
-    gm = GradManager()
-    with pytest.warns(PreRecordGradientWarning), gm:
-        y = x * 2
-        gm.attach(x)
-        gm.backward((y * 3).sum())
+    for after_attach in (lambda y: y * 3, lambda y: y):  # y computed wholly before attach too
+        x = torch.ones(2, requires_grad=True)
+        gm = GradManager()
+        with pytest.warns(PreRecordGradientWarning), gm:
+            y = x * 2
+            gm.attach(x)
+            gm.backward(after_attach(y).sum())
 
 
 # ------------------------------------------------------------------ MegEngine's distributed names
@@ -332,3 +333,25 @@ def test_dropped_group_member_is_freed_torch(torch_fw):
     gc.collect()
     assert ref() is None and not x.requires_grad
     kept.release()
+
+
+def test_a_manager_its_callback_holds_is_freed(fw):
+    """A callback that holds its manager (as a data-parallel callback may): dropped, whether
+    idle or recording, the manager is freed by the collector (the torch tape's finalizer held
+    the callbacks through its sinks, so such a manager lived for ever)."""
+
+    def make(record):
+        w = fw.parameter([1.0, 2.0])
+        gm = GradManager()
+        gm.attach(w, callbacks=lambda t, g, gm=gm: g)
+        with gm:
+            gm.backward(fw.sum(w * w))
+        if record:
+            gm.record()
+        return weakref.ref(gm), w
+
+    for record in (False, True):
+        dropped, w = make(record)
+        gc.collect()
+        assert dropped() is None
+        np.testing.assert_array_equal(fw.grad(w), [2.0, 4.0])
