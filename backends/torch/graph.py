@@ -146,7 +146,7 @@ def reentrant_checkpoints(parents: Dict[Any, List[Any]]) -> List[Any]:
 
 
 def pre_record_paths(
-    parents: Dict[Any, List[Any]], inputs: List[torch.Tensor], since: List[int]
+    parents: Dict[Any, List[Any]], inputs: List[torch.Tensor], since: List[int], base: int
 ) -> List[Tuple[int, List[str]]]:
     """Attached tensors whose gradient goes through operations done before their snapshot
     below operations recorded after it: ``(position in inputs, names of the older
@@ -155,13 +155,14 @@ def pre_record_paths(
     A node's sequence number says when this thread created it, so a node numbered below a
     tensor's snapshot ``since`` predates the recording (or comes from another thread). For each
     node, ``low`` is the smallest number on any path from the outputs down to it and ``top``
-    the largest. A tensor with ``low < since <= top`` gets gradient through an older operation
-    although the outputs were computed, at least in part, in the recording: MegEngine counts
-    only the paths recorded entirely after the snapshot (treating older results as constants),
-    so its gradient differs (it is None where every path goes through an older operation:
-    ``r = w + 1`` before ``record()``, ``y = r * r`` inside). One whose every path is older
-    (``top < since``: the whole forward ran before ``record()``, or in another thread) gets
-    exactly what ``loss.backward()`` gives, and is not reported.
+    the largest. A tensor with ``low < since`` and ``top >= base`` (the recording's start)
+    gets gradient through an older operation although the outputs were computed, at least in
+    part, in the recording: MegEngine counts only the paths recorded entirely after the
+    snapshot (treating older results as constants), so its gradient differs (it is None where
+    every path goes through an older operation: ``r = w + 1`` before ``record()``, ``y = r * r``
+    inside; or ``y = w * 2`` inside, then ``attach(w)``). One whose every path predates the
+    recording (``top < base``: the whole forward ran before ``record()``, or in another
+    thread) gets exactly what ``loss.backward()`` gives, and is not reported.
     """
     seq = {n: n._sequence_nr() for n in parents}
     never = float("inf")
@@ -178,7 +179,7 @@ def pre_record_paths(
     node_of = node_lookup(parents)
     for i, (t, snapshot) in enumerate(zip(inputs, since)):
         node = node_of(t)
-        if node is not None and low[node] < snapshot <= top[node]:
+        if node is not None and low[node] < snapshot and top[node] >= base:
             found.append((i, _older_operations(parents, node, seq, snapshot)))
     return found
 

@@ -55,10 +55,10 @@ def check_mode() -> str:
 
 
 def warn_if_pre_record(parents: Dict[Any, List[Any]], inputs: List[torch.Tensor],
-                       since: List[int]) -> bool:
+                       since: List[int], base: int) -> bool:
     """Warn if an attached tensor's gradient goes through older operations below recorded ones
     (see :func:`.graph.pre_record_paths`); return whether it warned."""
-    found = pre_record_paths(parents, inputs, since)
+    found = pre_record_paths(parents, inputs, since, base)
     if not found:
         return False
     lines = []

@@ -339,7 +339,7 @@ class TorchTape(Tape):
         watched = self.watched
         # (the first half of _wants_pre_record_check, asked first: the usual recording,
         # checked already, then makes no call for it)
-        if ((not self._checked or prerecord.every_backward) and watched.entries
+        if ((not self._checked or prerecord.every_backward)
                 and self._wants_pre_record_check()):
             self._record_seq = current_sequence_nr()  # a later attach() takes its own
         if watched.needs_flag:
@@ -557,5 +557,5 @@ class TorchTape(Tape):
         if 0 in since:
             return  # no snapshot could be taken (inference mode, functorch): check a later step
         self._checked = True
-        if prerecord.warn_if_pre_record(parents, inputs, since):
+        if prerecord.warn_if_pre_record(parents, inputs, since, base):
             self._warned = True
