@@ -167,7 +167,9 @@ class _AllReduceSum(Function):
         return _host_all_reduce(inp)
 
     def backward(self, grad: Any) -> Any:
-        return _host_all_reduce(grad)
+        # None: no gradient reached the output (MegEngine still calls a Function's backward
+        # then); the program is the same on every rank, so no rank reduces it.
+        return None if grad is None else _host_all_reduce(grad)
 
 
 _UNSUPPORTED = ("megengine.distributed's {name} has no gloo counterpart in gradmgr (MegEngine's "
