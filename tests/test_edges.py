@@ -106,13 +106,15 @@ def test_attached_mid_recording_after_its_only_use_torch_warns(torch_fw):
     import torch
     from gradmgr.backends.torch import PreRecordGradientWarning
 
-    for after_attach in (lambda y: y * 3, lambda y: y):  # y computed wholly before attach too
+    for y_wholly_before_attach in (False, True):
         x = torch.ones(2, requires_grad=True)
         gm = GradManager()
         with pytest.warns(PreRecordGradientWarning), gm:
             y = x * 2
+            if y_wholly_before_attach:
+                y = y.sum()
             gm.attach(x)
-            gm.backward(after_attach(y).sum())
+            gm.backward(y if y_wholly_before_attach else (y * 3).sum())
 
 
 # ------------------------------------------------------------------ MegEngine's distributed names
