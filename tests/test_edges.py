@@ -151,6 +151,9 @@ def test_megengine_distributed_names_imported_before_the_ranks_started(tmp_path)
                                        rtol=1e-6)
             # d/dw of all_reduce_sum(sum(w * x_r)), seeded with 1 on both ranks: 2 * x_r
             np.testing.assert_array_equal(out[f"ar_{tag}"], 2 * data[rank]["x"])
+    for out in outs:
+        for tag in ("all_gather", "broadcast"):
+            assert "no gloo counterpart" in str(out[f"refused_{tag}"])
     ref = _sync_bn_reference(data)
     for rank, out in enumerate(outs):
         part = slice(rank * 2, rank * 2 + 2)

@@ -22,7 +22,7 @@ import megengine.functional as F
 import megengine.module as M
 import numpy as np
 from megengine.distributed import bcast_list_, make_allreduce_cb
-from megengine.functional.distributed import all_reduce_sum
+from megengine.functional.distributed import all_gather, all_reduce_sum, broadcast
 
 BN_SHAPE = (2, 3, 2, 2)
 
@@ -89,6 +89,12 @@ def rank_main(rank: int, world: int, port: int, outdir: str) -> None:
     out["ar_early"] = _all_reduce_grad(lambda: all_reduce_sum, data)
     out["ar_late"] = _all_reduce_grad(lambda: F.distributed.all_reduce_sum, data)
     out.update(_sync_bn(data))
+    # names with no gloo counterpart, imported before the start: a clear error
+    for tag, refused in (("all_gather", all_gather), ("broadcast", broadcast)):
+        try:
+            refused(megengine.tensor(data["x"]))
+        except NotImplementedError as error:
+            out[f"refused_{tag}"] = np.array(str(error))
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **out)
     tdist.barrier()
     tdist.destroy_process_group()
