@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
 
 if TYPE_CHECKING:
@@ -20,8 +21,9 @@ record_counter = itertools.count()
 
 
 class StartingGroup(NamedTuple):
-    """A group starting its members: each member's ``record()`` joins ``group`` and, knowing
-    no framework yet, takes ``backend`` (the other members' framework, or None)."""
+    """A group starting its members: each member's ``record()`` joins ``group`` (a token that
+    identifies this start of the group) and, knowing no framework yet, takes ``backend`` (the
+    other members' framework, or None)."""
 
     group: Any
     backend: Optional[Backend]
@@ -29,12 +31,17 @@ class StartingGroup(NamedTuple):
 
 class ThreadState(threading.local):
     def __init__(self) -> None:
-        self.recording: List[GradManager] = []
+        self.recording: List[weakref.ref] = []  # weak references to the recording managers
         self.backwarding: List[GradManager] = []
         self.starting_group: Optional[StartingGroup] = None
 
 
 state = ThreadState()
+
+
+def recording_managers() -> List[GradManager]:
+    """The managers recording in this thread, in the order they started (live ones only)."""
+    return [m for m in (ref() for ref in state.recording) if m is not None]
 
 
 def get_backwarding_grad_manager() -> Optional[GradManager]:

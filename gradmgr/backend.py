@@ -93,6 +93,11 @@ class Tape(ABC):
     def start(self) -> None:
         """Begin recording (``GradManager.record()``)."""
 
+    def explain(self, error: BaseException) -> Optional[BaseException]:
+        """An error that says what went wrong, in place of ``error``, which left a ``with``
+        block of the recording; None: ``error`` says it well enough (the default)."""
+        return None
+
     @abstractmethod
     def watch(self, tensor: Any, sink: GradSink, eager: bool) -> None:
         """Snapshot ``tensor`` now; differentiate the next backward with respect to it.

@@ -55,7 +55,9 @@ class GradManagerGroup:
             with contextlib.ExitStack() as contexts:
                 for candidate in candidates:
                     contexts.enter_context(candidate.recording_group())
-                state.starting_group = _state.StartingGroup(self, backend)
+                # A token, not the group: members must not keep each other alive through
+                # it (a member dropped while recording is freed, see GradManager._ref).
+                state.starting_group = _state.StartingGroup(object(), backend)
                 for gm in self._gms:
                     gm.record()
                     started.append(gm)

@@ -59,6 +59,9 @@ class GradManager(StepHooks):
     def __init__(self, backend: Union[str, Backend, None] = None) -> None:
         super().__init__()  # the registrations (StepHooks)
         self._backend: Optional[Backend] = resolve_backend(backend)
+        # The backend was only guessed (a recording or a backward with nothing attached took
+        # the only imported framework, or its group's): the first attached tensor decides.
+        self._guessed = False
         self._attached = Attachments()
         self._tape: Optional[Tape] = None  # the backend's, for the manager's whole life
         # The recording (record() to release()), in the manager itself rather than an object
@@ -66,7 +69,12 @@ class GradManager(StepHooks):
         # recording thread's recording managers it joined (None: not recording; a backward may
         # run in another thread), its group, and its started tape (the manager's, or a
         # provisional one; None until the backend is known).
-        self._managers: Optional[List[GradManager]] = None
+        self._managers: Optional[List[weakref.ref]] = None
+        # What the thread's list holds while this manager records: a weak reference, so that
+        # a manager dropped while recording is freed (as MegEngine's is) and its recording
+        # ended by _Leftover instead of changing every later backward in the thread.
+        self._leftover = _Leftover()
+        self._ref = weakref.ref(self, self._leftover.collected)
         self._recording_group: Optional[object] = None
         self._recording_tape: Optional[Tape] = None
         self._step = -1  # the latest recording's number
@@ -79,7 +87,7 @@ class GradManager(StepHooks):
     @property
     def backend(self) -> Optional[Backend]:
         """The backend in use, or None until the first tensor is attached."""
-        return self._backend
+        return None if self._guessed else self._backend
 
     def attach(
         self,
@@ -110,7 +118,9 @@ class GradManager(StepHooks):
                 manager.
         """
         callback_list = check_callbacks(callbacks)
-        tensor_list, backend = check_tensors(tensors, self._backend)
+        tensor_list, backend = check_tensors(tensors, self.backend)
+        if self._guessed:
+            self._replace_guess(backend)
         self._use_backend(backend)
         for cb in callback_list:
             bind = getattr(cb, "__gradmgr_bind__", None)
@@ -147,11 +157,14 @@ class GradManager(StepHooks):
             tape.watch(tensor, spec.sink, eager)
 
     def _sink_for(self, spec: AttachSpec, key: int) -> Callable[[Any], Any]:
-        manager = weakref.ref(self)  # tapes keep sinks: no reference cycle through them
+        # Tapes keep sinks, and a tape's finalizer may keep what it holds until the tape dies:
+        # no strong reference to the manager, nor to its callbacks (one that holds the
+        # manager would keep it alive for ever).
+        manager, spec_ref = weakref.ref(self), weakref.ref(spec)
 
         def sink(grad: Any) -> Any:
-            owner = manager()
-            tensor = spec.tensor()
+            owner, spec = manager(), spec_ref()
+            tensor = None if spec is None else spec.tensor()
             if owner is None or tensor is None:
                 return None
             if spec.callbacks:
@@ -190,8 +203,8 @@ class GradManager(StepHooks):
         self._step = next(_state.record_counter)
         self._backward_ran = False
         self._recording_group = None if starting is None else starting.group
-        managers = self._managers = state.recording
-        managers.append(self)
+        managers = self._managers = self._leftover.managers = state.recording
+        managers.append(self._ref)
         try:
             if self._record_callbacks:
                 self._run_record_callbacks()  # before the tape snapshots anything
@@ -220,11 +233,11 @@ class GradManager(StepHooks):
         with the group's: on MegEngine, one started later would not join the native group)."""
         candidates = [group_backend] if group_backend is not None else imported_backends()
         if len(candidates) == 1:
-            self._backend = candidates[0]
+            self._backend, self._guessed = candidates[0], True
         else:
             provisional = ProvisionalTape(candidates)
             provisional.start()
-            self._recording_tape = provisional
+            self._recording_tape = self._leftover.provisional = provisional
 
     @property
     def is_recording(self) -> bool:
@@ -243,6 +256,23 @@ class GradManager(StepHooks):
         delivery = self._delivery
         return self._step if delivery is None else delivery.step
 
+    def _replace_guess(self, backend: Backend, still_guessed: bool = False) -> None:
+        """A tensor of ``backend`` is given to a manager whose backend was only guessed (or
+        is unknown): keep the guess if it is the tensor's framework; otherwise forget it (and
+        its tape, restarted in the tensor's framework if recording). An attached tensor
+        settles the backend; a ``y`` (``still_guessed``) is only the next guess."""
+        self._guessed = still_guessed
+        if backend is self._backend or self._backend is None:
+            return
+        recording = self._managers is not None
+        if recording and self._recording_tape is not None:
+            tape, self._recording_tape = self._recording_tape, None
+            tape.stop()
+        self._backend, self._tape = backend, None
+        if recording:
+            self._warn_if_started_late()
+            self._start_tape()
+
     def _use_backend(self, backend: Optional[Backend]) -> None:
         """The backend just became known (from a tensor): settle a provisional tape."""
         if backend is None or backend is self._backend:
@@ -253,11 +283,11 @@ class GradManager(StepHooks):
             tape = provisional.settle(backend)
             self._recording_tape = None
             if tape is not None:
-                self._tape = self._recording_tape = tape
+                self._tape = self._recording_tape = self._leftover.tape = tape
 
     def _own_tape(self) -> Tape:
         if self._tape is None:
-            self._tape = self._backend.new_tape()
+            self._tape = self._leftover.tape = self._backend.new_tape()
         return self._tape
 
     def _taping(self) -> bool:
@@ -274,7 +304,7 @@ class GradManager(StepHooks):
                             for t, spec in self._attached.live()])
 
     def _warn_if_started_late(self) -> None:
-        later = [m for m in self._managers
+        later = [m for m in _live(self._managers)
                  if m is not self and m._step > self._step and m._taping()]
         if later:
             warnings.warn(
@@ -298,10 +328,11 @@ class GradManager(StepHooks):
         managers, self._managers = self._managers, None
         if managers is None:
             return
-        if managers and managers[-1] is self:
+        ref = self._ref
+        if managers and managers[-1] is ref:
             managers.pop()
-        elif self in managers:
-            managers.remove(self)
+        elif ref in managers:
+            managers.remove(ref)
         tape, self._recording_tape = self._recording_tape, None
         bypassed = None
         if tape is not None:
@@ -319,11 +350,15 @@ class GradManager(StepHooks):
         if exc_type is None:
             self.release()
             return
+        tape = self._recording_tape
+        explained = None if tape is None else tape.explain(exc)
         self._leaving_on_error = True  # the block's own error wins
         try:
             self.release()
         finally:
             self._leaving_on_error = False
+        if explained is not None:
+            raise explained from exc
 
     # ----------------------------------------------------------------- backward
     def backward(self, y: Any = None, dy: Any = None) -> None:
@@ -386,7 +421,10 @@ class GradManager(StepHooks):
         backend = self._backend
         if dy is None and backend is not None and backend_for(y) is backend:
             return [y], [backend.ones_like(y)]  # the common call: backward(loss)
-        ys, dys, backend = check_outputs(y, dy, backend)
+        ys, dys, backend = check_outputs(y, dy, self.backend)
+        if backend is not None and not len(self._attached) and (
+                self._guessed or self._backend is None):
+            self._replace_guess(backend, still_guessed=True)  # y's framework: not attached
         self._use_backend(backend)
         return ys, dys
 
@@ -417,7 +455,7 @@ class GradManager(StepHooks):
         recording managers hold others too (alone, it is ``(False, False)``)."""
         # A manager whose own backward is running (this one runs inside its callback) can no
         # longer differentiate anything recorded now.
-        others = [m for m in self._managers if m is not self and m._delivery is None]
+        others = [m for m in _live(self._managers) if m is not self and m._delivery is None]
         group = self._recording_group
         create_graph = any(
             m._step < self._step and (group is None or m._recording_group is not group)
@@ -560,6 +598,36 @@ def attach_epoch(gm: GradManager) -> int:
     caches derived from :meth:`GradManager.attached_tensors` (the data-parallel bucket
     plan)."""
     return gm._attached.epoch
+
+
+def _live(refs: List[weakref.ref]) -> List[GradManager]:
+    """The live managers of a thread's list of recording ones (see GradManager._ref)."""
+    return [m for m in (ref() for ref in refs) if m is not None]
+
+
+class _Leftover:
+    """What a manager's recording leaves to end if the manager is collected while recording
+    (``def h(): gm.record()``): its place in the thread's list of recording managers and its
+    tapes. Holds no reference to the manager; the manager sets these as they change."""
+
+    __slots__ = ("managers", "tape", "provisional")
+
+    def __init__(self) -> None:
+        self.managers: Optional[List[weakref.ref]] = None  # the list of the latest record()
+        self.tape: Optional[Tape] = None  # the manager's own tape
+        self.provisional: Optional[Tape] = None  # its latest provisional one
+
+    def collected(self, ref: weakref.ref) -> None:
+        """The manager died: if it was recording, end the recording (a tape's stop() undoes
+        what it changed: PyTorch inputs' ``requires_grad``, grad mode, MegEngine's ``Grad``),
+        so that it no longer records (higher order) later backwards of its thread."""
+        managers = self.managers
+        if managers is None or ref not in managers:
+            return  # not recording
+        managers.remove(ref)
+        for tape in (self.provisional, self.tape):
+            if tape is not None:
+                tape.stop()
 
 
 class _Backwarding:

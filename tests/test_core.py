@@ -42,7 +42,7 @@ def fk():
 def no_leaked_state():
     """Every test must leave no recording, backwarding manager or started tape behind."""
     yield
-    leaked = (get_backwarding_grad_manager(), list(core_state.state.recording), live_state())
+    leaked = (get_backwarding_grad_manager(), core_state.recording_managers(), live_state())
     for gm in leaked[1]:  # clean up so that one failure does not cascade into the next tests
         gm.release()
     core_state.state.backwarding.clear()
@@ -812,7 +812,7 @@ def test_group_construction_and_rollback(fk):
     gm2.record()
     with pytest.raises(RuntimeError, match="already recording"):
         (gm1 | gm2 | gm3).record()
-    assert core_state.state.recording == [gm2]  # gm1 rolled back; gm3 never started
+    assert core_state.recording_managers() == [gm2]  # gm1 rolled back; gm3 never started
     gm2.release()
 
 
@@ -833,7 +833,7 @@ def test_managers_in_threads_are_independent(fk):
                 barrier.wait(timeout=30)  # both threads are recording now
                 gm.backward(y)
                 barrier.wait(timeout=30)
-            results[k] = (grad_of(x), seen == [gm], list(core_state.state.recording))
+            results[k] = (grad_of(x), seen == [gm], core_state.recording_managers())
         except BaseException as exc:  # report in the main thread
             results[k] = exc
 

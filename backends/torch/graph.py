@@ -146,37 +146,40 @@ def reentrant_checkpoints(parents: Dict[Any, List[Any]]) -> List[Any]:
 
 
 def pre_record_paths(
-    parents: Dict[Any, List[Any]], inputs: List[torch.Tensor], since: List[int]
+    parents: Dict[Any, List[Any]], inputs: List[torch.Tensor], since: List[int], base: int
 ) -> List[Tuple[int, List[str]]]:
-    """Attached tensors whose gradient mixes operations recorded after their snapshot with
-    operations done before it: ``(position in inputs, names of the older operations)``.
+    """Attached tensors whose gradient goes through operations done before their snapshot
+    below operations recorded after it: ``(position in inputs, names of the older
+    operations)``.
 
     A node's sequence number says when this thread created it, so a node numbered below a
     tensor's snapshot ``since`` predates the recording (or comes from another thread). For each
-    node, ``low`` is the smallest number on any path from the outputs down to it and ``high``
-    the largest, over paths, of the smallest number on the path. A tensor with
-    ``low < since <= high`` gets gradient both through a path recorded entirely after its
-    snapshot and through an older operation: on MegEngine only the first would count. One whose
-    every path goes through older operations (``high < since``: the whole forward ran before
-    ``record()``, or in another thread) gets exactly what ``loss.backward()`` gives, and is not
-    reported.
+    node, ``low`` is the smallest number on any path from the outputs down to it and ``top``
+    the largest. A tensor with ``low < since`` and ``top >= base`` (the recording's start)
+    gets gradient through an older operation although the outputs were computed, at least in
+    part, in the recording: MegEngine counts only the paths recorded entirely after the
+    snapshot (treating older results as constants), so its gradient differs (it is None where
+    every path goes through an older operation: ``r = w + 1`` before ``record()``, ``y = r * r``
+    inside; or ``y = w * 2`` inside, then ``attach(w)``). One whose every path predates the
+    recording (``top < base``: the whole forward ran before ``record()``, or in another
+    thread) gets exactly what ``loss.backward()`` gives, and is not reported.
     """
     seq = {n: n._sequence_nr() for n in parents}
     never = float("inf")
     low: Dict[Any, float] = {}
-    high: Dict[Any, float] = {}
+    top: Dict[Any, float] = {}
     for node in topological(parents):
         feeders = parents[node]
         if feeders:
             low[node] = min(min(seq[p], low[p]) for p in feeders)
-            high[node] = max(min(seq[p], high[p]) for p in feeders)
+            top[node] = max(max(seq[p], top[p]) for p in feeders)
         else:
-            low[node] = high[node] = never
+            low[node], top[node] = never, -never
     found = []
     node_of = node_lookup(parents)
     for i, (t, snapshot) in enumerate(zip(inputs, since)):
         node = node_of(t)
-        if node is not None and low[node] < snapshot <= high[node]:
+        if node is not None and low[node] < snapshot and top[node] >= base:
             found.append((i, _older_operations(parents, node, seq, snapshot)))
     return found
 

@@ -3,7 +3,7 @@
 Autograd records operations on a ``requires_grad`` tensor whether or not a manager is recording,
 so on PyTorch such operations contribute gradient where MegEngine ignores them (S9, and S8 for
 tensors attached mid-recording). The check finds them from node sequence numbers and warns
-where the result differs from MegEngine's while the recording did differentiate something.
+where the result differs from MegEngine's while the recording computed part of the outputs.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def set_pre_record_check(mode: str) -> None:
     """How often backward checks for gradient paths through pre-``record()`` operations.
 
     The check warns (:class:`PreRecordGradientWarning`) when an attached tensor's gradient
-    flows both through operations of the recording and through older ones, where MegEngine's
-    result would differ. ``"first"`` (default) checks each manager's first backward, which
+    flows from operations of the recording through older ones, where MegEngine's result
+    would differ. ``"first"`` (default) checks each manager's first backward, which
     catches the usual cause (a value computed from parameters once, outside the loop) at no
     cost to later steps; ``"always"`` checks every backward (a Python walk over the graph:
     about 1 us per node); ``"off"`` never warns. (Each manager's first backward is walked once
@@ -55,10 +55,10 @@ def check_mode() -> str:
 
 
 def warn_if_pre_record(parents: Dict[Any, List[Any]], inputs: List[torch.Tensor],
-                       since: List[int]) -> bool:
-    """Warn if an attached tensor's gradient mixes recorded operations with older ones (see
-    :func:`.graph.pre_record_paths`); return whether it warned."""
-    found = pre_record_paths(parents, inputs, since)
+                       since: List[int], base: int) -> bool:
+    """Warn if an attached tensor's gradient goes through older operations below recorded ones
+    (see :func:`.graph.pre_record_paths`); return whether it warned."""
+    found = pre_record_paths(parents, inputs, since, base)
     if not found:
         return False
     lines = []
@@ -67,9 +67,9 @@ def warn_if_pre_record(parents: Dict[Any, List[Any]], inputs: List[torch.Tensor]
         lines.append(f"  attached tensor #{i} (shape {tuple(inputs[i].shape)}) through {ops}")
     more = f"\n  ... and {len(found) - 4} more" if len(found) > 4 else ""
     warnings.warn(
-        f"gradmgr: the gradient of {len(found)} attached tensor(s) flows both through "
-        "operations recorded in this recording and through operations done before record() "
-        "(or before the tensor was attached):\n" + "\n".join(lines) + more + "\n"
+        f"gradmgr: the gradient of {len(found)} attached tensor(s) flows from operations "
+        "recorded in this recording through operations done before record() (or before the "
+        "tensor was attached):\n" + "\n".join(lines) + more + "\n"
         "PyTorch differentiates those older operations too (as loss.backward() would); "
         "MegEngine treats their results as constants, so the gradients differ from "
         "MegEngine's. Compute those values inside the recording, or .detach() them if they "

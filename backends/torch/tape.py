@@ -123,6 +123,17 @@ _BYPASSED = (
 )
 
 
+_LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
+_INPUT_IN_PLACE = (
+    "gradmgr: PyTorch refused an in-place operation on a leaf tensor that requires grad, inside "
+    "the recording. This manager turned requires_grad on for {n} tensor(s) attached while it "
+    "was off (inputs whose gradient it computes; shapes {shapes}) while it records; if the "
+    "tensor changed in place is one of them, the flag is the manager's, not yours. Change the "
+    "input before record() (or before attaching it), or write the operation out of place "
+    "(x = x - 0.5) and compute with the result: the gradient then flows to the attached x"
+)
+
+
 def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
     """Feed a tensor's callback chain, refusing a chain that changed the gradient in place:
     the engine may still need that tensor for other gradients, and another attached tensor
@@ -328,7 +339,7 @@ class TorchTape(Tape):
         watched = self.watched
         # (the first half of _wants_pre_record_check, asked first: the usual recording,
         # checked already, then makes no call for it)
-        if ((not self._checked or prerecord.every_backward) and watched.entries
+        if ((not self._checked or prerecord.every_backward)
                 and self._wants_pre_record_check()):
             self._record_seq = current_sequence_nr()  # a later attach() takes its own
         if watched.needs_flag:
@@ -341,6 +352,13 @@ class TorchTape(Tape):
         # (grad mode on and no hold anywhere: the usual step, known without a call)
         self._grad_mode_thread = (0 if _grad_enabled() and not GRAD_MODE.by_thread
                                   else GRAD_MODE.start(self))
+
+    def explain(self, error: BaseException) -> Optional[BaseException]:
+        flagged = self._flagged
+        if not flagged or _LEAF_IN_PLACE not in str(error):
+            return None
+        shapes = ", ".join(str(tuple(t.shape)) for t in flagged[:4])
+        return RuntimeError(_INPUT_IN_PLACE.format(n=len(flagged), shapes=shapes))
 
     def stop(self) -> None:
         # Every backward ends its recording: a seed the engine did not take (y needed no
@@ -539,5 +557,5 @@ class TorchTape(Tape):
         if 0 in since:
             return  # no snapshot could be taken (inference mode, functorch): check a later step
         self._checked = True
-        if prerecord.warn_if_pre_record(parents, inputs, since):
+        if prerecord.warn_if_pre_record(parents, inputs, since, base):
             self._warned = True

@@ -5,8 +5,9 @@ pattern), a :class:`Scenario` is a flat script that several managers (2 or 3) ac
 order: attaching the same tensors at different times (before a recording, inside their own or
 another manager's recording, again with or without callbacks), recording alone, as a group
 ``m0 | m1`` or nested inside another recording, running part of the forward before any
-``record()``, backwarding (also an attached tensor itself as ``y``) or releasing, and, between
-recordings, freezing and unfreezing leaves (torch: ``requires_grad_``) and dropping ``.grad``.
+``record()``, backwarding (also an attached tensor itself as ``y``), releasing or dropping a
+recording manager without releasing it (``def h(): gm.record()``), and, between recordings,
+freezing and unfreezing leaves (torch: ``requires_grad_``) and dropping ``.grad``.
 Ops include custom autograd Functions (``fn_*``).
 
 Values are numbered as in :mod:`diff_program`: leaves first, then one value per ``op`` event.
@@ -70,7 +71,8 @@ class Event:
     """``attach`` (manager, value, chain), ``freeze`` / ``unfreeze`` (value: a leaf),
     ``zero_grad`` (every leaf's ``.grad = None``), ``record`` (managers: one, or a group),
     ``op`` (op: its result is the next value), ``backward`` (manager, output), ``release``
-    (manager)."""
+    (manager), ``drop`` (manager: the recording manager is dropped, never released, and the
+    garbage collector runs; the script never uses it again)."""
 
     kind: str
     manager: int = -1
@@ -151,6 +153,8 @@ def _event_text(ev: Event) -> str:
         return "record " + " | ".join(f"m{i}" for i in ev.managers)
     if ev.kind == "release":
         return f"{m}.release()"
+    if ev.kind == "drop":
+        return f"del {m} (still recording); gc.collect()"
     out = ev.output
     if out.kind.startswith("loss"):
         body = " + ".join(f"{r}(v{t})" for t, r in zip(out.terms, out.reductions))
@@ -178,13 +182,17 @@ class _Gen:
     attached: List[Set[int]] = field(default_factory=list)  # per manager
     recording: List[int] = field(default_factory=list)  # in start order
     events: List[Event] = field(default_factory=list)
+    dropped: Set[int] = field(default_factory=set)  # managers dropped while recording
+
+    def usable(self) -> List[int]:
+        return [m for m in range(self.n_managers) if m not in self.dropped]
 
     @property
     def torch(self) -> bool:
         return self.framework == "torch"
 
     def idle(self) -> List[int]:
-        return [m for m in range(self.n_managers) if m not in self.recording]
+        return [m for m in self.usable() if m not in self.recording]
 
     def live(self) -> List[int]:
         return self.values.live()
@@ -236,7 +244,7 @@ def _op_event(draw, g: _Gen) -> None:
 
 def _attach_event(draw, g: _Gen, m: Optional[int] = None) -> None:
     # mostly a recording manager (the flags and snapshots live there), sometimes any
-    managers = g.recording if g.recording and draw(st.integers(0, 3)) else range(g.n_managers)
+    managers = g.recording if g.recording and draw(st.integers(0, 3)) else g.usable()
     m = draw(st.sampled_from(list(managers))) if m is None else m
     # often a tensor another manager holds already (shared flags, hooks, snapshots)
     candidates = g.attachable()
@@ -302,6 +310,8 @@ def _recording_action(draw, g: _Gen) -> None:
     actions = ["op"] * 5 + ["attach"] * 3 + ["backward"] * 2 + ["release"]
     if g.idle():
         actions.append("record")
+    if any(m != 0 for m in g.recording):  # (manager 0 stays: _close may need it)
+        actions.append("drop")
     action = draw(st.sampled_from(actions))
     if action == "op":
         _op_event(draw, g)
@@ -311,6 +321,11 @@ def _recording_action(draw, g: _Gen) -> None:
         _record_event(draw, g)
     elif action == "backward":
         _backward_event(draw, g, draw(st.sampled_from(_holders(g) or g.recording)))
+    elif action == "drop":
+        m = draw(st.sampled_from([m for m in g.recording if m != 0]))
+        g.recording.remove(m)
+        g.dropped.add(m)
+        g.events.append(Event("drop", manager=m))
     else:
         m = draw(st.sampled_from(g.recording))
         g.recording.remove(m)

@@ -30,7 +30,9 @@ applied by hand, ``.grad`` accumulated in tensors of its own). The rules it enco
 from __future__ import annotations
 
 import functools
+import gc
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -49,6 +51,8 @@ from diff_interp import Engine, TorchEngine
 from diff_program import Op
 from diff_reference import engine_grads, run_chain
 from diff_scenario import CUSTOM_OPS, Event, Scenario
+
+from gradmgr import GradManager
 
 
 # --------------------------------------------------------------------------- custom Functions
@@ -268,6 +272,7 @@ class _Run:
     chain_len: Dict[Tuple[int, int], int] = field(default_factory=dict)
     observed: List[int] = field(default_factory=list)
     user: List[Tuple[str, Any]] = field(default_factory=list)
+    leaked: List[Any] = field(default_factory=list)  # native managers dropped but alive
 
     def event(self, index: int, ev: Event) -> None:
         getattr(self, "do_" + ev.kind)(index, ev)
@@ -308,6 +313,20 @@ class _Run:
         self.recording.remove(ev.manager)
         self.managers[ev.manager].release()
 
+    def do_drop(self, index: int, ev: Event) -> None:
+        """The manager is dropped while it records: its recording must end once collected
+        (MegEngine's own frees a manager with nothing attached; one with attached tensors it
+        keeps alive, recording, through its callbacks: the same gradients either way)."""
+        self.recording.remove(ev.manager)
+        dropped = weakref.ref(self.managers[ev.manager])
+        self.managers[ev.manager] = None
+        gc.collect()
+        gm = dropped()
+        if isinstance(gm, GradManager):
+            raise AssertionError(f"m{ev.manager} was dropped while recording and is still alive")
+        if gm is not None:  # (native; released at the end, so that no recording is left)
+            self.leaked.append(gm)
+
     def do_backward(self, index: int, ev: Event) -> None:
         y, dy, ys, dys = make_outputs(self.sc, index, self.eng, self.values, self.sc.shapes())
         self.user += [(f"dy of event {index}", d) for d in dys]
@@ -340,6 +359,8 @@ class _Run:
         for m in reversed(self.recording):
             self.managers[m].release()
         self.recording.clear()
+        for gm in self.leaked:
+            gm.release()
 
 
 def run_scenario(sc: Scenario, eng: Engine, factory: Any, *, eager: bool = False,
@@ -458,6 +479,8 @@ class _Model:
     def do_release(self, index: int, ev: Event) -> None:
         self.managers[ev.manager].recording = False
         self.sync_flags()
+
+    do_drop = do_release  # the recording ends when the manager is collected
 
     def gets_gradient(self, v: int, item: _Item) -> bool:
         if item.edge is not None:

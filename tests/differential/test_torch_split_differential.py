@@ -395,7 +395,7 @@ def run_case(case: SplitCase, split: bool) -> Run:
             log.settle(ENG)
         except Exception as exc:  # noqa: BLE001 - compared with the other run's outcome
             r.error, r.error_event = exc, e
-            if gm in _state.state.recording:
+            if gm in _state.recording_managers():
                 gm.release()
             break
         finally:
