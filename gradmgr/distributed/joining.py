@@ -91,10 +91,12 @@ class DataParallelManager(GradManager):
 
     @property
     def join_device(self) -> Any:
+        """The device of the Join context's own collectives (torch's ``Joinable``)."""
         return self._joins().device()
 
     @property
     def join_process_group(self) -> Any:
+        """The process group of the Join context's own collectives: the manager's."""
         return self._joins().process_group()
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,

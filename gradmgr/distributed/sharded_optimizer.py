@@ -290,10 +290,12 @@ class ShardedOptimizer:
 
     @property
     def join_device(self) -> Any:
+        """The device of the Join context's own collectives (torch's ``Joinable``)."""
         return self._joins().device(self._plan.tensor(0))
 
     @property
     def join_process_group(self) -> Any:
+        """The process group of the Join context's own collectives: the manager's."""
         return self._joins().process_group(_sharded_callback(self._gm).group)
 
     def _joins(self) -> Any:
