@@ -34,6 +34,15 @@ _HABIT = (
     "without reducing anything, and .grad holds this rank's local gradients"
 )
 
+_LATE_COMPILED = (
+    "data parallel: this backward runs under compiled autograd, but compiled autograd was off "
+    "when its recording began (`with gm:`), so the step was planned for torch's C++ reducer, "
+    "which compiled autograd refuses. Turn compiled autograd on before `with gm:` (set "
+    "torch._dynamo.config.compiled_autograd = True before torch.compile of the whole step "
+    "function, or enter its context around the recording): the step is then reduced after "
+    "its backward, with no hook in the compiled graph"
+)
+
 
 class Synchronizer:
     """The allreduce callback's work for one manager (the callback keeps one per manager and
@@ -105,6 +114,10 @@ class Synchronizer:
         # (post_ok first: the usual step asks nothing more)
         step.after = self.post_ok and self.post_path.wanted() and self._still_delegable(
             gm, self._planned(), self.post_path)
+        if step.after and self.reducer is not None:
+            # Its hooks on the tensors' accumulators would run in the backward (torch's
+            # reducer then raises under compiled autograd); the next reducer step builds one.
+            self._drop_reducer()
         if sync and at_record:
             step.grads_at_record = self.ops.grad_snapshot(self._planned())
             step.finished_before = self.finished
@@ -301,6 +314,9 @@ class Synchronizer:
                 return self._post_backward_step(gm, step)
             if not self.native:
                 return None
+            if self.post_path is not None and self.post_path.wanted():
+                del self.steps[gm.step]  # (no collective: every rank raises this alike)
+                raise RuntimeError(_LATE_COMPILED)
             if step.sync:
                 self._reducer_for(step)
             elif self.reducer is None:

@@ -18,6 +18,9 @@ in shards) and the parameters after an SGD step, for gradmgr (``{name}_gm{step}_
 * ``ca_unused``: a layer that only rank 0 uses, under compiled autograd; against eager
   ``DDP(find_unused_parameters=True)`` (DDP's python reducer only reduces a parameter on the
   ranks that computed its gradient, so its collectives pair wrongly or hang there).
+* ``ca_one_rank``: rank 0 alone under compiled autograd; ``ca_late``: compiled autograd entered
+  between the recording's start and the backward; ``ca_switch``: eager, compiled autograd,
+  eager steps; ``ca_skip``: rank 0 skips a batch (see there).
 * ``ca_config``: ``torch._dynamo.config.compiled_autograd = True`` and compiled step functions
   (torch's documented way) on both sides, against DDP's python reducer.
 """
@@ -34,7 +37,13 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradmgr.distributed import ShardedOptimizer, data_parallel, no_sync
+from gradmgr.distributed import (
+    RankFailedError,
+    RankMismatchError,
+    ShardedOptimizer,
+    data_parallel,
+    no_sync,
+)
 
 from .scenarios import run_named
 
@@ -152,9 +161,9 @@ def _ca_run(out: dict, rank: int, name: str, micro: int) -> None:
             for step in range(STEPS):
                 for m in range(micro):
                     x, sync = batch(10 * step + m, rank), m == micro - 1
-                    with torch._dynamo.compiled_autograd._enable(compiler):
-                        with side.context(sync):
-                            side.backward(model(x).square().sum())
+                    with torch._dynamo.compiled_autograd._enable(compiler), \
+                            side.context(sync):
+                        side.backward(model(x).square().sum())
                 side.after_sync(out, step)
             out[f"{name}_breaks_{side.tag}"] = np.array(side.breaks)
             out[f"{name}_captures_{side.tag}"] = np.array(
@@ -207,9 +216,8 @@ def ca_unused(out: dict, rank: int, world: int) -> None:
     counters.clear()
     for step in range(STEPS):
         x, use = batch(step, rank), rank == 0 and step != 1
-        with torch._dynamo.compiled_autograd._enable(compiler):
-            with gm_side.context(True):
-                gm_side.backward(model(x, use_extra=use).square().sum())
+        with torch._dynamo.compiled_autograd._enable(compiler), gm_side.context(True):
+            gm_side.backward(model(x, use_extra=use).square().sum())
         gm_side.after_sync(out, step)
         ddp_side.backward(ddp_side.ddp(x, use_extra=use).square().sum())
         ddp_side.after_sync(out, step)
@@ -217,8 +225,109 @@ def ca_unused(out: dict, rank: int, world: int) -> None:
     out[f"{name}_captures_gm"] = np.array(counters["compiled_autograd"]["captures"])
 
 
+def _against_eager_ddp(out: dict, rank: int, name: str, enter, error_type) -> None:
+    """Three steps of gradmgr, each recording and backwarding inside what
+    ``enter(rank, step, compiler)`` gives (a context around the recording, and one inside it
+    around the backward): a step that
+    raises ``error_type`` saves its message (``{name}_error{step}``). Where every step raised,
+    one more step taken eagerly follows. The steps that passed are compared with eager DDP's."""
+    gm_side, ddp_side = Side(name, ddp=False), Side(name, ddp=True)
+    model = torch.compile(gm_side.net, backend=BACKEND)
+    compiler = torch.compile(backend=BACKEND)
+    done = 0
+    for step in range(STEPS):
+        around, inside = enter(rank, step, compiler)
+        try:
+            with around, gm_side.context(True):
+                loss = model(batch(step, rank)).square().sum()
+                with inside:
+                    gm_side.backward(loss)
+        except error_type as error:
+            out[f"{name}_error{step}"] = np.array(f"{type(error).__name__}: {error}")
+            gm_side.net.zero_grad(set_to_none=True)
+            continue
+        gm_side.after_sync(out, done)
+        done += 1
+    if done == 0:  # the ranks step together again, eagerly
+        with gm_side.context(True):
+            gm_side.backward(model(batch(0, rank)).square().sum())
+        gm_side.after_sync(out, 0)
+        done = 1
+    for step in range(done):
+        ddp_side.backward(ddp_side.ddp(batch(step, rank)).square().sum())
+        ddp_side.after_sync(out, step)
+
+
+def ca_one_rank(out: dict, rank: int, world: int) -> None:
+    """Rank 0 records and backwards under compiled autograd, rank 1 without. On gradmgr's
+    buckets the two ranks' paths reduce alike: DDP's (eager) result. On the reducer path rank
+    1 would reduce with torch's reducer and rank 0 with gradmgr's buckets: every rank raises
+    RankMismatchError, and a step both take eagerly afterwards is DDP's first."""
+
+    def enter(rank: int, step: int, compiler) -> tuple:
+        ca = (torch._dynamo.compiled_autograd._enable(compiler) if rank == 0
+              else contextlib.nullcontext())
+        return ca, contextlib.nullcontext()
+
+    _against_eager_ddp(out, rank, "ca_one_rank", enter, RankMismatchError)
+
+
+def ca_late(out: dict, rank: int, world: int) -> None:
+    """Compiled autograd entered after the recording began, around gm.backward only. The
+    per-tensor path runs under it (with its graph breaks): DDP's result; the reducer path,
+    which compiled autograd refuses, raises RuntimeError saying to enter it first, on every
+    rank, and the next step taken alike is DDP's first."""
+
+    def enter(rank: int, step: int, compiler) -> tuple:
+        return contextlib.nullcontext(), torch._dynamo.compiled_autograd._enable(compiler)
+
+    _against_eager_ddp(out, rank, "ca_late", enter, RuntimeError)
+
+
+def ca_switch(out: dict, rank: int, world: int) -> None:
+    """An eager step (on the reducer path: torch's reducer is built, its hooks on the
+    parameters), a step under compiled autograd, an eager one again: DDP's three steps."""
+
+    def enter(rank: int, step: int, compiler) -> tuple:
+        ca = (torch._dynamo.compiled_autograd._enable(compiler) if step == 1
+              else contextlib.nullcontext())
+        return ca, contextlib.nullcontext()
+
+    _against_eager_ddp(out, rank, "ca_switch", enter, ())
+
+
+class SkipBatch(Exception):
+    pass
+
+
+def ca_skip(out: dict, rank: int, world: int) -> None:
+    """Under compiled autograd, rank 0 skips a batch (its recording ends without a backward):
+    rank 1's step raises RankFailedError, ``.grad`` stays None on both, and the next step is
+    DDP's first."""
+    name = "ca_skip"
+    gm_side, ddp_side = Side(name, ddp=False), Side(name, ddp=True)
+    model = torch.compile(gm_side.net, backend=BACKEND)
+    compiler = torch.compile(backend=BACKEND)
+    with torch._dynamo.compiled_autograd._enable(compiler):
+        try:
+            with gm_side.context(True):
+                loss = model(batch(5, rank)).square().sum()
+                if rank == 0:
+                    raise SkipBatch()
+                gm_side.backward(loss)
+        except (SkipBatch, RankFailedError) as error:
+            out[f"{name}_error"] = np.array(type(error).__name__)
+        out[f"{name}_grads_none"] = np.array(all(p.grad is None
+                                                 for p in gm_side.net.parameters()))
+        with gm_side.context(True):
+            gm_side.backward(model(batch(0, rank)).square().sum())
+    gm_side.after_sync(out, 0)
+    ddp_side.backward(ddp_side.ddp(batch(0, rank)).square().sum())
+    ddp_side.after_sync(out, 0)
+
+
 SCENARIOS = {f.__name__: f for f in (compiled_model, ca_steps, ca_no_sync, ca_unused,
-                                      ca_config)}
+                                      ca_config, ca_one_rank, ca_late, ca_switch, ca_skip)}
 
 
 def main(rank: int, world: int, outdir: str) -> None:
