@@ -184,8 +184,7 @@ class Synchronizer:
             step.check = None
             if not check.agreed():
                 self.unsynced = 0  # every rank starts counting afresh (see PlanCheck)
-                step.mismatch = check.error(step.plan.tensors(),
-                                            self._mode(self.native and not step.after),
+                step.mismatch = check.error(step.plan.tensors(), self._step_mode(step),
                                             "with the allreduce callback, trainable",
                                             self.name_of)
             elif check.requested and self.native and step.sync:
@@ -229,6 +228,15 @@ class Synchronizer:
                 if self.shards is None else "gradmgr's buckets, reduce-scattered")
         return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
                 f"bucket_bytes={options.bucket_bytes}")
+
+    def _step_mode(self, step: Step) -> str:
+        """How this rank reduces ``step``, for an error: a step reduced after its backward says
+        why (ranks that differ in it differ in whether compiled autograd is on)."""
+        if not step.after:
+            return self._mode(self.native)
+        return self._mode(False).replace(
+            "gradmgr's buckets", "gradmgr's buckets after the backward (compiled autograd is on)",
+            1)
 
     # ------------------------------------------------------------------ the reducer's path
     def _native_possible(self, gm: Any, tensors: List[Any]) -> bool:
