@@ -26,16 +26,28 @@ pytest.importorskip("torch._dynamo", reason="this torch has no torch.compile")
 
 from ranks import spawn_scenarios  # noqa: E402
 
-SCENARIOS = ["compiled_model", "ca_steps", "ca_no_sync", "ca_unused", "ca_one_rank",
-             "ca_late", "ca_switch", "ca_skip", "ca_config"]
+# Two spawns per path (each compiles a dozen graphs: minutes on 2 busy cores)
+STEPS_AGAINST_DDP = ["compiled_model", "ca_steps", "ca_no_sync", "ca_unused", "ca_config"]
+RANKS_APART = ["ca_one_rank", "ca_late", "ca_switch", "ca_skip"]
 PATHS = ["native", "python", "shard"]
+SPAWN_S = 540
+pytestmark = pytest.mark.timeout(SPAWN_S + 60)
+
+
+def _spawn(path: str, scenarios: list, tmp_path_factory) -> tuple:
+    outdir = tmp_path_factory.mktemp(f"compile_{path}")
+    return path, spawn_scenarios("compile_suite", outdir, scenarios, timeout=SPAWN_S,
+                                 HABITS_PATH=path)
 
 
 @pytest.fixture(scope="module", params=PATHS)
 def ranks(request, tmp_path_factory):
-    return request.param, spawn_scenarios(
-        "compile_suite", tmp_path_factory.mktemp(f"compile_{request.param}"), SCENARIOS,
-        timeout=600, HABITS_PATH=request.param)
+    return _spawn(request.param, STEPS_AGAINST_DDP, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def ranks_apart(request, tmp_path_factory):
+    return _spawn(request.param, RANKS_APART, tmp_path_factory)
 
 
 def compared(out: dict, name: str) -> list:
@@ -64,12 +76,24 @@ def same_on_both_ranks(outs: list, name: str) -> None:
         np.testing.assert_array_equal(outs[0][key], outs[1][key], err_msg=key)
 
 
+def test_compiled_autograd_flag_is_torchs():
+    """What decides the path is torch's own flag, which compiled autograd's context sets."""
+    from torch._dynamo import compiled_autograd
+
+    from gradmgr.backends.torch.compile import COMPILED_AUTOGRAD_PATH
+
+    assert not COMPILED_AUTOGRAD_PATH.wanted()
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        assert COMPILED_AUTOGRAD_PATH.wanted()
+    assert not COMPILED_AUTOGRAD_PATH.wanted()
+
+
 def test_compiled_model_inductor_equals_compiled_ddp(tmp_path):
     """The same with inductor (torch.compile's default), on the reducer path (inductor's C++
     compilation takes about three minutes here, so one path): within rtol=1e-6, atol=1e-7
     (bit for bit when measured on torch 2.8, CPU)."""
     pytest.importorskip("torch._inductor")
-    r = spawn_scenarios("compile_suite", tmp_path, ["compiled_model"], timeout=600,
+    r = spawn_scenarios("compile_suite", tmp_path, ["compiled_model"], timeout=SPAWN_S,
                         HABITS_PATH="native", COMPILE_BACKEND="inductor")
     outs = r.scenario("compiled_model")
     for out in outs:
@@ -118,11 +142,11 @@ def test_compiled_autograd_unused_on_one_rank(ranks):
     same_on_both_ranks(outs, "ca_unused")
 
 
-def test_compiled_autograd_on_one_rank_only(ranks):
+def test_compiled_autograd_on_one_rank_only(ranks_apart):
     """Rank 0 alone under compiled autograd: gradmgr's buckets reduce alike with and without
     it (DDP's eager result); on the reducer path the ranks would reduce differently, so every
     rank raises RankMismatchError, and the next step taken alike is DDP's."""
-    path, r = ranks
+    path, r = ranks_apart
     outs = r.scenario("ca_one_rank")
     says = ["after the backward (compiled autograd is on)", "the framework's own reducer"]
     for out, mode in zip(outs, says):
@@ -136,13 +160,13 @@ def test_compiled_autograd_on_one_rank_only(ranks):
             assert not errors, errors
 
 
-def test_compiled_autograd_entered_after_the_recording(ranks):
+def test_compiled_autograd_entered_after_the_recording(ranks_apart):
     """Compiled autograd around gm.backward only (entered after `with gm:`): gradmgr's
     per-tensor path runs under it (DDP's result); the reducer path, which compiled autograd
     refuses, raises on every rank a RuntimeError that says to enter it first (before: torch's
     "not compatible with C++ DDP Reducer, please use optimize_ddp=python_reducer", which a
     gradmgr user cannot act on), and the next step taken alike is DDP's."""
-    path, r = ranks
+    path, r = ranks_apart
     outs = r.scenario("ca_late")
     for out in outs:
         equal_to_ddp(out, "ca_late")
@@ -155,24 +179,24 @@ def test_compiled_autograd_entered_after_the_recording(ranks):
             assert not errors, errors
 
 
-def test_compiled_autograd_between_eager_steps(ranks):
+def test_compiled_autograd_between_eager_steps(ranks_apart):
     """Eager, compiled-autograd, eager steps: DDP's three. On the reducer path the first step
     builds torch's reducer, whose hooks on the parameters' accumulators made compiled autograd
     raise "not compatible with C++ DDP Reducer" in the second; the reducer is dropped for it and
     built again for the third."""
-    _, r = ranks
+    _, r = ranks_apart
     outs = r.scenario("ca_switch")
     for out in outs:
         equal_to_ddp(out, "ca_switch")
     same_on_both_ranks(outs, "ca_switch")
 
 
-def test_compiled_autograd_batch_skipped_on_one_rank(ranks):
+def test_compiled_autograd_batch_skipped_on_one_rank(ranks_apart):
     """Rank 0's recording ends without a backward (it skips the batch) under compiled
     autograd: it still takes part in the step's collectives as a failed step, so rank 1
     raises RankFailedError (no hang, no pairing with the next step) and keeps .grad as it was
     (None); the next step is DDP's first on both."""
-    _, r = ranks
+    _, r = ranks_apart
     outs = r.scenario("ca_skip")
     assert [str(out["ca_skip_error"]) for out in outs] == ["SkipBatch", "RankFailedError"]
     for out in outs:
