@@ -73,6 +73,7 @@ class Synchronizer:
         self.native = False  # plain backwards go to it (see _native_possible)
         self.reducer: Optional[NativeReducer] = None
         self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
+        self.bucket_fingerprint: Optional[List[int]] = None  # the same on the buckets
         self.started = False  # the first recording's check and broadcast are done
         self.unsynced = 0  # recordings inside no_sync since the last synced one (PlanCheck)
         self.flush_hook: Any = None  # the after-backward callback registered for the manager
