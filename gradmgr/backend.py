@@ -131,7 +131,7 @@ class Tape(ABC):
                               create_graph: bool, retain_graph: bool) -> None:
         """Like :meth:`backward`, but the engine accumulates every watched tensor's gradient
         into ``.grad`` itself and no sink is called (a backward delegate, see
-        :meth:`gradmgr.GradManager.set_backward_delegate`, handles them); only for leaf
+        :func:`gradmgr.hooks.set_backward_delegate`, handles them); only for leaf
         tensors. PyTorch's tape implements it."""
         raise NotImplementedError("this backend cannot delegate a backward")
 

@@ -66,9 +66,19 @@ class UnsupportedGraphError(RuntimeError):
     message says what to use instead.
 
     Example:
-        >>> # with gm:
-        >>> #     h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
-        >>> #     gm.backward(h.sum())       # UnsupportedGraphError: pass use_reentrant=False
+        >>> import torch
+        >>> import torch.utils.checkpoint
+        >>> from gradmgr import GradManager
+        >>> block = torch.nn.Linear(2, 2)
+        >>> gm = GradManager().attach(block.parameters())
+        >>> x = torch.ones(1, 2, requires_grad=True)
+        >>> try:
+        ...     with gm:
+        ...         h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        ...         gm.backward(h.sum())
+        ... except UnsupportedGraphError as error:
+        ...     print("use_reentrant=False" in str(error))  # what to write instead
+        True
     """
 
 

@@ -15,7 +15,9 @@ def _callable(callback: Any, what: str) -> None:
 
 
 class StepHooks:
-    """The registration half of :class:`gradmgr.GradManager` (registrations persist)."""
+    """The registration half of :class:`gradmgr.GradManager` (registrations persist). What
+    only a library built on the manager needs (the backward delegate, reading the
+    registrations) are the functions below the class, kept out of the manager's ``help()``."""
 
     def __init__(self) -> None:
         self._record_callbacks: List[Callable[[], None]] = []
@@ -56,11 +58,6 @@ class StepHooks:
 
     _register_after_backward_callback = register_after_backward_callback  # MegEngine's name
 
-    @property
-    def after_backward_callbacks(self) -> tuple:
-        """The registered after-backward callbacks, in order."""
-        return tuple(self._after_backward_callbacks)
-
     def register_backward_error_callback(self: Self, callback: Callable[[], None]) -> Self:
         """Call ``callback()`` when a backward (or a split backward's first part or
         ``finish()``) raises, before the error propagates; ``step`` is still that backward's.
@@ -94,36 +91,6 @@ class StepHooks:
         self._release_callbacks.append(callback)
         return self
 
-    def set_backward_delegate(self: Self, delegate: Optional[Callable[[], Any]]) -> Self:
-        """Let ``delegate`` take over whole backwards (None: stop): the data-parallel callback
-        uses it to hand a step to PyTorch's C++ reducer.
-
-        At the start of every ``backward`` (not ``backward_split``), ``delegate()`` returns
-        None (this backward runs as usual) or an object with ``finish()`` and ``abort()``. Then
-        the engine accumulates every attached tensor's gradient straight into ``.grad`` (no
-        callback and no after-backward callback runs), after which ``finish()`` is called, or
-        ``abort()`` if the backward raised. Only a backend whose tape has
-        ``backward_accumulating`` (PyTorch) can be delegated to.
-
-        Example:
-            >>> import torch
-            >>> from gradmgr import GradManager
-            >>> class Count:
-            ...     calls = 0
-            ...     def finish(self): Count.calls += 1
-            ...     def abort(self): pass
-            >>> w = torch.ones(2, requires_grad=True)
-            >>> gm = GradManager().attach(w).set_backward_delegate(Count)
-            >>> with gm:
-            ...     gm.backward((w * 3).sum())
-            >>> w.grad, Count.calls
-            (tensor([3., 3.]), 1)
-        """
-        if delegate is not None:
-            _callable(delegate, "backward delegate")
-        self._backward_delegate = delegate
-        return self
-
     def _run_record_callbacks(self) -> None:
         for callback in self._record_callbacks:
             callback()
@@ -149,3 +116,40 @@ class StepHooks:
             except BaseException as raised:  # keep the backward's error; note this one
                 raised.__context__ = error.__context__
                 error.__context__ = raised
+
+
+# ------------------------------------------------------------ for libraries built on a manager
+def after_backward_callbacks(hooks: StepHooks) -> tuple:
+    """The after-backward callbacks registered with ``hooks`` (a manager), in order."""
+    return tuple(hooks._after_backward_callbacks)
+
+
+def set_backward_delegate(hooks: Self, delegate: Optional[Callable[[], Any]]) -> Self:
+    """Let ``delegate`` take over whole backwards of ``hooks`` (a manager; None: stop): the
+    data-parallel callback uses it to hand a step to PyTorch's C++ reducer.
+
+    At the start of every ``backward`` (not ``backward_split``), ``delegate()`` returns None
+    (this backward runs as usual) or an object with ``finish()`` and ``abort()``. Then the
+    engine accumulates every attached tensor's gradient straight into ``.grad`` (no callback
+    and no after-backward callback runs), after which ``finish()`` is called, or ``abort()``
+    if the backward raised. Only a backend whose tape has ``backward_accumulating`` (PyTorch)
+    can be delegated to.
+
+    Example:
+        >>> import torch
+        >>> from gradmgr import GradManager
+        >>> class Count:
+        ...     calls = 0
+        ...     def finish(self): Count.calls += 1
+        ...     def abort(self): pass
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> gm = set_backward_delegate(GradManager().attach(w), Count)
+        >>> with gm:
+        ...     gm.backward((w * 3).sum())
+        >>> w.grad, Count.calls
+        (tensor([3., 3.]), 1)
+    """
+    if delegate is not None:
+        _callable(delegate, "backward delegate")
+    hooks._backward_delegate = delegate
+    return hooks

@@ -36,7 +36,9 @@ class GradManager(StepHooks):
     them, and ``backward(y, dy)`` accumulates ``dy``-weighted gradients into ``tensor.grad`` of
     the attached tensors only, running each tensor's callbacks as its gradient becomes ready.
 
-    Example (PyTorch; MegEngine tensors work the same way):
+    Example:
+        On PyTorch tensors (MegEngine's work the same way):
+
         >>> import torch
         >>> w = torch.ones(3, requires_grad=True)
         >>> gm = GradManager().attach(w)
@@ -132,16 +134,6 @@ class GradManager(StepHooks):
         allreduce callback uses this to plan buckets the same way on every rank).
         """
         return self._attached.tensors(with_callback)
-
-    def callback_chains(self) -> List[tuple]:
-        """``(tensor, callbacks)`` for every live attached tensor, in first-attach order."""
-        return [(t, tuple(spec.callbacks)) for t, spec in self._attached.live()]
-
-    @property
-    def attach_epoch(self) -> int:
-        """Changes whenever a tensor is attached, gets more callbacks, or dies: for caches
-        derived from :meth:`attached_tensors` (the data-parallel bucket plan)."""
-        return self._attached.epoch
 
     def _watch_new(self, spec: AttachSpec, tensor: Any) -> None:
         tape = self._own_tape()
@@ -408,7 +400,7 @@ class GradManager(StepHooks):
 
     def _run_delegated(self, ys: List[Any], dys: List[Any], delegated: Any) -> None:
         """The engine accumulates into ``.grad``; ``delegated`` does the rest (see
-        :meth:`set_backward_delegate`)."""
+        :func:`gradmgr.hooks.set_backward_delegate`)."""
         try:
             tape = self._recording_tape
             if ys and tape is not None:
@@ -553,6 +545,21 @@ class GradManager(StepHooks):
         name = self._backend.name if self._backend else "no backend yet"
         state = "recording" if self._managers is not None else "idle"
         return f"<GradManager {name}, {len(self._attached)} attached, {state}>"
+
+
+# ------------------------------------------------------ for libraries built on a manager
+# (kept out of the manager's help(): a user never needs them)
+def callback_chains(gm: GradManager) -> List[tuple]:
+    """``(tensor, callbacks)`` for every live attached tensor of ``gm``, in first-attach
+    order."""
+    return [(t, tuple(spec.callbacks)) for t, spec in gm._attached.live()]
+
+
+def attach_epoch(gm: GradManager) -> int:
+    """Changes whenever a tensor is attached to ``gm``, gets more callbacks, or dies: for
+    caches derived from :meth:`GradManager.attached_tensors` (the data-parallel bucket
+    plan)."""
+    return gm._attached.epoch
 
 
 class _Backwarding:

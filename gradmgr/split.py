@@ -16,8 +16,20 @@ class UnfinishedBackwardWarning(GradMgrWarning):
     never got their gradients, and its after-backward callbacks never ran.
 
     Example:
-        >>> # rest = gm.backward_split(out, dy, first=[x])
-        >>> # del rest                      # UnfinishedBackwardWarning: call rest.finish()
+        >>> import warnings
+        >>> import torch
+        >>> from gradmgr import GradManager
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> x = torch.ones(2)
+        >>> gm = GradManager().attach(w)
+        >>> with gm:
+        ...     _ = gm.attach(x)
+        ...     rest = gm.backward_split((w * x).sum(), first=[x])
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     del rest  # never finished: w never got its gradient
+        >>> [type(c.message).__name__ for c in caught], w.grad
+        (['UnfinishedBackwardWarning'], None)
     """
 
 
@@ -63,11 +75,25 @@ class DeferredBackward:
     backwards may be outstanding, and they may be finished in any order.
 
     Example:
-        >>> # with gm:
-        >>> #     out = stage(x)                       # x attached while recording
-        >>> #     rest = gm.backward_split(out, dy, first=[x])
-        >>> # send(x.grad)                             # the previous stage waits for this
-        >>> # rest.finish()                            # weight gradients, when there is time
+        A pipeline stage: the input's gradient first, for the previous stage; the weight's
+        when there is time.
+
+        >>> import torch
+        >>> from gradmgr import GradManager
+        >>> stage = torch.nn.Linear(2, 1, bias=False)
+        >>> torch.nn.init.ones_(stage.weight)
+        Parameter containing:
+        tensor([[1., 1.]], requires_grad=True)
+        >>> gm = GradManager().attach(stage.parameters())
+        >>> x = torch.tensor([[3.0, 4.0]])           # from the previous stage
+        >>> with gm:
+        ...     _ = gm.attach(x)                     # attached while recording
+        ...     rest = gm.backward_split(stage(x).sum(), first=[x])
+        >>> x.grad                                   # send it back now
+        tensor([[1., 1.]])
+        >>> rest.finish()                            # the weight's gradient, later
+        >>> stage.weight.grad
+        tensor([[3., 4.]])
     """
 
     __slots__ = ("_finish", "_rest", "_step", "_state", "__weakref__")

@@ -1,11 +1,13 @@
 """MkDocs hook: the API reference pages, generated at build time from the public API.
 
-For each namespace in ``NAMESPACES`` a page ``api/<namespace>.md`` lists every name of its
-``__all__`` as a mkdocstrings ``:::`` block, so the reference follows the code when names are
-added, moved or removed (a hand-written list would drift). Each public name must have a
-docstring with an ``Example:`` section, public methods a docstring, and functions annotated
-parameters and return: every gap is logged as a warning, which ``mkdocs build --strict``
-(``make docs``, tests/docs/test_docs_site.py) turns into a failed build.
+``PAGES`` orders the public names of ``NAMESPACES`` for a reader: ``api/reference.md`` the
+user's API in the order it is met, ``api/backends.md`` what a backend's author needs; each name
+is a mkdocstrings ``:::`` block. A name added to an ``__all__`` and not to ``PAGES`` (or listed
+twice, or listed and not public) is a warning, so the reference cannot drift from the code.
+Each public name must have a docstring with an ``Example:`` section, public methods a
+docstring, and functions annotated parameters and return: every gap is logged as a warning,
+which ``mkdocs build --strict`` (``make docs``, tests/docs/test_docs_site.py) turns into a
+failed build.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import importlib
 import inspect
 import logging
 import re
-from typing import Any, Iterator, List
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from mkdocs.structure.files import File
 from pygments.formatters import HtmlFormatter
@@ -24,26 +26,119 @@ log = logging.getLogger("mkdocs.hooks.api_reference")  # under "mkdocs": counted
 # A Google-style section header: "Example:", "Examples:", "Example (PyTorch):"
 _EXAMPLE = re.compile(r"^Examples?\b[^\n]*:$", re.MULTILINE)
 
+# The reference pages: every name of NAMESPACES' ``__all__`` on exactly one of them, in the
+# order a user meets it (a name missing here, or listed twice, is a warning: --strict fails).
+# The first page is what a user reads; the second, what a backend's author needs.
+PAGES = {
+    "api/reference.md": (
+        "API reference",
+        "gradmgr's public API in the order you meet it: the manager and its methods, data "
+        "parallel, sharded data parallel, split backward, groups, then the errors. What only "
+        "an author of a backend needs is on [its own page](backends.md).",
+        [
+            ("The gradient manager", ["gradmgr.GradManager"]),
+            ("Data parallel", [
+                "gradmgr.distributed.data_parallel", "gradmgr.distributed.no_sync",
+                "gradmgr.distributed.broadcast", "gradmgr.distributed.make_allreduce_cb",
+                "gradmgr.distributed.AllreduceCallback", "gradmgr.distributed.spawn_local",
+                "gradmgr.distributed.run_ranks", "gradmgr.distributed.free_port"]),
+            ("Sharded data parallel", [
+                "gradmgr.distributed.ShardedOptimizer",
+                "gradmgr.distributed.make_reduce_scatter_cb",
+                "gradmgr.distributed.ReduceScatterCallback"]),
+            ("Split backward", ["gradmgr.DeferredBackward", "gradmgr.UnfinishedBackwardWarning"]),
+            ("Groups", ["gradmgr.GradManagerGroup"]),
+            ("Inside callbacks", ["gradmgr.Future", "gradmgr.is_future",
+                                  "gradmgr.get_backwarding_grad_manager"]),
+            ("Errors and warnings", [
+                "gradmgr.AttachError", "gradmgr.CallbackResultError",
+                "gradmgr.UnsupportedGraphError", "gradmgr.distributed.RankMismatchError",
+                "gradmgr.distributed.RankFailedError", "gradmgr.distributed.SparseGradientError",
+                "gradmgr.BackendNotFoundError", "gradmgr.UnsupportedBackendError",
+                "gradmgr.GradMgrWarning", "gradmgr.CallbackReturnedNoneWarning"]),
+        ],
+    ),
+    "api/backends.md": (
+        "For backend authors",
+        "The contract a framework's adapter implements (see [The semantic contract]"
+        "(../contract.md) and [Architecture](../architecture.md)): a user of PyTorch or "
+        "MegEngine never needs these.",
+        [
+            ("Backends", ["gradmgr.Backend", "gradmgr.Capabilities", "gradmgr.Tape",
+                          "gradmgr.register_backend", "gradmgr.get_backend",
+                          "gradmgr.backend_for", "gradmgr.AttachSpec"]),
+            ("Data-parallel adapters", [
+                "gradmgr.distributed.TensorOps", "gradmgr.distributed.Transport",
+                "gradmgr.distributed.Handle", "gradmgr.distributed.BucketPlan",
+                "gradmgr.distributed.Bucket"]),
+        ],
+    ),
+}
+# GradManager's members in the order a user meets them; its registrations (inherited from
+# StepHooks, whose name the page does not show) with them. A public member missing here is a
+# warning.
+MANAGER_MEMBERS = [
+    "attach", "record", "backward", "release", "is_recording", "attached_tensors", "reachable",
+    "add_gradient", "backward_split", "step", "backend", "register_after_backward_callback",
+    "register_record_callback", "register_release_callback", "register_backward_error_callback",
+]
+_OPTIONS = {"gradmgr.GradManager": ("inherited_members: true", "show_bases: false",
+                                    "group_by_category: false",
+                                    f"members: [{', '.join(MANAGER_MEMBERS)}]")}
+
 
 def public_names(namespace: str) -> List[str]:
     """The names ``namespace`` exports, in ``__all__`` order."""
     return list(importlib.import_module(namespace).__all__)
 
 
-def api_page(namespace: str) -> str:
-    """Markdown for one namespace: its summary, then one ``:::`` block per public name."""
-    module = importlib.import_module(namespace)
-    summary = (inspect.getdoc(module) or "").split("\n\n")[0]
-    blocks = [f"::: {namespace}.{name}" for name in public_names(namespace)]
-    return f"# `{namespace}`\n\n{summary}\n\n" + "\n\n".join(blocks) + "\n"
+def entry(name: str) -> str:
+    """One mkdocstrings block: the object's heading one level under its section's."""
+    options = ("heading_level: 3",) + _OPTIONS.get(name, ())
+    return f"::: {name}\n    options:\n" + "".join(f"      {o}\n" for o in options)
+
+
+def api_page(title: str, intro: str, sections: List[Tuple[str, List[str]]]) -> str:
+    """Markdown for one reference page: its intro, then each section's entries in order."""
+    parts = [f"# {title}\n\n{intro}\n"]
+    for heading, names in sections:
+        parts.append(f"## {heading}\n\n" + "\n".join(entry(n) for n in names))
+    return "\n".join(parts)
+
+
+def placement_problems(pages: Dict[str, tuple] = PAGES,
+                       namespaces: Sequence[str] = NAMESPACES) -> Iterator[str]:
+    """Each public name that is on no page or on two, and each listed name that is not
+    public."""
+    listed = [n for _, _, sections in pages.values() for _, names in sections for n in names]
+    public = [f"{ns}.{name}" for ns in namespaces for name in public_names(ns)]
+    for name in public:
+        if name not in listed:
+            yield f"API reference: {name} is public but on no page of PAGES (scripts/docs_hooks.py)"
+    for name in sorted({n for n in listed if listed.count(n) > 1}):
+        yield f"API reference: {name} is listed twice in PAGES"
+    for name in listed:
+        if name not in public:
+            yield f"API reference: {name} is listed in PAGES but not public"
+
+
+def member_problems(cls: type, listed: Sequence[str], where: str) -> Iterator[str]:
+    """Each public member of ``cls`` that the reference's explicit member list leaves out."""
+    for name in sorted(n for n in dir(cls) if not n.startswith("_") and n not in listed):
+        yield f"API reference: {where}.{name} is public but not in its member list"
 
 
 def on_files(files: Any, config: Any) -> Any:
     # The theme's own highlighter loads from a CDN; Pygments colours the code at build time
     css = HtmlFormatter(style="default").get_style_defs(".highlight")
     files.append(File.generated(config, "css/pygments.css", content=css))
+    for path, page in PAGES.items():
+        files.append(File.generated(config, path, content=api_page(*page)))
+    manager = importlib.import_module("gradmgr").GradManager
+    for problem in [*placement_problems(),
+                    *member_problems(manager, MANAGER_MEMBERS, "gradmgr.GradManager")]:
+        log.warning(problem)
     for namespace in NAMESPACES:
-        files.append(File.generated(config, f"api/{namespace}.md", content=api_page(namespace)))
         for problem in docstring_problems(namespace):
             log.warning(problem)
     return files

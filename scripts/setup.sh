@@ -1,20 +1,40 @@
 #!/usr/bin/env bash
-# Sets up gradmgr's two development environments; safe to run again (it then only checks).
+# Sets up gradmgr's development environments; safe to run again (it then only checks).
+#   scripts/setup.sh demo     .venv only: what `make demo` (and `make bench`) runs in
+#   scripts/setup.sh latest   .venv-latest only (`make docs`, `make lint`)
+#   scripts/setup.sh [all]    both, and Chromium for the docs' browser test (`make test`, CI)
+#   scripts/setup.sh system   only the changes outside the checkout, asked for (`make setup-system`)
 #   .venv         CPython 3.8-3.10 with torch 2.8.0 + megengine 1.13.0 (MegEngine has no newer wheels)
 #   .venv-latest  the machine's python3 with the newest cheap PyTorch (torch 2.13.0, CPU build)
-#                 and the docs tools (mkdocs); Chromium for the docs' browser test (apt, as root)
+#                 and the docs tools (mkdocs)
+# Everything it writes is inside the checkout (the environments, pip's cache in .cache/pip),
+# except two things it may need where the machine lacks them, each announced before it happens
+# with how to avoid it (README.md's requirements list them): Debian's bullseye python3.9 (for
+# .venv, when no CPython 3.8-3.10 is found) and Debian's chromium (`all` only).
 # Environment: GRADMGR_PYTHON names a CPython 3.8-3.10 to use for .venv;
-#              GRADMGR_LATEST_PYTHON the interpreter for .venv-latest (default python3).
+#              GRADMGR_LATEST_PYTHON the interpreter for .venv-latest (default python3);
+#              GRADMGR_SYSTEM=no: never change the machine (stop, or warn, instead);
+#              GRADMGR_SYSTEM=yes: change it without the pause given on a terminal.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 LEGACY_TORCH="torch==2.8.0"
 LATEST_TORCH="${GRADMGR_LATEST_TORCH:-torch==2.13.0}"
+APT_ETC=/etc/apt  # (tests point these elsewhere)
+SYSTEM_LOG=$ROOT/.setup-system-changes  # what was changed outside the checkout, for distclean
+ANNOUNCE_WAIT_S=15
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$ROOT/.cache/pip}"  # pip's cache inside the checkout
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
 
 is_legacy_python() {  # true if "$1" runs and is CPython 3.8-3.10
   "$1" -c 'import sys, platform; sys.exit(not (platform.python_implementation() == "CPython" and (3, 8) <= sys.version_info[:2] <= (3, 10)))' >/dev/null 2>&1
+}
+
+legacy_candidates() {  # interpreters that may exist but are not on PATH (pyenv installs, Debian's /usr/bin)
+  local pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+  printf '%s\n' "$pyenv_root"/versions/3.10*/bin/python3.10 "$pyenv_root"/versions/3.9*/bin/python3.9 \
+    "$pyenv_root"/versions/3.8*/bin/python3.8 /usr/bin/python3.10 /usr/bin/python3.9 /usr/bin/python3.8
 }
 
 find_legacy_python() {
@@ -26,46 +46,72 @@ find_legacy_python() {
   for c in python3.10 python3.9 python3.8; do
     if command -v "$c" >/dev/null 2>&1 && is_legacy_python "$c"; then command -v "$c"; return; fi
   done
-  # Interpreters that exist but are not on PATH (pyenv installs, Debian's /usr/bin).
-  local pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
-  for c in "$pyenv_root"/versions/3.10*/bin/python3.10 "$pyenv_root"/versions/3.9*/bin/python3.9 \
-           "$pyenv_root"/versions/3.8*/bin/python3.8 /usr/bin/python3.10 /usr/bin/python3.9 /usr/bin/python3.8; do
+  while IFS= read -r c; do
     if [ -x "$c" ] && is_legacy_python "$c"; then echo "$c"; return; fi
-  done
+  done < <(legacy_candidates)
   return 1
+}
+
+can_apt() {  # Debian, run as root, with apt-get: the only place this script installs system packages
+  [ -r /etc/debian_version ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1
+}
+
+announce_system_change() {  # announce_system_change WHAT HOW-TO-AVOID: said before, never after
+  # GRADMGR_SYSTEM=no refuses (returns 1); on a terminal, a pause to press Ctrl-C first.
+  say "ABOUT TO CHANGE THIS MACHINE (outside this checkout): $1"
+  say "To avoid it: $2"
+  if [ "${GRADMGR_SYSTEM:-}" = no ]; then
+    say "GRADMGR_SYSTEM=no: not changing it"; return 1
+  fi
+  if [ "${GRADMGR_SYSTEM:-}" != yes ] && [ -t 0 ]; then
+    say "Nothing is changed yet: press Ctrl-C within $ANNOUNCE_WAIT_S s to stop here."
+    sleep "$ANNOUNCE_WAIT_S"
+  fi
+}
+
+note_system_change() {  # note_system_change LINE: kept in the checkout for `make distclean` to show
+  echo "$*" >>"$SYSTEM_LOG"
 }
 
 install_bullseye_python39() {
   # Debian bookworm has no python3.8-3.10; bullseye's python3.9 installs cleanly beside it.
-  local sources=/etc/apt/sources.list.d/gradmgr-bullseye.sources
-  local pin=/etc/apt/preferences.d/gradmgr-bullseye
+  local sources=$APT_ETC/sources.list.d/gradmgr-bullseye.sources
+  local pin=$APT_ETC/preferences.d/gradmgr-bullseye
   local uri keyring
-  uri=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-  keyring=$(awk '/^Signed-By:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+  uri=$(awk '/^URIs:/{print $2; exit}' "$APT_ETC/sources.list.d/debian.sources" 2>/dev/null || true)
+  keyring=$(awk '/^Signed-By:/{print $2; exit}' "$APT_ETC/sources.list.d/debian.sources" 2>/dev/null || true)
   uri=${uri:-http://deb.debian.org/debian}
   keyring=${keyring:-/usr/share/keyrings/debian-archive-keyring.gpg}
-  say "No CPython 3.8-3.10 found. CHANGING THIS MACHINE: adding Debian's bullseye suite ($sources),"
-  say "pinned at priority 100 ($pin) so it never wins for other packages, to install python3.9."
+  say "Adding Debian's bullseye suite ($sources), pinned at priority 100 ($pin) so it never"
+  say "wins for other packages, to install python3.9."
   printf 'Types: deb\nURIs: %s\nSuites: bullseye\nComponents: main\nSigned-By: %s\n' "$uri" "$keyring" >"$sources"
   printf 'Package: *\nPin: release n=bullseye\nPin-Priority: 100\n' >"$pin"
+  note_system_change "file $sources" && note_system_change "file $pin"
   apt_install -t bullseye python3.9
+  note_system_change "apt package python3.9 (bullseye; with libssl1.1, libffi7, libmpdec3)"
   # bullseye's python3-distutils would replace bookworm's package of the same name; unpack its files only.
   local tmp; tmp=$(mktemp -d)
   (cd "$tmp" && with_retries 3 "apt-get download python3-distutils" apt-get download -q python3-distutils/bullseye \
      && dpkg-deb -x python3-distutils_*.deb /)
   rm -rf "$tmp"
+  note_system_change "files of bullseye's python3-distutils under /usr/lib/python3.9/distutils (not tracked by dpkg)"
   say "Installed /usr/bin/python3.9 from bullseye (plus its libssl1.1, libffi7, libmpdec3); nothing removed."
 }
+
+LEGACY_AVOID="install a CPython 3.9 or 3.10 yourself (e.g. 'pyenv install 3.10') and run again, or name one with GRADMGR_PYTHON=/path/to/python3.10; GRADMGR_SYSTEM=no stops instead of installing"
 
 ensure_legacy_python() {
   local py
   if py=$(find_legacy_python); then echo "$py"; return; fi
-  if [ -r /etc/debian_version ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    install_bullseye_python39 >&2
-    py=$(find_legacy_python) || die "python3.9 from bullseye did not install as expected"
-    echo "$py"; return
+  if can_apt; then
+    if announce_system_change "no CPython 3.8-3.10 found (MegEngine needs one): installing Debian bullseye's python3.9 with apt-get (an apt source and a pin file under $APT_ETC, python3.9 and its libraries, python3-distutils' files unpacked into /usr/lib/python3.9)" \
+         "$LEGACY_AVOID" >&2; then
+      install_bullseye_python39 >&2
+      py=$(find_legacy_python) || die "python3.9 from bullseye did not install as expected"
+      echo "$py"; return
+    fi
   fi
-  die "MegEngine needs CPython 3.8, 3.9 or 3.10 and none was found. Install one (e.g. 'pyenv install 3.9'), then run again, or set GRADMGR_PYTHON=/path/to/python3.9."
+  die "MegEngine needs CPython 3.8, 3.9 or 3.10 and none was found: $LEGACY_AVOID."
 }
 
 make_venv() {  # make_venv DIR PYTHON
@@ -223,28 +269,62 @@ setup_env() {  # setup_env DIR PYTHON CHECK-IMPORTS PIP-ARGS...
   say "$dir ready"
 }
 
-ensure_chromium() {  # the docs' browser test (tests/docs/test_docs_site.py) drives Chromium
+find_chromium() {
   local c
   for c in chromium chromium-browser google-chrome; do
-    if command -v "$c" >/dev/null 2>&1; then say "Chromium for the docs' browser test: $(command -v "$c")"; return; fi
+    if command -v "$c" >/dev/null 2>&1; then command -v "$c"; return; fi
   done
-  if [ -r /etc/debian_version ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "No Chromium found; the docs' browser test needs one. CHANGING THIS MACHINE: installing Debian's chromium package with apt-get."
+  return 1
+}
+
+ensure_chromium() {  # the docs' browser test (tests/docs/test_docs_site.py) drives Chromium
+  local found
+  if found=$(find_chromium); then say "Chromium for the docs' browser test: $found"; return; fi
+  if can_apt && announce_system_change "no Chromium found, and the docs' browser test needs one: installing Debian's chromium package with apt-get" \
+       "put a Chromium on PATH as 'chromium' and run again; GRADMGR_SYSTEM=no skips it (the browser test then fails, saying so)"; then
     apt_install chromium
+    note_system_change "apt package chromium"
     say "Installed $(command -v chromium) ($(chromium --version 2>/dev/null | head -1))"
     return
   fi
-  say "WARNING: no Chromium on PATH, and this is not Debian run as root: install Chromium (as 'chromium'), or the docs' browser test fails."
+  say "WARNING: no Chromium on PATH: install Chromium (as 'chromium'), or the docs' browser test fails."
 }
 
-main() {
+setup_legacy() {  # .venv: torch 2.8 + MegEngine, what the demo, the benchmarks and most tests run in
   LEGACY_PY=$(ensure_legacy_python)
-  setup_env .venv "$LEGACY_PY" "torch, megengine, gradmgr" \
-    "$LEGACY_TORCH" -e ".[megengine,test,demo]"
-  setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr, mkdocs, mkdocstrings" \
-    "$LATEST_TORCH" -e ".[test,docs]"
-  ensure_chromium
-  say "done: .venv ($(.venv/bin/python -c 'import sys,torch,megengine;print("python",sys.version.split()[0],"torch",torch.__version__,"megengine",megengine.__version__)' 2>/dev/null | tail -1)), .venv-latest ($(.venv-latest/bin/python -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__)'))"
+  setup_env .venv "$LEGACY_PY" "torch, megengine, gradmgr, lightning_fabric" \
+    "$LEGACY_TORCH" -e ".[megengine,lightning,test,demo]"
+}
+
+setup_latest() {  # .venv-latest: the newest torch, the docs tools and ruff
+  setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr, mkdocs, mkdocstrings, lightning_fabric" \
+    "$LATEST_TORCH" -e ".[lightning,test,docs]"
+}
+
+summary() {  # one line per environment there is
+  local v
+  for v in .venv .venv-latest; do
+    [ -x "$v/bin/python" ] || continue
+    say "$v: $("$v/bin/python" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)' 2>/dev/null | tail -1)"
+  done
+}
+
+main() {  # main [demo|latest|all|system]
+  local what=${1:-all}
+  case "$what" in
+    demo) setup_legacy ;;
+    latest) setup_latest ;;
+    all) setup_legacy; setup_latest; ensure_chromium ;;
+    system)  # asked for: make both system changes now, where they are missing
+      export GRADMGR_SYSTEM=${GRADMGR_SYSTEM:-yes}
+      local py; py=$(ensure_legacy_python)
+      say "old Python for .venv: $py"
+      ensure_chromium
+      return ;;
+    *) die "unknown set-up '$what': demo, latest, all or system" ;;
+  esac
+  summary
+  say "done ($what)"
 }
 
 # Sourced (tests/test_setup_script.py), it only defines the functions.

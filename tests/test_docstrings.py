@@ -53,3 +53,22 @@ def test_a_backend_whose_framework_is_missing_names_the_python_version(monkeypat
     assert "'absent' backend cannot be used here" in message
     assert "no_such_framework_module" in message and "CPython 3.8-3.10" in message
     assert f"Python {sys.version_info[0]}.{sys.version_info[1]}" in message
+
+
+def test_help_shows_the_public_methods_only():
+    """``help(GradManager)`` lists what a user calls (every ``register_*`` among them), not
+    what only the data-parallel library needs (now functions of gradmgr.hooks and
+    gradmgr.manager)."""
+    import pydoc
+
+    from gradmgr import GradManager
+
+    shown = pydoc.render_doc(GradManager, renderer=pydoc.plaintext)
+    for internal in ("set_backward_delegate", "attach_epoch", "callback_chains",
+                     "after_backward_callbacks"):
+        assert internal not in shown, internal
+    for public in ("attach", "attached_tensors", "backward", "backward_split", "record",
+                   "release", "add_gradient", "reachable", "register_record_callback",
+                   "register_after_backward_callback", "register_backward_error_callback",
+                   "register_release_callback"):
+        assert f"{public}(" in shown, public

@@ -15,7 +15,8 @@ import pytest
 
 REPORT = """
 import json, sys
-loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "megengine"))
+loaded = sorted(m for m in sys.modules if m.partition(".")[0] in
+                ("torch", "megengine", "lightning_fabric", "lightning", "pytorch_lightning"))
 print(json.dumps({"loaded": loaded, **globals().get("extra", {})}))
 """
 
@@ -75,6 +76,31 @@ def test_import_gradmgr_distributed_loads_no_framework():
         """
     )
     assert result == {"loaded": []}
+
+
+def test_import_gradmgr_integrations_loads_no_framework_nor_lightning():
+    result = _run(
+        """
+        import gradmgr, gradmgr.integrations
+        import gradmgr.integrations.lightning as lightning
+        extra = {"names": dir(lightning)}
+        """
+    )
+    assert result == {"loaded": [], "names": ["GradmgrModule", "GradmgrStrategy"]}
+
+
+@pytest.mark.torch
+def test_the_lightning_strategy_imports_lightning_fabric_when_asked_for():
+    pytest.importorskip("lightning_fabric")
+    result = _run(
+        """
+        from gradmgr.integrations.lightning import GradmgrStrategy
+        from lightning_fabric.strategies import DDPStrategy
+        extra = {"ddp": issubclass(GradmgrStrategy, DDPStrategy)}
+        """
+    )
+    assert result["ddp"] is True
+    assert "lightning_fabric" in result["loaded"] and "torch" in result["loaded"]
 
 
 # ------------------------------------------------------------------ the shape of the core

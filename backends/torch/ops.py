@@ -225,6 +225,11 @@ class TorchOps(TensorOps):
 
         return native_path(transport)
 
+    def comm_hook(self, hook: Any, state: Any) -> Any:
+        from .comm_hook import TorchCommHook  # imports torch.distributed
+
+        return TorchCommHook(hook, state)
+
 
 def _same_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

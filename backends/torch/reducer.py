@@ -59,8 +59,9 @@ class TorchNativePath(EngineAccumulates):
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int) -> TorchReducer:
-        return TorchReducer(plan, self.group, bucket_bytes, first_bucket_bytes)
+    def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int,
+              comm_hook: Any = None) -> TorchReducer:
+        return TorchReducer(plan, self.group, bucket_bytes, first_bucket_bytes, comm_hook)
 
 
 class TorchReducer:
@@ -70,13 +71,14 @@ class TorchReducer:
     """
 
     def __init__(self, plan: Any, group: Any, bucket_bytes: int,
-                 first_bucket_bytes: int) -> None:
+                 first_bucket_bytes: int, comm_hook: Any = None) -> None:
         planned = plan.tensors()
         if any(t is None for t in planned):
             raise RuntimeError("an attached tensor died while planning its allreduce")
         # The tensors in the order their buckets go out (late layers first), and the flags
-        # just before the very last one: the flags always share the last bucket (which goes
-        # out only once they are known) instead of making a bucket, and a collective, alone.
+        # first in the last bucket: they always share it (it goes out only once they are
+        # known) instead of making a bucket, and a collective, alone; and, at its start, a
+        # communication hook gets the rest of that bucket as a view (see comm_hook.py).
         tensors = [planned[m] for bucket in plan.buckets for m in bucket.members]
         last = tensors[-1]
         # One "used" flag per tensor, then a "this rank failed" marker.
@@ -84,13 +86,14 @@ class TorchReducer:
                                  requires_grad=True)
         self._tensors: List[torch.Tensor] = tensors  # in bucket order, as the flags are
         self.tensors: List[torch.Tensor] = planned  # in plan order (the contract's)
-        params = tensors[:-1] + [self.flags, last]
-        self._index = list(range(len(tensors) - 1)) + [len(tensors)]  # tensor -> param
+        at = len(tensors) - len(plan.buckets[-1].members)  # the flags' parameter index
+        params = tensors[:at] + [self.flags] + tensors[at:]
+        self._index = [i if i < at else i + 1 for i in range(len(tensors))]  # tensor -> param
         indices, start = [], 0
         for bucket in plan.buckets:
             indices.append([self._index[i] for i in range(start, start + len(bucket.members))])
             start += len(bucket.members)
-        indices[-1].insert(-1, len(tensors) - 1)
+        indices[-1].insert(0, at)
         # The group's Python object, kept until after the C++ reducer is gone (``__del__``):
         # the group's last reference must not die in the reducer (see teardown.py).
         self._group = group if group is not None else dist.group.WORLD
@@ -106,6 +109,9 @@ class TorchReducer:
         # from the order given (the plan's; one broadcast, at the same plan on every rank).
         self._reducer._push_all_rebuilt_params()
         self._reducer._rebuild_buckets()
+        if comm_hook is not None:  # as DDP registers one (the hook divides, not the reducer)
+            dist._register_comm_hook(self._reducer, comm_hook.state,
+                                     comm_hook.for_reducer(self.flags, self._group))
         self._unmarked: Sequence[int] = ()  # reducer indices: no gradient in this engine run
         self.flags.register_post_accumulate_grad_hook(_marker(weakref.ref(self)))
         # .grad (and its version) of every tensor when the current accumulation window (the

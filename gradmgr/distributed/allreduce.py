@@ -10,15 +10,21 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from typing import Any, Iterator, List, Optional, Union
+from typing import Any, Iterator, List, Literal, Optional, Union
 
 from .._state import get_backwarding_grad_manager
+from ..hooks import set_backward_delegate
 from .consistency import names_from
 from .contract import Transport
 from .shard_grads import StandIns
 from .sharding import GradientShards
 from .synchronizer import Synchronizer
 from .transport import TransportSpec, check_transport
+
+# The string options, typed so that a checker (mypy) catches reduce="avg" before a run does
+Reduce = Literal["mean", "sum"]
+Compression = Literal["fp16", "bf16"]
+Verify = Union[bool, Literal["step", "plan"]]
 
 _REDUCE = ("mean", "sum")
 _VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
@@ -78,11 +84,24 @@ class AllreduceCallback:
     that did it.
 
     Example:
-        >>> # torch.distributed.init_process_group("gloo", ...) in every process
-        >>> # cb = make_allreduce_cb("mean")
-        >>> # gm = GradManager().attach(model.parameters(), callbacks=[cb])
-        >>> # with gm:
-        >>> #     gm.backward(loss_fn(model(x), y))   # .grad is now the mean over ranks
+        Here a process group of one rank; under ``torchrun`` every rank runs the same lines
+        and ``.grad`` is the mean over the ranks:
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr import GradManager
+        >>> from gradmgr.distributed import free_port, make_allreduce_cb
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> cb = make_allreduce_cb("mean")
+        >>> gm = GradManager().attach(model.parameters(), callbacks=[cb])
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(3, 2)).sum())
+        >>> model.weight.grad
+        tensor([[3., 3.]])
+        >>> del gm, cb  # before the group goes, as with DDP
+        >>> dist.destroy_process_group()
 
     Args:
         reduce: ``"mean"`` or ``"sum"`` over processes.
@@ -116,24 +135,34 @@ class AllreduceCallback:
             callback, and what the backend asks (PyTorch: leaves, dense, no
             post-accumulate-grad hook). Same results, DDP's cost; it holds the planned tensors
             while bound. None: on unless the environment sets ``GRADMGR_NATIVE_REDUCER=0``.
+        comm_hook: a DDP communication hook, ``hook(state, bucket) -> Future`` as
+            ``DistributedDataParallel.register_comm_hook`` takes it (torch's own:
+            ``fp16_compress_hook``, ``powerSGD_hook``, ...; PyTorch only): each bucket goes
+            to it undivided and its result becomes the bucket's reduced gradients, as with
+            DDP, on torch's reducer and on gradmgr's buckets. Replaces ``compression``
+            (give one of the two) and ``reduce`` (leave it ``"mean"``).
+        comm_state: the hook's ``state`` (``PowerSGDState``, a process group, None).
     """
 
     DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb=25
 
     def __init__(
         self,
-        reduce: str = "mean",
+        reduce: Reduce = "mean",
         group: Any = None,
         bucket_bytes: Optional[int] = None,
-        compression: Optional[str] = None,
+        compression: Optional[Compression] = None,
         transport: TransportSpec = None,
         *,
         broadcast: bool = True,
         src: int = 0,
-        verify: Union[bool, str] = True,
+        verify: Verify = True,
         native: Optional[bool] = None,
         names: Any = None,
+        comm_hook: Any = None,
+        comm_state: Any = None,
     ) -> None:
+        self._check_comm_hook(comm_hook, comm_state, reduce, compression)
         if reduce not in _REDUCE:
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
         if compression not in _COMPRESSION:
@@ -155,9 +184,28 @@ class AllreduceCallback:
         self.native = (os.environ.get("GRADMGR_NATIVE_REDUCER", "1") != "0"
                        if native is None else native)
         self.transport_spec = transport
+        self.comm_hook, self.comm_state = comm_hook, comm_state
         self._names = names_from(names)
         self._sync = True
         self._synchronizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _check_comm_hook(self, hook: Any, state: Any, reduce: str,
+                         compression: Optional[str]) -> None:
+        if hook is None:
+            if state is not None:
+                raise ValueError("comm_state= is the state of a comm_hook=: pass the hook too")
+            return
+        if not callable(hook):
+            raise TypeError(f"comm_hook must be callable as hook(state, bucket), got "
+                            f"{type(hook).__name__}")
+        if compression is not None:
+            raise ValueError(
+                f"comm_hook= and compression={compression!r} both say how buckets travel: "
+                "choose one (fp16_compress_hook, or compression='fp16' without a hook)")
+        if reduce != "mean":
+            raise ValueError(
+                f"comm_hook= decides the reduction (torch's hooks average), so reduce must "
+                f"stay 'mean', got {reduce!r}")
 
     # ------------------------------------------------------------------ public
     def __call__(self, tensor: Any, grad: Any) -> Any:
@@ -190,7 +238,7 @@ class AllreduceCallback:
         gm.register_backward_error_callback(hooks.abort)
         gm.register_release_callback(hooks.release)
         if self.native or synchronizer.post_path is not None:
-            gm.set_backward_delegate(hooks.delegate)
+            set_backward_delegate(gm, hooks.delegate)
 
     __gradmgr_bind__ = bind
 
@@ -212,9 +260,26 @@ class AllreduceCallback:
         records, it raises ``RuntimeError``.
 
         Example:
-            >>> # with cb.no_sync():
-            >>> #     with gm: gm.backward(loss(micro_batch_1))
-            >>> # with gm: gm.backward(loss(micro_batch_2))   # reduces both micro-batches
+            Here a process group of one rank:
+
+            >>> import torch
+            >>> import torch.distributed as dist
+            >>> from gradmgr import GradManager
+            >>> from gradmgr.distributed import free_port, make_allreduce_cb
+            >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+            ...                         rank=0, world_size=1)
+            >>> w = torch.zeros(2, requires_grad=True)
+            >>> cb = make_allreduce_cb()
+            >>> gm = GradManager().attach(w, callbacks=[cb])
+            >>> with cb.no_sync():
+            ...     with gm:
+            ...         gm.backward(w.sum())       # this rank's own, not reduced
+            >>> with gm:
+            ...     gm.backward(w.sum())           # reduces both micro-batches
+            >>> w.grad
+            tensor([2., 2.])
+            >>> del gm, cb
+            >>> dist.destroy_process_group()
         """
         if any(gm.is_recording for gm in list(self._synchronizers)):
             raise RuntimeError(
@@ -307,14 +372,45 @@ class ReduceScatterCallback(AllreduceCallback):
     ``reduce_scatter_async`` and ``all_gather_async`` (the backends' own have them).
 
     Example:
-        >>> # cb = make_reduce_scatter_cb("mean")
-        >>> # gm = GradManager().attach(model.parameters(), callbacks=[cb])
-        >>> # opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-3)
+        Here a process group of one rank (which keeps all of every gradient); under
+        ``torchrun`` every rank runs the same lines:
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr import GradManager
+        >>> from gradmgr.distributed import ShardedOptimizer, free_port, make_reduce_scatter_cb
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> torch.nn.init.ones_(model.weight)
+        Parameter containing:
+        tensor([[1., 1.]], requires_grad=True)
+        >>> cb = make_reduce_scatter_cb("mean")
+        >>> gm = GradManager().attach(model.parameters(), callbacks=[cb])
+        >>> opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.5)
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(1, 2)).sum())
+        >>> opt.step()
+        >>> model.weight
+        Parameter containing:
+        tensor([[0.5000, 0.5000]], requires_grad=True)
+        >>> del opt, gm, cb  # before the group goes
+        >>> dist.destroy_process_group()
     """
 
     DEFAULT_BUCKET_BYTES = 16 * 2**20
     """Smaller than the allreduce path's: a sharded backward's transient memory is the two
     bucket buffers that serve it (one in flight, one filling)."""
+
+    def _check_comm_hook(self, hook: Any, state: Any, reduce: str,
+                         compression: Optional[str]) -> None:
+        if hook is not None:
+            raise ValueError(
+                "comm_hook= does not apply to sharded data parallelism (shard=True, a "
+                "reduce-scatter callback): DDP's hooks return a whole allreduced bucket, "
+                "where each rank keeps only its slice here. Use compression='fp16' or "
+                "'bf16' there, or shard=False to keep the hook")
+        super()._check_comm_hook(hook, state, reduce, compression)
 
     def _shards_for(self, backend: Any) -> Optional[GradientShards]:
         return GradientShards(backend.tensor_ops(), StandIns)
@@ -328,10 +424,10 @@ class ReduceScatterCallback(AllreduceCallback):
 
 
 def make_reduce_scatter_cb(
-    reduce: str = "mean",
+    reduce: Reduce = "mean",
     group: Any = None,
     bucket_bytes: Optional[int] = None,
-    compression: Optional[str] = None,
+    compression: Optional[Compression] = None,
     transport: TransportSpec = None,
     **options: Any,
 ) -> ReduceScatterCallback:
@@ -348,15 +444,15 @@ def make_reduce_scatter_cb(
 
 
 def make_allreduce_cb(
-    reduce: str = "mean",
+    reduce: Reduce = "mean",
     group: Any = None,
     bucket_bytes: Optional[int] = None,
-    compression: Optional[str] = None,
+    compression: Optional[Compression] = None,
     transport: TransportSpec = None,
     **options: Any,
 ) -> AllreduceCallback:
     """A data-parallel allreduce callback; see :class:`AllreduceCallback` (``options``:
-    ``broadcast``, ``src``, ``verify``, ``native``, ``names``).
+    ``broadcast``, ``src``, ``verify``, ``native``, ``names``, ``comm_hook``, ``comm_state``).
 
     Example:
         >>> cb = make_allreduce_cb("mean", bucket_bytes=4 * 2**20)

@@ -144,6 +144,21 @@ class NativeReducer(Protocol):
         (and close it)."""
 
 
+class CommHook(Protocol):
+    """A user's communication hook as the backend runs it (see :meth:`TensorOps.comm_hook`):
+    opaque to the core, which only launches it on a bucket."""
+
+    def describe(self) -> str:
+        """A name for the hook, compared across ranks with the plan."""
+
+    def launch(self, flat: Any, bucket: Any, last: bool, transport: Transport,
+               parameters: Callable[[], List[Any]]) -> Handle:
+        """Start the hook on one step's ``flat`` buffer of ``bucket`` (values, then flags, as
+        :meth:`BucketBuffer.finish` lays them out), undivided; ``wait()`` returns the buffer
+        with the values reduced as the hook says and the flags summed over the ranks.
+        ``parameters()``: the bucket's tensors in slot order."""
+
+
 class NativePath(Protocol):
     """How a backend's own reducer can take whole backwards over from the Python buckets."""
 
@@ -154,8 +169,10 @@ class NativePath(Protocol):
     def still_accepts(self, planned: Sequence[Any]) -> bool:
         """What may change between recordings without a new plan (checked at each one)."""
 
-    def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int) -> NativeReducer:
-        """A reducer over the plan's tensors (collective: every rank builds one together)."""
+    def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int,
+              comm_hook: Optional[CommHook] = None) -> NativeReducer:
+        """A reducer over the plan's tensors (collective: every rank builds one together),
+        reducing each bucket with ``comm_hook`` where given."""
 
 
 class PostBackwardPath(Protocol):
@@ -459,6 +476,15 @@ class TensorOps:
         buckets do the work)."""
         return None
 
+    def comm_hook(self, hook: Any, state: Any) -> CommHook:
+        """A communication hook (``comm_hook=`` of the allreduce callback) as this framework
+        runs it. The default refuses: hooks are PyTorch DDP's."""
+        raise ValueError(
+            "comm_hook= takes PyTorch DDP communication hooks (hook(state, bucket) -> "
+            "torch.futures.Future), and these tensors are not PyTorch's: use "
+            "compression='fp16' or 'bf16', or a transport (make_allreduce_cb(transport=...))"
+        )
 
-__all__ = ["BucketBuffer", "Handle", "NativePath", "NativeReducer", "PostBackwardPath",
-           "ShardingTransport", "TensorOps", "Transport"]
+
+__all__ = ["BucketBuffer", "CommHook", "Handle", "NativePath", "NativeReducer",
+           "PostBackwardPath", "ShardingTransport", "TensorOps", "Transport"]

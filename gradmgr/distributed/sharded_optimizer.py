@@ -21,6 +21,7 @@ import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from ..manager import callback_chains
 from .bucket import BucketPlan
 from .errors import RankMismatchError
 from .gather import ParameterGather
@@ -85,13 +86,29 @@ class ShardedOptimizer:
     (``load_state_dict(old.state_dict())`` carries the state over, each parameter's its own).
 
     Example:
-        >>> # gm = data_parallel(model, shard=True)
-        >>> # opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-3)
-        >>> # with gm:
-        >>> #     gm.backward(loss_fn(model(x), y))
-        >>> # opt.clip_grad_norm_(1.0)        # over every rank's shards
-        >>> # opt.step(); opt.zero_grad()
-        >>> # scheduler = torch.optim.lr_scheduler.StepLR(opt, 10)  # an Optimizer on torch
+        Here a process group of one rank (docs/sharded.md trains on two):
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr.distributed import free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> from gradmgr.distributed import data_parallel
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> gm = data_parallel(model, shard=True)
+        >>> opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.5)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)  # opt itself
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(1, 2)).sum())
+        >>> opt.clip_grad_norm_(1.0)          # the norm of every rank's slices together
+        1.4142135...
+        >>> opt.step()
+        >>> opt.zero_grad()
+        >>> scheduler.step()
+        >>> opt.param_groups[0]["lr"]
+        0.05
+        >>> del scheduler, opt, gm  # they hold the manager: before the group goes
+        >>> dist.destroy_process_group()
     """
 
     def __new__(cls, gm: Any, *args: Any, **kwargs: Any) -> ShardedOptimizer:
@@ -355,7 +372,7 @@ class ShardedOptimizer:
 
 def _sharded_callback(gm: Any) -> Any:
     found = []
-    for _, callbacks in gm.callback_chains():
+    for _, callbacks in callback_chains(gm):
         for cb in callbacks:
             if hasattr(cb, "synchronizer") and cb not in found:
                 found.append(cb)

@@ -109,7 +109,7 @@ class ShardWire(Wire):
     def lend(self, bucket: Any) -> None:
         self.pool.lend(bucket)
 
-    def send(self, flat: Any, bucket: Any, last: bool) -> ShardReduction:
+    def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> ShardReduction:
         ops, transport = self.ops, self.transport
         if self.in_flight is not None:
             with contextlib.suppress(Exception):  # the error is raised where it is used

@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 
 from ..future import Future
 from .bucket import BucketPlan
-from .contract import Handle, TensorOps, Transport
+from .contract import CommHook, Handle, TensorOps, Transport
 from .errors import RankFailedError
 
 RANK_FAILED = (
@@ -109,7 +109,7 @@ class Wire:
         """Before ``bucket``'s buffer is made: the allreduce path keeps each bucket's own
         (``.grad`` views it), so nothing to do."""
 
-    def send(self, flat: Any, bucket: Any, last: bool) -> Reduction:
+    def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> Reduction:
         ops = self.ops
         if self.mean:
             flat = ops.scale(flat, 1.0 / self.transport.world_size())
@@ -117,6 +117,25 @@ class Wire:
             flat = ops.compress(flat, self.compression)
         handle = self.transport.allreduce_async(flat)
         return Reduction(ops, handle, bucket, self.compression is not None, last)
+
+
+class HookWire(Wire):
+    """The wire of a communication hook (``comm_hook=``): each bucket goes to the hook
+    undivided, as DDP hands it over; the hook reduces it (torch's hooks divide by the world
+    size themselves), and the flags travel apart (see ``CommHook.launch``)."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, ops: TensorOps, transport: Transport, hook: CommHook) -> None:
+        super().__init__(ops, transport, False, None)
+        self.hook = hook
+
+    def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> Reduction:
+        def parameters() -> List[Any]:
+            return [plan.tensor(m) for m in bucket.members]
+
+        handle = self.hook.launch(flat, bucket, last, self.transport, parameters)
+        return Reduction(self.ops, handle, bucket, False, last)
 
 
 class Step:
@@ -176,7 +195,7 @@ class Step:
         bucket = self.plan.buckets[b]
         flat = self._buffer(wire, b, self.plan.tensor(bucket.members[0])).finish(unused, failed)
         self.buffers[b] = None
-        self.launched[b] = wire.send(flat, bucket, b == len(self.plan.buckets) - 1)
+        self.launched[b] = wire.send(flat, bucket, b == len(self.plan.buckets) - 1, self.plan)
         self.next_launch = b + 1
 
     def launch_failed(self, wire: Wire) -> None:

@@ -28,10 +28,25 @@ def no_sync(gm: GradManager) -> Iterator[None]:
     recording already started as a synced one.
 
     Example:
-        >>> # for micro in range(k):
-        >>> #     with (no_sync(gm) if micro < k - 1 else contextlib.nullcontext()):
-        >>> #         with gm:
-        >>> #             gm.backward(loss_fn(model(x[micro]), y[micro]))
+        Two micro-batches, the first without communication (here a process group of one
+        rank):
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr.distributed import free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> import contextlib
+        >>> from gradmgr.distributed import data_parallel
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> gm = data_parallel(model)
+        >>> for micro in range(2):
+        ...     with no_sync(gm) if micro == 0 else contextlib.nullcontext(), gm:
+        ...         gm.backward(model(torch.ones(1, 2)).sum())
+        >>> model.weight.grad                  # both micro-batches, reduced once
+        tensor([[2., 2.]])
+        >>> del gm
+        >>> dist.destroy_process_group()
     """
     if gm.is_recording:
         raise RuntimeError(
@@ -70,9 +85,17 @@ def broadcast(tensors: Any, src: int = 0, *, group: Any = None,
     dtype and device into one collective each.
 
     Example:
-        >>> # torch.manual_seed(rank)          # ranks start from different weights...
-        >>> # model = make_model()
-        >>> # broadcast(model)                 # ...and now all hold rank 0's
+        Ranks that start from different weights all hold rank 0's afterwards (here a process
+        group of one rank):
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr.distributed import free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> broadcast(model)
+        >>> dist.destroy_process_group()
     """
     items = _tensors_of(tensors)
     if not items:

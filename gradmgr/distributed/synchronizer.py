@@ -13,13 +13,16 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional, Set
 
+from ..hooks import after_backward_callbacks
+from ..manager import attach_epoch, callback_chains
 from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
-from .contract import NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
+from .contract import (CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps,
+                       Transport)
 from .errors import RankMismatchError, SparseGradientError, sparse_message
 from .post_backward import PostBackwardStep
 from .sharding import GradientShards, ShardWire
-from .steps import PendingGradient, Step, Wire
+from .steps import HookWire, PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
 from .transport import resolve_transport
 
@@ -54,6 +57,10 @@ class Synchronizer:
         self.shards = shards  # the sharded path (reduce-scatter): this rank's gradient shards
         self.backend = backend
         self.ops: TensorOps = backend.tensor_ops()
+        # A communication hook as the backend runs it (refused there by one that has none).
+        self.comm_hook: Optional[CommHook] = (
+            None if options.comm_hook is None
+            else self.ops.comm_hook(options.comm_hook, options.comm_state))
         self.name_of = name_of
         self.lock = threading.RLock()  # CUDA backwards call from engine worker threads
         self.transport: Optional[Transport] = None
@@ -162,7 +169,7 @@ class Synchronizer:
         """Whether the trainable attached tensors changed since planning: attached, frozen,
         unfrozen, died, or (``model.double()`` after planning) of another dtype now."""
         ops, planned = self.ops, self._planned()
-        return (self.epoch != gm.attach_epoch or not ops.all_trainable(planned)
+        return (self.epoch != attach_epoch(gm) or not ops.all_trainable(planned)
                 or ops.dtypes(planned) != self.plan.dtypes
                 or ops.any_trainable(self.excluded))
 
@@ -202,8 +209,12 @@ class Synchronizer:
         if self.transport is None:
             self.transport = resolve_transport(options.transport_spec, self.backend,
                                                options.group)
-            kind = Wire if self.shards is None else ShardWire
-            self.wire = kind(ops, self.transport, options.reduce == "mean", options.compression)
+            if self.comm_hook is not None:
+                self.wire = HookWire(ops, self.transport, self.comm_hook)
+            else:
+                kind = Wire if self.shards is None else ShardWire
+                self.wire = kind(ops, self.transport, options.reduce == "mean",
+                                 options.compression)
             native = options.native and self.shards is None
             self.native_path = ops.native_path(self.transport) if native else None
         native = self._native_possible(gm, tensors)
@@ -218,7 +229,7 @@ class Synchronizer:
         if new_plan or native != self.native:
             self._set_native(native)  # drops the old plan's reducer
         self.excluded = [t for t in attached if not ops.trainable(t)]
-        self.epoch = gm.attach_epoch
+        self.epoch = attach_epoch(gm)
 
     def _mode(self, native: bool) -> str:
         """How this rank reduces, compared across ranks with the planned tensors: ranks that
@@ -227,8 +238,9 @@ class Synchronizer:
         options = self.options
         path = ("the framework's own reducer" if native else "gradmgr's buckets"
                 if self.shards is None else "gradmgr's buckets, reduce-scattered")
+        hook = "" if self.comm_hook is None else f", comm_hook={self.comm_hook.describe()}"
         return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
-                f"bucket_bytes={options.bucket_bytes}")
+                f"bucket_bytes={options.bucket_bytes}{hook}")
 
     def _step_mode(self, step: Step) -> str:
         """How this rank reduces ``step``, for an error: a step reduced after its backward says
@@ -256,10 +268,10 @@ class Synchronizer:
         if path is None or not tensors:
             return False
         options = self.options
-        chains = gm.callback_chains()
+        chains = callback_chains(gm)
         if any(callbacks and callbacks != (options,) for _, callbacks in chains):
             return False
-        return (gm.after_backward_callbacks == (self.flush_hook,)
+        return (after_backward_callbacks(gm) == (self.flush_hook,)
                 and path.accepts([t for t, _ in chains], tensors))
 
     def _native_still_possible(self, gm: Any, tensors: List[Any]) -> bool:
@@ -268,7 +280,7 @@ class Synchronizer:
     def _still_delegable(self, gm: Any, tensors: List[Any], path: Any) -> bool:
         """What can change between recordings without a new plan: the manager's after-backward
         callbacks, and what the backend's path checks at every recording."""
-        return (gm.after_backward_callbacks == (self.flush_hook,)
+        return (after_backward_callbacks(gm) == (self.flush_hook,)
                 and path.still_accepts(tensors))
 
     def _set_native(self, native: bool) -> None:
@@ -295,7 +307,8 @@ class Synchronizer:
         self._drop_reducer()
         bucket_bytes = self.options.bucket_bytes
         self.reducer = self.native_path.build(self.plan, bucket_bytes,
-                                              min(bucket_bytes, FIRST_BUCKET_BYTES))
+                                              min(bucket_bytes, FIRST_BUCKET_BYTES),
+                                              self.comm_hook)
 
     def _drop_reducer(self) -> None:
         if self.reducer is not None:  # a no_sync window may be open: keep what it saw used
@@ -314,7 +327,7 @@ class Synchronizer:
         chose that (:mod:`.post_backward`), else goes to the reducer when the plan says so;
         neither where something was attached since the recording started."""
         with self.lock:
-            if self.epoch != gm.attach_epoch:
+            if self.epoch != attach_epoch(gm):
                 return None
             step = self.steps.get(gm.step)
             if step is None:
@@ -447,6 +460,10 @@ class Synchronizer:
                 self.settle(step)
             except RankMismatchError:
                 return  # the others raise it too and launch nothing
+            # Before the failed step: torch's reducer replaces a kept .grad that is a view
+            # into its bucket by a copy, which is no change of the user's.
+            changed = (step.finished_before == self.finished  # .grad written by gradmgr
+                       and self.ops.grads_changed(self._planned(), step.grads_at_record))
             if self.native and not step.after:
                 self._reducer_for(step)
                 self.reducer.fail_step(self.used)
@@ -454,15 +471,13 @@ class Synchronizer:
                 step.launch_failed(self.wire)
                 if self.shards is not None:
                     self._end_sharded(step, True)
-            changed = (step.finished_before == self.finished  # .grad written by gradmgr
-                       and self.ops.grads_changed(self._planned(), step.grads_at_record))
         step.drain()
         if changed:
             raise RuntimeError(_HABIT)
 
 
 class NativeStep:
-    """A backward handed to the reducer (see ``GradManager.set_backward_delegate``)."""
+    """A backward handed to the reducer (see ``gradmgr.hooks.set_backward_delegate``)."""
 
     __slots__ = ("_sync", "_synchronizer")
 

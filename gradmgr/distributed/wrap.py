@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional
 
 from ..manager import GradManager
 from ..registry import backend_for
-from .allreduce import AllreduceCallback, ReduceScatterCallback
+from .allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
 from .consistency import PlanCheck, names_from, plan_fingerprint
 from .sync import broadcast, is_paused
 from .transport import TransportSpec, resolve_transport
@@ -15,17 +15,19 @@ from .transport import TransportSpec, resolve_transport
 
 def data_parallel(
     module: Any,
-    reduce: str = "mean",
+    reduce: Reduce = "mean",
     *,
     broadcast_buffers: bool = True,
     src: int = 0,
     group: Any = None,
     bucket_bytes: Optional[int] = None,
-    compression: Any = None,
+    compression: Optional[Compression] = None,
     transport: TransportSpec = None,
-    verify: Union[bool, str] = True,
+    verify: Verify = True,
     native: Optional[bool] = None,
     shard: bool = False,
+    comm_hook: Any = None,
+    comm_state: Any = None,
 ) -> GradManager:
     """A GradManager that trains ``module`` data-parallel, set up as
     ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
@@ -44,19 +46,34 @@ def data_parallel(
     to wrap at once. The other options are :class:`AllreduceCallback`'s; ``verify=False``
     also skips this first comparison. ``shard=True`` reduce-scatters the gradients instead
     (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
-    :class:`ShardedOptimizer`; ``native`` does not apply). ``data_parallel(DDP(model))``
+    :class:`ShardedOptimizer`; ``native`` does not apply, ``comm_hook`` raises ``ValueError``).
+    ``comm_hook=hook, comm_state=state`` is DDP's ``register_comm_hook(state, hook)``.
+    ``data_parallel(DDP(model))``
     raises ``TypeError``: pass the model itself.
 
     Example:
-        >>> # gm = data_parallel(model)
-        >>> # with gm:
-        >>> #     gm.backward(loss_fn(model(x), y))   # .grad: the mean over ranks
-        >>> # with no_sync(gm): ...                    # gradient accumulation
+        Here a process group of one rank; under ``torchrun`` every rank runs the same lines
+        and ``.grad`` is the mean over the ranks (the README's data-parallel quick start):
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr.distributed import free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> gm = data_parallel(model)
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(3, 2)).sum())
+        >>> model.weight.grad
+        tensor([[3., 3.]])
+        >>> del gm  # before the group goes, as with DDP
+        >>> dist.destroy_process_group()
     """
     _refuse_wrapper(module)
     kind = ReduceScatterCallback if shard else AllreduceCallback
     cb = kind(reduce, group, bucket_bytes, compression, transport, broadcast=False, src=src,
-              verify=verify, native=False if shard else native, names=module)
+              verify=verify, native=False if shard else native, names=module,
+              comm_hook=comm_hook, comm_state=comm_state)
     params, buffers = list(module.parameters()), list(module.buffers())
     if verify:
         _refuse_modules_that_differ(module, params + buffers, group, transport)

@@ -8,7 +8,9 @@ A block opens with a fence at the start of a line (```` ```python ````) and clos
 * ``<!-- test: 2 ranks -->``: it runs under ``torchrun --nproc_per_node 2`` (gloo);
 * ``<!-- test: skip (reason) -->``: it does not run (a fragment); the reason is required;
 * ``<!-- test: same as PATH -->``: it must equal the file PATH, which a test runs;
-* ``<!-- test: diff A B -->`` (a ``diff`` block): it must equal ``diff -u A B``, generated.
+* ``<!-- test: diff A B -->`` (a ``diff`` block): it must equal ``diff -u A B``, generated;
+* ``<!-- test: output -->`` (a ``text`` block): what the ``python`` block before it prints
+  (``printed_as_shown``: the same lines, numbers to 1e-3).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import difflib
 import os
 import re
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List, Optional
 
 from docs_helpers import ROOT
 
 _OPEN = re.compile(r"^```([\w-]*)\s*$")
 _MARKER = re.compile(r"^<!--\s*test:\s*(.*?)\s*-->\s*$")
-MARKERS = re.compile(r"^(2 ranks|skip \(.+\)|same as \S+|diff \S+ \S+)$")
+MARKERS = re.compile(r"^(2 ranks|skip \(.+\)|same as \S+|diff \S+ \S+|output)$")
 
 
 @dataclass
@@ -80,6 +82,53 @@ def blocks(path: str) -> List[Block]:
 
 def all_blocks() -> List[Block]:
     return [b for path in doc_files() for b in blocks(path)]
+
+
+def outputs() -> Dict[str, Block]:
+    """The ``output`` blocks, by the id of the python block each shows the output of."""
+    found = {}
+    for path in doc_files():
+        found_here = blocks(path)
+        for before, block in zip(found_here, found_here[1:]):
+            if block.marker == "output":
+                if before.lang != "python" or block.lang != "text":
+                    raise ValueError(f"{block.id}: an output block must be a text block "
+                                     f"after a python block")
+                found[before.id] = block
+    return found
+
+
+def _number(token: str) -> Optional[float]:
+    try:
+        return float(token)
+    except ValueError:
+        return None
+
+
+def printed_as_shown(printed: str, shown: str) -> List[str]:
+    """What differs between what a block printed and the output the page shows (nothing: an
+    empty list). Printed lines are read where their first word starts a shown line (a
+    framework's banner is not the block's); words must be equal, numbers within 1e-3
+    relative (another release of a framework may round the last digit differently), and
+    where a line says ``loss``, the losses must go down."""
+    want = [line.split() for line in shown.splitlines() if line.strip()]
+    starts = {words[0] for words in want}
+    got = [line.split() for line in printed.splitlines() if line.split()[:1]
+           and line.split()[0] in starts]
+    if len(got) != len(want):
+        return [f"printed {len(got)} lines, the page shows {len(want)}: {printed!r}"]
+    problems = []
+    for g, w in zip(got, want):
+        same = len(g) == len(w) and all(
+            a == b or (_number(a) is not None and _number(b) is not None
+                       and abs(_number(a) - _number(b)) <= 1e-3 * max(1.0, abs(_number(b))))
+            for a, b in zip(g, w))
+        if not same:
+            problems.append(f"printed {' '.join(g)!r}, the page shows {' '.join(w)!r}")
+    losses = [_number(words[-1]) for words in got if "loss" in words]
+    if any(b is None or a is None or b >= a for a, b in zip(losses, losses[1:])):
+        problems.append(f"the loss does not go down: {losses}")
+    return problems
 
 
 def unified_diff(a: str, b: str) -> str:

@@ -13,11 +13,12 @@ import sys
 import warnings
 
 import pytest
-from doc_blocks import MARKERS, all_blocks, read, unified_diff
+from doc_blocks import MARKERS, all_blocks, outputs, printed_as_shown, read, unified_diff
 from docs_helpers import run, torchrun
 
 BLOCKS = all_blocks()
 RUN = [b for b in BLOCKS if b.lang == "python" and b.marker in ("", "2 ranks")]
+OUTPUTS = outputs()  # the output a page shows after a block, by the block's id
 ONE_RANK_TIMEOUT_S, TWO_RANKS_TIMEOUT_S = 120, 180
 
 
@@ -29,9 +30,36 @@ def test_block_runs(framework: str, block, tmp_path) -> None:
     script = tmp_path / "block.py"
     script.write_text(block.text, encoding="utf-8")
     if block.marker == "2 ranks":
-        run(torchrun(str(script)), TWO_RANKS_TIMEOUT_S, cwd=str(tmp_path))
+        done = run(torchrun(str(script)), TWO_RANKS_TIMEOUT_S, cwd=str(tmp_path))
     else:
-        run([sys.executable, str(script)], ONE_RANK_TIMEOUT_S, cwd=str(tmp_path))
+        done = run([sys.executable, str(script)], ONE_RANK_TIMEOUT_S, cwd=str(tmp_path))
+    shown = OUTPUTS.get(block.id)
+    if shown is not None:
+        problems = printed_as_shown(done.stdout, shown.text)
+        assert not problems, f"{block.id} prints other than {shown.id} shows: {problems}"
+
+
+QUICK_STARTS = ["README.md", "docs/index.md"]
+
+
+def test_every_quick_start_shows_what_it_prints() -> None:
+    """A newcomer sees that the quick start worked: each python block of README.md's quick
+    starts, and the first of Getting started, prints, and the page shows what (a test
+    above compares)."""
+    readme = [b for b in RUN if b.path == "README.md"]
+    first = next(b for b in RUN if b.path == "docs/index.md")
+    assert len(readme) >= 3
+    for block in [*readme, first]:
+        assert "print(" in block.text and block.id in OUTPUTS, block.id
+
+
+def test_output_comparison_can_fail() -> None:
+    shown = "step 0  loss 2.0000\nstep 1  loss 1.0000\n"
+    assert printed_as_shown("banner\nstep 0  loss 2.0001\nstep 1  loss 1.0004\n", shown) == []
+    assert printed_as_shown("step 0  loss 2.0000\n", shown) != []  # a line missing
+    assert printed_as_shown("step 0  loss 2.0000\nstep 1  loss 1.1000\n", shown) != []
+    assert printed_as_shown("step 0  loss 1.0000\nstep 1  loss 2.0000\n",
+                            "step 0  loss 1.0000\nstep 1  loss 2.0000\n") != []  # goes up
 
 
 def test_there_are_blocks_to_run() -> None:

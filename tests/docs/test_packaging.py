@@ -46,10 +46,11 @@ version: str = gradmgr.__version__
 
 WRONG_SCRIPT = '''\
 from gradmgr import GradManager
-from gradmgr.distributed import data_parallel
+from gradmgr.distributed import data_parallel, make_allreduce_cb
 
 manager: int = GradManager()
 gm = data_parallel(object(), bucket_bytes="25 MB")
+cb = make_allreduce_cb("avg")
 '''
 
 METADATA = '''\
@@ -106,4 +107,7 @@ def test_mypy_sees_the_types(installed: str, tmp_path) -> None:
     assert errors and all(line.startswith("wrong.py:") for line in errors), out
     assert any("[assignment]" in e and '"GradManager"' in e for e in errors), out
     assert any("[arg-type]" in e and "bucket_bytes" in e for e in errors), out
+    # a string option is a Literal: a misspelt one fails the check, not the run
+    assert any("[arg-type]" in e and "make_allreduce_cb" in e and "'avg'" in e
+               for e in errors), out
     assert proc.returncode == 1, out

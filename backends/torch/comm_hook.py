@@ -1,0 +1,249 @@
+"""DDP's communication hooks (``hook(state, bucket) -> torch.futures.Future[Tensor]``, as
+``DistributedDataParallel.register_comm_hook`` takes them) on both data-parallel paths.
+
+What the hook must not see: gradmgr's used-flags (one per tensor, then the "a rank failed"
+marker) travel in a bucket's buffer, on gradmgr's buckets at its end, on torch's reducer at the
+start of the bucket that holds them. A hook that compresses, quantizes or feeds back an error
+(PowerSGD adds last step's error to the whole buffer) would change them, and a flag read
+wrongly makes an unused tensor's ``.grad`` zeros, or a step look failed. So the hook is given
+the bucket without them (:class:`HookBucket`, with the ``GradBucket`` methods torch's hooks
+call), and the flags are summed by one plain allreduce of their own, launched just before the
+hook on every rank (the same order everywhere).
+
+As with DDP, the hook receives the local gradients undivided and returns the reduced buffer:
+torch's hooks divide by the world size themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class HookBucket:
+    """What a hook gets for one bucket: ``torch.distributed.GradBucket``'s methods (that class
+    cannot be made from Python) over the bucket's gradients, flags left out."""
+
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_last")
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: List[torch.Tensor],
+                 parameters: Callable[[], List[torch.Tensor]], last: bool) -> None:
+        self._index, self._buffer, self._gradients = index, buffer, gradients
+        self._parameters, self._last = parameters, last
+
+    def index(self) -> int:
+        """The bucket's index (PowerSGD keys its per-bucket state by it)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The bucket's gradients as one flat tensor (a view: writing it writes the bucket)."""
+        return self._buffer
+
+    def gradients(self) -> List[torch.Tensor]:
+        """Each parameter's gradient, a view into :meth:`buffer`, in the bucket's order."""
+        return self._gradients
+
+    def parameters(self) -> List[torch.Tensor]:
+        """The parameters, in the order of :meth:`gradients`."""
+        return self._parameters()
+
+    def is_last(self) -> bool:
+        """The last bucket of the step (PowerSGD counts its iterations there)."""
+        return self._last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` into the bucket (a ``GradBucket`` replaces its buffer by it)."""
+        self._buffer.copy_(tensor)
+
+
+class TorchCommHook:
+    """A user's ``(hook, state)``, as :meth:`TorchOps.comm_hook` hands it to the core."""
+
+    def __init__(self, hook: Callable, state: Any) -> None:
+        self.hook, self.state = hook, state
+
+    def describe(self) -> str:
+        """The hook's name, compared across ranks with the plan (ranks with different hooks
+        would pair different collectives)."""
+        hook = self.hook
+        return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+    # ------------------------------------------------------------------ gradmgr's buckets
+    def launch(self, flat: torch.Tensor, bucket: Any, last: bool, transport: Any,
+               parameters: Callable[[], List[torch.Tensor]]) -> HookWork:
+        """Start ``hook`` on one of gradmgr's buckets (the values first, the flags after
+        ``bucket.numel``); the handle's ``wait()`` returns ``flat`` reduced."""
+        _refuse_racing(self, bucket.index, last)
+        numel = bucket.numel
+        flags = transport.allreduce_async(flat[numel:])  # launched first on every rank
+        data = flat[:numel]
+        gradients = [data.narrow(0, bucket.offsets[slot], bucket.sizes[slot])
+                     .view(bucket.shapes[slot]) for slot in range(len(bucket.sizes))]
+        future = _call(self, HookBucket(bucket.index, data, gradients, parameters, last))
+        return HookWork(future, flags, flat, numel)
+
+    # ------------------------------------------------------------------ torch's reducer
+    def for_reducer(self, flags: torch.Tensor, group: Any) -> Callable:
+        """The hook to register on a C++ ``Reducer`` whose parameters include ``flags``: a
+        bucket without them goes to the hook as it is (DDP's very bucket); the one with them
+        goes without them, and their allreduce goes out first."""
+        return _ReducerHook(self, flags, group)
+
+
+class HookWork:
+    """The hook's future and the flags' allreduce on one of gradmgr's buckets (a
+    :class:`gradmgr.distributed.contract.Handle`)."""
+
+    __slots__ = ("_future", "_flags", "_flat", "_numel", "_done")
+
+    def __init__(self, future: Any, flags: Any, flat: torch.Tensor, numel: int) -> None:
+        self._future, self._flags, self._flat, self._numel = future, flags, flat, numel
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            try:
+                result = _value(self._future.wait())
+            finally:
+                self._flags.wait()  # paired on every rank, whatever the hook did
+            _write_back(self._flat[:self._numel], result)
+            self._done = True
+        return self._flat
+
+
+class _ReducerHook:
+    """``hook(state, bucket)`` as the C++ reducer calls it (see :meth:`TorchCommHook.
+    for_reducer`)."""
+
+    __slots__ = ("_hook", "_flags", "_group", "__qualname__", "__name__")
+
+    def __init__(self, hook: TorchCommHook, flags: torch.Tensor, group: Any) -> None:
+        self._hook, self._flags, self._group = hook, flags, group
+        self.__qualname__ = self.__name__ = hook.describe()
+
+    def __call__(self, state: Any, bucket: Any) -> Any:
+        _refuse_racing(self._hook, bucket.index(), bucket.is_last())
+        parameters = bucket.parameters()
+        position = _position(parameters, self._flags)
+        if position is None:
+            return _call(self._hook, bucket)  # DDP's very bucket
+        buffer, gradients = bucket.buffer(), bucket.gradients()
+        flags = gradients[position]
+        start = flags.storage_offset() - buffer.storage_offset()
+        stop = start + flags.numel()
+        flags_future = dist.all_reduce(buffer[start:stop], group=self._group,
+                                       async_op=True).get_future()
+        data = _without(buffer, start, stop)
+        others = [i for i in range(len(gradients)) if i != position]
+        views = [_moved(data, gradients[i], buffer, start, stop) for i in others]
+        rest = [parameters[i] for i in others]
+        hooked = HookBucket(bucket.index(), data, views, lambda: rest, bucket.is_last())
+        hook_future = _call(self._hook, hooked)
+
+        def merge(both: Any) -> torch.Tensor:
+            for future in both.value():
+                future.value()  # raises what the hook, or the flags' allreduce, raised
+            result = _value(hook_future.value())
+            _put_back(buffer, start, stop, result)
+            return buffer
+
+        return torch.futures.collect_all([flags_future, hook_future]).then(merge)
+
+
+def _refuse_racing(hook: TorchCommHook, index: int, last: bool) -> None:
+    """PowerSGD's future callbacks launch collectives (from gloo's threads) while the next
+    bucket's go out (from the backward's): over gloo the ranks pair them differently, and
+    the step aborts inside gloo (DDP's hangs). Refused at the first of several buckets,
+    before anything is launched, alike on every rank."""
+    if index != 0 or last:
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    state = hook.state
+    if isinstance(state, PowerSGDState) and dist.get_backend(state.process_group) == "gloo":
+        raise ValueError(
+            f"comm_hook {hook.describe()} over gloo with more than one bucket: PowerSGD "
+            "launches collectives from its future callbacks while the next bucket's go out, "
+            "and gloo pairs them differently on the ranks (DDP hangs there). Make one bucket "
+            "(bucket_bytes= at least the size of all gradients), or use NCCL"
+        )
+
+
+def _call(hook: TorchCommHook, bucket: Any) -> Any:
+    future = hook.hook(hook.state, bucket)
+    if not all(callable(getattr(future, name, None)) for name in ("wait", "then", "value")):
+        raise TypeError(
+            f"comm_hook {hook.describe()} returned {type(future).__name__}: a communication "
+            "hook returns a torch.futures.Future whose value is the reduced bucket buffer, as "
+            "for DistributedDataParallel.register_comm_hook"
+        )
+    return future
+
+
+def _value(value: Any) -> torch.Tensor:
+    """A hook's future value: the tensor, or a list holding it (what ``all_reduce``'s own
+    future gives)."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"a comm_hook's future gave {type(value).__name__}: it must give the reduced "
+            "bucket buffer, a tensor of the shape of bucket.buffer()"
+        )
+    return value
+
+
+def _position(parameters: Sequence[torch.Tensor], flags: torch.Tensor) -> Optional[int]:
+    for i, p in enumerate(parameters):
+        if p is flags:
+            return i
+    return None
+
+
+def _without(buffer: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``buffer`` less ``[start, stop)``: a view where that is at an end (it is, as the
+    reducer is laid out: see reducer.py), else a copy."""
+    if start == 0:
+        return buffer[stop:]
+    if stop == buffer.numel():
+        return buffer[:start]
+    return torch.cat([buffer[:start], buffer[stop:]])
+
+
+def _moved(data: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, start: int,
+           stop: int) -> torch.Tensor:
+    """``grad`` (a view into ``buffer``) as the same view into ``data``, which is ``buffer``
+    less ``[start, stop)``."""
+    offset = grad.storage_offset() - buffer.storage_offset()
+    if offset >= stop:
+        offset -= stop - start
+    return data.narrow(0, offset, grad.numel()).view(grad.shape)
+
+
+def _write_back(target: torch.Tensor, result: torch.Tensor) -> None:
+    """The hook's result into the bucket (where it is not the bucket's memory already)."""
+    _check_shape(result, target.numel())
+    if result.data_ptr() != target.data_ptr():
+        with torch.no_grad():
+            target.copy_(result)
+
+
+def _check_shape(result: torch.Tensor, numel: int) -> None:
+    if tuple(result.shape) != (numel,):
+        raise ValueError(
+            f"a comm_hook's future gave a tensor of shape {tuple(result.shape)} for a bucket "
+            f"buffer of shape ({numel},): it must give the reduced buffer"
+        )
+
+
+def _put_back(buffer: torch.Tensor, start: int, stop: int, result: torch.Tensor) -> None:
+    """The hook's result for ``buffer`` less ``[start, stop)`` into ``buffer``."""
+    if start == 0 or stop == buffer.numel():
+        _write_back(buffer[stop:] if start == 0 else buffer[:start], result)
+        return
+    _check_shape(result, buffer.numel() - (stop - start))
+    with torch.no_grad():
+        buffer[:start].copy_(result[:start])
+        buffer[stop:].copy_(result[start:])
