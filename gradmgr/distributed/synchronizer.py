@@ -17,8 +17,7 @@ from ..hooks import after_backward_callbacks
 from ..manager import attach_epoch, callback_chains
 from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
-from .contract import (CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps,
-                       Transport)
+from .contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
 from .errors import RankMismatchError, SparseGradientError, sparse_message
 from .post_backward import PostBackwardStep
 from .sharding import GradientShards, ShardWire
