@@ -230,6 +230,11 @@ class TorchOps(TensorOps):
 
         return TorchCommHook(hook, state)
 
+    def join_support(self) -> Any:
+        from .join import TorchJoin  # torch.distributed.algorithms.join
+
+        return TorchJoin()
+
 
 def _same_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

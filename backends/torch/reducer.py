@@ -198,6 +198,23 @@ class TorchReducer:
         self.begin(True)
         self.finish(True, used, failed=True)
 
+    def shadow(self) -> bool:
+        """A joined rank's part of a synced step (uneven inputs, as DDP's join hook does it):
+        every bucket of zeros, the flags among them (no tensor used, no failure here), through
+        the reducer's own collectives in its bucket order; the sums are dropped. Returns
+        whether the step completed (no rank's failure marker set: the others skip it)."""
+        self.used_since_window()  # a window this rank opened before it joined is over
+        buckets = self._reducer._get_zeros_like_grad_buckets()
+        futures = [self._reducer._run_comm_hook(bucket) for bucket in buckets]
+        for future in futures:
+            future.wait()
+        end = 0  # where the flags end in the last bucket: the failure marker just before
+        for param in buckets[-1].parameters():
+            end += param.numel()
+            if param is self.flags:
+                break
+        return buckets[-1].buffer()[end - 1].item() == 0
+
     def abort(self) -> None:
         """The backward failed midway: this reducer's step can never finish. Raises a clear
         error where the cause was a sparse gradient (the reducer's own error does not say)."""

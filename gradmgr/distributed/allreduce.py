@@ -246,6 +246,14 @@ class AllreduceCallback:
         """None: gradients are allreduced (the sharded callback keeps shards instead)."""
         return None
 
+    def synchronizer(self, gm: Any) -> Synchronizer:
+        """What this callback does for ``gm`` (the sharded optimizer reads its shards; a
+        joined rank shadows its steps)."""
+        synchronizer = self._synchronizers.get(gm)
+        if synchronizer is None:
+            raise ValueError("this callback is not attached to that manager")
+        return synchronizer
+
     @property
     def syncing(self) -> bool:
         """False inside :meth:`no_sync`."""
@@ -415,12 +423,6 @@ class ReduceScatterCallback(AllreduceCallback):
     def _shards_for(self, backend: Any) -> Optional[GradientShards]:
         return GradientShards(backend.tensor_ops(), StandIns)
 
-    def synchronizer(self, gm: Any) -> Synchronizer:
-        """What this callback does for ``gm`` (the sharded optimizer reads its shards)."""
-        synchronizer = self._synchronizers.get(gm)
-        if synchronizer is None:
-            raise ValueError("this reduce-scatter callback is not attached to that manager")
-        return synchronizer
 
 
 def make_reduce_scatter_cb(

@@ -143,6 +143,10 @@ class NativeReducer(Protocol):
         """Ids of the tensors whose ``.grad`` changed since the accumulation window opened
         (and close it)."""
 
+    def shadow(self) -> bool:
+        """A joined rank's part of a synced step (uneven inputs): the step's collectives with
+        zero gradients, no tensor used; the sums dropped. Whether no rank failed."""
+
 
 class CommHook(Protocol):
     """A user's communication hook as the backend runs it (see :meth:`TensorOps.comm_hook`):
@@ -191,6 +195,32 @@ class PostBackwardPath(Protocol):
     def still_accepts(self, planned: Sequence[Any]) -> bool:
         """What may change between recordings without a new plan (checked at each step that
         wants this path)."""
+
+
+class JoinSupport(Protocol):
+    """The framework's context for uneven inputs (on PyTorch, torch's
+    ``torch.distributed.algorithms.Join``), which the manager ``data_parallel`` returns and a
+    :class:`gradmgr.distributed.ShardedOptimizer` take part in (see
+    :mod:`gradmgr.distributed.joining`)."""
+
+    def disabled_config(self) -> Any:
+        """What a joinable holds outside the context (its ``_join_config``: ``enable``,
+        ``throw_on_early_termination``, ``is_first_joinable``)."""
+
+    def notify(self, joinable: Any) -> Any:
+        """Tell the context that this rank has not joined (the first joinable's collective;
+        raises where ``throw_on_early_termination`` and a rank has joined)."""
+
+    def context(self, joinables: List[Any], enable: bool, throw_on_early_termination: bool,
+                **kwargs: Any) -> Any:
+        """The context manager over ``joinables``."""
+
+    def device(self, like: Any) -> Any:
+        """The device the context's own collectives use."""
+
+    def process_group(self, group: Any) -> Any:
+        """The process group the context's own collectives use (``group``, None: the
+        default one)."""
 
 
 class TensorOps:
@@ -485,6 +515,10 @@ class TensorOps:
             "compression='fp16' or 'bf16', or a transport (make_allreduce_cb(transport=...))"
         )
 
+    def join_support(self) -> Optional[JoinSupport]:
+        """The framework's context for uneven inputs, or None (the default: none)."""
+        return None
 
-__all__ = ["BucketBuffer", "CommHook", "Handle", "NativePath", "NativeReducer",
+
+__all__ = ["BucketBuffer", "CommHook", "Handle", "JoinSupport", "NativePath", "NativeReducer",
            "PostBackwardPath", "ShardingTransport", "TensorOps", "Transport"]

@@ -18,7 +18,7 @@ habit of many scripts), that tensor's slices are zeroed then, as its ``.grad`` w
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .sharding import Segment, own_segments
 
@@ -62,6 +62,9 @@ class StandIns:
         self.given: List[tuple] = []  # (tensor, its stand-in) given at the last synced step
         self._segments: Optional[List[Segment]] = None
         self._norms: Optional[tuple] = None  # (shards version, norms by position)
+        # Called before each of their collectives: a ShardedOptimizer inside torch's Join
+        # sets it, so that a joined rank, which cannot take part, stops every rank instead.
+        self.before_collective: Optional[Callable[[], None]] = None
 
     def planned(self) -> None:
         """A new plan: stand-ins and segments are made again."""
@@ -123,6 +126,8 @@ class StandIns:
         return self._segments
 
     def on_some_rank(self, found: bool) -> bool:
+        if self.before_collective is not None:
+            self.before_collective()
         ops = self.shards.ops
         like = next(t for t in self.shards.plan.tensors() if t is not None)
         summed = ops.values(self.transport.allreduce_async(
@@ -133,6 +138,8 @@ class StandIns:
         shards = self.shards
         if self._norms is not None and self._norms[0] == shards.version:
             return self._norms[1]
+        if self.before_collective is not None:
+            self.before_collective()
         ops, tensors = shards.ops, shards.plan.tensors()
         # per tensor: the sum of squares of split ones; the framework's own norm of those
         # one rank holds whole (then torch's clip_grad_norm_ is DDP's bit for bit), and a 1

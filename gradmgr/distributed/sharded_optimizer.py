@@ -22,6 +22,7 @@ import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..manager import callback_chains
+from .allreduce import ReduceScatterCallback
 from .bucket import BucketPlan
 from .errors import RankMismatchError
 from .gather import ParameterGather
@@ -35,6 +36,7 @@ from .optimizer_state import (
     saved_states,
     user_groups,
 )
+from .sharded_join import CLIP, STEP, OptimizerJoinHook, active, announce, guard
 from .sharding import Segment, own_segments
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -137,6 +139,11 @@ class ShardedOptimizer:
         self._master_dtype = master_dtype
         self._serial, self._gathered = next(_SERIALS), 0
         self._consolidated: Optional[Tuple[int, Any]] = None  # (to, state): see consolidate
+        self._join_support = self._ops.join_support()
+        # torch's Joinable protocol (uneven inputs, see .sharded_join): the context sets it
+        self._join_config = (None if self._join_support is None
+                             else self._join_support.disabled_config())
+        self._shards.stand_ins.before_collective = guard(self)
         try:
             entries = self._build(gm, callback, optimizer_class, params, defaults)
         except Exception as error:
@@ -165,6 +172,7 @@ class ShardedOptimizer:
                                        self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
         """The wrapped optimizer over this rank's segments."""
+        self._stepped_with: List[Dict[str, Any]] = []  # its groups' options after its step
         # The groups the program sees: the unsharded optimizer's (the model's parameters, the
         # wrapped groups' options), copied into the wrapped groups at each step.
         self._param_groups = [
@@ -188,6 +196,12 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Step this rank's segments with their reduced gradients, then all-gather the
         updated parameters."""
+        if active(self):
+            announce(self, STEP)
+        self.step_slice()
+
+    def step_slice(self) -> None:
+        """:meth:`step`'s work (a joined rank's too: see :mod:`.sharded_join`)."""
         self._check_plan()
         self._consolidated = None  # the state it holds is the state before this step
         ops, shards, plan = self._ops, self._shards, self._plan
@@ -197,9 +211,12 @@ class ShardedOptimizer:
             if param is not None:
                 ops.refresh_segment(tensor, param, segment.start, segment.stop)
             ops.set_segment_grad(tensor, shards.grad_of(segment))
-        for ours, wrapped in zip(self._param_groups, self.optimizer.param_groups):
+        wrapped_groups = self.optimizer.param_groups
+        _refuse_changes_behind(wrapped_groups, self._stepped_with)
+        for ours, wrapped in zip(self._param_groups, wrapped_groups):
             wrapped.update((k, v) for k, v in ours.items() if k != "params")
         self.optimizer.step()
+        self._stepped_with = [_options(group) for group in wrapped_groups]
         self._gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -226,6 +243,8 @@ class ShardedOptimizer:
         the exact one."""
         if norm_type != 2.0:
             raise ValueError("ShardedOptimizer.clip_grad_norm_ computes the 2-norm only")
+        if active(self):
+            announce(self, CLIP)
         ops = self._ops
         grads = [g for g in map(self._shards.grad_of, self._reduced.segments) if g is not None]
         local = ops.sum_squares(grads)
@@ -263,6 +282,25 @@ class ShardedOptimizer:
                 "over the same params, new.load_state_dict(old.state_dict()) carries the "
                 "optimizer state over"
             )
+
+    # ------------------------------------------------------------------ uneven inputs
+    def join_hook(self, **kwargs: Any) -> OptimizerJoinHook:
+        """A joined rank's part (``with Join([gm, opt]):``; see :mod:`.sharded_join`)."""
+        return OptimizerJoinHook(self, self._synchronizer, self._joins())
+
+    @property
+    def join_device(self) -> Any:
+        return self._joins().device(self._plan.tensor(0))
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._joins().process_group(_sharded_callback(self._gm).group)
+
+    def _joins(self) -> Any:
+        if self._join_support is None:
+            raise NotImplementedError("uneven inputs (Join) are PyTorch's: see "
+                                      "data_parallel's manager's join_hook")
+        return self._join_support
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -344,6 +382,7 @@ class ShardedOptimizer:
                                                 options):
             ours.update(saved_options)
             wrapped.update(saved_options)
+        self._stepped_with = [_options(group) for group in self.optimizer.param_groups]
         for layout in self._layouts():
             for segment, tensor in zip(layout.segments, layout.tensors):
                 state = saved.get(layout.index[segment.position])
@@ -370,11 +409,43 @@ class ShardedOptimizer:
         return sliced
 
 
+_CHANGED_BEHIND = (
+    "ShardedOptimizer: {key!r} of the wrapped optimizer's group {index} (opt.optimizer) was "
+    "changed since its last step, and the step takes the groups' options from the "
+    "ShardedOptimizer's own param_groups, so the change would be lost (an LR scheduler built "
+    "on opt.optimizer trains at a constant rate). Build schedulers on the ShardedOptimizer "
+    "itself (StepLR(opt, ...)) and change options through opt.param_groups"
+)
+
+
+def _options(group: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _refuse_changes_behind(groups: List[Dict[str, Any]],
+                           stepped_with: List[Dict[str, Any]]) -> None:
+    """Options of ``opt.optimizer``'s groups that changed since its last step: a scheduler
+    over the wrapped optimizer, whose change each step overwrites. New keys are fine (a
+    scheduler made on ``opt`` adds ``initial_lr`` to the program's groups, copied in)."""
+    for index, (group, before) in enumerate(zip(groups, stepped_with)):
+        for key, old in before.items():
+            new = group.get(key, old)
+            if new is not old and not _equal(new, old):
+                raise RuntimeError(_CHANGED_BEHIND.format(key=key, index=index))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a tensor-valued option: only identity counts
+        return False
+
+
 def _sharded_callback(gm: Any) -> Any:
     found = []
     for _, callbacks in callback_chains(gm):
         for cb in callbacks:
-            if hasattr(cb, "synchronizer") and cb not in found:
+            if isinstance(cb, ReduceScatterCallback) and cb not in found:
                 found.append(cb)
     if len(found) != 1:
         raise ValueError(

@@ -198,6 +198,15 @@ class Step:
         self.launched[b] = wire.send(flat, bucket, b == len(self.plan.buckets) - 1, self.plan)
         self.next_launch = b + 1
 
+    def launch_zeros(self, wire: Wire) -> None:
+        """A joined rank's part of a synced step (uneven inputs): every bucket holds zeros,
+        every member flagged unused, no failure."""
+        for b, bucket in enumerate(self.plan.buckets):
+            buffer = self._buffer(wire, b, self.plan.tensor(bucket.members[0]))
+            for slot in range(len(bucket.members)):
+                buffer.put(slot, None, None)
+            self.launch(wire, b, range(len(bucket.members)))
+
     def launch_failed(self, wire: Wire) -> None:
         """This rank's backward raised: launch the remaining buckets with the failure marker
         set, so the other ranks' reductions of the step complete (instead of pairing with this

@@ -9,6 +9,7 @@ from ..manager import GradManager
 from ..registry import backend_for
 from .allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
 from .consistency import PlanCheck, names_from, plan_fingerprint
+from .joining import DataParallelManager, Joining
 from .sync import broadcast, is_paused
 from .transport import TransportSpec, resolve_transport
 
@@ -28,7 +29,7 @@ def data_parallel(
     shard: bool = False,
     comm_hook: Any = None,
     comm_state: Any = None,
-) -> GradManager:
+) -> DataParallelManager:
     """A GradManager that trains ``module`` data-parallel, set up as
     ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
     now (the buffers only with ``broadcast_buffers``), the trainable parameters are attached
@@ -48,8 +49,9 @@ def data_parallel(
     (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
     :class:`ShardedOptimizer`; ``native`` does not apply, ``comm_hook`` raises ``ValueError``).
     ``comm_hook=hook, comm_state=state`` is DDP's ``register_comm_hook(state, hook)``.
-    ``data_parallel(DDP(model))``
-    raises ``TypeError``: pass the model itself.
+    ``data_parallel(DDP(model))`` raises ``TypeError``: pass the model itself. The manager is
+    a joinable of torch's ``Join`` context for uneven inputs (``with Join([gm]):``, or
+    ``gm.join()`` as DDP's ``model.join()``; see :mod:`gradmgr.distributed.joining`).
 
     Example:
         Here a process group of one rank; under ``torchrun`` every rank runs the same lines
@@ -79,7 +81,12 @@ def data_parallel(
         _refuse_modules_that_differ(module, params + buffers, group, transport)
     broadcast(params + (buffers if broadcast_buffers else []), src, group=group,
               transport=transport)
-    gm = GradManager().attach(params, callbacks=[cb])
+    gm = DataParallelManager()
+    support = backend_for(params[0]).tensor_ops().join_support() if params else None
+    if support is not None:  # uneven inputs: its record callback comes before the step's
+        gm.joining = Joining(gm, module, cb, support, broadcast_buffers)
+        gm.register_record_callback(gm.joining.record)
+    gm.attach(params, callbacks=[cb])
     step = _Step(gm, module, broadcast_buffers, src, group, transport)
     gm.register_record_callback(step.record)
     gm.register_backward_error_callback(step.backward_failed)
@@ -172,6 +179,9 @@ class _Step:
         if not self._synced or self._module is None:
             return
         self._synced = False
+        gm = self._gm()
+        if gm is not None and gm.joining is not None and gm.joining.defer_buffers(gm):
+            return  # inside torch's Join: at the next step, from DDP's rank (see .joining)
         buffers = list(self._module.buffers())  # as DDP, again: .to() replaces them
         if not buffers:
             return

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr import GradManager
 from gradmgr.distributed import RankMismatchError, data_parallel, make_allreduce_cb, no_sync
+from gradmgr.manager import callback_chains
 
 from .data import batch, shard
 from .scenarios import run_named
@@ -148,7 +149,7 @@ def train(out: dict, rank: int, world: int, name: str, path: str, buckets: str) 
         save(out, f"{prefix}_ddp", params(net_ddp))
         if ref is not None:
             save(out, f"{prefix}_ref", params(net_ref))
-    cb = next(chain[0] for _, chain in gm.callback_chains() if chain)
+    cb = next(chain[0] for _, chain in callback_chains(gm) if chain)
     out[f"{name}_{path}_{buckets}_path"] = np.array(str(cb.path(gm)))
 
 

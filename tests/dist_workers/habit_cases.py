@@ -124,6 +124,9 @@ HABITS = [
     Habit("rank_skips_silently",
           'one rank skips a batch before its forward (`continue`)',
           ddp=False, risky=True),
+    Habit("rank_skips_in_join",
+          'the same, inside `with Join([gm]):` (DDP: `with Join([model]):`; sharded: '
+          '`Join([gm, opt])`)'),
     Habit("destroy_then_del",
           '`dist.destroy_process_group()`, then `del gm` (item 9)',
           teardown=True),

@@ -11,6 +11,7 @@ import gc
 import numpy as np
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 
 from gradmgr import GradManager
 
@@ -135,6 +136,24 @@ def rank_skips_silently(kind, rank, world):
         out[f"loss {step}"] = np.float32(side.step(*batch(rank, step)))
         opt.step()
         opt.zero_grad()
+    out.update(state(side))
+    return out
+
+
+def rank_skips_in_join(kind, rank, world):
+    """The same, inside torch's ``Join`` (uneven inputs): DDP's ``Join([model])``, gradmgr's
+    ``Join([gm])`` (``Join([gm, opt])`` sharded). Rank 1 joins a step early; its last step
+    is shadowed."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    joinables = [side.net] if side.gm is None else [side.gm] + ([opt] if side.sharded else [])
+    with Join(joinables):
+        for step in range(STEPS):
+            if step == 1 and rank == 1:
+                continue
+            out[f"loss {step}"] = np.float32(side.step(*batch(rank, step)))
+            opt.step()
+            opt.zero_grad()
     out.update(state(side))
     return out
 

@@ -1,0 +1,220 @@
+"""Uneven inputs: the manager ``data_parallel`` returns takes part in the framework's context
+for them (on PyTorch, torch's ``torch.distributed.algorithms.Join``), as a DDP model does.
+
+Inside ``with Join([gm]):`` a rank that has run out of batches leaves its loop and waits in
+the context's exit, which calls :meth:`JoinHook.main_hook` once for each step the other
+ranks still take: it takes part in exactly the collectives of their step (the plan check,
+the gradient buckets or torch's reducer, the sharded path's closing collective, the buffer
+broadcast) with zero gradients and no tensor marked used, and drops the sums, as DDP's join
+hook does. The others' gradients are their sum divided by the initial world size (DDP's
+``divide_by_initial_world_size=True``). When every rank has joined,
+:meth:`JoinHook.post_hook` broadcasts the parameters (and buffers) of the last rank to join,
+so that every rank ends with the same model, DDP's.
+
+Per step, a rank that has not joined tells the context so at the start of its recording (the
+context's own collective, as DDP's forward does), then (with ``broadcast_buffers``, after a
+synced step) broadcasts the buffers from the highest rank that has not joined, where DDP's
+forward does (inside the context the buffer broadcast moves from the end of a synced
+recording to the start of the next, DDP's schedule), then tells the joined ranks what its
+step is (synced or inside no_sync, the first or not, how many recordings inside no_sync
+came before: one small collective, as DDP's ``_check_global_requires_backward_grad_sync``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, List, Optional
+
+from ..manager import GradManager
+from .sync import broadcast
+
+_NO_JOIN = (
+    "uneven inputs (torch's Join, DDP's model.join()) are PyTorch's: this framework has no "
+    "such context. Give every rank the same number of batches (drop the last incomplete "
+    "ones, or let a rank with fewer record empty steps inside no_sync(gm))"
+)
+_FIRST = (
+    "the manager data_parallel returns must be the first joinable of the Join context "
+    "(`with Join([gm, opt]):`): its step's collectives come first, and a joined rank "
+    "shadows them before the optimizer's"
+)
+_VERIFY = (
+    "data_parallel under Join needs its plan check at every synced step (verify=True, the "
+    "default): a joined rank learns from it what the others' step does. Make the manager "
+    "with verify=True"
+)
+_HOOK = (
+    "data_parallel under Join: a comm_hook= is not supported yet (a joined rank would have "
+    "to run the hook on zeros as the others' buckets travel, which is untested); drop the "
+    "hook inside Join, or give every rank the same number of batches"
+)
+_DIVIDE = (
+    "data_parallel under Join: divide_by_initial_world_size=False (dividing by the ranks "
+    "that have not joined) is not supported; use the default, True (DDP's default too)"
+)
+
+
+class DataParallelManager(GradManager):
+    """The GradManager :func:`gradmgr.distributed.data_parallel` returns: also a joinable of
+    the framework's context for uneven inputs (torch's ``Joinable``: ``join_hook``,
+    ``join_device``, ``join_process_group``), as a DDP model is.
+
+    Example:
+        >>> # gm = data_parallel(model)
+        >>> # with Join([gm]):                  # or: with gm.join():
+        >>> #     for x, y in my_batches:       # a different count on each rank
+        >>> #         with gm:
+        >>> #             gm.backward(loss_fn(model(x), y))
+        >>> #         opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.joining: Optional[Joining] = None  # set by data_parallel where the framework can
+        self._join_config: Any = None  # the context sets it (torch's Joinable protocol)
+
+    def _joins(self) -> Joining:
+        if self.joining is None:
+            raise NotImplementedError(_NO_JOIN)
+        return self.joining
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What a joined rank runs (called by the context, with its keyword arguments)."""
+        joining = self._joins()
+        if not kwargs.get("divide_by_initial_world_size", True):
+            raise NotImplementedError(_DIVIDE)
+        if joining.callback.verify != "step":
+            raise ValueError(_VERIFY)
+        if joining.callback.comm_hook is not None:
+            raise NotImplementedError(_HOOK)
+        return JoinHook(joining, self)
+
+    @property
+    def join_device(self) -> Any:
+        return self._joins().device()
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._joins().process_group()
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Any:
+        """DDP's ``model.join()``: the context over this manager alone."""
+        return self._joins().support.context(
+            [self], enable, throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size)
+
+
+class Joining:
+    """One manager's part in the context: what a rank that has not joined adds to each step
+    (:meth:`record`), and the buffers a synced step leaves to broadcast."""
+
+    def __init__(self, gm: DataParallelManager, module: Any, callback: Any, support: Any,
+                 buffers: bool) -> None:
+        self._gm = weakref.ref(gm)
+        self.module, self.callback, self.support = module, callback, support
+        self.buffers = buffers  # broadcast_buffers
+        self.pending = False  # a synced step ended: its buffers go out at the next step
+        gm._join_config = support.disabled_config()
+
+    def device(self) -> Any:
+        return self.support.device(self._like())
+
+    def process_group(self) -> Any:
+        return self.support.process_group(self.callback.group)
+
+    def _like(self) -> Any:
+        return next(iter(self.module.parameters()))
+
+    def active(self, gm: Any) -> bool:
+        """Inside an enabled context (until its end: see :meth:`JoinHook.post_hook`)."""
+        config = gm._join_config
+        return config is not None and config.enable
+
+    def defer_buffers(self, gm: Any) -> bool:
+        """At the end of a synced recording: inside the context, the buffers go out at the
+        start of the next step instead (DDP's schedule: its authoritative rank is the highest
+        one that has not joined then)."""
+        if not self.active(gm):
+            return False
+        self.pending = True
+        return True
+
+    def record(self) -> None:
+        """The start of a recording, before the step's own collectives: tell the context
+        this rank has not joined, broadcast pending buffers, tell joined ranks the step."""
+        gm = self._gm()
+        if gm is None or not self.active(gm):
+            return
+        self.support.notify(gm)
+        if not gm._join_config.is_first_joinable:
+            raise ValueError(_FIRST)
+        synchronizer = self.callback.synchronizer(gm)
+        synchronizer.plan_now(gm)
+        self.broadcast_pending(synchronizer, candidate=True)
+        _exchange(synchronizer, self._like(), [1.0, *synchronizer.upcoming(gm)])
+
+    def broadcast_pending(self, synchronizer: Any, candidate: bool) -> None:
+        if not self.pending:
+            return
+        self.pending = False
+        buffers = list(self.module.buffers())
+        if buffers:
+            src = common_rank(synchronizer, self._like(), candidate)
+            broadcast(buffers, src, transport=synchronizer.transport)
+
+
+class JoinHook:
+    """A joined rank's part (torch's ``JoinHook``): :meth:`main_hook` once per step the others
+    take, :meth:`post_hook` when every rank has joined."""
+
+    def __init__(self, joining: Joining, gm: DataParallelManager) -> None:
+        self._joining, self._gm = joining, weakref.ref(gm)
+
+    def main_hook(self) -> None:
+        joining, gm = self._joining, self._gm()
+        if not gm._join_config.is_first_joinable:
+            raise ValueError(_FIRST)
+        synchronizer = joining.callback.synchronizer(gm)
+        synchronizer.plan_now(gm)
+        joining.broadcast_pending(synchronizer, candidate=False)
+        rows = _exchange(synchronizer, joining._like(), [0.0, 0.0, 0.0, 0.0])
+        theirs = next(row for row in rows if row[0])
+        if synchronizer.shadow(gm, theirs[1:]) and joining.buffers:
+            joining.pending = True
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the (highest) last rank to join, as DDP's
+        ``_sync_final_model``; then steps are as outside the context again."""
+        joining, gm = self._joining, self._gm()
+        synchronizer = joining.callback.synchronizer(gm)
+        synchronizer.plan_now(gm)
+        module = joining.module
+        tensors = list(module.parameters()) + (list(module.buffers()) if joining.buffers
+                                               else [])
+        src = common_rank(synchronizer, joining._like(), is_last_joiner)
+        broadcast(tensors, src, transport=synchronizer.transport)
+        joining.pending = False
+        gm._join_config = joining.support.disabled_config()
+
+
+def _exchange(synchronizer: Any, like: Any, row: List[float]) -> List[List[float]]:
+    """Every rank's ``row`` (a sum over zeros elsewhere): joined ranks' rows are zeros."""
+    transport, ops = synchronizer.transport, synchronizer.ops
+    world, rank = transport.world_size(), transport.rank()
+    flat = [0.0] * (world * len(row))
+    flat[rank * len(row):(rank + 1) * len(row)] = row
+    summed = ops.values(transport.allreduce_async(ops.vector(flat, like)).wait())
+    return [summed[r * len(row):(r + 1) * len(row)] for r in range(world)]
+
+
+def common_rank(synchronizer: Any, like: Any, candidate: bool) -> int:
+    """The highest rank among the candidates (DDP's ``_find_common_rank``)."""
+    rows = _exchange(synchronizer, like, [1.0 if candidate else 0.0])
+    chosen = [r for r, row in enumerate(rows) if row[0]]
+    if not chosen:
+        raise RuntimeError("uneven inputs: no rank is a candidate for the common model")
+    return chosen[-1]
+
+
+__all__: List[str] = ["DataParallelManager", "JoinHook", "Joining", "common_rank"]
