@@ -32,6 +32,7 @@ BENCHMARKS: List[Tuple[str, Tuple[str, ...]]] = [
     ("bench_ddp.py", ("torch",)),
     ("bench_split.py", ("torch",)),
     ("bench_zero.py", ("torch",)),
+    ("bench_compile.py", ("torch",)),
 ]
 TIMEOUT_S = 1200
 

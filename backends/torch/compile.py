@@ -7,13 +7,21 @@ the tape's weak references into the tensors themselves). So gradmgr's directorie
 Dynamo's skip list: Dynamo then runs gradmgr's frames as they are, at no cost outside
 compilation (``torch.compiler.disable`` would cost every call a frame switch).
 
+Under compiled autograd (``torch._dynamo.compiled_autograd``: torch.compile capturing the
+backward), data parallel runs its steps without a hook in the backward:
+:class:`CompiledAutogradPath` says when.
+
 Dynamo is not imported with ``torch`` (importing it takes about a second), so where it is not
 imported yet, the skip list is filled the moment it is.
 """
 
 from __future__ import annotations
 
+import sys
+
 from gradmgr._imports import call_after_import
+
+from .engine import EngineAccumulates
 
 
 def keep_dynamo_out() -> None:
@@ -31,3 +39,29 @@ def _skip_gradmgr() -> None:
         return
     for package in ("gradmgr", "gradmgr.backends"):  # backends/ may live outside gradmgr/
         add(package)
+
+
+_COMPILED_AUTOGRAD = "torch._dynamo.compiled_autograd"
+
+
+def compiled_autograd_on() -> bool:
+    """Whether backwards run now are compiled autograd's: torch's own flag, which its
+    ``_enable`` context sets (``torch._dynamo.config.compiled_autograd = True`` enters it
+    around each compiled function's call), the same on torch 2.8 and 2.13. Nothing is
+    imported: where the module is not imported yet, compiled autograd cannot be on."""
+    module = sys.modules.get(_COMPILED_AUTOGRAD)
+    return module is not None and getattr(module, "compiled_autograd_enabled", False)
+
+
+class CompiledAutogradPath(EngineAccumulates):
+    """Data parallel's steps under compiled autograd: the engine accumulates into ``.grad``
+    and gradmgr reduces after the backward (see
+    :class:`gradmgr.distributed.contract.PostBackwardPath`), so the compiled backward holds no
+    gradmgr hook, which would break its graph at every tensor (and torch's C++ reducer refuses
+    compiled autograd)."""
+
+    def wanted(self) -> bool:
+        return compiled_autograd_on()
+
+
+COMPILED_AUTOGRAD_PATH = CompiledAutogradPath()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import operator
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -96,3 +97,23 @@ def _run(outputs, seeds, retain, create_graph, inputs, accumulate):
         tuple(outputs), tuple(seeds), retain, create_graph, tuple(inputs),
         allow_unreachable=True, accumulate_grad=accumulate,
     )
+
+
+_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+class EngineAccumulates:
+    """Whether a backward can leave the attached tensors' gradients to the engine, accumulated
+    into ``.grad`` as a plain ``loss.backward()`` does, for a reducer to reduce the planned
+    ones afterwards (torch's C++ reducer, or gradmgr's buckets after the backward): every
+    attached tensor a leaf; the planned ones dense and trainable; and none with a
+    post-accumulate-grad hook (it would run before the reduction, and see the local gradient
+    instead of the reduced one)."""
+
+    def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
+        return (all(t.is_leaf for t in attached)
+                and all(t.requires_grad and t.layout == torch.strided for t in planned)
+                and self.still_accepts(planned))
+
+    def still_accepts(self, planned: Sequence[Any]) -> bool:
+        return not any(map(_POST_HOOKS, planned))

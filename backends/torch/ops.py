@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from gradmgr.distributed.contract import NativePath, TensorOps
+from gradmgr.distributed.contract import NativePath, PostBackwardPath, TensorOps
 
 from .grads import storage_unshared
 from .shard_grad import ShardedGradient, stand_in_grad
@@ -214,6 +214,11 @@ class TorchOps(TensorOps):
         """The ``.grad`` of a tensor whose reduced gradient the shards hold (see
         :mod:`gradmgr.distributed.shard_grads`)."""
         return stand_in_grad(tensor, member)
+
+    def post_backward_path(self) -> Optional[PostBackwardPath]:
+        from .compile import COMPILED_AUTOGRAD_PATH
+
+        return COMPILED_AUTOGRAD_PATH
 
     def native_path(self, transport: Any) -> Optional[NativePath]:
         from .reducer import native_path  # torch.distributed's private reducer API

@@ -31,6 +31,7 @@ from gradmgr.distributed.contract import NativePath
 from gradmgr.distributed.errors import RankFailedError, SparseGradientError, sparse_message
 from gradmgr.distributed.steps import RANK_FAILED
 
+from .engine import EngineAccumulates
 from .transport import TorchTransport
 
 
@@ -50,26 +51,13 @@ def native_path(transport: Any) -> Optional[NativePath]:
     return TorchNativePath(transport.group)
 
 
-_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
-
-
-class TorchNativePath:
+class TorchNativePath(EngineAccumulates):
     """When torch's reducer can take a step over (see :class:`gradmgr.distributed.contract.
-    NativePath`): the engine accumulates into ``.grad`` itself on this path, so every attached
-    tensor must be a leaf; the planned ones dense and trainable; and none may have a
-    post-accumulate-grad hook (the reducer runs after it, so it would see the local gradient
-    instead of the reduced one)."""
+    NativePath`): where the engine can accumulate into ``.grad`` itself
+    (:class:`.engine.EngineAccumulates`)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
-
-    def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
-        return (all(t.is_leaf for t in attached)
-                and all(t.requires_grad and t.layout == torch.strided for t in planned)
-                and self.still_accepts(planned))
-
-    def still_accepts(self, planned: Sequence[Any]) -> bool:
-        return not any(map(_POST_HOOKS, planned))
 
     def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int,
               comm_hook: Any = None) -> TorchReducer:

@@ -237,7 +237,7 @@ class AllreduceCallback:
         gm.register_after_backward_callback(hooks.flush)
         gm.register_backward_error_callback(hooks.abort)
         gm.register_release_callback(hooks.release)
-        if self.native:
+        if self.native or synchronizer.post_path is not None:
             set_backward_delegate(gm, hooks.delegate)
 
     __gradmgr_bind__ = bind

@@ -179,6 +179,24 @@ class NativePath(Protocol):
         reducing each bucket with ``comm_hook`` where given."""
 
 
+class PostBackwardPath(Protocol):
+    """When a data-parallel step runs its backward with no per-tensor hook and gradmgr reduces
+    ``.grad`` after it (see :mod:`gradmgr.distributed.post_backward`): a backward traced into
+    a graph (PyTorch's compiled autograd), where each Python hook would break the graph."""
+
+    def wanted(self) -> bool:
+        """Whether backwards run now want no per-tensor hook (PyTorch: compiled autograd is
+        on). Asked at every recording of a data-parallel manager, so it must be cheap."""
+
+    def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
+        """Whether the engine can accumulate into ``.grad`` of ``attached`` itself and gradmgr
+        reduce ``planned`` afterwards (checked when planning)."""
+
+    def still_accepts(self, planned: Sequence[Any]) -> bool:
+        """What may change between recordings without a new plan (checked at each step that
+        wants this path)."""
+
+
 class JoinSupport(Protocol):
     """The framework's context for uneven inputs (on PyTorch, torch's
     ``torch.distributed.algorithms.Join``), which the manager ``data_parallel`` returns and a
@@ -470,6 +488,19 @@ class TensorOps:
         forward hooks)."""
         return None
 
+    def post_backward_path(self) -> Optional[PostBackwardPath]:
+        """When to reduce after the backward instead of during it, or None (the default:
+        never; the framework's backwards take per-tensor hooks at no extra cost)."""
+        return None
+
+    def exchange_grads(self, tensors: Sequence[Any], grads: Sequence[Any]) -> List[Any]:
+        """Give each tensor its ``grad`` (None: none) as ``.grad``, as it is (no hook runs);
+        return what they held."""
+        old = [self.local_grad(t) for t in tensors]
+        for tensor, grad in zip(tensors, grads):
+            tensor.grad = grad
+        return old
+
     def native_path(self, transport: Any) -> Optional[NativePath]:
         """The framework's own reducer over ``transport``, or None (the default: gradmgr's
         buckets do the work)."""
@@ -490,4 +521,4 @@ class TensorOps:
 
 
 __all__ = ["BucketBuffer", "CommHook", "Handle", "JoinSupport", "NativePath", "NativeReducer",
-           "ShardingTransport", "TensorOps", "Transport"]
+           "PostBackwardPath", "ShardingTransport", "TensorOps", "Transport"]

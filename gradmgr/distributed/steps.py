@@ -143,7 +143,7 @@ class Step:
     a ``no_sync`` one only notes which tensors got a gradient)."""
 
     __slots__ = ("plan", "sync", "buffers", "filled", "count", "launched", "next_launch",
-                 "check", "mismatch", "grads_at_record", "finished_before")
+                 "check", "mismatch", "grads_at_record", "finished_before", "after")
 
     def __init__(self, plan: BucketPlan, sync: bool) -> None:
         self.plan = plan
@@ -157,6 +157,7 @@ class Step:
         self.mismatch: Optional[BaseException] = None  # they differed: launch nothing
         self.grads_at_record: Any = None  # TensorOps.grad_snapshot of the planned tensors
         self.finished_before = 0  # Synchronizer.finished when the step was recorded
+        self.after = False  # reduced after its backward (see post_backward.py)
 
     def put(self, wire: Wire, tensor: Any, grad: Any, b: int, slot: int) -> PendingGradient:
         """Member ``slot`` of bucket ``b`` got its gradient: into the buffer, and every bucket

@@ -17,8 +17,9 @@ from ..hooks import after_backward_callbacks
 from ..manager import attach_epoch, callback_chains
 from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
-from .contract import CommHook, NativePath, NativeReducer, TensorOps, Transport
+from .contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
 from .errors import RankFailedError, RankMismatchError, SparseGradientError, sparse_message
+from .post_backward import PostBackwardStep
 from .sharding import GradientShards, ShardWire
 from .steps import HookWire, PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
@@ -33,6 +34,15 @@ _HABIT = (
     "only, so the ranks' gradients, and then their parameters, would differ. Call "
     "gm.backward(loss) inside `with gm:` instead; this step's collectives were completed "
     "without reducing anything, and .grad holds this rank's local gradients"
+)
+
+_LATE_COMPILED = (
+    "data parallel: this backward runs under compiled autograd, but compiled autograd was off "
+    "when its recording began (`with gm:`), so the step was planned for torch's C++ reducer, "
+    "which compiled autograd refuses. Turn compiled autograd on before `with gm:` (set "
+    "torch._dynamo.config.compiled_autograd = True before torch.compile of the whole step "
+    "function, or enter its context around the recording): the step is then reduced after "
+    "its backward, with no hook in the compiled graph"
 )
 
 
@@ -62,9 +72,14 @@ class Synchronizer:
         self.steps: Dict[int, Step] = {}
         self.used: Set[int] = set()  # ids with a local gradient since the last synced step
         self.native_path: Optional[NativePath] = None  # the backend's reducer, if any
+        # Steps whose backward wants no per-tensor hook (compiled autograd) are reduced after
+        # it (see post_backward.py) where the plan allows (post_ok, like _native_possible).
+        self.post_path: Optional[PostBackwardPath] = self.ops.post_backward_path()
+        self.post_ok = False
         self.native = False  # plain backwards go to it (see _native_possible)
         self.reducer: Optional[NativeReducer] = None
         self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
+        self.bucket_fingerprint: Optional[List[int]] = None  # the same on the buckets
         self.started = False  # the first recording's check and broadcast are done
         self.unsynced = 0  # recordings inside no_sync since the last synced one (PlanCheck)
         self.flush_hook: Any = None  # the after-backward callback registered for the manager
@@ -104,12 +119,20 @@ class Synchronizer:
             del steps[min(steps)]
         plan = self.plan
         step = steps[gm.step] = Step(plan, sync)
+        # (post_ok first: the usual step asks nothing more)
+        step.after = self.post_ok and self.post_path.wanted() and self._still_delegable(
+            gm, self._planned(), self.post_path)
+        if step.after and self.reducer is not None:
+            # Its hooks on the tensors' accumulators would run in the backward (torch's
+            # reducer then raises under compiled autograd); the next reducer step builds one.
+            self._drop_reducer()
         if sync and at_record:
             step.grads_at_record = self.ops.grad_snapshot(self._planned())
             step.finished_before = self.finished
         # A tensor to put the check on (its device): planned, else attached but frozen.
         like = plan.tensor(0) if plan.buckets else next(iter(self.excluded), None)
-        request = self.native and self.reducer is None
+        native = self.native and not step.after  # this step's path, in the plan check
+        request = native and self.reducer is None
         if options.verify == "step":
             # Every synced step, not only where this rank re-planned: a rank that alone
             # attached, froze or unfroze a tensor would otherwise take a collective that the
@@ -120,7 +143,7 @@ class Synchronizer:
             wanted = options.verify == "plan" and (
                 first or request or self.fingerprint is not fingerprint)
         if wanted and like is not None and self.transport.world_size() > 1:
-            step.check = PlanCheck(self.transport, self.ops, self.fingerprint, like,
+            step.check = PlanCheck(self.transport, self.ops, self._fingerprint(native), like,
                                    request=request, accumulated=accumulated)
             if first or not at_record:
                 self.settle(step)
@@ -169,7 +192,7 @@ class Synchronizer:
             step.check = None
             if not check.agreed():
                 self.unsynced = 0  # every rank starts counting afresh (see PlanCheck)
-                step.mismatch = check.error(step.plan.tensors(), self._mode(self.native),
+                step.mismatch = check.error(step.plan.tensors(), self._step_mode(step),
                                             "with the allreduce callback, trainable",
                                             self.name_of)
             elif check.requested and self.native and step.sync:
@@ -195,6 +218,7 @@ class Synchronizer:
             native = options.native and self.shards is None
             self.native_path = ops.native_path(self.transport) if native else None
         native = self._native_possible(gm, tensors)
+        self.post_ok = self._delegable(gm, tensors, self.post_path)
         new_plan = self.plan is None or not self.plan.matches(tensors, ops)
         if new_plan:
             first_bytes = min(options.bucket_bytes, FIRST_BUCKET_BYTES)
@@ -218,16 +242,32 @@ class Synchronizer:
         return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
                 f"bucket_bytes={options.bucket_bytes}{hook}")
 
+    def _step_mode(self, step: Step) -> str:
+        """How this rank reduces ``step``, for an error: a step reduced after its backward says
+        why (ranks that differ in it differ in whether compiled autograd is on)."""
+        if not step.after:
+            return self._mode(self.native)
+        return self._mode(False).replace(
+            "gradmgr's buckets", "gradmgr's buckets after the backward (compiled autograd is on)",
+            1)
+
     # ------------------------------------------------------------------ the reducer's path
     def _native_possible(self, gm: Any, tensors: List[Any]) -> bool:
         """Whether plain backwards can go to the backend's own reducer, which reduces exactly
-        what the buckets would: ``"mean"`` without compression, nothing else needing the
-        per-tensor callbacks (every attached tensor's chain the callback alone, or empty; no
-        other after-backward callback), and what the backend's path asks of the tensors."""
-        path, options = self.native_path, self.options
-        if not (path is not None and tensors and options.reduce == "mean"
-                and options.compression is None):
+        what the buckets would: ``"mean"`` without compression, and whole backwards can be
+        delegated to it (:meth:`_delegable`)."""
+        options = self.options
+        return (options.reduce == "mean" and options.compression is None
+                and self._delegable(gm, tensors, self.native_path))
+
+    def _delegable(self, gm: Any, tensors: List[Any], path: Any) -> bool:
+        """Whether whole backwards can go to ``path`` (the engine accumulating into ``.grad``):
+        nothing else needing the per-tensor callbacks (every attached tensor's chain the
+        callback alone, or empty; no other after-backward callback), and what the backend's
+        path asks of the tensors."""
+        if path is None or not tensors:
             return False
+        options = self.options
         chains = callback_chains(gm)
         if any(callbacks and callbacks != (options,) for _, callbacks in chains):
             return False
@@ -235,10 +275,13 @@ class Synchronizer:
                 and path.accepts([t for t, _ in chains], tensors))
 
     def _native_still_possible(self, gm: Any, tensors: List[Any]) -> bool:
+        return self._still_delegable(gm, tensors, self.native_path)
+
+    def _still_delegable(self, gm: Any, tensors: List[Any], path: Any) -> bool:
         """What can change between recordings without a new plan: the manager's after-backward
         callbacks, and what the backend's path checks at every recording."""
         return (after_backward_callbacks(gm) == (self.flush_hook,)
-                and self.native_path.still_accepts(tensors))
+                and path.still_accepts(tensors))
 
     def _set_native(self, native: bool) -> None:
         """Choose the path; a reducer for it is built at the next synced step (see
@@ -246,6 +289,17 @@ class Synchronizer:
         self._drop_reducer()
         self.native = native
         self.fingerprint = plan_fingerprint(self.ops, self.plan.tensors(), self._mode(native))
+        self.bucket_fingerprint = None if native else self.fingerprint
+
+    def _fingerprint(self, native: bool) -> List[int]:
+        """The plan's fingerprint for a step on the reducer (``native``) or the buckets (the
+        per-tensor path and the post-backward one reduce alike: ranks may mix them)."""
+        if native:
+            return self.fingerprint
+        if self.bucket_fingerprint is None:
+            self.bucket_fingerprint = plan_fingerprint(self.ops, self.plan.tensors(),
+                                                       self._mode(False))
+        return self.bucket_fingerprint
 
     def _build_reducer(self) -> None:
         """Building one broadcasts, so all ranks do it at the same synced step: when any rank
@@ -268,15 +322,23 @@ class Synchronizer:
         if self.reducer is None:
             self._build_reducer()
 
-    def native_step(self, gm: Any) -> Optional[NativeStep]:
-        """The backward delegate: this step goes to the reducer when the plan says so and
-        nothing was attached since the recording started."""
+    def native_step(self, gm: Any) -> Any:
+        """The backward delegate: this step is reduced after the backward where its recording
+        chose that (:mod:`.post_backward`), else goes to the reducer when the plan says so;
+        neither where something was attached since the recording started."""
         with self.lock:
-            if not self.native or self.epoch != attach_epoch(gm):
+            if self.epoch != attach_epoch(gm):
                 return None
             step = self.steps.get(gm.step)
             if step is None:
                 return None
+            if step.after:
+                return self._post_backward_step(gm, step)
+            if not self.native:
+                return None
+            if self.post_path is not None and self.post_path.wanted():
+                del self.steps[gm.step]  # (no collective: every rank raises this alike)
+                raise RuntimeError(_LATE_COMPILED)
             if step.sync:
                 self._reducer_for(step)
             elif self.reducer is None:
@@ -288,6 +350,17 @@ class Synchronizer:
                 self.reducer.abort()
                 raise
             return NativeStep(self, step.sync)
+
+    def _post_backward_step(self, gm: Any, step: Step) -> Optional[PostBackwardStep]:
+        tensors = self._planned()
+        if any(t is None for t in tensors):
+            return None  # a planned tensor died: the per-tensor path says so
+        if step.sync:
+            self.settle(step)
+        del self.steps[gm.step]
+        deferred = PostBackwardStep(self, step, tensors)
+        deferred.begin()
+        return deferred
 
     # ------------------------------------------------------------------ during the backward
     def on_gradient(self, gm: Any, tensor: Any, grad: Any) -> Any:
@@ -363,17 +436,25 @@ class Synchronizer:
                 del self.steps[gm.step]
             if not step.sync:
                 return
-            self.settle(step)
-            if self.reducer is not None:  # earlier steps went to the reducer
-                self.used.update(self.reducer.used_since_window())
-            missing = step.launch_missing(self.wire, self.used)
-            if self.shards is not None:
-                self.keep_shards(step)
-                missing = []  # (their gradients went to the shards too)
-            self.used.clear()
-            self.finished += 1
+            missing = self.close(step)
         for tensor, b, slot in missing:
             gm.add_gradient(tensor, PendingGradient(step.launched, b, slot, True))
+
+    def close(self, step: Step) -> List[tuple]:
+        """A synced step's gradients are all in its buckets: the others go out (what
+        ``.grad`` holds, flagged unused unless used since the last synced step); returns
+        their ``(tensor, bucket, slot)`` (none on the sharded path, whose shards keep the
+        step's chunks)."""
+        self.settle(step)
+        if self.reducer is not None:  # earlier steps went to the reducer
+            self.used.update(self.reducer.used_since_window())
+        missing = step.launch_missing(self.wire, self.used)
+        if self.shards is not None:
+            self.keep_shards(step)
+            missing = []  # (their gradients went to the shards too)
+        self.used.clear()
+        self.finished += 1
+        return missing
 
     def _end_sharded(self, step: Step, failed: bool) -> List[float]:
         """The sharded step's closing collective: every bucket's flags, summed."""
@@ -394,6 +475,12 @@ class Synchronizer:
             step = self.steps.pop(gm.step, None)
             if step is None or not step.sync or step.mismatch is not None:
                 return  # nothing launched, or the ranks' plans differ: launch nothing
+        self.fail(step)
+
+    def fail(self, step: Step) -> None:
+        """A synced step's backward raised here: launch the rest of its buckets with the
+        failure marker set (see :meth:`Step.launch_failed`)."""
+        with self.lock:
             self.settle(step)
             step.launch_failed(self.wire)
             if self.shards is not None:
@@ -417,7 +504,7 @@ class Synchronizer:
             # into its bucket by a copy, which is no change of the user's.
             changed = (step.finished_before == self.finished  # .grad written by gradmgr
                        and self.ops.grads_changed(self._planned(), step.grads_at_record))
-            if self.native:
+            if self.native and not step.after:
                 self._reducer_for(step)
                 self.reducer.fail_step(self.used)
             else:
