@@ -51,8 +51,10 @@ PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising", "mismatch"
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
+    # CPU ranks over gloo, CUDA hidden: torch's powerSGD_hook calls torch.cuda.synchronize
+    # on a CPU tensor's device wherever CUDA is available (DDP + PowerSGD fails there too).
     return spawn_scenarios("comm_hooks", tmp_path_factory.mktemp("comm_hooks"),
-                           TRAIN + POWERSGD + PROBE, timeout=400)
+                           TRAIN + POWERSGD + PROBE, timeout=400, CUDA_VISIBLE_DEVICES="")
 
 
 def _params(out: dict, prefix: str, side: str) -> list:

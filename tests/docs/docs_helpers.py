@@ -13,10 +13,10 @@ from gradmgr.distributed import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def script_env() -> dict:
+def script_env(**extra: str) -> dict:
     """The environment for a script a test starts: gloo on the loopback, one thread per rank."""
     return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MPLBACKEND="Agg",
-                PYTHONDONTWRITEBYTECODE="1")
+                PYTHONDONTWRITEBYTECODE="1", **extra)
 
 
 def torchrun(script: str, *args: str, nproc: int = 2) -> List[str]:
@@ -29,10 +29,11 @@ def torchrun(script: str, *args: str, nproc: int = 2) -> List[str]:
             "--master_port", str(free_port()), script, *args]
 
 
-def run(cmd: Sequence[str], timeout: float, cwd: str = ROOT) -> subprocess.CompletedProcess:
+def run(cmd: Sequence[str], timeout: float, cwd: str = ROOT,
+        **env: str) -> subprocess.CompletedProcess:
     """Run ``cmd``; fail the test, with its output, unless it exits 0 within ``timeout`` s.
     On a timeout the whole process group goes (torchrun's ranks too, not only torchrun)."""
-    with subprocess.Popen(list(cmd), cwd=cwd, env=script_env(), stdout=subprocess.PIPE,
+    with subprocess.Popen(list(cmd), cwd=cwd, env=script_env(**env), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)

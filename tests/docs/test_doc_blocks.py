@@ -30,7 +30,11 @@ def test_block_runs(framework: str, block, tmp_path) -> None:
     script = tmp_path / "block.py"
     script.write_text(block.text, encoding="utf-8")
     if block.marker == "2 ranks":
-        done = run(torchrun(str(script)), TWO_RANKS_TIMEOUT_S, cwd=str(tmp_path))
+        # The pages' 2-rank examples run on CPU over gloo; CUDA hidden, as on the machines
+        # they are written for (torch's powerSGD_hook calls torch.cuda.synchronize on a CPU
+        # tensor's device wherever CUDA is available: DDP's run fails there too).
+        done = run(torchrun(str(script)), TWO_RANKS_TIMEOUT_S, cwd=str(tmp_path),
+                   CUDA_VISIBLE_DEVICES="")
     else:
         done = run([sys.executable, str(script)], ONE_RANK_TIMEOUT_S, cwd=str(tmp_path))
     shown = OUTPUTS.get(block.id)
