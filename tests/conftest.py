@@ -38,6 +38,21 @@ def mge_fw():
     return make_framework("megengine")
 
 
+@pytest.fixture
+def gloo_one_rank():
+    """torch.distributed's default group: one gloo rank in this process, destroyed after."""
+    _require("torch")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
 def cuda_available() -> bool:
     try:
         import torch

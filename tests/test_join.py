@@ -136,17 +136,6 @@ def test_three_ranks_uneven(three, path):
 
 
 # ------------------------------------------------------------------ one process
-@pytest.fixture
-def gloo_one_rank():
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist
-    finally:
-        dist.destroy_process_group()
-
-
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),

@@ -222,42 +222,36 @@ if __name__ == "__main__":  # pragma: no cover
     pytest.main([os.path.abspath(__file__)])
 
 
-def test_a_scheduler_on_the_wrapped_optimizer_is_refused_not_lost():
+def test_a_scheduler_on_the_wrapped_optimizer_is_refused_not_lost(gloo_one_rank):
     """``StepLR(opt.optimizer, ...)``: the step copies the program's groups (``opt``'s) into
     the wrapped optimizer's, so the scheduler's rate was overwritten at every step and the
     model trained at a constant rate, silently (seen by issue 28's newcomer probe). Now the
     step raises, saying to build the scheduler on ``opt``; on ``opt`` it schedules (the rates
     halve, exactly). One rank: the rule is local."""
-    import torch.distributed as dist
-
     from gradmgr.distributed import ShardedOptimizer, data_parallel
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        for target, expected in (("opt", [0.05, 0.025, 0.0125]), ("inner", None)):
-            model = torch.nn.Linear(3, 2)
-            gm = data_parallel(model, shard=True)
-            opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
-            scheduled = opt if target == "opt" else opt.optimizer
-            sched = torch.optim.lr_scheduler.StepLR(scheduled, 1, gamma=0.5)
-            rates = []
+    for target, expected in (("opt", [0.05, 0.025, 0.0125]), ("inner", None)):
+        model = torch.nn.Linear(3, 2)
+        gm = data_parallel(model, shard=True)
+        opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
+        scheduled = opt if target == "opt" else opt.optimizer
+        sched = torch.optim.lr_scheduler.StepLR(scheduled, 1, gamma=0.5)
+        rates = []
 
-            def train(steps, gm=gm, model=model, opt=opt, sched=sched, rates=rates):
-                for _ in range(steps):
-                    with gm:
-                        gm.backward(model(torch.ones(4, 3)).sum())
-                    opt.step()
-                    opt.zero_grad()
-                    sched.step()
-                    rates.append(opt.param_groups[0]["lr"])
+        def train(steps, gm=gm, model=model, opt=opt, sched=sched, rates=rates):
+            for _ in range(steps):
+                with gm:
+                    gm.backward(model(torch.ones(4, 3)).sum())
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                rates.append(opt.param_groups[0]["lr"])
 
-            if expected is not None:
-                train(3)
-                assert rates == expected
-            else:
-                train(1)  # the first step cannot know: nothing changed behind it yet
-                with pytest.raises(RuntimeError, match=r"Build schedulers on the Sharded"):
-                    train(1)
-            del gm, opt
-    finally:
-        dist.destroy_process_group()
+        if expected is not None:
+            train(3)
+            assert rates == expected
+        else:
+            train(1)  # the first step cannot know: nothing changed behind it yet
+            with pytest.raises(RuntimeError, match=r"Build schedulers on the Sharded"):
+                train(1)
+        del gm, opt

@@ -817,19 +817,6 @@ def test_sparse_gradient_into_an_existing_dense_grad(cb):
 
 
 # ================================================================= 10. data-parallel callbacks
-@pytest.fixture
-def gloo_one_rank():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist
-    finally:
-        dist.destroy_process_group()
-
-
 def test_hand_written_allreduce_callbacks_on_one_rank(gloo_one_rank):
     """One rank, so the averaged gradient is the local one, bit for bit: this checks the
     plumbing (clone, collective, Futures from ``async_op``), not the arithmetic of a reduction."""
