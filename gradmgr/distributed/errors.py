@@ -10,11 +10,9 @@ class RankMismatchError(RuntimeError):
     :func:`data_parallel` was given modules that differ); raised on every rank, naming the
     first difference.
 
-    Example:
-        >>> # try:
-        >>> #     gm = data_parallel(model)       # rank 1's model has a layer of another size
-        >>> # except RankMismatchError as error:
-        >>> #     print(error)                    # "... fc2.weight (float32[8, 16]) ..."
+    It takes two ranks that differ to raise it (the message names, for instance,
+    ``fc2.weight`` with its dtype and shape on this rank); the guide "Data parallel"
+    (docs/data-parallel.md) says where each check runs.
     """
 
 
@@ -23,15 +21,9 @@ class RankFailedError(RuntimeError):
     without one: a skipped batch): the step's reduced gradients are incomplete, so no rank
     uses them (``.grad`` keeps what it held before).
 
-    Example:
-        >>> # for x, y in loader:
-        >>> #     try:
-        >>> #         with gm:
-        >>> #             gm.backward(loss_fn(model(x), y))
-        >>> #     except (RankFailedError, BadBatch):    # every rank skips the step
-        >>> #         opt.zero_grad()
-        >>> #         continue
-        >>> #     opt.step(); opt.zero_grad()
+    Every rank can then skip the step together: catch it, and the rank's own error, around
+    ``with gm:``, call ``opt.zero_grad()`` and go on to the next batch (the guide "Data
+    parallel", docs/data-parallel.md, shows the loop).
     """
 
 
@@ -39,8 +31,23 @@ class SparseGradientError(TypeError):
     """The allreduce callback reduces dense gradients only; a tensor got a sparse one.
 
     Example:
-        >>> # emb = torch.nn.Embedding(100, 8, sparse=True)  # SparseGradientError at backward:
-        >>> # emb = torch.nn.Embedding(100, 8)               # dense gradients are reduced
+        Here a process group of one rank (``Embedding(100, 8)``, dense, is reduced):
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr.distributed import data_parallel, free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> emb = torch.nn.Embedding(100, 8, sparse=True)
+        >>> gm = data_parallel(emb)
+        >>> try:
+        ...     with gm:
+        ...         gm.backward(emb(torch.tensor([1, 2])).sum())
+        ... except SparseGradientError:
+        ...     print("refused")
+        refused
+        >>> del gm
+        >>> dist.destroy_process_group()
     """
 
 

@@ -60,12 +60,24 @@ class DataParallelManager(GradManager):
     ``join_device``, ``join_process_group``), as a DDP model is.
 
     Example:
-        >>> # gm = data_parallel(model)
-        >>> # with Join([gm]):                  # or: with gm.join():
-        >>> #     for x, y in my_batches:       # a different count on each rank
-        >>> #         with gm:
-        >>> #             gm.backward(loss_fn(model(x), y))
-        >>> #         opt.step(); opt.zero_grad()
+        Here a process group of one rank; under ``torchrun`` each rank may have its own
+        number of batches (the guide "Uneven inputs" runs two):
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr.distributed import data_parallel, free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> gm = data_parallel(model)
+        >>> with gm.join():                    # or: with Join([gm]):
+        ...     for x in [torch.ones(3, 2)] * 2:
+        ...         with gm:
+        ...             gm.backward(model(x).sum())
+        >>> model.weight.grad                  # two steps' gradients, accumulated
+        tensor([[6., 6.]])
+        >>> del gm
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self) -> None:

@@ -50,8 +50,9 @@ def spawn_local(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
     ``torch.multiprocessing.spawn``. Each backend is told which rank a process is (MegEngine's
     own ``megengine.distributed.get_rank()`` / ``get_world_size()`` then tell the truth).
 
-    Example:
-        >>> # sys.exit(spawn_local(train, 2, steps))  # train(rank, world, port, steps)
+    In a script: ``sys.exit(spawn_local(train, 2, steps))`` with a module-level
+    ``train(rank, world, port, steps)`` (the guide "Data parallel", docs/data-parallel.md,
+    runs one: a doctest's functions cannot be imported by a new process).
     """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     context = multiprocessing.get_context("spawn")  # no forked framework state
@@ -92,8 +93,8 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
     (``RANK`` and ``WORLD_SIZE`` set: this process is that rank, ``port`` is 0, meaning
     ``init_method="env://"``), or else start ``world`` ranks here with :func:`spawn_local`.
 
-    Example:
-        >>> # sys.exit(run_ranks(train, 2, steps))   # python x.py  or  torchrun ... x.py
+    In a script: ``sys.exit(run_ranks(train, 2, steps))``, then ``python x.py`` or
+    ``torchrun --nproc_per_node 2 x.py`` alike.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
