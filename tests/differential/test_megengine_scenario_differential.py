@@ -48,8 +48,16 @@ def mge_synchronous():
 
 
 def compare_with_native(sc):
-    native = run_scenario(sc, engine(), native_megengine, eager=True, check_backwarding=False)
+    from megengine.core.autodiff.grad import Grad
+
+    entered = len(Grad.stack)
+    try:
+        native = run_scenario(sc, engine(), native_megengine, eager=True,
+                              check_backwarding=False)
+    finally:  # a native manager dropped while recording leaves its Grad there: not ours
+        del Grad.stack[entered:]
     got = run_scenario(sc, engine(), gradmgr.GradManager)
+    assert len(Grad.stack) == entered, "a manager of gradmgr's left its Grad on the stack"
     check_scenario(got, native, sc, torch_checks=False)
 
 
