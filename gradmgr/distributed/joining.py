@@ -26,6 +26,7 @@ import weakref
 from typing import Any, List, Optional
 
 from ..manager import GradManager
+from .shadowing import shadow, upcoming
 from .sync import broadcast
 
 _NO_JOIN = (
@@ -166,7 +167,7 @@ class Joining:
         synchronizer = self.callback.synchronizer(gm)
         synchronizer.plan_now(gm)
         self.broadcast_pending(synchronizer, candidate=True)
-        _exchange(synchronizer, self._like(), [1.0, *synchronizer.upcoming(gm)])
+        _exchange(synchronizer, self._like(), [1.0, *upcoming(synchronizer, gm)])
 
     def broadcast_pending(self, synchronizer: Any, candidate: bool) -> None:
         if not self.pending:
@@ -194,7 +195,7 @@ class JoinHook:
         joining.broadcast_pending(synchronizer, candidate=False)
         rows = _exchange(synchronizer, joining._like(), [0.0, 0.0, 0.0, 0.0])
         theirs = next(row for row in rows if row[0])
-        if synchronizer.shadow(gm, theirs[1:]) and joining.buffers:
+        if shadow(synchronizer, gm, theirs[1:]) and joining.buffers:
             joining.pending = True
 
     def post_hook(self, is_last_joiner: bool) -> None:

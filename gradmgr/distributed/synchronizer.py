@@ -18,7 +18,7 @@ from ..manager import attach_epoch, callback_chains
 from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
 from .contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
-from .errors import RankFailedError, RankMismatchError, SparseGradientError, sparse_message
+from .errors import RankMismatchError, SparseGradientError, sparse_message
 from .post_backward import PostBackwardStep
 from .sharding import GradientShards, ShardWire
 from .steps import HookWire, PendingGradient, Step, Wire
@@ -106,7 +106,7 @@ class Synchronizer:
         options = self.options
         fingerprint = self.fingerprint
         first = not self.started
-        self._replan_if_needed(gm)
+        self.replan_if_needed(gm)
         if self.shards is not None:
             self.shards.recording()
         sync = options.syncing and not is_paused(gm)
@@ -153,7 +153,7 @@ class Synchronizer:
             self.started = True
         return step
 
-    def _replan_if_needed(self, gm: Any) -> None:
+    def replan_if_needed(self, gm: Any) -> None:
         if self.plan is None or self._plan_outdated(gm):
             self._plan(gm)
         reducer = self.reducer
@@ -177,7 +177,7 @@ class Synchronizer:
         """The plan the next recording will use, made now where there is none yet (the sharded
         optimizer lays its segments out on it)."""
         with self.lock:
-            self._replan_if_needed(gm)
+            self.replan_if_needed(gm)
             return self.plan
 
     def _planned(self) -> List[Any]:
@@ -386,46 +386,6 @@ class Synchronizer:
                 return grad
             return step.put(self.wire, tensor, grad, *where)
 
-    # ------------------------------------------------------------------ uneven inputs
-    def upcoming(self, gm: Any) -> List[float]:
-        """What a joined rank needs to know of the step a recording of ``gm`` starts now,
-        before it starts (see :mod:`.joining`): synced, the first, and the recordings inside
-        no_sync before it."""
-        with self.lock:
-            sync = self.options.syncing and not is_paused(gm)
-            return [float(sync), float(not self.started), float(self.unsynced)]
-
-    def shadow(self, gm: Any, upcoming: List[float]) -> bool:
-        """A joined rank's part of the step the others start (``upcoming``, theirs): the same
-        collectives, with nothing of its own in them (zero gradients, no tensor used), as
-        DDP's join hook. Returns whether the step is synced."""
-        sync, first, unsynced = bool(upcoming[0]), bool(upcoming[1]), int(upcoming[2])
-        with self.lock:
-            self._replan_if_needed(gm)
-            if self.shards is not None:
-                self.shards.recording()
-            self.unsynced = 0 if sync else unsynced + 1
-            plan = self.plan
-            like = plan.tensor(0) if plan.buckets else next(iter(self.excluded), None)
-            if (sync or first) and like is not None and self.transport.world_size() > 1:
-                step = Step(plan, sync)
-                step.check = PlanCheck(self.transport, self.ops, self.fingerprint, like,
-                                       request=self.native and self.reducer is None,
-                                       accumulated=unsynced if sync else None)
-                self.settle(step)  # (builds the reducer where a rank asked for one)
-            self.started = True
-            if not sync or not plan.buckets:
-                return sync
-            if self.native:
-                self.used.update(self.reducer.used_since_window())
-                completed = self.reducer.shadow()
-            else:
-                completed = _shadow_step(self, plan)
-            self.used.clear()
-            if completed:  # (a failed step is skipped: no optimizer step to shadow)
-                self.shadowed += 1
-            return True
-
     # ------------------------------------------------------------------ a step ends
     def flush(self, gm: Any) -> None:
         """After the backward: the buckets not launched yet go out."""
@@ -514,25 +474,6 @@ class Synchronizer:
         step.drain()
         if changed:
             raise RuntimeError(_HABIT)
-
-
-def _shadow_step(synchronizer: Synchronizer, plan: BucketPlan) -> bool:
-    """A joined rank's part of a synced step's reductions on gradmgr's buckets: zeros.
-    Returns whether the step completed (a rank that failed makes the others skip it; the
-    joined rank goes on shadowing, it does not raise)."""
-    step = Step(plan, True)
-    step.launch_zeros(synchronizer.wire)
-    try:
-        if synchronizer.shards is not None:
-            synchronizer.shards.zero()  # its slice is the others' step's gradient, alone
-            synchronizer.keep_shards(step)
-        else:
-            for reduction in step.launched:  # the sums are dropped; the last bucket's
-                reduction.result(0)          # flags say whether a rank failed
-    except RankFailedError:
-        step.drain()
-        return False
-    return True
 
 
 class NativeStep:

@@ -1,0 +1,87 @@
+"""A joined rank's part of the others' steps (uneven inputs, see :mod:`.joining`).
+
+Once a rank has run out of batches inside the framework's Join context, it still takes part in
+every step the other ranks take, as DDP's join hook does: the same collectives, in the same
+order (the plan check, the gradient buckets or torch's reducer, the reduce-scatter), with
+nothing of its own in them (zero gradients, no tensor used). These functions do that for one
+:class:`~gradmgr.distributed.synchronizer.Synchronizer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from .bucket import BucketPlan
+from .consistency import PlanCheck
+from .errors import RankFailedError
+from .steps import Step
+from .sync import is_paused
+
+
+def upcoming(synchronizer: Any, gm: Any) -> List[float]:
+    """What a joined rank needs to know of the step a recording of ``gm`` starts now, before
+    it starts: synced, the first, and the recordings inside no_sync before it."""
+    with synchronizer.lock:
+        sync = synchronizer.options.syncing and not is_paused(gm)
+        return [float(sync), float(not synchronizer.started), float(synchronizer.unsynced)]
+
+
+def shadow(synchronizer: Any, gm: Any, theirs: List[float]) -> bool:
+    """A joined rank's part of the step the others start (``theirs``: their
+    :func:`upcoming`). Returns whether the step is synced."""
+    sync, first, unsynced = bool(theirs[0]), bool(theirs[1]), int(theirs[2])
+    with synchronizer.lock:
+        synchronizer.replan_if_needed(gm)
+        if synchronizer.shards is not None:
+            synchronizer.shards.recording()
+        synchronizer.unsynced = 0 if sync else unsynced + 1
+        plan = synchronizer.plan
+        if sync or first:
+            _check_plan(synchronizer, plan, sync, unsynced)
+        synchronizer.started = True
+        if not sync or not plan.buckets:
+            return sync
+        if synchronizer.native:
+            synchronizer.used.update(synchronizer.reducer.used_since_window())
+            completed = synchronizer.reducer.shadow()
+        else:
+            completed = _shadow_buckets(synchronizer, plan)
+        synchronizer.used.clear()
+        if completed:  # (a failed step is skipped: no optimizer step to shadow)
+            synchronizer.shadowed += 1
+        return True
+
+
+def _check_plan(synchronizer: Any, plan: BucketPlan, sync: bool, unsynced: int) -> None:
+    """The step's plan check, as the others' recordings start it (builds torch's reducer
+    where a rank asked for one)."""
+    like = plan.tensor(0) if plan.buckets else next(iter(synchronizer.excluded), None)
+    if like is None or synchronizer.transport.world_size() < 2:
+        return
+    step = Step(plan, sync)
+    step.check = PlanCheck(synchronizer.transport, synchronizer.ops, synchronizer.fingerprint,
+                           like, request=synchronizer.native and synchronizer.reducer is None,
+                           accumulated=unsynced if sync else None)
+    synchronizer.settle(step)
+
+
+def _shadow_buckets(synchronizer: Any, plan: BucketPlan) -> bool:
+    """A synced step's reductions on gradmgr's buckets: zeros. Returns whether the step
+    completed (a rank that failed makes the others skip it; the joined rank goes on
+    shadowing, it does not raise)."""
+    step = Step(plan, True)
+    step.launch_zeros(synchronizer.wire)
+    try:
+        if synchronizer.shards is not None:
+            synchronizer.shards.zero()  # its slice is the others' step's gradient, alone
+            synchronizer.keep_shards(step)
+        else:
+            for reduction in step.launched:  # the sums are dropped; the last bucket's
+                reduction.result(0)          # flags say whether a rank failed
+    except RankFailedError:
+        step.drain()
+        return False
+    return True
+
+
+__all__: List[str] = ["shadow", "upcoming"]
