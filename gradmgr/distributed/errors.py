@@ -13,6 +13,13 @@ class RankMismatchError(RuntimeError):
     It takes two ranks that differ to raise it (the message names, for instance,
     ``fc2.weight`` with its dtype and shape on this rank); the guide "Data parallel"
     (docs/data-parallel.md) says where each check runs.
+
+    Example:
+        Every rank raises it at the same call, so a script can stop every rank cleanly:
+
+        >>> from gradmgr.distributed import RankMismatchError
+        >>> issubclass(RankMismatchError, RuntimeError)
+        True
     """
 
 
@@ -24,6 +31,28 @@ class RankFailedError(RuntimeError):
     Every rank can then skip the step together: catch it, and the rank's own error, around
     ``with gm:``, call ``opt.zero_grad()`` and go on to the next batch (the guide "Data
     parallel", docs/data-parallel.md, shows the loop).
+
+    Example:
+        Here a process group of one rank whose batch fails; on the other ranks the same
+        ``except`` catches ``RankFailedError``, and every rank skips the step:
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from gradmgr.distributed import data_parallel, free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> gm = data_parallel(model)
+        >>> try:
+        ...     with gm:
+        ...         raise ValueError("a bad batch")
+        ... except (RankFailedError, ValueError):
+        ...     print("every rank skips this step")
+        every rank skips this step
+        >>> model.weight.grad is None
+        True
+        >>> del gm
+        >>> dist.destroy_process_group()
     """
 
 

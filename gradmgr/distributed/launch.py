@@ -53,6 +53,12 @@ def spawn_local(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
     In a script: ``sys.exit(spawn_local(train, 2, steps))`` with a module-level
     ``train(rank, world, port, steps)`` (the guide "Data parallel", docs/data-parallel.md,
     runs one: a doctest's functions cannot be imported by a new process).
+
+    Example:
+        Any importable function will do; ``max(rank, world, port)`` returns on both ranks:
+
+        >>> spawn_local(max, 2)
+        0
     """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     context = multiprocessing.get_context("spawn")  # no forked framework state
@@ -95,6 +101,12 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
 
     In a script: ``sys.exit(run_ranks(train, 2, steps))``, then ``python x.py`` or
     ``torchrun --nproc_per_node 2 x.py`` alike.
+
+    Example:
+        Outside torchrun it starts the ranks itself (any importable function will do):
+
+        >>> run_ranks(max, 2)
+        0
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
