@@ -38,6 +38,7 @@ from diff_reference import native_megengine  # noqa: E402
 from diff_settings import differential_settings  # noqa: E402
 from hypothesis import given, note  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from mge_sync import mge_synchronous  # noqa: F401 (autouse: MegEngine synchronous)
 
 import gradmgr  # noqa: E402
 from gradmgr import _state  # noqa: E402
@@ -45,18 +46,6 @@ from gradmgr import _state  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("error::gradmgr.GradMgrWarning")
 
 ENG = MgeEngine()
-
-
-@pytest.fixture(autouse=True)
-def mge_synchronous():
-    """Run MegEngine synchronously: a kernel error then raises where it happens (and is
-    compared like any other outcome) instead of aborting the process or surfacing later."""
-    import megengine
-
-    level = megengine.config.async_level
-    megengine.config.async_level = 0
-    yield
-    megengine.config.async_level = level
 
 
 def compare(program, schedule, after_backward=True, bystander=None):

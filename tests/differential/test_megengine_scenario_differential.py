@@ -21,6 +21,7 @@ from diff_scenario import scenarios
 from diff_scenario_run import check_scenario, run_scenario
 from diff_settings import differential_settings
 from hypothesis import given, note
+from mge_sync import mge_synchronous  # noqa: F401 (autouse: MegEngine synchronous)
 
 import gradmgr
 
@@ -34,17 +35,6 @@ pytestmark = [pytest.mark.megengine,
 @functools.cache
 def engine() -> MgeEngine:
     return MgeEngine()  # imports MegEngine
-
-
-@pytest.fixture(autouse=True)
-def mge_synchronous():
-    """As in test_megengine_differential.py: kernel errors raise where they happen."""
-    import megengine
-
-    level = megengine.config.async_level
-    megengine.config.async_level = 0
-    yield
-    megengine.config.async_level = level
 
 
 def compare_with_native(sc):

@@ -25,6 +25,7 @@ from diff_scenario import scenarios
 from diff_scenario_run import run_scenario
 from diff_settings import differential_settings
 from hypothesis import given, note
+from mge_sync import mge_synchronous  # noqa: F401 (autouse: MegEngine synchronous)
 
 import gradmgr
 
@@ -37,16 +38,6 @@ RTOL, ATOL = 1e-4, 1e-5
 @functools.cache
 def engines():
     return TorchEngine(), MgeEngine()
-
-
-@pytest.fixture(autouse=True)
-def mge_synchronous():
-    import megengine
-
-    level = megengine.config.async_level
-    megengine.config.async_level = 0
-    yield
-    megengine.config.async_level = level
 
 
 def _differences(got, native) -> list:

@@ -6,6 +6,7 @@ user meant (item 8: train the converted model; item 9: end).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import numpy as np
@@ -128,26 +129,24 @@ def double_after_wrap(kind, rank, world):
 
 def rank_skips_silently(kind, rank, world):
     """Rank 1 skips step 1 before its forward (``continue``), the other rank trains on."""
-    side = Side(kind, rank)
-    opt, out = side.optimizer(), {}
-    for step in range(STEPS):
-        if step == 1 and rank == 1:
-            continue
-        out[f"loss {step}"] = np.float32(side.step(*batch(rank, step)))
-        opt.step()
-        opt.zero_grad()
-    out.update(state(side))
-    return out
+    return _skip_a_step(Side(kind, rank), rank, lambda side, opt: contextlib.nullcontext())
 
 
 def rank_skips_in_join(kind, rank, world):
     """The same, inside torch's ``Join`` (uneven inputs): DDP's ``Join([model])``, gradmgr's
     ``Join([gm])`` (``Join([gm, opt])`` sharded). Rank 1 joins a step early; its last step
     is shadowed."""
-    side = Side(kind, rank)
+    def join(side, opt):
+        if side.gm is None:
+            return Join([side.net])
+        return Join([side.gm] + ([opt] if side.sharded else []))
+
+    return _skip_a_step(Side(kind, rank), rank, join)
+
+
+def _skip_a_step(side, rank, context):
     opt, out = side.optimizer(), {}
-    joinables = [side.net] if side.gm is None else [side.gm] + ([opt] if side.sharded else [])
-    with Join(joinables):
+    with context(side, opt):
         for step in range(STEPS):
             if step == 1 and rank == 1:
                 continue
