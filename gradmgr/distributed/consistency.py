@@ -22,7 +22,7 @@ fingerprint carried by a collective that happens anyway arrives too late, since 
 collectives are the gradient buckets, whose sizes follow the plan (paired across ranks whose
 plans differ, gloo crashes or hangs before any fingerprint is read). The check is launched at
 ``record()`` and read before the step's first bucket goes out, so it overlaps the forward;
-reading it at once costs the same. Its cost is the collective itself, not its payload: on a
+reading it at once is no cheaper. Its cost is the collective itself, not its payload: on a
 machine whose cores are all busy, the transport's threads wait for one
 (``bench/bench_plan_check.py``).
 """
