@@ -9,6 +9,10 @@ round) on the same batch:
 * engine:  the engine call gradmgr makes when no tensor has callbacks (``run_engine``: PyTorch's
   ``_engine_run_backward`` with ``inputs=params``, without ``torch.autograd.backward``'s
   argument handling): the floor for gradmgr; gradmgr/engine is the manager's own cost
+* bare:    the same call without ``inputs=`` (what ``loss.backward()`` asks of the engine, less
+  its argument handling): what ``inputs=`` itself costs is engine/bare. gradmgr cannot make
+  this call in general: it writes ``.grad`` of every leaf the graph reaches, attached or not
+  (tests/test_plain_step_engine_call.py)
 
 ``.grad`` is cleared (untimed) before every step. Ratios are medians of per-step times (2 s of
 samples per model, at least 200); torch runs on one thread. Targets: <= 1.05 for the MLPs
@@ -76,7 +80,7 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     each step ends with a synchronize, so that its time includes the device's work."""
     loss_fn = nn.functional.cross_entropy
     models = {name: copy.deepcopy(model).to(x.device)
-              for name in ("plain", "gradmgr", "+noop", "engine")}
+              for name in ("plain", "gradmgr", "+noop", "engine", "bare")}
     y = y.to(x.device)
 
     def plain() -> None:
@@ -88,6 +92,10 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     def engine() -> None:
         loss = loss_fn(models["engine"](x), y)
         run_engine([loss], [own_seed(loss)], False, False, engine_params, True)
+
+    def bare() -> None:
+        loss = loss_fn(models["bare"](x), y)
+        run_engine([loss], [own_seed(loss)], False, False, (), True)
 
     def with_manager(name: str, gm: GradManager) -> Callable[[], None]:
         m = models[name]
@@ -102,7 +110,7 @@ def step_fns(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     gm = GradManager().attach(models["gradmgr"].parameters())
     gm_cb = GradManager().attach(models["+noop"].parameters(), callbacks=lambda t, g: g)
     variants = {"plain": plain, "gradmgr": with_manager("gradmgr", gm),
-                "+noop": with_manager("+noop", gm_cb), "engine": engine}
+                "+noop": with_manager("+noop", gm_cb), "engine": engine, "bare": bare}
     if x.is_cuda:
         variants = {name: _synchronized(fn) for name, fn in variants.items()}
     return variants, grad_clearers({k: list(m.parameters()) for k, m in models.items()})
@@ -127,7 +135,7 @@ def main(argv=None) -> int:
     print(machine_info(["torch"]) + f", torch threads: 1, device: {args.device}")
     header = (f"{'model':>13} {'tensors':>7} {'samples':>7} {'plain us':>9} {'gradmgr us':>10} "
               f"{'ratio':>6} {'+noop us':>9} {'ratio':>6} {'best-of ratio':>13} "
-              f"{'engine/plain':>12} {'gradmgr/engine':>14}")
+              f"{'engine/plain':>12} {'gradmgr/engine':>14} {'bare/plain':>10}")
     print(header)
     rows = []
     for name, (model, x, y, target) in cases().items():
@@ -140,10 +148,11 @@ def main(argv=None) -> int:
         best = t["gradmgr"].best / t["plain"].best
         floor = t["engine"].median / t["plain"].median
         own = t["gradmgr"].median / t["engine"].median
+        bare = t["bare"].median / t["plain"].median
         tensors = len(list(model.parameters()))
         print(f"{name:>13} {tensors:7d} {n:7d} {t['plain'].median * 1e6:9.1f} "
               f"{t['gradmgr'].median * 1e6:10.1f} {ratio:6.3f} {t['+noop'].median * 1e6:9.1f} "
-              f"{noop:6.3f} {best:13.3f} {floor:12.3f} {own:14.3f}", flush=True)
+              f"{noop:6.3f} {best:13.3f} {floor:12.3f} {own:14.3f} {bare:10.3f}", flush=True)
         rows.append((name, ratio, noop, target))
     print()
     where = "" if args.device == "cpu" else f" {args.device}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .backend import Backend
 from .errors import AttachError
@@ -86,12 +86,16 @@ class Attachments:
 
         return weakref.ref(tensor, forget)
 
-    def live(self) -> Iterator[Tuple[Any, AttachSpec]]:
-        """``(tensor, spec)`` of every live attached tensor, in first-attach order."""
+    def live(self) -> List[Tuple[Any, AttachSpec]]:
+        """``(tensor, spec)`` of every live attached tensor, in first-attach order (a list:
+        MegEngine's tape takes it at every recording, where a generator's resumption per
+        tensor cost more than the list)."""
+        pairs = []
         for spec in list(self._specs.values()):
             tensor = spec.tensor()
             if tensor is not None:
-                yield tensor, spec
+                pairs.append((tensor, spec))
+        return pairs
 
     def tensors(self, with_callback: Optional[Callback] = None) -> List[Any]:
         return [t for t, spec in self.live()

@@ -15,6 +15,7 @@ from gradmgr.backend import GradSink
 from .flags import FLAGS
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DEREF = weakref.ReferenceType.__call__  # ref -> its object, called from C
 
 
 def input_without_flag(tensor: torch.Tensor) -> bool:
@@ -105,7 +106,7 @@ class Watched:
         if order is not None and FLAGS.lends_only(self.needs_flag):
             # the usual step: the same tensors as last time, all trainable
             entries, refs = order
-            inputs = [ref() for ref in refs]
+            inputs = list(map(_DEREF, refs))  # (no Python frame, unlike a comprehension)
             try:
                 if all(map(_REQUIRES_GRAD, inputs)):
                     return entries, inputs

@@ -15,6 +15,16 @@ order alone, so a rank that syncs a micro-batch that another accumulates would p
 reductions with the other's next step (silently wrong sums, then a crash inside the
 transport or a hang); the check, the first collective of every synced step on every rank,
 pairs with the other's check instead and they differ.
+
+Why every synced step, at this cost (issue 27 measured the alternatives): a check made only
+where a rank re-planned leaves a rank that alone re-planned the only one in a collective; a
+fingerprint carried by a collective that happens anyway arrives too late, since the only such
+collectives are the gradient buckets, whose sizes follow the plan (paired across ranks whose
+plans differ, gloo crashes or hangs before any fingerprint is read). The check is launched at
+``record()`` and read before the step's first bucket goes out, so it overlaps the forward;
+reading it at once is no cheaper. Its cost is the collective itself, not its payload: on a
+machine whose cores are all busy, the transport's threads wait for one
+(``bench/bench_plan_check.py``).
 """
 
 from __future__ import annotations
