@@ -9,7 +9,7 @@ step. The per-tensor cost is the slope of a least-squares line through (N, overh
 is called linear when the marginal cost per tensor from 1,000 to 10,000 is within 2x of that
 from 100 to 1,000 (super-linear above, sub-linear below).
 
-    python bench/bench_scaling.py [--quick]
+    python bench/bench_tensor_count.py [--quick]
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         print(f"{label}: {slope:.3f} us per attached tensor (least squares); marginal "
               f"{low:.3f} us/tensor for 100->1000, {high:.3f} for 1000->10000: "
               f"{growth(low, high)}")
-        result(f"scaling {label} per-tensor overhead", slope, unit=" us")
+        result(f"tensor count {label} per-tensor overhead", slope, unit=" us")
     return 0
 
 
