@@ -33,6 +33,8 @@ BENCHMARKS: List[Tuple[str, Tuple[str, ...]]] = [
     ("bench_split.py", ("torch",)),
     ("bench_zero.py", ("torch",)),
     ("bench_compile.py", ("torch",)),
+    ("bench_scaling.py", ("torch",)),
+    ("cost_model.py", ()),
 ]
 TIMEOUT_S = 1200
 
