@@ -481,6 +481,32 @@ def plot(results: Dict[str, Any], path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- main
+def save(results: Dict[str, Any], name: str) -> None:
+    """Write ``bench/results/<name>.json`` with the machine and the model, and its plot."""
+    import torch
+    from _common import cpu_model
+
+    import gradmgr
+
+    results = {
+        "machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "gradmgr": gradmgr.__version__, "load": os.getloadavg()},
+        "model": {"layers": LAYERS, "width": WIDTH, "params": sum(layer_sizes()),
+                  "batch": BATCH},
+        **results,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    json_path = os.path.join(RESULTS, f"{name}.json")
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1)
+    try:
+        plot(results, os.path.join(RESULTS, f"{name}.png"))
+    except ImportError:
+        print("no matplotlib here: the plot is left out (run it with .venv)")
+    print(f"\nwrote {os.path.relpath(json_path)}")
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", nargs="+", default=["2", "4", "8"])
@@ -513,8 +539,7 @@ def main(argv: Optional[list] = None) -> int:
         parser.error(f"unknown systems {sorted(unknown)}" if unknown else "--steps >= 1")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch
-    from _common import cpu_model, machine_info
+    from _common import machine_info
 
     print(__doc__.split("\n\n")[0])
     print(machine_info(["torch"]))
@@ -527,23 +552,8 @@ def main(argv: Optional[list] = None) -> int:
                   lambda s: print(s, file=sys.stderr, flush=True))
     rows = summarise(raw, cores)
     print_table(rows)
-    import gradmgr
-
-    results = {
-        "machine": {"cpu": cpu_model(), "cores": cores, "python": platform.python_version(),
-                    "torch": torch.__version__, "gradmgr": gradmgr.__version__,
-                    "load": os.getloadavg()},
-        "model": {"layers": LAYERS, "width": WIDTH, "params": params, "batch": BATCH},
-        "steps": steps, "rounds": args.rounds, "rows": rows, "raw": raw,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    with open(json_path, "w") as f:
-        json.dump(results, f, indent=1)
-    try:
-        plot(results, os.path.join(RESULTS, f"{name}.png"))
-    except ImportError:
-        print("no matplotlib here: the plot is left out (run it with .venv)")
-    print(f"\nwrote {os.path.relpath(json_path)}; took {time.perf_counter() - start:.0f} s")
+    save({"steps": steps, "rounds": args.rounds, "rows": rows, "raw": raw}, name)
+    print(f"took {time.perf_counter() - start:.0f} s")
     bad = [f"{r['system']} at {r['ranks']}" for r in rows if not r["bytes_match"]]
     if bad:
         print(f"MISMATCH: the bytes counted differ from cost_model's formula: {bad}")
