@@ -27,12 +27,14 @@ from _common import RESULT_PREFIX, machine_info  # noqa: E402
 BENCHMARKS: List[Tuple[str, Tuple[str, ...]]] = [
     ("bench_torch.py", ("torch",)),
     ("bench_megengine.py", ("megengine",)),
-    ("bench_scaling.py", ("torch",)),
+    ("bench_tensor_count.py", ("torch",)),
     ("bench_memory.py", ("torch",)),
     ("bench_ddp.py", ("torch",)),
     ("bench_split.py", ("torch",)),
     ("bench_zero.py", ("torch",)),
     ("bench_compile.py", ("torch",)),
+    ("bench_scaling.py", ("torch",)),
+    ("cost_model.py", ()),
 ]
 TIMEOUT_S = 1200
 
