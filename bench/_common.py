@@ -80,6 +80,7 @@ def interleaved(
     samples: int,
     setups: Optional[Dict[str, Callable[[], None]]] = None,
     warmup: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Dict[str, Timing]:
     """Time each variant ``samples`` times, in a new random order every round.
 
@@ -88,7 +89,9 @@ def interleaved(
     up to 5 % slower or faster for that reason alone (MegEngine mlp-1024). Shuffling every round
     spreads those effects over all variants.
 
-    ``setups[name]`` (untimed) runs before every call of ``variants[name]``.
+    ``setups[name]`` (untimed) runs before every call of ``variants[name]``. ``clock``:
+    ``time.thread_time`` times the calling thread's CPU only (single-threaded CPU work on a
+    machine busy with other jobs).
     """
     names = list(variants)
     setups = setups or {}
@@ -98,7 +101,6 @@ def interleaved(
             setups.get(name, nothing)()
             variants[name]()
     timings = {name: Timing() for name in names}
-    clock = time.perf_counter
     order = list(names)
     shuffle = random.Random(0).shuffle
     for _ in range(samples):

@@ -100,6 +100,18 @@ def test_wide_layers_gathered_by_broadcasts_equal_ddp(zero_ranks, dtype, direct)
     same(main[0][f"wide_{dtype}"]["ours"], main[1][f"wide_{dtype}"]["ours"], "ranks")
 
 
+def test_one_bucket_buffer_serves_a_backward_of_equal_buckets(zero_ranks):
+    """The bucket in flight hands its buffer to the next one (issue 27): one buffer for four
+    buckets of a step, where two were alive together with the engine's newest gradient
+    before (the step's peak, one buffer higher). Results bit for bit DDP's."""
+    main, _ = zero_ranks
+    for rank, out in enumerate(main):
+        run = out["one_buffer"]
+        assert run["buckets"] == 4 and run["allocated"] == 8  # 4 buckets, 2 steps
+        assert run["buffers"] == 1, run
+        same(run["ours"], run["ddp"], f"rank {rank}")
+
+
 def test_a_failing_rank_fails_the_step_everywhere_and_training_goes_on(zero_ranks):
     main, _ = zero_ranks
     assert [out["failing"]["raised"] for out in main] == [["RankFailedError"], ["ValueError"]]

@@ -46,6 +46,12 @@ class BufferPool:
                 return
         bucket.spare = None
 
+    def fits(self, bucket: Any) -> bool:
+        """Whether a free buffer could serve ``bucket``."""
+        need = bucket.buffer_numel
+        return any(self.ops.key(flat) == bucket.key and self.ops.numel(flat) >= need
+                   for flat in self.free)
+
     def give_back(self, bucket: Any) -> None:
         """``bucket``'s collective is done with its buffer."""
         if self.open and bucket.spare is not None:
@@ -95,8 +101,9 @@ class ShardReduction:
 
 class ShardWire(Wire):
     """The sharded path's wire: data reduce-scattered, flags kept for :meth:`end_step`, at most
-    one bucket in flight while the next fills (so that two buffers serve the whole backward:
-    with more in flight, each would hold a bucket's worth of memory)."""
+    one bucket in flight, whose buffer the next bucket with a large member takes once the
+    reduction is done (so that one buffer serves a backward of equal buckets: with more in
+    flight, each would hold a bucket's worth of memory)."""
 
     __slots__ = ("pool", "in_flight")
 
@@ -107,6 +114,14 @@ class ShardWire(Wire):
         self.in_flight: Optional[ShardReduction] = None
 
     def lend(self, bucket: Any) -> None:
+        if self.in_flight is not None and any(bucket.large) and not self.pool.fits(bucket):
+            # The bucket in flight gives its buffer to this one: without this wait, its
+            # buffer, this one's and the engine's newest gradient (a large member's, not yet
+            # copied in) are alive together, a buffer more than the step needs. send() waited
+            # for it a copy later anyway, so the overlap lost is that copy.
+            with contextlib.suppress(Exception):  # the error is raised where it is used
+                self.in_flight.chunk()
+            self.in_flight = None
         self.pool.lend(bucket)
 
     def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> ShardReduction:

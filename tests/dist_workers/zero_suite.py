@@ -173,6 +173,45 @@ def wide_layers(out: dict, rank: int, dtype: torch.dtype) -> None:
                             "contiguous": ours[4].weight.is_contiguous()}
 
 
+def one_bucket_buffer(out: dict, rank: int) -> None:
+    """Four layers of 1 MiB, a bucket each: how many bucket buffers a synced backward
+    allocates (the bucket in flight hands its buffer to the next, so one serves them all),
+    and the parameters against DDP's after 2 steps."""
+    from gradmgr.backends.torch import ops as torch_ops
+
+    def layers() -> nn.Module:
+        torch.manual_seed(2)
+        return nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+
+    ours, theirs = layers(), layers()
+    gm, ddp = data_parallel(ours, shard=True, bucket_bytes=2**20), DDP(theirs)
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=LR)
+    made, allocate = [], torch_ops.TorchBuffer._allocate
+
+    def counting(self):  # a new buffer, or a pool's buffer taken again
+        flat = allocate(self)
+        made.append(flat.untyped_storage().data_ptr())
+        return flat
+
+    torch_ops.TorchBuffer._allocate = counting
+    try:
+        for step in range(2):
+            x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank))
+            with gm:
+                gm.backward(ours(x).square().mean())
+            ddp(x).square().mean().backward()
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+    finally:
+        torch_ops.TorchBuffer._allocate = allocate
+    out["one_buffer"] = {"ours": params_of(ours), "ddp": params_of(theirs),
+                         "buckets": len(opt._plan.buckets), "buffers": len(set(made[:4])),
+                         "allocated": len(made)}
+
+
 def failing_rank(out: dict, rank: int) -> None:
     """Rank 1's backward raises in step 1: rank 0 raises RankFailedError; both skip that step
     (no shard kept), as DDP ranks that both skip it; the next steps match DDP's."""
@@ -240,6 +279,7 @@ def main(rank: int, world: int, outdir: str) -> None:
         failing_rank(out, rank)
         wide_layers(out, rank, torch.float32)
         wide_layers(out, rank, torch.bfloat16)
+        one_bucket_buffer(out, rank)
     else:
         reload(out, rank, world, outdir)
     dist.barrier()
