@@ -14,13 +14,16 @@ Importing it imports no framework: each model's backend supplies its adapter
 (:mod:`gradmgr.parity.contract`).
 """
 
+from .drift import DriftReport, train_drift
 from .errors import MappingError, ModelTypeError, ParityError
 from .mapping import ConfigFinding, MappingReport, Pair, Unmapped, transfer_weights
 from .report import Entry, Flip, StepReport
 from .step import compare_step
+from .testing import assert_parity
 
 __all__ = [
     "ConfigFinding",
+    "DriftReport",
     "Entry",
     "Flip",
     "MappingError",
@@ -30,6 +33,8 @@ __all__ = [
     "ParityError",
     "StepReport",
     "Unmapped",
+    "assert_parity",
     "compare_step",
+    "train_drift",
     "transfer_weights",
 ]

@@ -11,7 +11,7 @@ from .contract import ModelAdapter, adapter_for, squeezed
 from .kinks import Kink, find_kink
 from .mapping import MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
-from .tolerance import grad_reduction, layer_reduction, tolerance
+from .tolerance import C_GRAD, C, grad_reduction, layer_reduction, tolerance
 from .trace import Call, Loss, Trace, as_batch, restore, run_step, snapshot
 
 
@@ -45,15 +45,15 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
 
     Example:
         >>> import numpy as np, torch
-        >>> from gradmgr.parity import compare_step
-        >>> a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
-        >>> b.load_state_dict(a.state_dict())
-        <All keys matched successfully>
+        >>> from gradmgr.parity import compare_step, transfer_weights
+        >>> a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        >>> b = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        >>> _ = transfer_weights(a, b)
         >>> with torch.no_grad():
-        ...     _ = b.bias.add_(0.1)         # a porting bug
+        ...     _ = b[2].bias.add_(0.1)         # a porting bug in the last layer
         >>> report = compare_step(a, b, np.ones((3, 4), np.float32))
         >>> report.ok, report.first_forward.layer
-        (False, '')
+        (False, '2')
     """
     ad_a, ad_b = adapter_for(a), adapter_for(b)
     arrays = as_batch(batch)
@@ -102,13 +102,13 @@ def _depths(calls: List[Call]) -> List[float]:
 
 
 def _compare(x: np.ndarray, y: np.ndarray, dtype: Any, reduction: float,
-             factor: float) -> Tuple[float, float, float, str]:
+             factor: float, floor: float = 0.0, c: float = C) -> Tuple[float, float, float, str]:
     if squeezed(x.shape) != squeezed(y.shape):
         return float("inf"), float("inf"), 0.0, f"shapes {x.shape} and {y.shape}"
     x64, y64 = x.astype(np.float64), y.reshape(x.shape).astype(np.float64)
-    scale = float(max(np.abs(x64).max(initial=0.0), np.abs(y64).max(initial=0.0)))
+    scale = float(max(np.abs(x64).max(initial=0.0), np.abs(y64).max(initial=0.0), floor))
     diff = float(np.abs(x64 - y64).max(initial=0.0))
-    tol = tolerance(dtype, reduction, scale, factor)
+    tol = tolerance(dtype, reduction, scale, factor, c)
     return diff, diff / scale if scale else 0.0, tol, ""
 
 
@@ -125,6 +125,7 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
         diff, rel, tol, note = _compare(ca.output, cb.output, ta.dtype, depth[i], factor)
         kink = find_kink(ca, cb, tol)
         if kink is not None:
+            kink.tol = tol
             kinks[(i, j)] = kink
             if kink.beyond:
                 note = f"{kink.beyond} element(s) on different sides of the kink"
@@ -143,16 +144,16 @@ def _as_layer(call: Call) -> Any:
 
 
 def _loss_entry(ta: Trace, tb: Trace, depth: List[float], factor: float) -> Entry:
-    total = (depth[-1] if depth else 0.0) + (ta.calls[-1].output.size
-                                             if ta.calls and ta.calls[-1].output is not None
-                                             else 1)
+    last = ta.calls[-1].output if ta.calls else None
+    total = (depth[-1] if depth else 0.0) + (last.size if last is not None else 1)
+    floor = float(np.abs(last).mean()) if last is not None and last.size else 0.0
     diff, rel, tol, _ = _compare(np.array([ta.loss]), np.array([tb.loss]), ta.dtype, total,
-                                 factor)
+                                 factor, floor, C_GRAD)
     return Entry("loss", "loss", "", "", diff, rel, tol, "ok" if diff <= tol else "DIFFERS")
 
 
 def _flip(ca: Call, cb: Call, kink: Kink, pin: bool) -> Flip:
-    return Flip(ca.layer, cb.layer, ca.kind, kink.flipped, kink.max_input, 0.0,
+    return Flip(ca.layer, cb.layer, ca.kind, kink.flipped, kink.max_input, kink.tol,
                 pin and kink.pinnable)
 
 
@@ -163,6 +164,12 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
         first_call.setdefault(call.layer, index)
     layers = {slot.name: slot.layer for slot in ad_a.slots()}
     kinds = {layer.name: layer.kind for layer in ad_a.layers()}
+    # A gradient that cancels to nearly nothing (a bias before a training-mode BatchNorm)
+    # sums terms as large as its layer's other gradients: compare it at the layer's scale.
+    floors: Dict[str, float] = {}
+    for name, g in ta.grads.items():
+        if g is not None and name in layers:
+            floors[layers[name]] = max(floors.get(layers[name], 0.0), float(np.abs(g).max()))
     total = depth[-1] if depth else 0.0
     worst: Optional[Tuple[int, Entry]] = None
     for pair in mapping.pairs:
@@ -170,7 +177,8 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
             continue  # a buffer
         layer = layers[pair.src]
         index = first_call.get(layer, -1)
-        entry = _grad_entry(pair, ta, tb, layer, kinds.get(layer, ""), index, total, factor)
+        entry = _grad_entry(pair, ta, tb, layer, kinds.get(layer, ""), index, total, factor,
+                            floors.get(layer, 0.0))
         if entry.verdict == "DIFFERS" and 0 <= index <= unpinned:
             entry.verdict, entry.note = "unverified", "behind a kink flip that cannot be pinned"
         report.entries.append(entry)
@@ -180,7 +188,7 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
 
 
 def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: int,
-                total: float, factor: float) -> Entry:
+                total: float, factor: float, floor: float) -> Entry:
     ga, gb = ta.grads.get(pair.src), tb.grads.get(pair.dst)
     name = f"{pair.src} / {pair.dst}"
     if ga is None or gb is None:
@@ -190,6 +198,7 @@ def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: i
         return Entry("grad", name, layer, kind, 0.0, 0.0, 0.0, verdict, note)
     out = ta.calls[index].output if index >= 0 else None
     reduction = total + grad_reduction(pair.src_shape, out.shape if out is not None else ())
-    diff, rel, tol, note = _compare(convert(pair, ga), gb, ta.dtype, reduction, factor)
+    diff, rel, tol, note = _compare(convert(pair, ga), gb, ta.dtype, reduction, factor, floor,
+                                    C_GRAD)
     return Entry("grad", name, layer, kind, diff, rel, tol,
                  "ok" if diff <= tol and not note else "DIFFERS", note)
