@@ -75,14 +75,16 @@ def test_the_tools_gradients_are_plain_backwards_gradients():
 
 
 def test_a_flip_at_an_inplace_relu_is_pinned_without_the_inplace_op_spoiling_the_input():
+    """b's ReLU blocks an element a's passes: the pin must multiply b's ReLU INPUT by a's mask,
+    which an in-place ReLU would have overwritten with 0 (and a gradient of 0) by then."""
     torch.manual_seed(0)
-    a = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
-    with torch.no_grad():  # unit 0 of sample 0 exactly at the kink: 4 * 0.25 - 1 == 0
-        a[0].weight[0] = 0.25
-        a[0].bias[0] = -1.0
-    b = copy.deepcopy(a)
-    with torch.no_grad():  # one ulp above it on b
-        b[0].bias[0] = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
+    b = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    with torch.no_grad():  # unit 0 of sample 0 exactly at the kink on b: 4 * 0.25 - 1 == 0
+        b[0].weight[0] = 0.25
+        b[0].bias[0] = -1.0
+    a = copy.deepcopy(b)
+    with torch.no_grad():  # one ulp above it on a
+        a[0].bias[0] = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
     x = X.copy()
     x[0] = 1.0
     unpinned = compare_step(a, b, x, pin=False)
