@@ -50,6 +50,17 @@ def test_a_transposed_layout_is_refused_until_declared_then_compared_through_it(
     np.testing.assert_allclose(b.weight.grad.numpy(), a.weight.grad.numpy().T, rtol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_a_cuda_model_against_its_cpu_copy():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True),
+                      nn.Linear(16, 2))
+    b = copy.deepcopy(a).cuda()
+    report = assert_parity(a, b, X)
+    assert report.entries and all(e.ok for e in report.entries)
+    assert b[0].weight.grad.is_cuda
+
+
 def test_a_name_map_names_what_it_misses():
     a, b = nn.Linear(4, 3), nn.Linear(4, 3)
     with pytest.raises(MappingError) as info:
@@ -95,6 +106,51 @@ def test_a_flip_at_an_inplace_relu_is_pinned_without_the_inplace_op_spoiling_the
     # the pinned b took a's branch: its gradients are a's, to rounding
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
+
+
+class FunctionalRelu(nn.Module):
+    """The port writes its ReLU as a function: the tool sees one side's ReLU only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class ModuleRelu(FunctionalRelu):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_a_flip_at_a_relu_seen_on_one_side_only_leaves_gradients_unverified_never_wrong():
+    torch.manual_seed(0)
+    a = ModuleRelu()
+    with torch.no_grad():  # unit 0 of sample 0 exactly at the kink on a
+        a.fc1.weight[0] = 0.25
+        a.fc1.bias[0] = -1.0
+    b = FunctionalRelu()
+    transfer_weights(a, b, probe=X)
+    with torch.no_grad():  # one ulp above it on b
+        b.fc1.bias[0] = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
+    x = X.copy()
+    x[0] = 1.0
+    report = compare_step(a, b, x)
+    assert report.failures() == [] and not report.ok
+    assert {e.name for e in report.unverified} == {"fc1.weight / fc1.weight",
+                                                   "fc1.bias / fc1.bias"}
+    assert [(f.layer_a, f.layer_b, f.seen) for f in report.flips] == [("act", "?", False)]
+    assert "possible kink flips: 1 input(s) of relu act (side a only" in report.text()
+    clean = x.copy()
+    clean[0] = 2.0  # pre-activation 1.0: far from the kink, every gradient verified
+    assert assert_parity(a, b, [x, clean]).ok
+    with pytest.raises(AssertionError, match="unverified by kink flips"):
+        assert_parity(a, b, [x, x])
 
 
 def test_bad_inputs_are_clear_errors():

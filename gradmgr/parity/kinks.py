@@ -10,14 +10,16 @@ runs again with side b's ReLU output replaced by ``x * keep_a`` (side a's branch
 gradient is compared with the normal tolerance, so a flip can neither fail the check nor hide
 a bug behind it. A max-pool picks the largest element of each window: where two candidates lie
 within tolerance of each other on both sides and the sides pick different ones, the window
-flipped; such a flip is not pinned, and leaves the gradients of its layer and every earlier
-one unverified on that batch (as every flip that cannot be pinned does).
+flipped; such a flip is not pinned, nor is one at a ReLU whose counterpart on the other side
+is no module (a functional ``F.relu``: only one side's input is seen, and every element within
+tolerance of the kink may have flipped). A flip that is not pinned leaves the gradients of its
+layer and every earlier one unverified on that batch where they differ.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -60,6 +62,16 @@ def find_kink(call_a: Call, call_b: Call, tol: float) -> Optional[Kink]:
     largest = float(np.maximum(np.abs(xa), np.abs(xb))[flipped].max()) if flipped.any() else 0.0
     return Kink(int(flipped.sum()), int((differ & ~near).sum()), largest,
                 (xa > 0).astype(xa.dtype), pinnable)
+
+
+def near_kink(call: Call, tol: float) -> Tuple[int, float]:
+    """How many inputs of a piecewise call WITHOUT a counterpart on the other side (a
+    functional ``F.relu`` there) lie within ``tol`` of the kink, and the largest of them: each
+    may have flipped unseen."""
+    if KINKED_AT_ZERO.get(call.kind) is None or call.input is None:
+        return 0, 0.0
+    near = np.abs(call.input) <= tol
+    return int(near.sum()), float(np.abs(call.input[near]).max()) if near.any() else 0.0
 
 
 def _windows(call: Call) -> Optional[np.ndarray]:

@@ -46,6 +46,7 @@ class Flip:
     max_input: float
     tol: float
     pinned: bool
+    seen: bool = True  # False: one side's layer has no counterpart the tool can watch
 
 
 @dataclass
@@ -105,6 +106,13 @@ def _row(e: Entry) -> str:
 
 
 def _flip_line(f: Flip) -> str:
+    if not f.seen:
+        layer = f.layer_a if f.layer_a != "?" else f.layer_b
+        side = "a" if f.layer_a != "?" else "b"
+        return (f"possible kink flips: {f.count} input(s) of {f.kind} {layer} (side {side} "
+                f"only: its counterpart is no module, e.g. a functional relu) lie within "
+                f"{f.tol:.3g} of the kink; they cannot be compared or pinned: gradients of "
+                f"this layer and earlier that differ are unverified on this batch")
     if f.kind.startswith("maxpool"):
         what = (f"{f.count} window(s) of {f.kind} {f.layer_a} / {f.layer_b} picked different "
                 f"elements of a near tie (gaps within {f.tol:.3g}, largest {f.max_input:.3g})")
@@ -136,6 +144,11 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
     lines += [f"unmapped ({u.side}) {u.name}: {u.reason}" for u in report.unmapped]
     lines += [_flip_line(f) for f in report.flips]
     lines += [f"no counterpart: {u}" for u in report.unmatched]
+    if (report.first_grad is not None and report.first_forward is None
+            and not report.flips):
+        lines.append("every forward agrees but a gradient differs: a backward-only difference "
+                     "(a custom backward, a detach), or a kink flip in an operation the tool "
+                     "cannot watch (a functional relu or max: write it as a module)")
     rows = [e for e in report.entries if all_rows or not e.ok]
     if rows:
         lines.append(f"{'tensor':<8} {'layer / name':<40} {'kind':<12} {'max abs':>10} "

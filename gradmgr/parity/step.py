@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .contract import ModelAdapter, adapter_for, squeezed
-from .kinks import Kink, find_kink
+from .kinks import Kink, find_kink, near_kink
 from .mapping import MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
 from .tolerance import C_GRAD, C, grad_reduction, layer_reduction, tolerance
@@ -73,7 +73,10 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         tb = run_step(ad_b, arrays, inputs, loss_b, pins)
     report.flips = [_flip(ta.calls[i], tb.calls[j], k, pin) for (i, j), k in kinks.items()
                     if k.flipped]
+    unseen = _unseen(ta, tb, aligned, depth, tol_factor)
+    report.flips += [flip for _, flip in unseen]
     unpinned = [i for (i, j), k in kinks.items() if k.flipped and not (pin and k.pinnable)]
+    unpinned += [i for i, _ in unseen]
     _grads(ad_a, ta, tb, mapping, depth, tol_factor, max(unpinned, default=-1), report)
     return report
 
@@ -135,6 +138,28 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
         if not entry.ok and report.first_forward is None:
             report.first_forward = entry
     return kinks
+
+
+def _unseen(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
+            factor: float) -> List[Tuple[int, Flip]]:
+    """Piecewise calls on one side only (the other side's is a function): the elements near
+    their kink, placed at the index of side a's nearest call before them."""
+    found = []
+    for side, calls, matched in (("a", ta.calls, {i for i, _ in aligned}),
+                                 ("b", tb.calls, {j for _, j in aligned})):
+        for index, call in enumerate(calls):
+            if index in matched or call.input is None:
+                continue
+            at = index if side == "a" else max((i for i, j in aligned if j <= index),
+                                               default=-1)
+            scale = float(np.abs(call.input).max(initial=0.0))
+            tol = tolerance(ta.dtype, depth[at] if at >= 0 else 1.0, scale, factor, C)
+            count, largest = near_kink(call, tol)
+            if count:
+                names = (call.layer, "?") if side == "a" else ("?", call.layer)
+                found.append((max(at, 0), Flip(*names, call.kind, count, largest, tol, False,
+                                               seen=False)))
+    return found
 
 
 def _as_layer(call: Call) -> Any:
