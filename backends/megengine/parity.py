@@ -16,6 +16,15 @@ def _tuple(value: Any, n: int) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
 
 
+def _kind(module: Any) -> str:
+    """The lower-cased name of the nearest megengine.module class: a port's subclass of a
+    Linear with its own forward is still a ``linear``."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("megengine.module.") and cls.__name__ != "Module":
+            return cls.__name__.lower()
+    return type(module).__name__.lower()
+
+
 def _config(m: M.Module) -> Dict[str, Any]:
     """The configuration the parity check compares, in PyTorch's terms where they differ."""
     if isinstance(m, M.Conv2d):
@@ -60,7 +69,7 @@ class MegEngineParity:
         self._device = next(iter(self._params.values())).device
 
     def layers(self) -> List[Layer]:
-        return [Layer(name, type(m).__name__.lower(), _config(m))
+        return [Layer(name, _kind(m), _config(m))
                 for name, m in self._leaves.items()]
 
     def slots(self) -> List[Slot]:

@@ -14,6 +14,15 @@ def _tuple(value: Any, n: int) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
 
 
+def _kind(module: Any) -> str:
+    """The lower-cased name of the nearest torch.nn class: a port's subclass of a Linear with
+    its own forward is still a ``linear``."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("torch.nn.") and cls.__name__ != "Module":
+            return cls.__name__.lower()
+    return type(module).__name__.lower()
+
+
 def _config(module: torch.nn.Module) -> Dict[str, Any]:
     """The configuration the parity check compares, in framework-neutral terms."""
     m = module
@@ -61,7 +70,7 @@ class TorchParity:
         self._device = next(iter(self._params.values())).device
 
     def layers(self) -> List[Layer]:
-        return [Layer(name, type(m).__name__.lower(), _config(m))
+        return [Layer(name, _kind(m), _config(m))
                 for name, m in self._leaves.items()]
 
     def slots(self) -> List[Slot]:

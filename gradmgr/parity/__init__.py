@@ -10,26 +10,28 @@ Example:
     >>> parity.compare_step(a, b, np.ones((3, 4), np.float32)).ok
     True
 
-Importing it imports no framework: each model's backend supplies its adapter
-(:mod:`gradmgr.parity.contract`).
+The rows of the reports (``Pair``, ``Unmapped``, ``ConfigFinding`` in
+:mod:`gradmgr.parity.mapping`; ``Entry``, ``Flip`` in :mod:`gradmgr.parity.report`) are
+dataclasses read through the reports' attributes. Importing it imports no framework: each
+model's backend supplies its adapter (:mod:`gradmgr.parity.contract`).
 """
 
+from .drift import DriftReport, train_drift
 from .errors import MappingError, ModelTypeError, ParityError
-from .mapping import ConfigFinding, MappingReport, Pair, Unmapped, transfer_weights
-from .report import Entry, Flip, StepReport
+from .mapping import MappingReport, transfer_weights
+from .report import StepReport
 from .step import compare_step
+from .testing import assert_parity
 
 __all__ = [
-    "ConfigFinding",
-    "Entry",
-    "Flip",
+    "DriftReport",
     "MappingError",
     "MappingReport",
     "ModelTypeError",
-    "Pair",
     "ParityError",
     "StepReport",
-    "Unmapped",
+    "assert_parity",
     "compare_step",
+    "train_drift",
     "transfer_weights",
 ]

@@ -61,8 +61,11 @@ class ConfigFinding:
     dst: Any
 
     def __str__(self) -> str:
-        return (f"{self.layer_src} / {self.layer_dst}: {self.key} is {self.src!r} on one "
+        text = (f"{self.layer_src} / {self.layer_dst}: {self.key} is {self.src!r} on one "
                 f"side, {self.dst!r} on the other")
+        if self.key == "momentum":  # MegEngine's m arrives as 1 - m
+            text += " (in PyTorch's convention, the new batch's weight: MegEngine's is 1 - it)"
+        return text
 
 
 @dataclass

@@ -46,6 +46,7 @@ class Flip:
     max_input: float
     tol: float
     pinned: bool
+    seen: bool = True  # False: one side's layer has no counterpart the tool can watch
 
 
 @dataclass
@@ -104,6 +105,26 @@ def _row(e: Entry) -> str:
             f"{e.max_rel:>10.3g} {e.tol:>10.3g}  {e.verdict}{'  ' + e.note if e.note else ''}")
 
 
+def _flip_line(f: Flip) -> str:
+    if not f.seen:
+        layer = f.layer_a if f.layer_a != "?" else f.layer_b
+        side = "a" if f.layer_a != "?" else "b"
+        return (f"possible kink flips: {f.count} input(s) of {f.kind} {layer} (side {side} "
+                f"only: its counterpart is no module, e.g. a functional relu) lie within "
+                f"{f.tol:.3g} of the kink; they cannot be compared or pinned: gradients of "
+                f"this layer and earlier that differ are unverified on this batch")
+    if f.kind.startswith("maxpool"):
+        what = (f"{f.count} window(s) of {f.kind} {f.layer_a} / {f.layer_b} picked different "
+                f"elements of a near tie (gaps within {f.tol:.3g}, largest {f.max_input:.3g})")
+    else:
+        what = (f"{f.count} element(s) of {f.kind} {f.layer_a} / {f.layer_b} took different "
+                f"branches with inputs within {f.tol:.3g} of the kink (largest "
+                f"{f.max_input:.3g})")
+    verdict = ("gradients checked again with the branch pinned" if f.pinned else
+               "cannot be pinned: gradients of this layer and earlier unverified on this batch")
+    return f"kink flip (rounding, not a bug): {what}; {verdict}"
+
+
 def step_text(report: StepReport, all_rows: bool = True) -> str:
     """The text of a :class:`StepReport`."""
     verdict = "PARITY OK" if report.ok else ("NOT VERIFIED" if not report.failures()
@@ -112,21 +133,22 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
     lines = [f"{verdict}: {report.a} (a) against {report.b} (b), one step"]
     if report.first_forward is not None:
         e = report.first_forward
-        lines.append(f"first forward divergence: layer {e.layer} ({e.kind}): max abs "
-                     f"{e.max_abs:.3g} > tol {e.tol:.3g}")
+        lines.append(f"first forward divergence: layer {e.layer} ({e.kind}): "
+                     + (e.note or f"max abs {e.max_abs:.3g} > tol {e.tol:.3g}"))
     if report.first_grad is not None:
         e = report.first_grad
         lines.append(f"first gradient divergence (backward order): {e.name} of layer "
-                     f"{e.layer} ({e.kind}): max abs {e.max_abs:.3g} > tol {e.tol:.3g}")
+                     f"{e.layer} ({e.kind}): "
+                     + (e.note or f"max abs {e.max_abs:.3g} > tol {e.tol:.3g}"))
     lines += [f"config: {finding}" for finding in report.findings]
     lines += [f"unmapped ({u.side}) {u.name}: {u.reason}" for u in report.unmapped]
-    for f in report.flips:
-        lines.append(f"kink flip (rounding, not a bug): {f.count} element(s) of {f.kind} "
-                     f"{f.layer_a} / {f.layer_b} took different branches with inputs within "
-                     f"{f.tol:.3g} of the kink (largest {f.max_input:.3g}); "
-                     + ("gradients checked again with the branch pinned" if f.pinned
-                        else "cannot be pinned: gradients of this layer and earlier unverified"))
+    lines += [_flip_line(f) for f in report.flips]
     lines += [f"no counterpart: {u}" for u in report.unmatched]
+    if (report.first_grad is not None and report.first_forward is None
+            and not report.flips):
+        lines.append("every forward agrees but a gradient differs: a backward-only difference "
+                     "(a custom backward, a detach), or a kink flip in an operation the tool "
+                     "cannot watch (a functional relu or max: write it as a module)")
     rows = [e for e in report.entries if all_rows or not e.ok]
     if rows:
         lines.append(f"{'tensor':<8} {'layer / name':<40} {'kind':<12} {'max abs':>10} "

@@ -8,10 +8,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .contract import ModelAdapter, adapter_for, squeezed
-from .kinks import Kink, find_kink
+from .kinks import Kink, find_kink, near_kink
 from .mapping import MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
-from .tolerance import grad_reduction, layer_reduction, tolerance
+from .tolerance import C_GRAD, C, grad_reduction, layer_reduction, tolerance
 from .trace import Call, Loss, Trace, as_batch, restore, run_step, snapshot
 
 
@@ -45,15 +45,15 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
 
     Example:
         >>> import numpy as np, torch
-        >>> from gradmgr.parity import compare_step
-        >>> a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
-        >>> b.load_state_dict(a.state_dict())
-        <All keys matched successfully>
+        >>> from gradmgr.parity import compare_step, transfer_weights
+        >>> a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        >>> b = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        >>> _ = transfer_weights(a, b)
         >>> with torch.no_grad():
-        ...     _ = b.bias.add_(0.1)         # a porting bug
+        ...     _ = b[2].bias.add_(0.1)         # a porting bug in the last layer
         >>> report = compare_step(a, b, np.ones((3, 4), np.float32))
         >>> report.ok, report.first_forward.layer
-        (False, '')
+        (False, '2')
     """
     ad_a, ad_b = adapter_for(a), adapter_for(b)
     arrays = as_batch(batch)
@@ -73,7 +73,10 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         tb = run_step(ad_b, arrays, inputs, loss_b, pins)
     report.flips = [_flip(ta.calls[i], tb.calls[j], k, pin) for (i, j), k in kinks.items()
                     if k.flipped]
+    unseen = _unseen(ta, tb, aligned, depth, tol_factor)
+    report.flips += [flip for _, flip in unseen]
     unpinned = [i for (i, j), k in kinks.items() if k.flipped and not (pin and k.pinnable)]
+    unpinned += [i for i, _ in unseen]
     _grads(ad_a, ta, tb, mapping, depth, tol_factor, max(unpinned, default=-1), report)
     return report
 
@@ -102,13 +105,13 @@ def _depths(calls: List[Call]) -> List[float]:
 
 
 def _compare(x: np.ndarray, y: np.ndarray, dtype: Any, reduction: float,
-             factor: float) -> Tuple[float, float, float, str]:
+             factor: float, floor: float = 0.0, c: float = C) -> Tuple[float, float, float, str]:
     if squeezed(x.shape) != squeezed(y.shape):
         return float("inf"), float("inf"), 0.0, f"shapes {x.shape} and {y.shape}"
     x64, y64 = x.astype(np.float64), y.reshape(x.shape).astype(np.float64)
-    scale = float(max(np.abs(x64).max(initial=0.0), np.abs(y64).max(initial=0.0)))
+    scale = float(max(np.abs(x64).max(initial=0.0), np.abs(y64).max(initial=0.0), floor))
     diff = float(np.abs(x64 - y64).max(initial=0.0))
-    tol = tolerance(dtype, reduction, scale, factor)
+    tol = tolerance(dtype, reduction, scale, factor, c)
     return diff, diff / scale if scale else 0.0, tol, ""
 
 
@@ -125,6 +128,7 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
         diff, rel, tol, note = _compare(ca.output, cb.output, ta.dtype, depth[i], factor)
         kink = find_kink(ca, cb, tol)
         if kink is not None:
+            kink.tol = tol
             kinks[(i, j)] = kink
             if kink.beyond:
                 note = f"{kink.beyond} element(s) on different sides of the kink"
@@ -136,6 +140,28 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
     return kinks
 
 
+def _unseen(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
+            factor: float) -> List[Tuple[int, Flip]]:
+    """Piecewise calls on one side only (the other side's is a function): the elements near
+    their kink, placed at the index of side a's nearest call before them."""
+    found = []
+    for side, calls, matched in (("a", ta.calls, {i for i, _ in aligned}),
+                                 ("b", tb.calls, {j for _, j in aligned})):
+        for index, call in enumerate(calls):
+            if index in matched or call.input is None:
+                continue
+            at = index if side == "a" else max((i for i, j in aligned if j <= index),
+                                               default=-1)
+            scale = float(np.abs(call.input).max(initial=0.0))
+            tol = tolerance(ta.dtype, depth[at] if at >= 0 else 1.0, scale, factor, C)
+            count, largest = near_kink(call, tol)
+            if count:
+                names = (call.layer, "?") if side == "a" else ("?", call.layer)
+                found.append((max(at, 0), Flip(*names, call.kind, count, largest, tol, False,
+                                               seen=False)))
+    return found
+
+
 def _as_layer(call: Call) -> Any:
     from .contract import Layer
 
@@ -143,16 +169,16 @@ def _as_layer(call: Call) -> Any:
 
 
 def _loss_entry(ta: Trace, tb: Trace, depth: List[float], factor: float) -> Entry:
-    total = (depth[-1] if depth else 0.0) + (ta.calls[-1].output.size
-                                             if ta.calls and ta.calls[-1].output is not None
-                                             else 1)
+    last = ta.calls[-1].output if ta.calls else None
+    total = (depth[-1] if depth else 0.0) + (last.size if last is not None else 1)
+    floor = float(np.abs(last).mean()) if last is not None and last.size else 0.0
     diff, rel, tol, _ = _compare(np.array([ta.loss]), np.array([tb.loss]), ta.dtype, total,
-                                 factor)
+                                 factor, floor, C_GRAD)
     return Entry("loss", "loss", "", "", diff, rel, tol, "ok" if diff <= tol else "DIFFERS")
 
 
 def _flip(ca: Call, cb: Call, kink: Kink, pin: bool) -> Flip:
-    return Flip(ca.layer, cb.layer, ca.kind, kink.flipped, kink.max_input, 0.0,
+    return Flip(ca.layer, cb.layer, ca.kind, kink.flipped, kink.max_input, kink.tol,
                 pin and kink.pinnable)
 
 
@@ -163,6 +189,12 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
         first_call.setdefault(call.layer, index)
     layers = {slot.name: slot.layer for slot in ad_a.slots()}
     kinds = {layer.name: layer.kind for layer in ad_a.layers()}
+    # A gradient that cancels to nearly nothing (a bias before a training-mode BatchNorm)
+    # sums terms as large as its layer's other gradients: compare it at the layer's scale.
+    floors: Dict[str, float] = {}
+    for name, g in ta.grads.items():
+        if g is not None and name in layers:
+            floors[layers[name]] = max(floors.get(layers[name], 0.0), float(np.abs(g).max()))
     total = depth[-1] if depth else 0.0
     worst: Optional[Tuple[int, Entry]] = None
     for pair in mapping.pairs:
@@ -170,7 +202,8 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
             continue  # a buffer
         layer = layers[pair.src]
         index = first_call.get(layer, -1)
-        entry = _grad_entry(pair, ta, tb, layer, kinds.get(layer, ""), index, total, factor)
+        entry = _grad_entry(pair, ta, tb, layer, kinds.get(layer, ""), index, total, factor,
+                            floors.get(layer, 0.0))
         if entry.verdict == "DIFFERS" and 0 <= index <= unpinned:
             entry.verdict, entry.note = "unverified", "behind a kink flip that cannot be pinned"
         report.entries.append(entry)
@@ -180,7 +213,7 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
 
 
 def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: int,
-                total: float, factor: float) -> Entry:
+                total: float, factor: float, floor: float) -> Entry:
     ga, gb = ta.grads.get(pair.src), tb.grads.get(pair.dst)
     name = f"{pair.src} / {pair.dst}"
     if ga is None or gb is None:
@@ -190,6 +223,7 @@ def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: i
         return Entry("grad", name, layer, kind, 0.0, 0.0, 0.0, verdict, note)
     out = ta.calls[index].output if index >= 0 else None
     reduction = total + grad_reduction(pair.src_shape, out.shape if out is not None else ())
-    diff, rel, tol, note = _compare(convert(pair, ga), gb, ta.dtype, reduction, factor)
+    diff, rel, tol, note = _compare(convert(pair, ga), gb, ta.dtype, reduction, factor, floor,
+                                    C_GRAD)
     return Entry("grad", name, layer, kind, diff, rel, tol,
                  "ok" if diff <= tol and not note else "DIFFERS", note)

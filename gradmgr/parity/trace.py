@@ -72,6 +72,13 @@ def run_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
     return Trace(calls, value, grads, dtype, _first_calls(calls))
 
 
+def train_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
+               loss: Optional[Loss]) -> float:
+    """One forward and backward, nothing watched (a training step of :mod:`.drift`);
+    returns the loss."""
+    return _forward_backward(adapter, batch, inputs, loss, backward=True)[0]
+
+
 def _first_calls(calls: List[Call]) -> List[str]:
     return list(dict.fromkeys(c.layer for c in calls))
 
