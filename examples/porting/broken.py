@@ -25,10 +25,10 @@ class BrokenPort:
     model: str  # "resnet18" or "encoder": the correct model of the other framework to compare
     layer: str  # the module a parity check must blame
     what: str  # the bug, in words
-    build: Callable[[], Any]
+    build: Callable[..., Any]  # keyword options go to the model's constructor
 
 
-def torch_encoder_transposed() -> Any:
+def torch_encoder_transposed(**config: Any) -> Any:
     """The attention output projection of the first layer computes ``x @ W + b``: written as
     if the weight were stored (in, out) as in a TF checkpoint, so with the (out, in) weight a
     transfer copies it uses ``W.T``. Square (64 x 64), so every shape fits."""
@@ -41,13 +41,13 @@ def torch_encoder_transposed() -> Any:
         def forward(self, x):
             return F.linear(x, self.weight.t(), self.bias)
 
-    model = torch_encoder.EncoderClassifier()
-    cfg = torch_encoder.EncoderConfig()
+    cfg = torch_encoder.EncoderConfig(**config)
+    model = torch_encoder.EncoderClassifier(cfg)
     model.layers[0].attention.out = InOutLinear(cfg.hidden, cfg.hidden)
     return model
 
 
-def torch_encoder_missing_eps() -> Any:
+def torch_encoder_missing_eps(**config: Any) -> Any:
     """The embeddings' LayerNorm without BERT's ``eps=1e-12``: torch's default 1e-5. The
     embeddings start with std 0.02, so their sum has a variance near 8e-4 and 1e-5 of it shows
     (about 0.6 % of the normalised output); deeper LayerNorms see a variance near 1 and would hide
@@ -56,12 +56,13 @@ def torch_encoder_missing_eps() -> Any:
 
     from . import torch_encoder
 
-    model = torch_encoder.EncoderClassifier()
-    model.embeddings.norm = nn.LayerNorm(torch_encoder.EncoderConfig().hidden)
+    cfg = torch_encoder.EncoderConfig(**config)
+    model = torch_encoder.EncoderClassifier(cfg)
+    model.embeddings.norm = nn.LayerNorm(cfg.hidden)
     return model
 
 
-def torch_resnet_reflect_padding() -> Any:
+def torch_resnet_reflect_padding(**options: Any) -> Any:
     """The second conv of ``layer1.1`` pads by reflection instead of with zeros (written
     ``padding_mode="reflect"``, as the conv it was copied from): same shapes, the 28 border
     pixels of each 8 x 8 map differ."""
@@ -69,12 +70,12 @@ def torch_resnet_reflect_padding() -> Any:
 
     from . import torch_resnet
 
-    model = torch_resnet.resnet18()
+    model = torch_resnet.resnet18(**options)
     model.layer1[1].conv2 = nn.Conv2d(64, 64, 3, padding=1, bias=False, padding_mode="reflect")
     return model
 
 
-def mge_resnet_wrong_eps() -> Any:
+def mge_resnet_wrong_eps(**options: Any) -> Any:
     """The first BatchNorm of ``layer2.0`` with ``eps=1e-3`` (a Keras default, copied from
     another port) instead of 1e-5: its input's variance is near 1, so the output moves by about
     5e-4 relative, the loss by far less."""
@@ -82,7 +83,7 @@ def mge_resnet_wrong_eps() -> Any:
 
     from . import mge_resnet
 
-    model = mge_resnet.resnet18()
+    model = mge_resnet.resnet18(**options)
     model.layer2[0].bn1 = M.BatchNorm2d(128, eps=1e-3)
     return model
 

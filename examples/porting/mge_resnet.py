@@ -8,6 +8,11 @@ kept that object sees the sum later); BatchNorm keeps ``(1, C, 1, 1)`` parameter
 of 0.9 (torch's 0.1); ``named_parameters()`` lists parameters sorted by name, not in the order the
 forward uses them. The final pool is a global average, so that small (32 x 32) images work
 (MegEngine/Models pools with a fixed 7 x 7 window, made for 224 x 224 images).
+
+``relu_modules=True`` writes each ReLU as an ``M.ReLU()`` module instead (one per block,
+called twice, named ``relu`` as torchvision names its own): ``gradmgr.parity`` watches modules,
+so only then can it compare a ReLU's input on both sides and pin a kink flip there
+(docs/porting.md). Everything else stays as MegEngine/Models writes it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ class BasicBlock(M.Module):
     expansion = 1
 
     def __init__(self, in_channels: int, channels: int, stride: int = 1,
-                 norm: Type[M.Module] = M.BatchNorm2d) -> None:
+                 norm: Type[M.Module] = M.BatchNorm2d, relu_modules: bool = False) -> None:
         super().__init__()
+        self.relu = M.ReLU() if relu_modules else F.relu
         self.conv1 = M.Conv2d(in_channels, channels, 3, stride, padding=1, bias=False)
         self.bn1 = norm(channels)
         self.conv2 = M.Conv2d(channels, channels, 3, 1, padding=1, bias=False)
@@ -38,16 +44,18 @@ class BasicBlock(M.Module):
 
     def forward(self, x):
         identity = x
-        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.relu(self.bn1(self.conv1(x)))
         x = self.bn2(self.conv2(x))
         x += self.downsample(identity)
-        return F.relu(x)
+        return self.relu(x)
 
 
 class ResNet(M.Module):
     def __init__(self, block: Type[BasicBlock], layers: List[int], num_classes: int = 10,
-                 norm: Type[M.Module] = M.BatchNorm2d) -> None:
+                 norm: Type[M.Module] = M.BatchNorm2d, relu_modules: bool = False) -> None:
         super().__init__()
+        self.relu_modules = relu_modules
+        self.relu = M.ReLU() if relu_modules else F.relu
         self.in_channels = 64
         self.conv1 = M.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = norm(64)
@@ -70,13 +78,15 @@ class ResNet(M.Module):
 
     def _make_layer(self, block: Type[BasicBlock], channels: int, blocks: int,
                     stride: int = 1, norm: Type[M.Module] = M.BatchNorm2d) -> M.Sequential:
-        layers = [block(self.in_channels, channels, stride, norm=norm)]
+        relu = self.relu_modules
+        layers = [block(self.in_channels, channels, stride, norm=norm, relu_modules=relu)]
         self.in_channels = channels * block.expansion
-        layers += [block(self.in_channels, channels, norm=norm) for _ in range(1, blocks)]
+        layers += [block(self.in_channels, channels, norm=norm, relu_modules=relu)
+                   for _ in range(1, blocks)]
         return M.Sequential(*layers)
 
     def forward(self, x):
-        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         x = F.flatten(F.adaptive_avg_pool2d(x, (1, 1)), 1)
         return self.fc(x)
