@@ -145,12 +145,49 @@ def test_a_flip_at_a_relu_seen_on_one_side_only_leaves_gradients_unverified_neve
     assert {e.name for e in report.unverified} == {"fc1.weight / fc1.weight",
                                                    "fc1.bias / fc1.bias"}
     assert [(f.layer_a, f.layer_b, f.seen) for f in report.flips] == [("act", "?", False)]
-    assert "possible kink flips: 1 input(s) of relu act (side a only" in report.text()
+    assert "possible kink flips at ReLUs watched on one side only" in report.text()
+    assert "within tolerance of the kink at act (a): 1;" in report.text()
     clean = x.copy()
     clean[0] = 2.0  # pre-activation 1.0: far from the kink, every gradient verified
     assert assert_parity(a, b, [x, clean]).ok
     with pytest.raises(AssertionError, match="unverified by kink flips"):
         assert_parity(a, b, [x, x])
+
+
+class Residual(nn.Module):
+    """A residual block with a 1x1 downsample, called before the block's convolutions
+    (``early``) or after them, as torchvision does; its ReLU a shared module or a function."""
+
+    def __init__(self, early: bool, relu_module: bool) -> None:
+        super().__init__()
+        self.early = early
+        self.conv1 = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 1, stride=2, bias=False), nn.BatchNorm2d(8))
+        self.relu = nn.ReLU(inplace=True) if relu_module else torch.relu
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = self.down(x) if self.early else None
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = identity if self.early else self.down(x)
+        out = self.relu(out + identity)
+        return self.fc(out.mean((2, 3)))
+
+
+def test_layers_called_in_another_order_and_functional_relus_still_map_and_align():
+    torch.manual_seed(0)
+    a, b = Residual(early=False, relu_module=True), Residual(early=True, relu_module=False)
+    x = np.random.RandomState(1).randn(4, 3, 8, 8).astype(np.float32)
+    mapping = transfer_weights(a, b, probe=x)
+    assert ("down.0", "down.0") in mapping.layers and ("conv1", "conv1") in mapping.layers
+    report = assert_parity(a, b, x)
+    forward = {e.layer for e in report.entries if e.what == "forward"}
+    assert forward == {"conv1", "bn1", "conv2", "bn2", "down.0", "down.1", "fc"}
+    assert sorted(u.split(",")[0] for u in report.unmatched) == ["a relu (relu)"] * 2
 
 
 def test_bad_inputs_are_clear_errors():
