@@ -108,6 +108,29 @@ def test_a_flip_at_an_inplace_relu_is_pinned_without_the_inplace_op_spoiling_the
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_a_max_pool_near_tie_is_a_flip_pinned_by_lifting_a_s_pick():
+    """One 2x2 window holds two candidates one ulp apart, in opposite order on a and b: the
+    pool routes the gradient to a different element on each side unless pinned."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Conv2d(2, 1, 1, bias=False), nn.MaxPool2d(2), nn.Flatten(),
+                      nn.Linear(4, 1))
+    b = copy.deepcopy(a)
+    one_up = float(np.nextafter(np.float32(1.0), np.float32(2.0)))
+    with torch.no_grad():
+        a[0].weight.copy_(torch.tensor([1.0, one_up]).view(1, 2, 1, 1))
+        b[0].weight.copy_(torch.tensor([one_up, 1.0]).view(1, 2, 1, 1))
+    x = np.zeros((1, 2, 4, 4), np.float32)
+    x[0, 0, 0, 0] = 1.0  # element p of the first window: channel 0 only
+    x[0, 1, 0, 1] = 1.0  # element q: channel 1 only; a picks q, b picks p
+    x[0, :, 2:, :] = np.random.RandomState(0).rand(2, 2, 4)
+    unpinned = compare_step(a, b, x, pin=False)
+    assert {e.name for e in unpinned.unverified} == {"0.weight / 0.weight"}
+    report = compare_step(a, b, x)
+    assert [(f.layer_a, f.kind, f.count, f.pinned) for f in report.flips] == [
+        ("1", "maxpool2d", 1, True)]
+    assert report.ok, report.text()
+
+
 class FunctionalRelu(nn.Module):
     """The port writes its ReLU as a function: the tool sees one side's ReLU only."""
 

@@ -67,7 +67,7 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     depth = _depths(ta.calls)
     kinks = _forward(ta, tb, aligned, depth, tol_factor, report)
     report.entries.append(_loss_entry(ta, tb, depth, tol_factor))
-    pins = {j: k.keep for (i, j), k in kinks.items() if k.flipped and k.pinnable}
+    pins = {j: k.pin for (i, j), k in kinks.items() if k.flipped and k.pin is not None}
     if pin and pins:
         restore(ad_b, before_b)  # the step runs again from the same state
         tb = run_step(ad_b, arrays, inputs, loss_b, pins)
