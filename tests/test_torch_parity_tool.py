@@ -213,6 +213,16 @@ def test_layers_called_in_another_order_and_functional_relus_still_map_and_align
     assert sorted(u.split(",")[0] for u in report.unmatched) == ["a relu (relu)"] * 2
 
 
+def test_a_dropout_in_training_mode_is_named_as_the_cause():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+    b = copy.deepcopy(a)
+    report = compare_step(a, b, X)
+    assert report.first_forward.layer == "1"
+    assert "draws its own dropout mask: use eval() or p=0" in report.first_forward.note
+    assert compare_step(a.eval(), b.eval(), X).ok
+
+
 def test_bad_inputs_are_clear_errors():
     a = nn.Linear(4, 3)
     with pytest.raises(ModelTypeError, match="cannot compare a list"):

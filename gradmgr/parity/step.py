@@ -151,6 +151,8 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
             kinks[(i, j)] = kink
             if kink.beyond:
                 note = f"{kink.beyond} element(s) on different sides of the kink"
+        if ca.kind.startswith("dropout") and diff > tol and not note:
+            note = "each framework draws its own dropout mask: use eval() or p=0 to compare"
         entry = Entry("forward", f"{ca.layer} / {cb.layer}", ca.layer, ca.kind, diff, rel, tol,
                       "ok" if diff <= tol and not note else "DIFFERS", note)
         report.entries.append(entry)

@@ -89,6 +89,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
            backward: bool) -> tuple:
     layers = {layer.name: layer for layer in adapter.layers()}
     calls: List[Call] = []
+    running: Dict[str, List[int]] = {}  # a layer's calls whose forward has not returned
     saved: Dict[int, Any] = {}
     kept = None if backward else _buffers(adapter)
 
@@ -99,6 +100,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         piecewise = layer.kind in PIECEWISE and adapter.is_tensor(x)
         calls.append(Call(name, layer.kind, layer.config, shape, None,
                           adapter.numpy(x) if piecewise else None))
+        running.setdefault(name, []).append(index)
         if index in pins and pins[index][0] == "offset":
             return (adapter.offset(x, pins[index][1]),) + tuple(args[1:])
         if index in pins:  # an in-place ReLU must not overwrite the input the pin needs
@@ -107,7 +109,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         return None
 
     def post(name: str, out: Any) -> Any:
-        index = max(i for i, c in enumerate(calls) if c.layer == name and c.output is None)
+        index = running[name].pop()
         if index in saved:
             out = adapter.mask(saved.pop(index), pins[index][1])
         if adapter.is_tensor(out):
