@@ -108,6 +108,29 @@ def test_a_flip_at_an_inplace_relu_is_pinned_without_the_inplace_op_spoiling_the
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_a_max_pool_near_tie_is_a_flip_pinned_by_lifting_a_s_pick():
+    """One 2x2 window holds two candidates one ulp apart, in opposite order on a and b: the
+    pool routes the gradient to a different element on each side unless pinned."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Conv2d(2, 1, 1, bias=False), nn.MaxPool2d(2), nn.Flatten(),
+                      nn.Linear(4, 1))
+    b = copy.deepcopy(a)
+    one_up = float(np.nextafter(np.float32(1.0), np.float32(2.0)))
+    with torch.no_grad():
+        a[0].weight.copy_(torch.tensor([1.0, one_up]).view(1, 2, 1, 1))
+        b[0].weight.copy_(torch.tensor([one_up, 1.0]).view(1, 2, 1, 1))
+    x = np.zeros((1, 2, 4, 4), np.float32)
+    x[0, 0, 0, 0] = 1.0  # element p of the first window: channel 0 only
+    x[0, 1, 0, 1] = 1.0  # element q: channel 1 only; a picks q, b picks p
+    x[0, :, 2:, :] = np.random.RandomState(0).rand(2, 2, 4)
+    unpinned = compare_step(a, b, x, pin=False)
+    assert {e.name for e in unpinned.unverified} == {"0.weight / 0.weight"}
+    report = compare_step(a, b, x)
+    assert [(f.layer_a, f.kind, f.count, f.pinned) for f in report.flips] == [
+        ("1", "maxpool2d", 1, True)]
+    assert report.ok, report.text()
+
+
 class FunctionalRelu(nn.Module):
     """The port writes its ReLU as a function: the tool sees one side's ReLU only."""
 
@@ -145,12 +168,59 @@ def test_a_flip_at_a_relu_seen_on_one_side_only_leaves_gradients_unverified_neve
     assert {e.name for e in report.unverified} == {"fc1.weight / fc1.weight",
                                                    "fc1.bias / fc1.bias"}
     assert [(f.layer_a, f.layer_b, f.seen) for f in report.flips] == [("act", "?", False)]
-    assert "possible kink flips: 1 input(s) of relu act (side a only" in report.text()
+    assert "possible kink flips at ReLUs watched on one side only" in report.text()
+    assert "within tolerance of the kink at act (a): 1;" in report.text()
     clean = x.copy()
     clean[0] = 2.0  # pre-activation 1.0: far from the kink, every gradient verified
     assert assert_parity(a, b, [x, clean]).ok
     with pytest.raises(AssertionError, match="unverified by kink flips"):
         assert_parity(a, b, [x, x])
+
+
+class Residual(nn.Module):
+    """A residual block with a 1x1 downsample, called before the block's convolutions
+    (``early``) or after them, as torchvision does; its ReLU a shared module or a function."""
+
+    def __init__(self, early: bool, relu_module: bool) -> None:
+        super().__init__()
+        self.early = early
+        self.conv1 = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 1, stride=2, bias=False), nn.BatchNorm2d(8))
+        self.relu = nn.ReLU(inplace=True) if relu_module else torch.relu
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = self.down(x) if self.early else None
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = identity if self.early else self.down(x)
+        out = self.relu(out + identity)
+        return self.fc(out.mean((2, 3)))
+
+
+def test_layers_called_in_another_order_and_functional_relus_still_map_and_align():
+    torch.manual_seed(0)
+    a, b = Residual(early=False, relu_module=True), Residual(early=True, relu_module=False)
+    x = np.random.RandomState(1).randn(4, 3, 8, 8).astype(np.float32)
+    mapping = transfer_weights(a, b, probe=x)
+    assert ("down.0", "down.0") in mapping.layers and ("conv1", "conv1") in mapping.layers
+    report = assert_parity(a, b, x)
+    forward = {e.layer for e in report.entries if e.what == "forward"}
+    assert forward == {"conv1", "bn1", "conv2", "bn2", "down.0", "down.1", "fc"}
+    assert sorted(u.split(",")[0] for u in report.unmatched) == ["a relu (relu)"] * 2
+
+
+def test_a_dropout_in_training_mode_is_named_as_the_cause():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+    b = copy.deepcopy(a)
+    report = compare_step(a, b, X)
+    assert report.first_forward.layer == "1"
+    assert "draws its own dropout mask: use eval() or p=0" in report.first_forward.note
+    assert compare_step(a.eval(), b.eval(), X).ok
 
 
 def test_bad_inputs_are_clear_errors():

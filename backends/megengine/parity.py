@@ -126,6 +126,9 @@ class MegEngineParity:
     def clone(self, tensor: Any) -> Any:
         return F.copy(tensor)
 
+    def offset(self, x: Any, delta: np.ndarray) -> Any:
+        return x + mge.tensor(delta.astype(np.float32), device=x.device)
+
     def mask(self, x: Any, keep: np.ndarray) -> Any:
         return x * mge.tensor(keep.astype(np.float32), device=x.device)
 

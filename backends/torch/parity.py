@@ -128,6 +128,9 @@ class TorchParity:
     def clone(self, tensor: Any) -> Any:
         return tensor.clone()
 
+    def offset(self, x: Any, delta: np.ndarray) -> Any:
+        return x + torch.as_tensor(delta, dtype=x.dtype, device=x.device)
+
     def mask(self, x: Any, keep: np.ndarray) -> Any:
         return x * torch.as_tensor(keep, dtype=x.dtype, device=x.device)
 

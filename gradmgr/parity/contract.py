@@ -94,6 +94,9 @@ class ModelAdapter(Protocol):
     def clone(self, tensor: Any) -> Any:
         """A differentiable copy (what an in-place layer may overwrite, kept intact)."""
 
+    def offset(self, x: Any, delta: np.ndarray) -> Any:
+        """``x + delta``, ``delta`` a constant (a pinned max-pool's input)."""
+
     def mask(self, x: Any, keep: np.ndarray) -> Any:
         """``x * keep`` (a pinned ReLU: the elements the other side zeroed, zeroed here)."""
 

@@ -10,7 +10,10 @@ runs again with side b's ReLU output replaced by ``x * keep_a`` (side a's branch
 gradient is compared with the normal tolerance, so a flip can neither fail the check nor hide
 a bug behind it. A max-pool picks the largest element of each window: where two candidates lie
 within tolerance of each other on both sides and the sides pick different ones, the window
-flipped; such a flip is not pinned, nor is one at a ReLU whose counterpart on the other side
+flipped; it is pinned by adding to side b's input a constant that lifts side a's pick just
+above side b's (a constant moves no gradient), unless that would change the pick of an
+overlapping window too. A flip in a LeakyReLU is not pinned, nor is one at a ReLU whose
+counterpart on the other side
 is no module (a functional ``F.relu``: only one side's input is seen, and every element within
 tolerance of the kink may have flipped). A flip that is not pinned leaves the gradients of its
 layer and every earlier one unverified on that batch where they differ.
@@ -26,6 +29,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from .trace import Call
 
+# ("mask", keep): the layer's output becomes x * keep (a ReLU with side a's branches);
+# ("offset", delta): the layer's input becomes x + delta, a constant that moves no gradient
+# (a max-pool whose flipped windows then pick side a's element)
+Pin = Tuple[str, np.ndarray]
+
 # kind -> can be pinned (its output is x * mask); all have their kink at 0
 KINKED_AT_ZERO = {"relu": True, "leakyrelu": False}
 
@@ -37,9 +45,13 @@ class Kink:
     flipped: int          # branch differs, both inputs within tol of the kink
     beyond: int           # branch differs, an input farther than tol from the kink
     max_input: float      # the largest |x| (max-pool: the largest gap) among the flipped
-    keep: Optional[np.ndarray]  # side a's branch (1.0 where a's ReLU passes the input)
-    pinnable: bool
+    pin: Optional[Pin]    # how side b takes side a's branches, or None: it cannot
     tol: float = 0.0      # the tolerance "near" was judged with
+
+    @property
+    def pinnable(self) -> bool:
+        """Side b can be made to take side a's branches."""
+        return self.pin is not None
 
 
 def find_kink(call_a: Call, call_b: Call, tol: float) -> Optional[Kink]:
@@ -60,8 +72,8 @@ def find_kink(call_a: Call, call_b: Call, tol: float) -> Optional[Kink]:
     near = (np.abs(xa) <= tol) & (np.abs(xb) <= tol)
     flipped = differ & near
     largest = float(np.maximum(np.abs(xa), np.abs(xb))[flipped].max()) if flipped.any() else 0.0
-    return Kink(int(flipped.sum()), int((differ & ~near).sum()), largest,
-                (xa > 0).astype(xa.dtype), pinnable)
+    keep = ("mask", (xa > 0).astype(xa.dtype)) if pinnable else None
+    return Kink(int(flipped.sum()), int((differ & ~near).sum()), largest, keep)
 
 
 def near_kink(call: Call, tol: float) -> Tuple[int, float]:
@@ -103,4 +115,28 @@ def _max_pool(call_a: Call, call_b: Call, tol: float) -> Optional[Kink]:
     near = (gap_a <= tol) & (gap_b <= tol)
     flipped = differ & near
     largest = float(np.maximum(gap_a, gap_b)[flipped].max()) if flipped.any() else 0.0
-    return Kink(int(flipped.sum()), int((differ & ~near).sum()), largest, None, False)
+    pin = _pool_offset(call_b, wb, ia[..., 0], ib[..., 0], flipped) if flipped.any() else None
+    return Kink(int(flipped.sum()), int((differ & ~near).sum()), largest, pin)
+
+
+def _pool_offset(call_b: Call, wb: np.ndarray, ia: np.ndarray, ib: np.ndarray,
+                 flipped: np.ndarray) -> Optional[Pin]:
+    """The constant that, added to side b's input, makes each flipped window pick side a's
+    element (raised just above b's pick), or None where that would change another window's
+    pick too (overlapping windows): checked by pooling the shifted input again."""
+    x = call_b.input
+    (kh, kw), (sh, sw), (ph, pw) = (call_b.config[k] for k in ("kernel_size", "stride",
+                                                               "padding"))
+    delta = np.zeros_like(x)
+    for n, c, h, w in zip(*np.nonzero(flipped)):
+        pick, want = ib[n, c, h, w], ia[n, c, h, w]
+        gap = wb[n, c, h, w, pick] - wb[n, c, h, w, want]
+        row, col = h * sh + want // kw - ph, w * sw + want % kw - pw
+        delta[n, c, row, col] = max(delta[n, c, row, col],
+                                    gap + 4 * np.spacing(np.float32(abs(wb[n, c, h, w, pick]))))
+    shifted = Call(call_b.layer, call_b.kind, call_b.config, call_b.in_shape, call_b.output,
+                   x + delta)
+    moved = _windows(shifted)
+    if moved is None or not np.array_equal(moved.argmax(-1), ia):
+        return None
+    return ("offset", delta)

@@ -165,6 +165,8 @@ def build_map(a: ModelAdapter, b: ModelAdapter, name_map: Optional[Mapping[str, 
         pairs = _given_pairs(name_map, slots_a, slots_b, report)
     for sa, sb in pairs:
         _pair(sa, sb, dict(transforms or {}), report)
+        if name_map is not None and (sa.layer, sb.layer) not in report.layers:
+            report.layers.append((sa.layer, sb.layer))
     used_a, used_b = {p[0].name for p in pairs}, {p[1].name for p in pairs}
     for side, slots, used in (("src", slots_a, used_a), ("dst", slots_b, used_b)):
         for name, slot in slots.items():
@@ -204,18 +206,12 @@ def _auto_pairs(a: ModelAdapter, b: ModelAdapter, order_a: Sequence[str],
                 order_b: Sequence[str], report: MappingReport) -> List[Tuple[Slot, Slot]]:
     la, lb = _ordered(a, order_a), _ordered(b, order_b)
     by_layer_a, by_layer_b = _by_layer(a.slots()), _by_layer(b.slots())
-    matcher = difflib.SequenceMatcher(None, [x.kind for x in la], [x.kind for x in lb],
-                                      autojunk=False)
     pairs: List[Tuple[Slot, Slot]] = []
-    matched_a, matched_b = set(), set()
-    for block in matcher.get_matching_blocks():
-        for i in range(block.size):
-            ya, yb = la[block.a + i], lb[block.b + i]
-            matched_a.add(ya.name)
-            matched_b.add(yb.name)
-            report.layers.append((ya.name, yb.name))
-            report.findings.extend(config_findings(ya, yb))
-            pairs.extend(_pair_roles(by_layer_a[ya.name], by_layer_b[yb.name], report))
+    for ya, yb in match_layers(la, lb, by_layer_a, by_layer_b):
+        report.layers.append((ya.name, yb.name))
+        report.findings.extend(config_findings(ya, yb))
+        pairs.extend(_pair_roles(by_layer_a[ya.name], by_layer_b[yb.name], report))
+    matched_a, matched_b = {x for x, _ in report.layers}, {y for _, y in report.layers}
     for side, layers, matched, by_layer, other in (("src", la, matched_a, by_layer_a, lb),
                                                    ("dst", lb, matched_b, by_layer_b, la)):
         for layer in layers:
@@ -226,6 +222,30 @@ def _auto_pairs(a: ModelAdapter, b: ModelAdapter, order_a: Sequence[str],
                 report.unmapped.extend(Unmapped(side, s.name, reason)
                                        for s in by_layer[layer.name] if s.role not in _IGNORED)
     return pairs
+
+
+def match_layers(la: List[Layer], lb: List[Layer], slots_a: Dict[str, List[Slot]],
+                 slots_b: Dict[str, List[Slot]]) -> List[Tuple[Layer, Layer]]:
+    """Pair the layers of two models: first as ``diff`` aligns lines, a line being a layer's
+    kind and its tensors' shapes (size-1 dims dropped); then what is left, by the same kind
+    and shapes in order (a port that calls its downsample before the block's convolutions,
+    not after); then by kind alone in order (so that a shape mismatch is reported as one)."""
+    def key(layer: Layer, slots: Dict[str, List[Slot]]) -> tuple:
+        return (layer.kind,) + tuple(sorted((s.role, squeezed(s.shape))
+                                            for s in slots.get(layer.name, ())
+                                            if s.role not in _IGNORED))
+    ka, kb = [key(x, slots_a) for x in la], [key(x, slots_b) for x in lb]
+    matcher = difflib.SequenceMatcher(None, ka, kb, autojunk=False)
+    found = {blk.a + k: blk.b + k for blk in matcher.get_matching_blocks()
+             for k in range(blk.size)}
+    for same in (lambda i, j: ka[i] == kb[j], lambda i, j: la[i].kind == lb[j].kind):
+        free_b = [j for j in range(len(lb)) if j not in found.values()]
+        for i in range(len(la)):
+            j = next((j for j in free_b if i not in found and same(i, j)), None)
+            if j is not None:
+                found[i] = j
+                free_b.remove(j)
+    return [(la[i], lb[j]) for i, j in sorted(found.items())]
 
 
 def _by_layer(slots: Sequence[Slot]) -> Dict[str, List[Slot]]:

@@ -105,14 +105,20 @@ def _row(e: Entry) -> str:
             f"{e.max_rel:>10.3g} {e.tol:>10.3g}  {e.verdict}{'  ' + e.note if e.note else ''}")
 
 
+def _unseen_line(flips: List[Flip]) -> str:
+    """The possible flips at ReLUs watched on one side only, in one line."""
+    counts: dict = {}
+    for f in flips:
+        layer = f"{f.layer_a} (a)" if f.layer_a != "?" else f"{f.layer_b} (b)"
+        counts.setdefault(layer, []).append(str(f.count))
+    listed = ", ".join(f"{layer}: {'+'.join(n)}" for layer, n in counts.items())
+    return (f"possible kink flips at ReLUs watched on one side only (the other side's is a "
+            f"function, e.g. F.relu): inputs within tolerance of the kink at {listed}; they "
+            f"cannot be compared or pinned: gradients behind them that differ are unverified "
+            f"on this batch")
+
+
 def _flip_line(f: Flip) -> str:
-    if not f.seen:
-        layer = f.layer_a if f.layer_a != "?" else f.layer_b
-        side = "a" if f.layer_a != "?" else "b"
-        return (f"possible kink flips: {f.count} input(s) of {f.kind} {layer} (side {side} "
-                f"only: its counterpart is no module, e.g. a functional relu) lie within "
-                f"{f.tol:.3g} of the kink; they cannot be compared or pinned: gradients of "
-                f"this layer and earlier that differ are unverified on this batch")
     if f.kind.startswith("maxpool"):
         what = (f"{f.count} window(s) of {f.kind} {f.layer_a} / {f.layer_b} picked different "
                 f"elements of a near tie (gaps within {f.tol:.3g}, largest {f.max_input:.3g})")
@@ -142,7 +148,9 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
                      + (e.note or f"max abs {e.max_abs:.3g} > tol {e.tol:.3g}"))
     lines += [f"config: {finding}" for finding in report.findings]
     lines += [f"unmapped ({u.side}) {u.name}: {u.reason}" for u in report.unmapped]
-    lines += [_flip_line(f) for f in report.flips]
+    lines += [_flip_line(f) for f in report.flips if f.seen]
+    if any(not f.seen for f in report.flips):
+        lines.append(_unseen_line([f for f in report.flips if not f.seen]))
     lines += [f"no counterpart: {u}" for u in report.unmatched]
     if (report.first_grad is not None and report.first_forward is None
             and not report.flips):

@@ -63,11 +63,11 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     mapping = build_map(ad_a, ad_b, name_map, transforms=transforms,
                         order_a=ta.order, order_b=tb.order)
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
-    aligned = _align(ta.calls, tb.calls, report)
+    aligned = _align(ta.calls, tb.calls, mapping.layers, report)
     depth = _depths(ta.calls)
     kinks = _forward(ta, tb, aligned, depth, tol_factor, report)
     report.entries.append(_loss_entry(ta, tb, depth, tol_factor))
-    pins = {j: k.keep for (i, j), k in kinks.items() if k.flipped and k.pinnable}
+    pins = {j: k.pin for (i, j), k in kinks.items() if k.flipped and k.pin is not None}
     if pin and pins:
         restore(ad_b, before_b)  # the step runs again from the same state
         tb = run_step(ad_b, arrays, inputs, loss_b, pins)
@@ -81,17 +81,36 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     return report
 
 
-def _align(ca: List[Call], cb: List[Call], report: StepReport) -> List[Tuple[int, int]]:
-    """Pair the two forwards' calls by kind, as ``diff`` pairs lines; the rest are listed."""
-    matcher = difflib.SequenceMatcher(None, [c.kind for c in ca], [c.kind for c in cb],
-                                      autojunk=False)
-    pairs = [(blk.a + k, blk.b + k) for blk in matcher.get_matching_blocks()
-             for k in range(blk.size)]
+def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
+           report: StepReport) -> List[Tuple[int, int]]:
+    """Pair the two forwards' calls: the k-th call of a mapped layer with the k-th call of its
+    counterpart; between those anchors, the calls of layers without tensors (activations,
+    pooling) by kind, as ``diff`` pairs lines. The rest are listed as without counterpart."""
+    anchors = []
+    for la, lb in layers:
+        anchors += zip([i for i, c in enumerate(ca) if c.layer == la],
+                       [j for j, c in enumerate(cb) if c.layer == lb])
+    anchors.sort()
+    chain, last = [], -1  # the anchors in the same order on both sides bound the segments
+    for i, j in anchors:
+        if j > last:
+            chain.append((i, j))
+            last = j
+    used_a, used_b = {i for i, _ in anchors}, {j for _, j in anchors}
+    pairs = set(anchors)
+    bounds = [(-1, -1)] + chain + [(len(ca), len(cb))]
+    for (i0, j0), (i1, j1) in zip(bounds, bounds[1:]):
+        seg_a = [i for i in range(i0 + 1, i1) if i not in used_a]
+        seg_b = [j for j in range(j0 + 1, j1) if j not in used_b]
+        matcher = difflib.SequenceMatcher(None, [ca[i].kind for i in seg_a],
+                                          [cb[j].kind for j in seg_b], autojunk=False)
+        pairs |= {(seg_a[blk.a + k], seg_b[blk.b + k]) for blk in matcher.get_matching_blocks()
+                  for k in range(blk.size)}
     left_a = sorted(set(range(len(ca))) - {i for i, _ in pairs})
     left_b = sorted(set(range(len(cb))) - {j for _, j in pairs})
     report.unmatched += [f"a {ca[i].layer} ({ca[i].kind}), call {i}" for i in left_a]
     report.unmatched += [f"b {cb[j].layer} ({cb[j].kind}), call {j}" for j in left_b]
-    return pairs
+    return sorted(pairs)
 
 
 def _depths(calls: List[Call]) -> List[float]:
@@ -132,6 +151,8 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
             kinks[(i, j)] = kink
             if kink.beyond:
                 note = f"{kink.beyond} element(s) on different sides of the kink"
+        if ca.kind.startswith("dropout") and diff > tol and not note:
+            note = "each framework draws its own dropout mask: use eval() or p=0 to compare"
         entry = Entry("forward", f"{ca.layer} / {cb.layer}", ca.layer, ca.kind, diff, rel, tol,
                       "ok" if diff <= tol and not note else "DIFFERS", note)
         report.entries.append(entry)

@@ -64,9 +64,10 @@ def forward_order(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: in
 
 
 def run_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
-             loss: Optional[Loss], pins: Dict[int, np.ndarray]) -> Trace:
-    """One forward and backward; ``pins`` maps a ReLU call's index to the mask its output is
-    pinned to (``out = x * keep``)."""
+             loss: Optional[Loss], pins: Dict[int, Tuple[str, np.ndarray]]) -> Trace:
+    """One forward and backward; ``pins`` maps a call's index to its pin (kinks.py):
+    ``("mask", keep)``: the output is ``x * keep``; ``("offset", delta)``: the input is
+    ``x + delta``."""
     calls, value, grads = _watch(adapter, batch, inputs, loss, pins, backward=True)
     dtype = calls[0].output.dtype if calls and calls[0].output is not None else np.float32
     return Trace(calls, value, grads, dtype, _first_calls(calls))
@@ -84,9 +85,11 @@ def _first_calls(calls: List[Call]) -> List[str]:
 
 
 def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
-           loss: Optional[Loss], pins: Dict[int, np.ndarray], backward: bool) -> tuple:
+           loss: Optional[Loss], pins: Dict[int, Tuple[str, np.ndarray]],
+           backward: bool) -> tuple:
     layers = {layer.name: layer for layer in adapter.layers()}
     calls: List[Call] = []
+    running: Dict[str, List[int]] = {}  # a layer's calls whose forward has not returned
     saved: Dict[int, Any] = {}
     kept = None if backward else _buffers(adapter)
 
@@ -97,18 +100,21 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         piecewise = layer.kind in PIECEWISE and adapter.is_tensor(x)
         calls.append(Call(name, layer.kind, layer.config, shape, None,
                           adapter.numpy(x) if piecewise else None))
+        running.setdefault(name, []).append(index)
+        if index in pins and pins[index][0] == "offset":
+            return (adapter.offset(x, pins[index][1]),) + tuple(args[1:])
         if index in pins:  # an in-place ReLU must not overwrite the input the pin needs
             saved[index] = x
             return (adapter.clone(x),) + tuple(args[1:])
         return None
 
     def post(name: str, out: Any) -> Any:
-        index = max(i for i, c in enumerate(calls) if c.layer == name and c.output is None)
+        index = running[name].pop()
         if index in saved:
-            out = adapter.mask(saved.pop(index), pins[index])
+            out = adapter.mask(saved.pop(index), pins[index][1])
         if adapter.is_tensor(out):
             calls[index].output = adapter.numpy(out)
-        return out if index in pins else None
+        return out if index in pins and pins[index][0] == "mask" else None
 
     remove = adapter.hook(pre, post)
     try:
