@@ -392,10 +392,11 @@ def test_broken_port_behind_a_flip_is_still_pinned():
     nudge_to_kink(src, dst, batch[0], bn="layer1.0.bn1")
 
     report = compare(src, dst, "torch->mge", batch)
-    assert not report.ok
-    assert report.flips and all(f.kind == "relu" for f in report.flips), report.text()
-    assert report.first_forward is not None and report.first_forward.layer == port.layer, (
-        report.text())
+    text = report.text()
+    assert not report.ok and report.failures(), text
+    assert any(f.layer_a == "layer1.0.relu" and f.seen and f.pinned for f in report.flips), text
+    assert report.first_forward is not None and report.first_forward.layer == port.layer, text
+    assert f"first forward divergence: layer {port.layer}" in text
 
 
 # -------------------------------------------------------------------------- broken ports
