@@ -428,6 +428,26 @@ def test_broken_port_is_reported_at_its_layer(bug):
               f"{e.max_abs:.3g}" for e in report.entries if e.what == "loss"))
 
 
+def test_a_copied_momentum_is_flagged_though_one_step_agrees():
+    """MegEngine's BatchNorm momentum 0.9 copied into the torch port as 0.9: every BatchNorm
+    is a configuration finding (compared in torch's convention), the strict transfer refuses
+    and says which layers, and one training step agrees, which is why the map must say it."""
+    src = build("resnet18", "megengine")
+    dst = broken.torch_resnet_copied_momentum()
+    probe = batch_of("resnet18", 0)[0]
+    with pytest.raises(parity.MappingError, match="momentum"):
+        parity.transfer_weights(src, dst, probe=probe)
+    mapping = parity.transfer_weights(src, dst, probe=probe, strict=False)
+    bns = [n for n, m in dst.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert sorted(f.layer_dst for f in mapping.findings if f.key == "momentum") == sorted(bns)
+    assert {f.key for f in mapping.findings} == {"momentum"}, mapping.text()
+
+    report = compare(src, dst, "mge->torch", batch_of("resnet18", 1))
+    assert report.failures() == [] and not report.ok, report.text()
+    assert "config: bn1 / bn1: momentum is 0.0999" in report.text()  # MegEngine's 0.9 as 1 - 0.9
+    assert "0.9 on the other" in report.text()
+
+
 # ---------------------------------------------------------------------------------- drift
 def _optimizers(a: Any, b: Any) -> Tuple[Any, Any]:
     settings = {"lr": 0.1, "momentum": 0.9}

@@ -88,6 +88,21 @@ def mge_resnet_wrong_eps(**options: Any) -> Any:
     return model
 
 
+def torch_resnet_copied_momentum(**options: Any) -> Any:
+    """Every BatchNorm with ``momentum=0.9`` copied from the MegEngine original, where 0.9 is
+    the weight of the old running statistic; torch's momentum is the new batch's weight, so the
+    port's running statistics follow each batch nine times as fast. One training step's outputs
+    and gradients are unchanged (training mode normalises with the batch's own statistics): only
+    the configuration shows it, and evaluation after training."""
+    from . import torch_resnet
+
+    model = torch_resnet.resnet18(**options)
+    for m in model.modules():
+        if hasattr(m, "momentum") and hasattr(m, "running_mean"):
+            m.momentum = 0.9
+    return model
+
+
 PORTS: Dict[str, BrokenPort] = {
     "transposed_weight": BrokenPort(
         "torch", "encoder", "layers.0.attention.out",
