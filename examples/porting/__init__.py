@@ -11,7 +11,8 @@ modules carry the same names on both sides, as a port meant to load the other si
 checkpoints does.
 
 ``broken`` holds ports with one deliberate bug each (a transposed weight, a missing or wrong
-``eps``, a wrong padding); each names the layer a parity check must blame in ``BROKEN_LAYER``.
+``eps``, a wrong padding), each with the layer a parity check must blame (``broken.PORTS``),
+and a BatchNorm momentum copied across conventions, which only the configuration shows.
 
 Nothing here is imported by gradmgr; ``tests/test_parity_models.py`` runs ``gradmgr.parity`` on
 these models. Importing this package imports no framework: import the module you need.

@@ -10,6 +10,10 @@ matching correct module in ``torch_*`` / ``mge_*`` with one layer written wrongl
 ``layer``, the name of the module a parity check must blame: the first module in the forward's
 order whose output differs beyond rounding.
 
+``torch_resnet_copied_momentum`` is a slip of another sort: MegEngine's BatchNorm momentum
+copied as is. One training step cannot see it (its outputs and gradients agree); only the
+configuration does, so it is not in :data:`PORTS`.
+
 Frameworks are imported when a port is built, not when this module is imported.
 """
 
