@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .contract import ModelAdapter, adapter_for, squeezed
+from .contract import Layer, ModelAdapter, adapter_for, squeezed
 from .kinks import Kink, find_kink, near_kink
 from .mapping import MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
@@ -183,9 +183,7 @@ def _unseen(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[fl
     return found
 
 
-def _as_layer(call: Call) -> Any:
-    from .contract import Layer
-
+def _as_layer(call: Call) -> Layer:
     return Layer(call.layer, call.kind, call.config)
 
 

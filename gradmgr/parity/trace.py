@@ -122,7 +122,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
     finally:
         remove()
         if kept is not None:
-            _restore(adapter, kept)
+            restore(adapter, kept)
 
 
 def _forward_backward(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
@@ -163,14 +163,12 @@ def _buffers(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
     return {s.name: adapter.read(s.name) for s in adapter.slots() if not s.trainable}
 
 
-def _restore(adapter: ModelAdapter, values: Dict[str, np.ndarray]) -> None:
-    for name, value in values.items():
-        adapter.write(name, value)
-
-
 def snapshot(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
     """The buffers' values, to run a step again from the same state (:func:`restore`)."""
     return _buffers(adapter)
 
 
-restore = _restore
+def restore(adapter: ModelAdapter, values: Dict[str, np.ndarray]) -> None:
+    """Put back the buffers' values :func:`snapshot` took."""
+    for name, value in values.items():
+        adapter.write(name, value)
