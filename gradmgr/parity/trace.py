@@ -25,6 +25,7 @@ class Call:
     in_shape: Tuple[int, ...]
     output: Optional[np.ndarray]
     input: Optional[np.ndarray] = None  # kept for piecewise layers only (kinks.py)
+    done: int = -1  # the order in which calls return (a module's after its children's)
 
 
 @dataclass
@@ -89,6 +90,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
            backward: bool) -> tuple:
     layers = {layer.name: layer for layer in adapter.layers()}
     calls: List[Call] = []
+    finished = [0]
     running: Dict[str, List[int]] = {}  # a layer's calls whose forward has not returned
     saved: Dict[int, Any] = {}
     kept = None if backward else _buffers(adapter)
@@ -110,6 +112,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
 
     def post(name: str, out: Any) -> Any:
         index = running[name].pop()
+        calls[index].done, finished[0] = finished[0], finished[0] + 1
         if index in saved:
             out = adapter.mask(saved.pop(index), pins[index][1])
         if adapter.is_tensor(out):
