@@ -213,6 +213,34 @@ def test_layers_called_in_another_order_and_functional_relus_still_map_and_align
     assert sorted(u.split(",")[0] for u in report.unmatched) == ["a relu (relu)"] * 2
 
 
+class WithPosition(nn.Module):
+    """A model that owns a parameter itself besides its children's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4))
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.pos)
+
+
+def test_a_tensor_owned_by_a_module_with_children_is_mapped_and_compared():
+    torch.manual_seed(0)
+    a, b = WithPosition(), WithPosition()
+    report = transfer_weights(a, b, probe=X)
+    assert [p.src for p in report.pairs] == ["pos", "fc.weight", "fc.bias"]
+    torch.testing.assert_close(a.pos, b.pos, rtol=0, atol=0)
+    assert compare_step(a, b, X).ok
+    with torch.no_grad():
+        b.pos[0] += 0.01
+    report = compare_step(a, b, X)
+    # the first divergence is fc's output (the model's own output, which returns after it,
+    # parts too); pos's gradient does not depend on pos (a linear model), fc's weight's does
+    assert not report.ok and report.first_forward.layer == "fc"
+    assert {"fc / fc", " / ", "fc.weight / fc.weight"} <= {e.name for e in report.failures()}
+
+
 def test_a_dropout_in_training_mode_is_named_as_the_cause():
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 2))

@@ -62,8 +62,12 @@ class MegEngineParity:
 
     def __init__(self, model: M.Module) -> None:
         self.model = model
+        # the leaves, and every module that owns a tensor itself (a model's position
+        # embedding): no tensor may belong to no layer
         self._leaves = {name: m for name, m in model.named_modules()
-                        if not any(True for _ in m.children())}
+                        if not any(True for _ in m.children())
+                        or any(True for _ in m.parameters(recursive=False))
+                        or any(True for _ in m.buffers(recursive=False))}
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
         self._device = next(iter(self._params.values())).device

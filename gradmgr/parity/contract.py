@@ -57,7 +57,8 @@ class ModelAdapter(Protocol):
     model: Any
 
     def layers(self) -> List[Layer]:
-        """The leaf modules in registration order."""
+        """The leaf modules, and the modules that own a parameter or buffer themselves, in
+        registration order."""
 
     def slots(self) -> List[Slot]:
         """Parameters (trainable) and buffers."""

@@ -174,8 +174,9 @@ def build_map(a: ModelAdapter, b: ModelAdapter, name_map: Optional[Mapping[str, 
                 continue
             if slot.role in _IGNORED and not slot.trainable:
                 report.ignored.append((name, _IGNORED[slot.role]))
-            elif name_map is not None:
-                report.unmapped.append(Unmapped(side, name, "not in name_map"))
+            else:  # automatic: a tensor no paired layer owns is said, never skipped silently
+                report.unmapped.append(Unmapped(side, name, "not in name_map" if name_map
+                                                is not None else "no paired layer owns it"))
     return report
 
 
@@ -284,6 +285,7 @@ def _pair(sa: Slot, sb: Slot, transforms: Dict[str, Transform], report: MappingR
         how = f"reshape {shape} -> {sb.shape}"
     else:
         report.unmapped.append(Unmapped("src", sa.name, _shape_reason(sa, sb)))
+        report.unmapped.append(Unmapped("dst", sb.name, f"{sa.name} does not fit it (above)"))
         return
     report.pairs.append(Pair(sa.name, sb.name, sa.shape, sb.shape, how, transform))
 

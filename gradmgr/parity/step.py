@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .contract import ModelAdapter, adapter_for, squeezed
+from .contract import Layer, ModelAdapter, adapter_for, squeezed
 from .kinks import Kink, find_kink, near_kink
 from .mapping import MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
@@ -114,12 +114,14 @@ def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
 
 
 def _depths(calls: List[Call]) -> List[float]:
-    """The reduction length behind each call's output (tolerance.py): a running sum."""
-    total, found = 0.0, []
-    for c in calls:
+    """The reduction length behind each call's output (tolerance.py): a running sum over the
+    calls in the order they return (a module that owns tensors returns after its children)."""
+    total, found = 0.0, [0.0] * len(calls)
+    for index in sorted(range(len(calls)), key=lambda i: calls[i].done):
+        c = calls[index]
         out_shape = c.output.shape if c.output is not None else ()
         total += layer_reduction(c.kind, c.config, c.in_shape, out_shape)
-        found.append(total)
+        found[index] = total
     return found
 
 
@@ -137,7 +139,7 @@ def _compare(x: np.ndarray, y: np.ndarray, dtype: Any, reduction: float,
 def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
              factor: float, report: StepReport) -> Dict[Tuple[int, int], Kink]:
     kinks, seen = {}, set()
-    for i, j in aligned:
+    for i, j in sorted(aligned, key=lambda pair: ta.calls[pair[0]].done):
         ca, cb = ta.calls[i], tb.calls[j]
         if (ca.layer, cb.layer) not in seen:
             seen.add((ca.layer, cb.layer))
@@ -183,15 +185,13 @@ def _unseen(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[fl
     return found
 
 
-def _as_layer(call: Call) -> Any:
-    from .contract import Layer
-
+def _as_layer(call: Call) -> Layer:
     return Layer(call.layer, call.kind, call.config)
 
 
 def _loss_entry(ta: Trace, tb: Trace, depth: List[float], factor: float) -> Entry:
-    last = ta.calls[-1].output if ta.calls else None
-    total = (depth[-1] if depth else 0.0) + (last.size if last is not None else 1)
+    last = max(ta.calls, key=lambda c: c.done).output if ta.calls else None
+    total = max(depth, default=0.0) + (last.size if last is not None else 1)
     floor = float(np.abs(last).mean()) if last is not None and last.size else 0.0
     diff, rel, tol, _ = _compare(np.array([ta.loss]), np.array([tb.loss]), ta.dtype, total,
                                  factor, floor, C_GRAD)
@@ -216,7 +216,7 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
     for name, g in ta.grads.items():
         if g is not None and name in layers:
             floors[layers[name]] = max(floors.get(layers[name], 0.0), float(np.abs(g).max()))
-    total = depth[-1] if depth else 0.0
+    total = max(depth, default=0.0)
     worst: Optional[Tuple[int, Entry]] = None
     for pair in mapping.pairs:
         if pair.src not in ta.grads:

@@ -25,6 +25,7 @@ class Call:
     in_shape: Tuple[int, ...]
     output: Optional[np.ndarray]
     input: Optional[np.ndarray] = None  # kept for piecewise layers only (kinks.py)
+    done: int = -1  # the order in which calls return (a module's after its children's)
 
 
 @dataclass
@@ -89,6 +90,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
            backward: bool) -> tuple:
     layers = {layer.name: layer for layer in adapter.layers()}
     calls: List[Call] = []
+    finished = [0]
     running: Dict[str, List[int]] = {}  # a layer's calls whose forward has not returned
     saved: Dict[int, Any] = {}
     kept = None if backward else _buffers(adapter)
@@ -110,6 +112,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
 
     def post(name: str, out: Any) -> Any:
         index = running[name].pop()
+        calls[index].done, finished[0] = finished[0], finished[0] + 1
         if index in saved:
             out = adapter.mask(saved.pop(index), pins[index][1])
         if adapter.is_tensor(out):
@@ -122,7 +125,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
     finally:
         remove()
         if kept is not None:
-            _restore(adapter, kept)
+            restore(adapter, kept)
 
 
 def _forward_backward(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
@@ -163,14 +166,12 @@ def _buffers(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
     return {s.name: adapter.read(s.name) for s in adapter.slots() if not s.trainable}
 
 
-def _restore(adapter: ModelAdapter, values: Dict[str, np.ndarray]) -> None:
-    for name, value in values.items():
-        adapter.write(name, value)
-
-
 def snapshot(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
     """The buffers' values, to run a step again from the same state (:func:`restore`)."""
     return _buffers(adapter)
 
 
-restore = _restore
+def restore(adapter: ModelAdapter, values: Dict[str, np.ndarray]) -> None:
+    """Put back the buffers' values :func:`snapshot` took."""
+    for name, value in values.items():
+        adapter.write(name, value)
