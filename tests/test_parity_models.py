@@ -33,6 +33,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+pytest.importorskip("torch")
+pytest.importorskip("megengine")  # conftest.py leaves this file out where MegEngine is not expected
+
 from quiet_megengine import import_megengine  # noqa: E402
 
 mge = import_megengine()
