@@ -63,6 +63,10 @@ BUILD: Dict[Tuple[str, str], Callable[[], Any]] = {
     ("resnet18-frelu", "megengine"): mge_resnet.resnet18,
     ("encoder", "torch"): torch_encoder.EncoderClassifier,
     ("encoder", "megengine"): mge_encoder.EncoderClassifier,
+    ("encoder-hidden", "torch"): lambda: torch_encoder.EncoderClassifier(
+        torch_encoder.EncoderConfig(embeddings=False)),
+    ("encoder-hidden", "megengine"): lambda: mge_encoder.EncoderClassifier(
+        mge_encoder.EncoderConfig(embeddings=False)),
 }
 OPTIONS = {("resnet18", "megengine"): {"relu_modules": True}}  # for broken.PORTS builds
 
@@ -84,8 +88,10 @@ def batch_of(model: str, seed: int) -> Tuple[np.ndarray, np.ndarray]:
         return (rng.standard_normal((BATCH, 3, 32, 32)).astype("float32"),
                 rng.integers(0, 10, BATCH).astype("int32"))
     cfg = torch_encoder.EncoderConfig()
-    return (rng.integers(0, cfg.vocab_size, (BATCH, cfg.max_len)).astype("int32"),
-            rng.integers(0, cfg.num_classes, BATCH).astype("int32"))
+    labels = rng.integers(0, cfg.num_classes, BATCH).astype("int32")
+    if model == "encoder-hidden":  # no embeddings: the encoder takes hidden states
+        return rng.standard_normal((BATCH, cfg.max_len, cfg.hidden)).astype("float32"), labels
+    return rng.integers(0, cfg.vocab_size, (BATCH, cfg.max_len)).astype("int32"), labels
 
 
 def build(model: str, framework: str, seed: int = 0) -> Any:
@@ -178,7 +184,7 @@ def assert_same_grads(got: Dict[str, np.ndarray], want: Dict[str, np.ndarray], r
 
 # ------------------------------------------------------------------- both ports, both ways
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("model", ["resnet18", "resnet18-frelu", "encoder"])
+@pytest.mark.parametrize("model", ["resnet18", "resnet18-frelu", "encoder", "encoder-hidden"])
 def test_correct_port_passes_in_both_directions(model, direction):
     src, dst, mapping = ported(model, direction)
     assert mapping.ok, mapping.text()
