@@ -33,8 +33,8 @@ PAGES = {
     "api/reference.md": (
         "API reference",
         "gradmgr's public API in the order you meet it: the manager and its methods, data "
-        "parallel, sharded data parallel, split backward, groups, porting, then the errors. What only "
-        "an author of a backend needs is on [its own page](backends.md).",
+        "parallel, sharded data parallel, split backward, groups, porting, then the errors. "
+        "What only an author of a backend needs is on [its own page](backends.md).",
         [
             ("The gradient manager", ["gradmgr.GradManager"]),
             ("Data parallel", [
