@@ -267,6 +267,12 @@ class Backend(ABC):
             f"gradmgr.distributed.contract)"
         )
 
+    def parity_adapter(self, model: Any) -> Any:
+        """The parity tool's view of ``model``, one of this framework's modules
+        (:class:`gradmgr.parity.contract.ModelAdapter`). The default refuses."""
+        raise UnsupportedBackendError(
+            f"the {self.name!r} backend has no parity adapter (gradmgr.parity.contract)")
+
     transport_names: ClassVar[Sequence[str]] = ()
     """The names :meth:`transport` accepts besides None."""
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 from mkdocs.structure.files import File
 from pygments.formatters import HtmlFormatter
 
-NAMESPACES = ("gradmgr", "gradmgr.distributed")
+NAMESPACES = ("gradmgr", "gradmgr.distributed", "gradmgr.parity")
 log = logging.getLogger("mkdocs.hooks.api_reference")  # under "mkdocs": counted by --strict
 # A Google-style section header: "Example:", "Examples:", "Example (PyTorch):"
 _EXAMPLE = re.compile(r"^Examples?\b[^\n]*:$", re.MULTILINE)
@@ -33,8 +33,8 @@ PAGES = {
     "api/reference.md": (
         "API reference",
         "gradmgr's public API in the order you meet it: the manager and its methods, data "
-        "parallel, sharded data parallel, split backward, groups, then the errors. What only "
-        "an author of a backend needs is on [its own page](backends.md).",
+        "parallel, sharded data parallel, split backward, groups, porting, then the errors. "
+        "What only an author of a backend needs is on [its own page](backends.md).",
         [
             ("The gradient manager", ["gradmgr.GradManager"]),
             ("Data parallel", [
@@ -48,6 +48,13 @@ PAGES = {
                 "gradmgr.distributed.ReduceScatterCallback"]),
             ("Split backward", ["gradmgr.DeferredBackward", "gradmgr.UnfinishedBackwardWarning"]),
             ("Groups", ["gradmgr.GradManagerGroup"]),
+            ("Porting between frameworks", [
+                "gradmgr.parity.transfer_weights", "gradmgr.parity.compare_step",
+                "gradmgr.parity.assert_parity", "gradmgr.parity.train_drift",
+                "gradmgr.parity.MappingReport", "gradmgr.parity.StepReport",
+                "gradmgr.parity.DriftReport",
+                "gradmgr.parity.ParityError", "gradmgr.parity.MappingError",
+                "gradmgr.parity.ModelTypeError"]),
             ("Inside callbacks", ["gradmgr.Future", "gradmgr.is_future",
                                   "gradmgr.get_backwarding_grad_manager"]),
             ("Errors and warnings", [

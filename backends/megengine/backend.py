@@ -109,6 +109,11 @@ class MegEngineBackend(Backend):
 
         gloo_world.install(rank, world)
 
+    def parity_adapter(self, model: Any) -> Any:
+        from .parity import MegEngineParity
+
+        return MegEngineParity(model)
+
     def tensor_ops(self) -> Any:
         from .ops import MEGENGINE_OPS
 

@@ -84,6 +84,11 @@ class TorchBackend(Backend):
     # data parallelism (gradmgr.distributed.contract), imported on first use
     transport_names = ("torch",)
 
+    def parity_adapter(self, model: Any) -> Any:
+        from .parity import TorchParity
+
+        return TorchParity(model)
+
     def tensor_ops(self) -> Any:
         from .ops import TORCH_OPS
 

@@ -1,0 +1,140 @@
+"""Training drift: both models trained side by side, each with its own framework's optimizer,
+and the distance between their parameters after every step (:func:`train_drift`)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from .contract import adapter_for
+from .mapping import Transform, build_map, convert
+from .trace import Loss, as_batch, forward_order, train_step
+
+Batches = Union[Sequence[Any], Callable[[int], Any]]
+
+
+@dataclass
+class DriftReport:
+    """Per step: each side's loss, the largest absolute difference between mapped parameters
+    and their relative L2 distance ``||a - b|| / ||a||`` over all of them.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> from gradmgr.parity import train_drift, transfer_weights
+        >>> a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+        >>> _ = transfer_weights(a, b)
+        >>> report = train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
+        ...                      torch.optim.SGD(b.parameters(), lr=0.1),
+        ...                      [np.ones((2, 4), np.float32)] * 3)
+        >>> report.steps, max(report.max_abs)
+        (3, 0.0)
+    """
+
+    a: str
+    b: str
+    loss_a: List[float] = field(default_factory=list)
+    loss_b: List[float] = field(default_factory=list)
+    max_abs: List[float] = field(default_factory=list)
+    rel_l2: List[float] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """How many steps ran."""
+        return len(self.loss_a)
+
+    def text(self) -> str:
+        """One line per step."""
+        lines = [f"drift {self.a} (a) against {self.b} (b), {self.steps} steps",
+                 f"{'step':>5} {'loss a':>12} {'loss b':>12} {'max abs':>10} {'rel L2':>10}"]
+        lines += [f"{i:>5} {la:>12.6g} {lb:>12.6g} {m:>10.3g} {r:>10.3g}" for i, (la, lb, m, r)
+                  in enumerate(zip(self.loss_a, self.loss_b, self.max_abs, self.rel_l2))]
+        return "\n".join(lines)
+
+    __str__ = text
+
+    def plot(self, path: str) -> str:
+        """Write a PNG of both losses and both distances against the step to ``path``
+        (matplotlib, imported now); returns ``path``."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        # MegEngine sets flush-to-zero; numpy warns when the log axis asks for float limits
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The value of the smallest subnormal")
+            fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+            left.plot(self.loss_a, color="tab:red", lw=2.5, alpha=0.6, label=f"{self.a} (a)")
+            left.plot(self.loss_b, color="tab:blue", lw=1.2, ls="--", label=f"{self.b} (b)")
+            left.set(title="loss", xlabel="step")
+            right.plot(self.max_abs, label="max |a - b|")
+            right.plot(self.rel_l2, label="||a - b|| / ||a||")
+            right.set_yscale("log", nonpositive="mask")
+            right.set(title="parameter drift (zeros not drawn)", xlabel="step")
+            for ax in (left, right):
+                ax.legend()
+                ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+        return path
+
+
+def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
+                loss_a: Optional[Loss] = None, loss_b: Optional[Loss] = None,
+                steps: Optional[int] = None, inputs: int = 1,
+                name_map: Optional[Mapping[str, str]] = None,
+                transforms: Optional[Mapping[str, Transform]] = None) -> DriftReport:
+    """Train ``a`` and ``b`` side by side for ``steps`` steps, each under a gradmgr
+    ``GradManager`` with its own framework's optimizer (``opt_a``, ``opt_b``: give them the
+    same settings), and measure after each step how far apart the parameters are.
+
+    Args:
+        a: the reference model.
+        b: the port, holding the same weights (:func:`transfer_weights`).
+        opt_a: ``a``'s optimizer (``step()`` then ``zero_grad()`` / ``clear_grad()``).
+        opt_b: ``b``'s optimizer.
+        batches: a sequence of batches (each a numpy array or a tuple of them) or a function
+            ``step -> batch``.
+        loss_a: ``loss_a(output, *targets) -> scalar tensor``; default the output's mean.
+        loss_b: the same for ``b``.
+        steps: how many steps (default: every batch of the sequence).
+        inputs: how many leading batch items the models take.
+        name_map: ``{a_name: b_name}``, as :func:`transfer_weights` takes.
+        transforms: declared layout changes, as :func:`transfer_weights` takes.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> from gradmgr.parity import train_drift
+        >>> a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)   # different weights
+        >>> report = train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
+        ...                      torch.optim.SGD(b.parameters(), lr=0.1),
+        ...                      lambda step: np.ones((2, 4), np.float32), steps=2)
+        >>> report.rel_l2[-1] > 0.01
+        True
+    """
+    ad_a, ad_b = adapter_for(a), adapter_for(b)
+    count = steps if steps is not None else len(batches)  # type: ignore[arg-type]
+    first = as_batch(batches(0) if callable(batches) else batches[0])
+    mapping = build_map(ad_a, ad_b, name_map, transforms=transforms,
+                        order_a=forward_order(ad_a, first, inputs),
+                        order_b=forward_order(ad_b, first, inputs))
+    trained = [p for p in mapping.pairs if p.src in {s.name for s in ad_a.slots()
+                                                      if s.trainable}]
+    report = DriftReport(ad_a.framework, ad_b.framework)
+    for step in range(count):
+        batch = as_batch(batches(step) if callable(batches) else batches[step])
+        report.loss_a.append(train_step(ad_a, batch, inputs, loss_a))
+        report.loss_b.append(train_step(ad_b, batch, inputs, loss_b))
+        ad_a.step(opt_a)
+        ad_b.step(opt_b)
+        diffs = [(convert(p, ad_a.read(p.src)).astype(np.float64),
+                  ad_b.read(p.dst).astype(np.float64)) for p in trained]
+        report.max_abs.append(max((float(np.abs(x - y).max()) for x, y in diffs), default=0.0))
+        norm = np.sqrt(sum(float((x * x).sum()) for x, _ in diffs))
+        dist = np.sqrt(sum(float(((x - y) ** 2).sum()) for x, y in diffs))
+        report.rel_l2.append(float(dist / norm) if norm else 0.0)
+    return report

@@ -1,0 +1,310 @@
+"""The weight map between two models: which tensor of one is which tensor of the other, with
+the layout changes allowed (size-1 dims only), and the copy itself (:func:`transfer_weights`).
+
+The automatic map pairs layers that own tensors in the order a forward calls them (MegEngine
+lists parameters by name, so registration order is not enough), aligning their kinds as a
+``diff`` aligns lines; inside a layer pair, tensors pair by role (``weight``, ``bias``,
+``running_mean``...). Nothing is transposed silently: a ``(N, M)`` against ``(M, N)`` pair is
+reported as "looks transposed" unless ``transforms`` declares what to do.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .contract import Layer, ModelAdapter, Slot, adapter_for, squeezed
+from .errors import MappingError
+from .trace import as_batch, forward_order
+
+Transform = Union[str, Callable[[np.ndarray], np.ndarray]]
+# Tensors one framework keeps and the other has no use for: skipped, and said so.
+_IGNORED = {"num_batches_tracked": "PyTorch's BatchNorm step counter (used only with "
+                                   "momentum=None); MegEngine has none"}
+
+
+@dataclass(frozen=True)
+class Pair:
+    """``src`` is copied to ``dst``; ``how`` is ``copy``, ``reshape (1, C, 1, 1) -> (C,)`` or
+    ``transform``."""
+
+    src: str
+    dst: str
+    src_shape: Tuple[int, ...]
+    dst_shape: Tuple[int, ...]
+    how: str
+    transform: Optional[Transform] = None
+
+
+@dataclass(frozen=True)
+class Unmapped:
+    """A tensor with no counterpart (``side`` is ``"src"`` or ``"dst"``), and why."""
+
+    side: str
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ConfigFinding:
+    """Two mapped layers configured differently (BatchNorm momentum compared in PyTorch's
+    convention): a porting bug unless meant."""
+
+    layer_src: str
+    layer_dst: str
+    key: str
+    src: Any
+    dst: Any
+
+    def __str__(self) -> str:
+        text = (f"{self.layer_src} / {self.layer_dst}: {self.key} is {self.src!r} on one "
+                f"side, {self.dst!r} on the other")
+        if self.key == "momentum":  # MegEngine's m arrives as 1 - m
+            text += " (in PyTorch's convention, the new batch's weight: MegEngine's is 1 - it)"
+        return text
+
+
+@dataclass
+class MappingReport:
+    """What :func:`transfer_weights` mapped to what, what it could not map and why, the
+    tensors it skipped by design, and the configuration findings of the mapped layers.
+
+    Example:
+        >>> import torch
+        >>> from gradmgr.parity import transfer_weights
+        >>> report = transfer_weights(torch.nn.Linear(2, 3), torch.nn.Linear(2, 3))
+        >>> report.ok, [(p.src, p.dst, p.how) for p in report.pairs]
+        (True, [('weight', 'weight', 'copy'), ('bias', 'bias', 'copy')])
+    """
+
+    src: str
+    dst: str
+    pairs: List[Pair] = field(default_factory=list)
+    unmapped: List[Unmapped] = field(default_factory=list)
+    ignored: List[Tuple[str, str]] = field(default_factory=list)
+    findings: List[ConfigFinding] = field(default_factory=list)
+    layers: List[Tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every tensor mapped and every mapped layer configured alike."""
+        return not self.unmapped and not self.findings
+
+    def text(self) -> str:
+        """The report as a human reads it."""
+        from .report import mapping_text
+
+        return mapping_text(self)
+
+    __str__ = text
+
+
+def transfer_weights(src: Any, dst: Any, name_map: Optional[Mapping[str, str]] = None, *,
+                     strict: bool = True, probe: Any = None,
+                     transforms: Optional[Mapping[str, Transform]] = None,
+                     inputs: int = 1) -> MappingReport:
+    """Copy every parameter and buffer of ``src`` into ``dst`` (PyTorch or MegEngine modules,
+    either direction or the same framework), and report what went where.
+
+    Args:
+        src: the model whose values are copied.
+        dst: the model that receives them (in place).
+        name_map: ``{src_name: dst_name}`` for every tensor; None maps automatically (layer
+            kinds in execution order, then roles and shapes).
+        strict: raise :class:`MappingError` (its message the report) if a tensor is left
+            unmapped or a mapped layer is configured differently; False copies what it could
+            map and returns the report.
+        probe: a batch (a numpy array or a tuple of them) to run one forward on each model
+            for the execution order; without it the registration order is used (MegEngine
+            registers by name: pass a probe when porting to or from MegEngine).
+        transforms: ``{src_name: "transpose" or f(array) -> array}``: declared layout
+            changes (never guessed).
+        inputs: how many leading batch items the model takes.
+
+    Example:
+        >>> import torch
+        >>> from gradmgr.parity import transfer_weights
+        >>> a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+        >>> report = transfer_weights(a, b)
+        >>> bool(torch.equal(a.weight, b.weight)), report.ok
+        (True, True)
+    """
+    a, b = adapter_for(src), adapter_for(dst)
+    report = build_map(a, b, name_map, probe=probe, transforms=transforms, inputs=inputs)
+    if strict and not report.ok:
+        raise MappingError(f"cannot transfer the weights:\n{report.text()}", report)
+    for pair in report.pairs:
+        b.write(pair.dst, convert(pair, a.read(pair.src)))
+    return report
+
+
+def convert(pair: Pair, value: np.ndarray) -> np.ndarray:
+    """``value`` of ``pair.src`` in the layout of ``pair.dst``."""
+    if pair.transform is not None:
+        value = np.transpose(value) if pair.transform == "transpose" else pair.transform(value)
+    return np.ascontiguousarray(value).reshape(pair.dst_shape)
+
+
+def build_map(a: ModelAdapter, b: ModelAdapter, name_map: Optional[Mapping[str, str]] = None,
+              *, probe: Any = None, transforms: Optional[Mapping[str, Transform]] = None,
+              inputs: int = 1, order_a: Optional[Sequence[str]] = None,
+              order_b: Optional[Sequence[str]] = None) -> MappingReport:
+    """The map from ``a``'s tensors to ``b``'s, without copying anything."""
+    if probe is not None and order_a is None:
+        batch = as_batch(probe)
+        order_a, order_b = forward_order(a, batch, inputs), forward_order(b, batch, inputs)
+    report = MappingReport(a.framework, b.framework)
+    slots_a, slots_b = {s.name: s for s in a.slots()}, {s.name: s for s in b.slots()}
+    if name_map is None:
+        pairs = _auto_pairs(a, b, order_a or [], order_b or [], report)
+    else:
+        pairs = _given_pairs(name_map, slots_a, slots_b, report)
+    for sa, sb in pairs:
+        _pair(sa, sb, dict(transforms or {}), report)
+        if name_map is not None and (sa.layer, sb.layer) not in report.layers:
+            report.layers.append((sa.layer, sb.layer))
+    used_a, used_b = {p[0].name for p in pairs}, {p[1].name for p in pairs}
+    for side, slots, used in (("src", slots_a, used_a), ("dst", slots_b, used_b)):
+        for name, slot in slots.items():
+            if name in used or any(u.name == name and u.side == side for u in report.unmapped):
+                continue
+            if slot.role in _IGNORED and not slot.trainable:
+                report.ignored.append((name, _IGNORED[slot.role]))
+            else:  # automatic: a tensor no paired layer owns is said, never skipped silently
+                report.unmapped.append(Unmapped(side, name, "not in name_map" if name_map
+                                                is not None else "no paired layer owns it"))
+    return report
+
+
+def _given_pairs(name_map: Mapping[str, str], slots_a: Dict[str, Slot],
+                 slots_b: Dict[str, Slot], report: MappingReport) -> List[Tuple[Slot, Slot]]:
+    pairs = []
+    for src, dst in name_map.items():
+        missing = [(side, n) for side, n, slots in (("src", src, slots_a), ("dst", dst, slots_b))
+                   if n not in slots]
+        for side, name in missing:
+            report.unmapped.append(Unmapped(side, name, "name_map names a tensor the model "
+                                                        "does not have"))
+        if not missing:
+            pairs.append((slots_a[src], slots_b[dst]))
+    return pairs
+
+
+def _ordered(adapter: ModelAdapter, order: Sequence[str]) -> List[Layer]:
+    """Layers that own tensors, in execution order, then the never-called ones as
+    registered."""
+    owners = {s.layer for s in adapter.slots()}
+    layers = {layer.name: layer for layer in adapter.layers() if layer.name in owners}
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(layers.values(), key=lambda layer: rank.get(layer.name, len(rank)))
+
+
+def _auto_pairs(a: ModelAdapter, b: ModelAdapter, order_a: Sequence[str],
+                order_b: Sequence[str], report: MappingReport) -> List[Tuple[Slot, Slot]]:
+    la, lb = _ordered(a, order_a), _ordered(b, order_b)
+    by_layer_a, by_layer_b = _by_layer(a.slots()), _by_layer(b.slots())
+    pairs: List[Tuple[Slot, Slot]] = []
+    for ya, yb in match_layers(la, lb, by_layer_a, by_layer_b):
+        report.layers.append((ya.name, yb.name))
+        report.findings.extend(config_findings(ya, yb))
+        pairs.extend(_pair_roles(by_layer_a[ya.name], by_layer_b[yb.name], report))
+    matched_a, matched_b = {x for x, _ in report.layers}, {y for _, y in report.layers}
+    for side, layers, matched, by_layer, other in (("src", la, matched_a, by_layer_a, lb),
+                                                   ("dst", lb, matched_b, by_layer_b, la)):
+        for layer in layers:
+            if layer.name not in matched:
+                reason = (f"no {layer.kind} layer at this place in the other model (its "
+                          f"layers with tensors, in execution order: "
+                          f"{', '.join(x.kind for x in other)})")
+                report.unmapped.extend(Unmapped(side, s.name, reason)
+                                       for s in by_layer[layer.name] if s.role not in _IGNORED)
+    return pairs
+
+
+def match_layers(la: List[Layer], lb: List[Layer], slots_a: Dict[str, List[Slot]],
+                 slots_b: Dict[str, List[Slot]]) -> List[Tuple[Layer, Layer]]:
+    """Pair the layers of two models: first as ``diff`` aligns lines, a line being a layer's
+    kind and its tensors' shapes (size-1 dims dropped); then what is left, by the same kind
+    and shapes in order (a port that calls its downsample before the block's convolutions,
+    not after); then by kind alone in order (so that a shape mismatch is reported as one)."""
+    def key(layer: Layer, slots: Dict[str, List[Slot]]) -> tuple:
+        return (layer.kind,) + tuple(sorted((s.role, squeezed(s.shape))
+                                            for s in slots.get(layer.name, ())
+                                            if s.role not in _IGNORED))
+    ka, kb = [key(x, slots_a) for x in la], [key(x, slots_b) for x in lb]
+    matcher = difflib.SequenceMatcher(None, ka, kb, autojunk=False)
+    found = {blk.a + k: blk.b + k for blk in matcher.get_matching_blocks()
+             for k in range(blk.size)}
+    for same in (lambda i, j: ka[i] == kb[j], lambda i, j: la[i].kind == lb[j].kind):
+        free_b = [j for j in range(len(lb)) if j not in found.values()]
+        for i in range(len(la)):
+            j = next((j for j in free_b if i not in found and same(i, j)), None)
+            if j is not None:
+                found[i] = j
+                free_b.remove(j)
+    return [(la[i], lb[j]) for i, j in sorted(found.items())]
+
+
+def _by_layer(slots: Sequence[Slot]) -> Dict[str, List[Slot]]:
+    found: Dict[str, List[Slot]] = {}
+    for slot in slots:
+        found.setdefault(slot.layer, []).append(slot)
+    return found
+
+
+def _pair_roles(sa: List[Slot], sb: List[Slot], report: MappingReport) -> List[Tuple[Slot, Slot]]:
+    roles_b = {s.role: s for s in sb}
+    pairs = []
+    for slot in sa:
+        other = roles_b.pop(slot.role, None)
+        if other is not None:
+            pairs.append((slot, other))
+        elif slot.role not in _IGNORED:
+            report.unmapped.append(Unmapped("src", slot.name, f"the matching layer has no "
+                                                              f"{slot.role}"))
+    for slot in roles_b.values():
+        if slot.role not in _IGNORED:
+            report.unmapped.append(Unmapped("dst", slot.name, f"the matching layer has no "
+                                                              f"{slot.role}"))
+    return pairs
+
+
+def _pair(sa: Slot, sb: Slot, transforms: Dict[str, Transform], report: MappingReport) -> None:
+    transform = transforms.get(sa.name)
+    shape = sa.shape
+    if transform is not None:
+        probe = np.zeros(sa.shape, dtype=np.float32)
+        shape = np.transpose(probe).shape if transform == "transpose" else transform(probe).shape
+    if shape == sb.shape:
+        how = "transform" if transform is not None else "copy"
+    elif squeezed(shape) == squeezed(sb.shape):
+        how = f"reshape {shape} -> {sb.shape}"
+    else:
+        report.unmapped.append(Unmapped("src", sa.name, _shape_reason(sa, sb)))
+        report.unmapped.append(Unmapped("dst", sb.name, f"{sa.name} does not fit it (above)"))
+        return
+    report.pairs.append(Pair(sa.name, sb.name, sa.shape, sb.shape, how, transform))
+
+
+def _shape_reason(sa: Slot, sb: Slot) -> str:
+    if squeezed(sa.shape) == tuple(reversed(squeezed(sb.shape))) and len(squeezed(sa.shape)) == 2:
+        return (f"looks transposed: {sa.shape} against {sb.name} {sb.shape}; if the port "
+                f"stores it transposed, declare transforms={{{sa.name!r}: 'transpose'}}")
+    return f"shape {sa.shape} cannot hold {sb.name}'s {sb.shape} (not a layout-only change)"
+
+
+def config_findings(la: Layer, lb: Layer) -> List[ConfigFinding]:
+    """The configuration keys both layers have and set differently."""
+    found = []
+    for key in sorted(set(la.config) & set(lb.config)):
+        va, vb = la.config[key], lb.config[key]
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
+        # momentum 0.9 in MegEngine arrives as 1 - 0.9 = 0.09999999999999998
+        same = math.isclose(va, vb, rel_tol=1e-6, abs_tol=1e-12) if numbers else va == vb
+        if not same:
+            found.append(ConfigFinding(la.name, lb.name, key, va, vb))
+    return found

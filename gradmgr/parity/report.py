@@ -1,0 +1,176 @@
+"""The results of a compared step, and the text a human reads: a table of every compared
+tensor (layer, kind, max abs, max rel, tolerance, verdict), the first divergence forward and
+backward, the kink flips, the tensors left unmapped and the configuration findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from .mapping import ConfigFinding, MappingReport, Unmapped
+
+
+@dataclass
+class Entry:
+    """One compared tensor: ``what`` is ``forward`` (a layer's output), ``loss`` or ``grad``
+    (a parameter's gradient); ``verdict`` is ``ok``, ``DIFFERS``, or ``unverified`` (a flip
+    that could not be pinned lies behind it)."""
+
+    what: str
+    name: str
+    layer: str
+    kind: str
+    max_abs: float
+    max_rel: float
+    tol: float
+    verdict: str
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Within tolerance."""
+        return self.verdict == "ok"
+
+
+@dataclass
+class Flip:
+    """Elements of a piecewise layer that took different branches on the two sides while
+    both inputs lay within ``tol`` of the kink: rounding, not a bug. ``pinned`` says whether
+    the gradients were checked again with the branch pinned to side a's."""
+
+    layer_a: str
+    layer_b: str
+    kind: str
+    count: int
+    max_input: float
+    tol: float
+    pinned: bool
+    seen: bool = True  # False: one side's layer has no counterpart the tool can watch
+
+
+@dataclass
+class StepReport:
+    """The comparison of one step of two models (:func:`gradmgr.parity.compare_step`).
+
+    Example:
+        >>> import torch
+        >>> from gradmgr.parity import compare_step
+        >>> torch.manual_seed(0) and None
+        >>> a = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+        >>> b = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+        >>> b.load_state_dict(a.state_dict())
+        <All keys matched successfully>
+        >>> import numpy as np
+        >>> report = compare_step(a, b, np.ones((2, 4), np.float32))
+        >>> report.ok, report.first_forward, report.first_grad
+        (True, None, None)
+    """
+
+    a: str
+    b: str
+    entries: List[Entry] = field(default_factory=list)
+    flips: List[Flip] = field(default_factory=list)
+    unmatched: List[str] = field(default_factory=list)
+    unmapped: List[Unmapped] = field(default_factory=list)
+    findings: List[ConfigFinding] = field(default_factory=list)
+    first_forward: Optional[Entry] = None
+    first_grad: Optional[Entry] = None
+
+    @property
+    def ok(self) -> bool:
+        """Every tensor within tolerance and verified, every tensor mapped, every layer
+        configured alike."""
+        return (all(e.ok for e in self.entries) and not self.unmapped and not self.findings)
+
+    @property
+    def unverified(self) -> List[Entry]:
+        """The gradients a flip that could not be pinned left unchecked on this batch."""
+        return [e for e in self.entries if e.verdict == "unverified"]
+
+    def failures(self) -> List[Entry]:
+        """The entries beyond tolerance."""
+        return [e for e in self.entries if e.verdict == "DIFFERS"]
+
+    def text(self, all_rows: bool = True) -> str:
+        """The report as a table; ``all_rows=False`` shows only the rows that are not ok."""
+        return step_text(self, all_rows)
+
+    __str__ = text
+
+
+def _row(e: Entry) -> str:
+    name = e.name if e.what != "forward" else e.layer
+    return (f"{e.what:<8} {name[:40]:<40} {e.kind[:12]:<12} {e.max_abs:>10.3g} "
+            f"{e.max_rel:>10.3g} {e.tol:>10.3g}  {e.verdict}{'  ' + e.note if e.note else ''}")
+
+
+def _unseen_line(flips: List[Flip]) -> str:
+    """The possible flips at ReLUs watched on one side only, in one line."""
+    counts: dict = {}
+    for f in flips:
+        layer = f"{f.layer_a} (a)" if f.layer_a != "?" else f"{f.layer_b} (b)"
+        counts.setdefault(layer, []).append(str(f.count))
+    listed = ", ".join(f"{layer}: {'+'.join(n)}" for layer, n in counts.items())
+    return (f"possible kink flips at ReLUs watched on one side only (the other side's is a "
+            f"function, e.g. F.relu): inputs within tolerance of the kink at {listed}; they "
+            f"cannot be compared or pinned: gradients behind them that differ are unverified "
+            f"on this batch")
+
+
+def _flip_line(f: Flip) -> str:
+    if f.kind.startswith("maxpool"):
+        what = (f"{f.count} window(s) of {f.kind} {f.layer_a} / {f.layer_b} picked different "
+                f"elements of a near tie (gaps within {f.tol:.3g}, largest {f.max_input:.3g})")
+    else:
+        what = (f"{f.count} element(s) of {f.kind} {f.layer_a} / {f.layer_b} took different "
+                f"branches with inputs within {f.tol:.3g} of the kink (largest "
+                f"{f.max_input:.3g})")
+    verdict = ("gradients checked again with the branch pinned" if f.pinned else
+               "cannot be pinned: gradients of this layer and earlier unverified on this batch")
+    return f"kink flip (rounding, not a bug): {what}; {verdict}"
+
+
+def step_text(report: StepReport, all_rows: bool = True) -> str:
+    """The text of a :class:`StepReport`."""
+    verdict = "PARITY OK" if report.ok else ("NOT VERIFIED" if not report.failures()
+                                             and not report.findings and not report.unmapped
+                                             else "PARITY BROKEN")
+    lines = [f"{verdict}: {report.a} (a) against {report.b} (b), one step"]
+    if report.first_forward is not None:
+        e = report.first_forward
+        lines.append(f"first forward divergence: layer {e.layer} ({e.kind}): "
+                     + (e.note or f"max abs {e.max_abs:.3g} > tol {e.tol:.3g}"))
+    if report.first_grad is not None:
+        e = report.first_grad
+        lines.append(f"first gradient divergence (backward order): {e.name} of layer "
+                     f"{e.layer} ({e.kind}): "
+                     + (e.note or f"max abs {e.max_abs:.3g} > tol {e.tol:.3g}"))
+    lines += [f"config: {finding}" for finding in report.findings]
+    lines += [f"unmapped ({u.side}) {u.name}: {u.reason}" for u in report.unmapped]
+    lines += [_flip_line(f) for f in report.flips if f.seen]
+    if any(not f.seen for f in report.flips):
+        lines.append(_unseen_line([f for f in report.flips if not f.seen]))
+    lines += [f"no counterpart: {u}" for u in report.unmatched]
+    if (report.first_grad is not None and report.first_forward is None
+            and not report.flips):
+        lines.append("every forward agrees but a gradient differs: a backward-only difference "
+                     "(a custom backward, a detach), or a kink flip in an operation the tool "
+                     "cannot watch (a functional relu or max: write it as a module)")
+    rows = [e for e in report.entries if all_rows or not e.ok]
+    if rows:
+        lines.append(f"{'tensor':<8} {'layer / name':<40} {'kind':<12} {'max abs':>10} "
+                     f"{'max rel':>10} {'tol':>10}  verdict")
+        lines += [_row(e) for e in rows]
+    return "\n".join(lines)
+
+
+def mapping_text(report: MappingReport) -> str:
+    """The text of a :class:`~gradmgr.parity.MappingReport`."""
+    lines = [f"weights {report.src} -> {report.dst}: {len(report.pairs)} mapped, "
+             f"{len(report.unmapped)} unmapped, {len(report.findings)} config finding(s)"]
+    lines += [f"  unmapped ({u.side}) {u.name}: {u.reason}" for u in report.unmapped]
+    lines += [f"  config: {finding}" for finding in report.findings]
+    lines += [f"  {p.src} -> {p.dst}: {p.how}" for p in report.pairs]
+    lines += [f"  skipped {name}: {why}" for name, why in report.ignored]
+    return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""One side of a compared step: the model's forward with every leaf layer watched, the loss,
+and the backward under a gradmgr GradManager; all of it kept as numpy arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..manager import GradManager
+from .contract import PIECEWISE, ModelAdapter
+from .errors import ParityError
+
+Loss = Callable[..., Any]
+
+
+@dataclass
+class Call:
+    """One call of a leaf layer during the forward (a layer called twice gives two calls)."""
+
+    layer: str
+    kind: str
+    config: Dict[str, Any]
+    in_shape: Tuple[int, ...]
+    output: Optional[np.ndarray]
+    input: Optional[np.ndarray] = None  # kept for piecewise layers only (kinks.py)
+    done: int = -1  # the order in which calls return (a module's after its children's)
+
+
+@dataclass
+class Trace:
+    """What one side computed for one batch."""
+
+    calls: List[Call]
+    loss: float
+    grads: Dict[str, Optional[np.ndarray]]
+    dtype: Any = np.float32
+    order: List[str] = field(default_factory=list)  # layers by first call
+
+
+def as_batch(batch: Any) -> Tuple[np.ndarray, ...]:
+    """The batch as a tuple of numpy arrays (one array alone is a batch of one tensor)."""
+    items = (batch,) if isinstance(batch, np.ndarray) else batch
+    try:
+        arrays = tuple(np.asarray(item) for item in items)
+    except TypeError:
+        raise ParityError(f"a batch is a numpy array or a tuple of them, not "
+                          f"{type(batch).__name__}") from None
+    for i, a in enumerate(arrays):
+        if a.dtype.kind not in "fiub":
+            raise ParityError(f"batch item {i} has dtype {a.dtype}: the batch must hold "
+                              f"numeric numpy arrays, converted for each framework")
+    if not arrays:
+        raise ParityError("the batch is empty: give the model's input (and the loss's "
+                          "targets) as numpy arrays")
+    return arrays
+
+
+def forward_order(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int) -> List[str]:
+    """The leaf layers in the order one forward calls them first; buffers (BatchNorm's
+    running statistics) are put back as they were."""
+    calls = _watch(adapter, batch, inputs, loss=None, pins={}, backward=False)[0]
+    return _first_calls(calls)
+
+
+def run_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
+             loss: Optional[Loss], pins: Dict[int, Tuple[str, np.ndarray]]) -> Trace:
+    """One forward and backward; ``pins`` maps a call's index to its pin (kinks.py):
+    ``("mask", keep)``: the output is ``x * keep``; ``("offset", delta)``: the input is
+    ``x + delta``."""
+    calls, value, grads = _watch(adapter, batch, inputs, loss, pins, backward=True)
+    dtype = calls[0].output.dtype if calls and calls[0].output is not None else np.float32
+    return Trace(calls, value, grads, dtype, _first_calls(calls))
+
+
+def train_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
+               loss: Optional[Loss]) -> float:
+    """One forward and backward, nothing watched (a training step of :mod:`.drift`);
+    returns the loss."""
+    return _forward_backward(adapter, batch, inputs, loss, backward=True)[0]
+
+
+def _first_calls(calls: List[Call]) -> List[str]:
+    return list(dict.fromkeys(c.layer for c in calls))
+
+
+def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
+           loss: Optional[Loss], pins: Dict[int, Tuple[str, np.ndarray]],
+           backward: bool) -> tuple:
+    layers = {layer.name: layer for layer in adapter.layers()}
+    calls: List[Call] = []
+    finished = [0]
+    running: Dict[str, List[int]] = {}  # a layer's calls whose forward has not returned
+    saved: Dict[int, Any] = {}
+    kept = None if backward else _buffers(adapter)
+
+    def pre(name: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
+        layer, x = layers[name], args[0] if args else None
+        index = len(calls)
+        shape = tuple(x.shape) if adapter.is_tensor(x) else ()
+        piecewise = layer.kind in PIECEWISE and adapter.is_tensor(x)
+        calls.append(Call(name, layer.kind, layer.config, shape, None,
+                          adapter.numpy(x) if piecewise else None))
+        running.setdefault(name, []).append(index)
+        if index in pins and pins[index][0] == "offset":
+            return (adapter.offset(x, pins[index][1]),) + tuple(args[1:])
+        if index in pins:  # an in-place ReLU must not overwrite the input the pin needs
+            saved[index] = x
+            return (adapter.clone(x),) + tuple(args[1:])
+        return None
+
+    def post(name: str, out: Any) -> Any:
+        index = running[name].pop()
+        calls[index].done, finished[0] = finished[0], finished[0] + 1
+        if index in saved:
+            out = adapter.mask(saved.pop(index), pins[index][1])
+        if adapter.is_tensor(out):
+            calls[index].output = adapter.numpy(out)
+        return out if index in pins and pins[index][0] == "mask" else None
+
+    remove = adapter.hook(pre, post)
+    try:
+        return (calls,) + _forward_backward(adapter, batch, inputs, loss, backward)
+    finally:
+        remove()
+        if kept is not None:
+            restore(adapter, kept)
+
+
+def _forward_backward(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
+                      loss: Optional[Loss], backward: bool) -> tuple:
+    tensors = [adapter.tensor(a) for a in batch]
+    if not backward:
+        _call(adapter, tensors[:inputs])
+        return (None, {})
+    adapter.clear_grads()
+    gm = GradManager().attach(adapter.parameters())
+    with gm:
+        output = _call(adapter, tensors[:inputs])
+        value = loss(output, *tensors[inputs:]) if loss is not None else _mean(adapter, output)
+        gm.backward(value)
+    grads = {slot.name: adapter.grad(slot.name) for slot in adapter.slots() if slot.trainable}
+    return (float(adapter.numpy(value).reshape(-1)[0]), grads)
+
+
+def _call(adapter: ModelAdapter, inputs: Sequence[Any]) -> Any:
+    try:
+        return adapter.model(*inputs)
+    except Exception as error:  # a batch that does not fit: say which model and which shapes
+        shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+        raise ParityError(
+            f"the {adapter.framework} model ({type(adapter.model).__name__}) failed on the "
+            f"batch's input(s) of shape {shapes}: {type(error).__name__}: {error}") from error
+
+
+def _mean(adapter: ModelAdapter, output: Any) -> Any:
+    if not adapter.is_tensor(output):
+        raise ParityError(
+            f"the {adapter.framework} model returned a {type(output).__name__}, not a tensor: "
+            f"pass loss_a= and loss_b= (loss(output, *targets) -> scalar tensor)")
+    return adapter.mean(output)
+
+
+def _buffers(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
+    return {s.name: adapter.read(s.name) for s in adapter.slots() if not s.trainable}
+
+
+def snapshot(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
+    """The buffers' values, to run a step again from the same state (:func:`restore`)."""
+    return _buffers(adapter)
+
+
+def restore(adapter: ModelAdapter, values: Dict[str, np.ndarray]) -> None:
+    """Put back the buffers' values :func:`snapshot` took."""
+    for name, value in values.items():
+        adapter.write(name, value)

@@ -1,0 +1,63 @@
+"""The MegEngine side of tests/parity_small_torch.py: the same models as a porting user
+writes them in MegEngine (BatchNorm momentum 0.9 is PyTorch's 0.1)."""
+
+from __future__ import annotations
+
+import megengine.functional as F
+import megengine.module as M
+
+
+class TransposedLinear(M.Linear):
+    """A port that multiplies by the weight as stored (x @ W, not x @ W.T)."""
+
+    def forward(self, x):
+        return F.matmul(x, self.weight) + self.bias
+
+
+class MLP(M.Module):
+    def __init__(self, transposed: bool = False, no_bias: bool = False,
+                 leaky: bool = False) -> None:
+        super().__init__()
+        self.fc1 = M.Linear(16, 32)
+        self.act1 = M.LeakyReLU(0.1) if leaky else M.ReLU()
+        self.fc2 = (TransposedLinear if transposed else M.Linear)(32, 32)
+        self.act2 = M.ReLU()
+        self.fc3 = M.Linear(32, 4, bias=not no_bias)
+
+    def forward(self, x):
+        return self.fc3(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+
+class CNN(M.Module):
+    def __init__(self, bn_eps: float = 1e-5, padding: int = 1, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.conv1 = M.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = M.BatchNorm2d(8, momentum=momentum)
+        self.relu1 = M.ReLU()
+        self.pool = M.MaxPool2d(2)
+        self.conv2 = M.Conv2d(8, 16, 3, padding=padding)
+        self.bn2 = M.BatchNorm2d(16, eps=bn_eps)
+        self.relu2 = M.ReLU()
+        self.gap = M.AdaptiveAvgPool2d(1)
+        self.fc = M.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.pool(self.relu1(self.bn1(self.conv1(x))))
+        x = self.gap(self.relu2(self.bn2(self.conv2(x))))
+        return self.fc(F.flatten(x, 1))
+
+
+class Block(M.Module):
+    def __init__(self, ln_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.norm = M.LayerNorm(16, eps=ln_eps)
+        self.up = M.Linear(16, 64)
+        self.act = M.GELU()
+        self.down = M.Linear(64, 16)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+def cross_entropy(output, target):
+    return F.nn.cross_entropy(output, target.astype("int32"))

@@ -1,0 +1,286 @@
+"""gradmgr.parity across frameworks (issue 30): small real models written in PyTorch and in
+MegEngine, weights transferred in both directions, one step compared layer by layer.
+
+Tolerances are the tool's own (gradmgr/parity/tolerance.py, docs/porting.md); where a test
+asserts values itself it says its tolerance. The models are in tests/parity_small_torch.py and
+tests/parity_small_mge.py (the ResNet-18 and encoder tests are tests/test_parity_models*.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+mge = pytest.importorskip("megengine")
+torch = pytest.importorskip("torch")
+
+import megengine.optimizer as mge_optim  # noqa: E402
+import parity_small_mge as G  # noqa: E402
+import parity_small_torch as T  # noqa: E402
+
+from gradmgr.parity import (  # noqa: E402
+    MappingError,
+    ModelTypeError,
+    ParityError,
+    assert_parity,
+    compare_step,
+    train_drift,
+    transfer_weights,
+)
+
+RS = np.random.RandomState(0)
+X16 = RS.randn(8, 16).astype(np.float32)
+XIMG = RS.randn(4, 3, 8, 8).astype(np.float32)
+XSEQ = RS.randn(4, 5, 16).astype(np.float32)
+LABELS = RS.randint(0, 10, size=4).astype(np.int64)
+CASES = {"mlp": (T.MLP, G.MLP, X16), "cnn": (T.CNN, G.CNN, XIMG),
+         "block": (T.Block, G.Block, XSEQ)}
+
+
+def pair(case: str, direction: str, **broken):
+    """(reference, port, batch): the port of ``direction`` ("torch->megengine" or back)
+    built with the bug ``broken`` names, the reference's weights transferred into it."""
+    make_t, make_m, x = CASES[case]
+    torch.manual_seed(0)
+    if direction == "torch->megengine":
+        a, b = make_t(), make_m(**broken)
+    else:  # MegEngine starts biases at zero: give them values, so that a lost one shows
+        a, b = make_m(), make_t(**broken)
+        rs = np.random.RandomState(1)
+        a.load_state_dict({k: v + rs.uniform(-0.1, 0.1, v.shape).astype(v.dtype)
+                           if k.endswith("bias") else v for k, v in a.state_dict().items()})
+    transfer_weights(a, b, probe=x, strict=False)
+    return a, b, x
+
+
+def numpy_of(t) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    return t.detach().numpy() if isinstance(t, torch.Tensor) else t.numpy()
+
+
+DIRECTIONS = ["torch->megengine", "megengine->torch"]
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_correct_port_passes_and_its_gradients_are_the_plain_backwards(case, direction):
+    a, b, x = pair(case, direction)
+    torch_model = a if direction == "torch->megengine" else b
+    reference = copy.deepcopy(torch_model)  # before the step: BatchNorm statistics as a's
+    report = assert_parity(a, b, x)
+    assert report.ok and report.flips == [] and report.unmatched == []
+    # the tolerances are not vacuous: every one below 1e-4 of its tensor's scale
+    for e in report.entries:
+        assert e.tol <= 1e-4 * max(e.max_abs / max(e.max_rel, 1e-30), 1e-30) or e.max_abs == 0
+    # the torch side's gradients (gradmgr's GradManager) equal plain loss.backward()'s
+    reference(torch.as_tensor(x)).mean().backward()
+    for (name, p), q in zip(torch_model.named_parameters(), reference.parameters()):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-6, atol=1e-9,
+                                   err_msg=name)
+    # and the MegEngine side's gradients equal the torch side's to 1e-4 of their layer's
+    # scale (a bias before a training-mode BatchNorm has a gradient of rounding noise only)
+    mge_model = b if direction == "torch->megengine" else a
+    mge_grads = dict(mge_model.named_parameters())
+    for name, p in torch_model.named_parameters():
+        g = numpy_of(mge_grads[name].grad).reshape(p.shape)
+        layer = name.rpartition(".")[0]
+        scale = max(np.abs(q.grad.numpy()).max() for n, q in torch_model.named_parameters()
+                    if n.rpartition(".")[0] == layer)
+        np.testing.assert_allclose(g, p.grad.numpy(), atol=1e-4 * scale, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_batchnorm_statistics_and_shapes_cross_with_momentum_translated(direction):
+    a, b, x = pair("cnn", direction)
+    report = transfer_weights(a, b, probe=x)
+    hows = {p.src: p.how for p in report.pairs}
+    assert "reshape" in hows["bn1.weight"] and "reshape" in hows["bn1.running_var"]
+    assert hows["conv1.weight"] == "copy" and report.findings == []
+    assert [name for name, _ in report.ignored] == ["bn1.num_batches_tracked",
+                                                    "bn2.num_batches_tracked"]
+    compare_step(a, b, x)  # one training step: running statistics updated on both sides
+    stats_a = {k: numpy_of(v).reshape(-1) for k, v in a.named_buffers() if "running" in k}
+    stats_b = {k: numpy_of(v).reshape(-1) for k, v in b.named_buffers() if "running" in k}
+    assert stats_a.keys() == stats_b.keys() and len(stats_a) == 4
+    for name in stats_a:  # momentum 0.1 (torch) == 0.9 (MegEngine): the same statistics
+        np.testing.assert_allclose(stats_a[name], stats_b[name], rtol=1e-5, atol=1e-6)
+        assert not np.allclose(stats_a[name], 0 if "mean" in name else 1)
+
+
+def test_a_momentum_copied_without_translation_is_a_finding():
+    a, b, x = pair("cnn", "torch->megengine", momentum=0.1)  # MegEngine's 0.1 is torch's 0.9
+    report = compare_step(a, b, x)
+    assert [(f.layer_src, f.key) for f in report.findings] == [("bn1", "momentum")]
+    assert not report.ok and "PyTorch's convention" in report.text()
+
+
+BROKEN = [  # (case, the bug, the layer it must be pinned to, the config key it changes)
+    ("mlp", {"transposed": True}, "fc2", None),
+    ("mlp", {"no_bias": True}, "fc3", "bias"),
+    ("cnn", {"bn_eps": 1e-3}, "bn2", "eps"),
+    ("cnn", {"padding": 2}, "conv2", "padding"),
+    ("block", {"ln_eps": 1e-3}, "norm", "eps"),
+]
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case,bug,layer,key", BROKEN,
+                         ids=[f"{c}-{next(iter(b))}" for c, b, _, _ in BROKEN])
+def test_a_broken_port_is_pinned_to_its_layer(case, bug, layer, key, direction):
+    a, b, x = pair(case, direction, **bug)
+    report = compare_step(a, b, x)
+    assert not report.ok
+    assert report.first_forward is not None and report.first_forward.layer == layer
+    assert [f.key for f in report.findings] == ([key] if key else [])
+    assert all(e.ok for e in report.entries if e.what == "forward"
+               and report.entries.index(e) < report.entries.index(report.first_forward))
+    with pytest.raises(AssertionError) as info:
+        assert_parity(a, b, x)
+    assert f"first forward divergence: layer {layer} " in str(info.value)
+
+
+def test_a_missing_bias_is_left_unmapped_and_strict_transfer_refuses():
+    torch.manual_seed(0)
+    a, b = T.MLP(), G.MLP(no_bias=True)
+    with pytest.raises(MappingError) as info:
+        transfer_weights(a, b, probe=X16)
+    message = str(info.value)
+    assert "unmapped (src) fc3.bias: the matching layer has no bias" in message
+    assert "fc3 / fc3: bias is True on one side, False on the other" in message
+    assert info.value.report.unmapped[0].name == "fc3.bias"
+
+
+def test_an_unmappable_model_gets_a_clear_report():
+    with pytest.raises(MappingError) as info:
+        transfer_weights(T.MLP(), G.CNN(), probe=None)
+    message = str(info.value)
+    assert "no linear layer at this place in the other model" in message
+    assert "no conv2d layer at this place" in message
+
+
+def craft_flip(a, b, leaky_rows: int = 1):
+    """Make the first sample's fc1 pre-activation of unit 0 exactly 0.0 on ``a`` (integers and
+    powers of two: exact in any summation order) and one ulp above on ``b``: a ReLU kink flip."""
+    state = {k: numpy_of(v).copy() for k, v in a.state_dict().items()}
+    state["fc1.weight"][0] = 0.25
+    state["fc1.bias"][0] = -4.0
+    load(a, state)
+    transfer_weights(a, b, probe=X16)
+    nudged = {k: numpy_of(v).copy() for k, v in b.state_dict().items()}
+    nudged["fc1.bias"].reshape(-1)[0] = np.nextafter(np.float32(-4.0), np.float32(0.0))
+    load(b, nudged)
+    x = X16.copy()
+    x[0] = 1.0
+    return x
+
+
+def load(model, state) -> None:
+    if isinstance(model, torch.nn.Module):
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    else:
+        model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_relu_kink_flip_is_a_flip_and_the_pinned_step_verifies_every_gradient(direction):
+    torch.manual_seed(0)
+    a, b = (T.MLP(), G.MLP()) if direction == "torch->megengine" else (G.MLP(), T.MLP(inplace=True))
+    x = craft_flip(a, b)
+    unpinned = compare_step(a, b, x, pin=False)
+    # without the pin, the flipped element moves fc1's gradients far beyond tolerance (they
+    # are unverified, not wrong); the forward agrees
+    moved = {e.name: e for e in unpinned.unverified}
+    assert sorted(moved) == ["fc1.bias / fc1.bias", "fc1.weight / fc1.weight"]
+    assert all(e.max_abs > 100 * e.tol for e in moved.values())
+    assert all(e.ok for e in unpinned.entries if e.what == "forward")
+    report = compare_step(a, b, x)
+    assert [(f.layer_a, f.count, f.pinned) for f in report.flips] == [("act1", 1, True)]
+    assert report.ok, report.text()
+    assert "kink flip (rounding, not a bug): 1 element(s) of relu act1" in report.text()
+
+
+def test_a_bug_in_a_layer_before_a_flip_is_still_reported():
+    torch.manual_seed(0)
+    a, b = T.MLP(), G.MLP()
+    x = craft_flip(a, b)
+    state = {k: numpy_of(v).copy() for k, v in b.state_dict().items()}
+    state["fc1.weight"][5] += 1e-3  # a porting bug in another unit of the same layer
+    b.load_state_dict(state)
+    report = compare_step(a, b, x)
+    assert [(f.layer_a, f.count) for f in report.flips] == [("act1", 1)]
+    assert not report.ok and report.first_forward.layer == "fc1"
+    # fc1's own gradient does not depend on its weight (ReLU, linear loss); fc2's does
+    assert {"fc1 / fc1", "fc2.weight / fc2.weight"} <= {e.name for e in report.failures()}
+    assert report.flips[0].pinned and report.unverified == []
+
+
+def test_a_flip_that_cannot_be_pinned_leaves_gradients_unverified_until_a_batch_verifies():
+    torch.manual_seed(0)
+    a, b = T.MLP(leaky=True), G.MLP(leaky=True)
+    x = craft_flip(a, b)
+    report = compare_step(a, b, x)
+    assert [(f.layer_a, f.kind, f.pinned) for f in report.flips] == [("act1", "leakyrelu",
+                                                                       False)]
+    assert {e.name for e in report.unverified} == {"fc1.weight / fc1.weight",
+                                                   "fc1.bias / fc1.bias"}
+    assert report.failures() == [] and not report.ok
+    assert report.text().startswith("NOT VERIFIED")
+    with pytest.raises(AssertionError, match="unverified by kink flips .* fc1.bias / fc1.bias"):
+        assert_parity(a, b, [x, x])
+    clean = x.copy()
+    clean[0] = 2.0  # pre-activation 4.0: no flip, every gradient verified
+    assert assert_parity(a, b, lambda i: x if i == 0 else clean).ok
+
+
+def train(direction: str, **broken):
+    a, b, x = pair("cnn", direction, **broken)
+    rs = np.random.RandomState(1)
+    batches = [(rs.randn(4, 3, 8, 8).astype(np.float32), rs.randint(0, 10, 4))
+               for _ in range(8)]
+    optimizers = []
+    for model in (a, b):
+        if isinstance(model, torch.nn.Module):
+            optimizers.append(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        else:
+            optimizers.append(mge_optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    losses = [T.cross_entropy if isinstance(m, torch.nn.Module) else G.cross_entropy
+              for m in (a, b)]
+    return train_drift(a, b, *optimizers, batches, loss_a=losses[0], loss_b=losses[1])
+
+
+def test_drift_is_small_for_a_correct_port_and_its_plot_is_written(tmp_path):
+    report = train("torch->megengine")
+    assert report.steps == 8 and report.loss_a[-1] < report.loss_a[0]
+    assert max(report.rel_l2) < 1e-5 and max(report.max_abs) < 1e-5
+    np.testing.assert_allclose(report.loss_a, report.loss_b, rtol=1e-5)
+    path = report.plot(str(tmp_path / "drift.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_drift_is_large_for_a_broken_port():
+    report = train("megengine->torch", bn_eps=1e-3)
+    assert report.rel_l2[-1] > 1e-4 and report.rel_l2[-1] > 100 * report.rel_l2[0] / 100
+    assert report.rel_l2[-1] > train("megengine->torch").rel_l2[-1] * 100
+
+
+def test_targets_reach_the_loss_and_a_wrong_batch_is_a_clear_error():
+    a, b, x = pair("cnn", "torch->megengine")
+    report = compare_step(a, b, (x, LABELS), loss_a=T.cross_entropy, loss_b=G.cross_entropy)
+    assert report.ok, report.text()
+    loss = next(e for e in report.entries if e.what == "loss")
+    assert loss.max_rel < 1e-5
+    with pytest.raises(ParityError, match=r"the torch model \(CNN\) failed on the batch's "
+                                          r"input\(s\) of shape \(8, 16\)"):
+        compare_step(a, b, X16)
+    with pytest.raises(ParityError, match="batch item 0 has dtype <U1"):
+        compare_step(a, b, (np.array(["a"]),))
+    with pytest.raises(ModelTypeError, match="cannot compare a str"):
+        compare_step("model", b, x)

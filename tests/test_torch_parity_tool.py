@@ -1,0 +1,279 @@
+"""gradmgr.parity between two PyTorch models (runs in every environment): the weight map's
+explicit paths (name_map, declared transforms, transposes refused), flips with an in-place
+ReLU pinned, and the tool's gradients against plain ``loss.backward()``."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gradmgr.parity import (
+    MappingError,
+    ModelTypeError,
+    ParityError,
+    assert_parity,
+    compare_step,
+    transfer_weights,
+)
+
+X = np.random.RandomState(0).randn(6, 4).astype(np.float32)
+
+
+class InOutLinear(nn.Module):
+    """A port that stores its weight as (in, out) and multiplies x @ W."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+def test_a_transposed_layout_is_refused_until_declared_then_compared_through_it():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3), InOutLinear(4, 3)
+    names = {"weight": "weight", "bias": "bias"}
+    with pytest.raises(MappingError, match=r"looks transposed: \(3, 4\) against weight \(4, 3\)"
+                                           r".*transforms=\{'weight': 'transpose'\}"):
+        transfer_weights(a, b, names)
+    report = transfer_weights(a, b, names, transforms={"weight": "transpose"})
+    assert [(p.src, p.how) for p in report.pairs] == [("weight", "transform"), ("bias", "copy")]
+    np.testing.assert_array_equal(b.weight.detach().numpy(), a.weight.detach().numpy().T)
+    step = compare_step(a, b, X, name_map=names, transforms={"weight": "transpose"})
+    assert step.ok, step.text()
+    np.testing.assert_allclose(b.weight.grad.numpy(), a.weight.grad.numpy().T, rtol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_a_cuda_model_against_its_cpu_copy():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True),
+                      nn.Linear(16, 2))
+    b = copy.deepcopy(a).cuda()
+    report = assert_parity(a, b, X)
+    assert report.entries and all(e.ok for e in report.entries)
+    assert b[0].weight.grad.is_cuda
+
+
+def test_a_name_map_names_what_it_misses():
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    with pytest.raises(MappingError) as info:
+        transfer_weights(a, b, {"weight": "weight", "nope": "bias"})
+    message = str(info.value)
+    assert "unmapped (src) nope: name_map names a tensor the model does not have" in message
+    assert "unmapped (src) bias: not in name_map" in message
+    assert "unmapped (dst) bias: not in name_map" in message
+
+
+def test_the_tools_gradients_are_plain_backwards_gradients():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    b = copy.deepcopy(a)
+    reference = copy.deepcopy(a)
+    report = compare_step(a, b, X)
+    assert report.ok and len(report.entries) == 3 + 1 + 4
+    reference(torch.as_tensor(X)).mean().backward()
+    for p, q in zip(a.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    grads = [e for e in report.entries if e.what == "grad"]
+    assert all(e.max_abs == 0.0 for e in grads)  # one framework, same ops: bit-identical
+
+
+def test_a_flip_at_an_inplace_relu_is_pinned_without_the_inplace_op_spoiling_the_input():
+    """b's ReLU blocks an element a's passes: the pin must multiply b's ReLU INPUT by a's mask,
+    which an in-place ReLU would have overwritten with 0 (and a gradient of 0) by then."""
+    torch.manual_seed(0)
+    b = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    with torch.no_grad():  # unit 0 of sample 0 exactly at the kink on b: 4 * 0.25 - 1 == 0
+        b[0].weight[0] = 0.25
+        b[0].bias[0] = -1.0
+    a = copy.deepcopy(b)
+    with torch.no_grad():  # one ulp above it on a
+        a[0].bias[0] = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
+    x = X.copy()
+    x[0] = 1.0
+    unpinned = compare_step(a, b, x, pin=False)
+    assert {e.name for e in unpinned.unverified} == {"0.weight / 0.weight", "0.bias / 0.bias"}
+    report = compare_step(a, b, x)
+    assert [(f.layer_a, f.count, f.pinned) for f in report.flips] == [("1", 1, True)]
+    assert report.ok, report.text()
+    # the pinned b took a's branch: its gradients are a's, to rounding
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_max_pool_near_tie_is_a_flip_pinned_by_lifting_a_s_pick():
+    """One 2x2 window holds two candidates one ulp apart, in opposite order on a and b: the
+    pool routes the gradient to a different element on each side unless pinned."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Conv2d(2, 1, 1, bias=False), nn.MaxPool2d(2), nn.Flatten(),
+                      nn.Linear(4, 1))
+    b = copy.deepcopy(a)
+    one_up = float(np.nextafter(np.float32(1.0), np.float32(2.0)))
+    with torch.no_grad():
+        a[0].weight.copy_(torch.tensor([1.0, one_up]).view(1, 2, 1, 1))
+        b[0].weight.copy_(torch.tensor([one_up, 1.0]).view(1, 2, 1, 1))
+    x = np.zeros((1, 2, 4, 4), np.float32)
+    x[0, 0, 0, 0] = 1.0  # element p of the first window: channel 0 only
+    x[0, 1, 0, 1] = 1.0  # element q: channel 1 only; a picks q, b picks p
+    x[0, :, 2:, :] = np.random.RandomState(0).rand(2, 2, 4)
+    unpinned = compare_step(a, b, x, pin=False)
+    assert {e.name for e in unpinned.unverified} == {"0.weight / 0.weight"}
+    report = compare_step(a, b, x)
+    assert [(f.layer_a, f.kind, f.count, f.pinned) for f in report.flips] == [
+        ("1", "maxpool2d", 1, True)]
+    assert report.ok, report.text()
+
+
+class FunctionalRelu(nn.Module):
+    """The port writes its ReLU as a function: the tool sees one side's ReLU only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class ModuleRelu(FunctionalRelu):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_a_flip_at_a_relu_seen_on_one_side_only_leaves_gradients_unverified_never_wrong():
+    torch.manual_seed(0)
+    a = ModuleRelu()
+    with torch.no_grad():  # unit 0 of sample 0 exactly at the kink on a
+        a.fc1.weight[0] = 0.25
+        a.fc1.bias[0] = -1.0
+    b = FunctionalRelu()
+    transfer_weights(a, b, probe=X)
+    with torch.no_grad():  # one ulp above it on b
+        b.fc1.bias[0] = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
+    x = X.copy()
+    x[0] = 1.0
+    report = compare_step(a, b, x)
+    assert report.failures() == [] and not report.ok
+    assert {e.name for e in report.unverified} == {"fc1.weight / fc1.weight",
+                                                   "fc1.bias / fc1.bias"}
+    assert [(f.layer_a, f.layer_b, f.seen) for f in report.flips] == [("act", "?", False)]
+    assert "possible kink flips at ReLUs watched on one side only" in report.text()
+    assert "within tolerance of the kink at act (a): 1;" in report.text()
+    clean = x.copy()
+    clean[0] = 2.0  # pre-activation 1.0: far from the kink, every gradient verified
+    assert assert_parity(a, b, [x, clean]).ok
+    with pytest.raises(AssertionError, match="unverified by kink flips"):
+        assert_parity(a, b, [x, x])
+
+
+class Residual(nn.Module):
+    """A residual block with a 1x1 downsample, called before the block's convolutions
+    (``early``) or after them, as torchvision does; its ReLU a shared module or a function."""
+
+    def __init__(self, early: bool, relu_module: bool) -> None:
+        super().__init__()
+        self.early = early
+        self.conv1 = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 1, stride=2, bias=False), nn.BatchNorm2d(8))
+        self.relu = nn.ReLU(inplace=True) if relu_module else torch.relu
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = self.down(x) if self.early else None
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = identity if self.early else self.down(x)
+        out = self.relu(out + identity)
+        return self.fc(out.mean((2, 3)))
+
+
+def test_layers_called_in_another_order_and_functional_relus_still_map_and_align():
+    torch.manual_seed(0)
+    a, b = Residual(early=False, relu_module=True), Residual(early=True, relu_module=False)
+    x = np.random.RandomState(1).randn(4, 3, 8, 8).astype(np.float32)
+    mapping = transfer_weights(a, b, probe=x)
+    assert ("down.0", "down.0") in mapping.layers and ("conv1", "conv1") in mapping.layers
+    report = assert_parity(a, b, x)
+    forward = {e.layer for e in report.entries if e.what == "forward"}
+    assert forward == {"conv1", "bn1", "conv2", "bn2", "down.0", "down.1", "fc"}
+    assert sorted(u.split(",")[0] for u in report.unmatched) == ["a relu (relu)"] * 2
+
+
+class WithPosition(nn.Module):
+    """A model that owns a parameter itself besides its children's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4))
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.pos)
+
+
+def test_a_tensor_owned_by_a_module_with_children_is_mapped_and_compared():
+    torch.manual_seed(0)
+    a, b = WithPosition(), WithPosition()
+    report = transfer_weights(a, b, probe=X)
+    assert [p.src for p in report.pairs] == ["pos", "fc.weight", "fc.bias"]
+    torch.testing.assert_close(a.pos, b.pos, rtol=0, atol=0)
+    assert compare_step(a, b, X).ok
+    with torch.no_grad():
+        b.pos[0] += 0.01
+    report = compare_step(a, b, X)
+    # the first divergence is fc's output (the model's own output, which returns after it,
+    # parts too); pos's gradient does not depend on pos (a linear model), fc's weight's does
+    assert not report.ok and report.first_forward.layer == "fc"
+    assert {"fc / fc", " / ", "fc.weight / fc.weight"} <= {e.name for e in report.failures()}
+
+
+def test_a_dropout_in_training_mode_is_named_as_the_cause():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+    b = copy.deepcopy(a)
+    report = compare_step(a, b, X)
+    assert report.first_forward.layer == "1"
+    assert "draws its own dropout mask: use eval() or p=0" in report.first_forward.note
+    assert compare_step(a.eval(), b.eval(), X).ok
+
+
+def test_bad_inputs_are_clear_errors():
+    a = nn.Linear(4, 3)
+    with pytest.raises(ModelTypeError, match="cannot compare a list"):
+        transfer_weights([1.0], a)
+    with pytest.raises(ModelTypeError, match="cannot compare a Identity"):
+        compare_step(nn.Identity(), a, X)  # no parameter: no framework to tell
+    with pytest.raises(ParityError, match="the batch is empty"):
+        compare_step(a, nn.Linear(4, 3), ())
+    with pytest.raises(ParityError, match=r"returned a tuple, not a tensor: pass loss_a="):
+        class Pair(nn.Linear):
+            def forward(self, x):
+                return super().forward(x), x
+        compare_step(Pair(4, 3), Pair(4, 3), X)
+    with pytest.raises(AssertionError, match="PARITY BROKEN"):
+        assert_parity(a, nn.Linear(4, 3), X)
+
+
+def test_the_core_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, gradmgr.parity; "
+            "print(sorted(m for m in ('torch', 'megengine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
