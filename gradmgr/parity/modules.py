@@ -1,0 +1,96 @@
+"""What the parity adapters of every framework share: a model seen through its named modules,
+parameters and buffers (both frameworks name them alike and hook a module's forward alike).
+
+A backend's adapter derives from :class:`NamedModules` and adds what differs: how a module's
+kind and configuration read, and how tensors are made, copied and written.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+
+from .contract import Layer, Post, Pre, Slot
+
+
+def as_tuple(value: Any, n: int) -> tuple:
+    """``value`` as an ``n``-tuple (a kernel size given as one int)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+
+
+def nearest_kind(module: Any, package: str) -> str:
+    """The lower-cased name of the nearest class of ``module`` defined under ``package``
+    (``"torch.nn."``): a port's subclass of a Linear with its own forward is still a
+    ``linear``."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith(package) and cls.__name__ != "Module":
+            return cls.__name__.lower()
+    return type(module).__name__.lower()
+
+
+class NamedModules:
+    """The tables of a model, and what reads only them.
+
+    ``leaves``: the leaf modules, and every module that owns a tensor itself (an attention's
+    ``in_proj_weight``, a model's position embedding), so that no tensor belongs to no layer;
+    ``params`` and ``buffers``: the model's named parameters and buffers.
+    """
+
+    framework = ""
+
+    def __init__(self, model: Any, leaves: Dict[str, Any], params: Dict[str, Any],
+                 buffers: Dict[str, Any]) -> None:
+        self.model, self.leaves, self.params, self.buffers = model, leaves, params, buffers
+        self.device = next(iter(params.values())).device
+
+    def kind(self, module: Any) -> str:
+        raise NotImplementedError
+
+    def config(self, module: Any) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def numpy(self, tensor: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def layers(self) -> List[Layer]:
+        return [Layer(name, self.kind(m), self.config(m)) for name, m in self.leaves.items()]
+
+    def slots(self) -> List[Slot]:
+        found = []
+        for table, trainable in ((self.params, True), (self.buffers, False)):
+            for name, t in table.items():
+                layer, _, role = name.rpartition(".")
+                found.append(Slot(name, layer, role, tuple(t.shape), trainable))
+        return found
+
+    def slot(self, name: str) -> Any:
+        """The parameter or buffer named ``name``."""
+        return self.params[name] if name in self.params else self.buffers[name]
+
+    def read(self, name: str) -> np.ndarray:
+        return self.numpy(self.slot(name))
+
+    def parameters(self) -> List[Any]:
+        return list(self.params.values())
+
+    def grad(self, name: str) -> Optional[np.ndarray]:
+        g = self.params[name].grad
+        return None if g is None else self.numpy(g)
+
+    def clear_grads(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
+        handles = []
+        for name, m in self.leaves.items():
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, inputs, name=name: pre(name, inputs)))
+            handles.append(m.register_forward_hook(
+                lambda mod, inputs, out, name=name: post(name, out)))
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+        return remove
