@@ -277,3 +277,69 @@ def test_the_core_imports_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def test_a_tensor_as_the_batch_is_one_item_and_a_nested_tuple_a_clear_error():
+    """A torch tensor iterates over its rows: it used to be read as a batch of 6 items, and
+    a tuple inside the batch was stacked into one array (the model saw shape (2, 6, 4))."""
+    torch.manual_seed(0)
+    a = _bn_net()
+    b, b2 = copy.deepcopy(a), copy.deepcopy(a)
+    from_numpy, from_tensor = compare_step(a, b, X), compare_step(copy.deepcopy(a), b2,
+                                                                  torch.from_numpy(X))
+    assert from_tensor.ok, from_tensor.text()
+    assert [(e.name, e.max_abs) for e in from_tensor.entries] == \
+        [(e.name, e.max_abs) for e in from_numpy.entries]
+    np.testing.assert_array_equal(b2[0].weight.grad.numpy(), b[0].weight.grad.numpy())
+    with pytest.raises(ParityError, match=r"batch item 0 \(Tensor\) cannot be read as a numpy "
+                                          r"array .*x\.detach\(\)\.cpu\(\)\.numpy\(\)"):
+        compare_step(a, b, torch.from_numpy(X).requires_grad_())
+    with pytest.raises(ParityError, match=r"batch item 0 is a tuple: the batch is a flat tuple"
+                                          r".*inputs="):
+        compare_step(a, b, ((X, X), X))
+
+
+def test_a_failing_loss_leaves_neither_model_a_step_ahead_and_names_the_side():
+    """b's loss raising after a's step ran used to leave a's BatchNorm statistics one step
+    ahead of b's (every later compare then differs), and the error unexplained."""
+    torch.manual_seed(0)
+    a = _bn_net()
+    b = copy.deepcopy(a)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+
+    def broken(output):
+        raise KeyError("logits")
+    with pytest.raises(ParityError, match=r"the torch loss failed \(targets' dtypes: none\): "
+                                          r"KeyError: 'logits'$"):
+        compare_step(a, b, X, loss_b=broken)
+    for name, value in a.state_dict().items():  # exact: put back, not recomputed
+        assert torch.equal(value, before[name]), name
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in a.modules())
+    ce = nn.functional.cross_entropy
+    with pytest.raises(ParityError, match=r"targets. dtypes: torch.int32\): RuntimeError: .*"
+                                          r"give class targets as int64"):
+        compare_step(a, b, (X, np.arange(6, dtype=np.int32) % 3), loss_a=ce, loss_b=ce)
+    assert compare_step(a, b, X).ok
+
+
+def test_a_float64_reference_against_its_float32_port():
+    """The batch reaches each model in that model's float dtype and the tolerance is the
+    coarser dtype's: it used to fail on the dtype (float32 batch into the float64 model), and
+    with a float64 batch the float32 side failed."""
+    torch.manual_seed(0)
+    a = _bn_net().double()
+    b = copy.deepcopy(a).float()
+    report = compare_step(a, b, X)
+    assert report.ok, report.text()
+    reference = copy.deepcopy(a)  # plain backward in float64: the tool's a side is exact
+    reference(torch.from_numpy(X).double()).mean().backward()
+    np.testing.assert_allclose(a[0].weight.grad.numpy(), reference[0].weight.grad.numpy(),
+                               rtol=1e-12, atol=0)
+    with torch.no_grad():
+        b[3].bias.add_(1e-4)  # a bug above float32 rounding is still caught, at its layer
+    broken = compare_step(a, b, X.astype(np.float64))
+    assert not broken.ok and broken.first_forward.layer == "3"

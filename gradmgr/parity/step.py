@@ -11,7 +11,7 @@ from .contract import Layer, ModelAdapter, adapter_for, squeezed
 from .kinks import Kink, find_kink, near_kink
 from .mapping import MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
-from .tolerance import C_GRAD, C, grad_reduction, layer_reduction, tolerance
+from .tolerance import C_GRAD, C, eps, grad_reduction, layer_reduction, tolerance
 from .trace import Call, Loss, Trace, as_batch, restore, run_step, snapshot
 
 
@@ -57,9 +57,15 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     """
     ad_a, ad_b = adapter_for(a), adapter_for(b)
     arrays = as_batch(batch)
-    before_b = snapshot(ad_b)
-    ta = run_step(ad_a, arrays, inputs, loss_a, {})
-    tb = run_step(ad_b, arrays, inputs, loss_b, {})
+    before_a, before_b = snapshot(ad_a), snapshot(ad_b)
+    try:
+        ta = run_step(ad_a, arrays, inputs, loss_a, {})
+        tb = run_step(ad_b, arrays, inputs, loss_b, {})
+    except BaseException:  # b failed after a stepped: leave neither a step ahead of the other
+        restore(ad_a, before_a)
+        restore(ad_b, before_b)
+        raise
+    ta.dtype = max(ta.dtype, tb.dtype, key=eps)  # a float64 reference against a float32 port
     mapping = build_map(ad_a, ad_b, name_map, transforms=transforms,
                         order_a=ta.order, order_b=tb.order)
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
