@@ -343,3 +343,17 @@ def test_a_float64_reference_against_its_float32_port():
         b[3].bias.add_(1e-4)  # a bug above float32 rounding is still caught, at its layer
     broken = compare_step(a, b, X.astype(np.float64))
     assert not broken.ok and broken.first_forward.layer == "3"
+
+
+def test_one_model_left_in_eval_mode_is_named_at_its_first_batchnorm():
+    """Forgetting .eval() (or .train()) on one side used to show as an unexplained BatchNorm
+    difference; the weights still transfer between models in different modes."""
+    torch.manual_seed(0)
+    a = _bn_net()
+    b, fixed = copy.deepcopy(a).eval(), copy.deepcopy(a).eval()
+    assert transfer_weights(a, b).ok
+    report = compare_step(a, b, X)
+    assert not report.ok and report.first_forward.layer == "1"
+    assert report.first_forward.note == ("a in training mode, b in eval mode: call .train() "
+                                         "or .eval() on both models")
+    assert compare_step(fixed, b, X).ok  # (a's running statistics moved one step)

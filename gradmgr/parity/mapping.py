@@ -300,7 +300,7 @@ def _shape_reason(sa: Slot, sb: Slot) -> str:
 def config_findings(la: Layer, lb: Layer) -> List[ConfigFinding]:
     """The configuration keys both layers have and set differently."""
     found = []
-    for key in sorted(set(la.config) & set(lb.config)):
+    for key in sorted(set(la.config) & set(lb.config) - {"training"}):  # a mode (contract.py)
         va, vb = la.config[key], lb.config[key]
         numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
         # momentum 0.9 in MegEngine arrives as 1 - 0.9 = 0.09999999999999998

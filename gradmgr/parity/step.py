@@ -159,6 +159,10 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
             kinks[(i, j)] = kink
             if kink.beyond:
                 note = f"{kink.beyond} element(s) on different sides of the kink"
+        if ca.config.get("training") != cb.config.get("training") and diff > tol:
+            modes = ["training" if c.config.get("training") else "eval" for c in (ca, cb)]
+            note = (f"a in {modes[0]} mode, b in {modes[1]} mode: call .train() or .eval() "
+                    f"on both models")
         if ca.kind.startswith("dropout") and diff > tol and not note:
             note = "each framework draws its own dropout mask: use eval() or p=0 to compare"
         entry = Entry("forward", f"{ca.layer} / {cb.layer}", ca.layer, ca.kind, diff, rel, tol,
