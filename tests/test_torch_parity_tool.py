@@ -357,3 +357,18 @@ def test_one_model_left_in_eval_mode_is_named_at_its_first_batchnorm():
     assert report.first_forward.note == ("a in training mode, b in eval mode: call .train() "
                                          "or .eval() on both models")
     assert compare_step(fixed, b, X).ok  # (a's running statistics moved one step)
+
+
+def test_a_typo_in_name_map_is_answered_with_the_closest_name():
+    a, b = _bn_net(), _bn_net()
+    names = {n: n for n in a.state_dict() if "num_batches" not in n}
+    names["0.wieght"] = names.pop("0.weight")
+    with pytest.raises(MappingError, match=r"unmapped \(src\) 0\.wieght: name_map names a "
+                                           r"tensor the model does not have \(did you mean "
+                                           r"'0\.weight'\?\)"):
+        transfer_weights(a, b, names)
+    names["0.weight"] = "1.runing_var"
+    report = transfer_weights(a, b, names, strict=False)
+    assert [str(u.reason) for u in report.unmapped if u.name == "1.runing_var"] == \
+        ["name_map names a tensor the model does not have (did you mean '1.running_var'?)"]
+    assert torch.equal(a[3].weight, b[3].weight)  # what it could map was copied

@@ -187,8 +187,11 @@ def _given_pairs(name_map: Mapping[str, str], slots_a: Dict[str, Slot],
         missing = [(side, n) for side, n, slots in (("src", src, slots_a), ("dst", dst, slots_b))
                    if n not in slots]
         for side, name in missing:
+            close = difflib.get_close_matches(name, slots_a if side == "src" else slots_b, 1)
             report.unmapped.append(Unmapped(side, name, "name_map names a tensor the model "
-                                                        "does not have"))
+                                                        "does not have" + (
+                                                            f" (did you mean {close[0]!r}?)"
+                                                            if close else "")))
         if not missing:
             pairs.append((slots_a[src], slots_b[dst]))
     return pairs
