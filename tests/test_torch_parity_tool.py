@@ -372,3 +372,23 @@ def test_a_typo_in_name_map_is_answered_with_the_closest_name():
     assert [str(u.reason) for u in report.unmapped if u.name == "1.runing_var"] == \
         ["name_map names a tensor the model does not have (did you mean '1.running_var'?)"]
     assert torch.equal(a[3].weight, b[3].weight)  # what it could map was copied
+
+
+def test_a_layer_frozen_on_one_side_says_so_and_frozen_on_both_compares():
+    torch.manual_seed(0)
+    a = _bn_net()
+    b = copy.deepcopy(a)
+    b[0].weight.requires_grad_(False)
+    report = compare_step(a, b, X)
+    assert not report.ok and report.first_grad.name == "0.weight / 0.weight"
+    assert report.first_grad.note.startswith(
+        "gradient only on side a: b's is frozen (requires_grad=False) or not reached by its "
+        "loss; freeze it on both sides, or compare it trainable on both")
+    a[0].weight.requires_grad_(False)
+    report = compare_step(a, b, X)
+    assert report.ok, report.text()
+    assert a[0].weight.grad is None and not a[0].weight.requires_grad  # left frozen
+    reference = copy.deepcopy(a)  # the trained gradients: plain backward, exact
+    reference[0].weight.grad = reference[0].bias.grad = None
+    reference(torch.from_numpy(X)).mean().backward()
+    assert torch.equal(reference[0].bias.grad, b[0].bias.grad)

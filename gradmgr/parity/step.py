@@ -249,8 +249,12 @@ def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: i
     name = f"{pair.src} / {pair.dst}"
     if ga is None or gb is None:
         verdict = "ok" if ga is None and gb is None else "DIFFERS"
+        none = "b" if gb is None else "a"
         note = "no gradient on either side" if verdict == "ok" else (
-            f"gradient only on side {'a' if gb is None else 'b'}")
+            f"gradient only on side {'ab'.replace(none, '')}: {none}'s is frozen "
+            f"(requires_grad=False) or not reached by its loss; freeze it on both sides, or "
+            f"compare it trainable on both (the tool attaches every parameter: a MegEngine "
+            f"model frozen by leaving it out of its GradManager is not seen)")
         return Entry("grad", name, layer, kind, 0.0, 0.0, 0.0, verdict, note)
     out = ta.calls[index].output if index >= 0 else None
     reduction = total + grad_reduction(pair.src_shape, out.shape if out is not None else ())
