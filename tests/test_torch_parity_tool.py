@@ -392,3 +392,33 @@ def test_a_layer_frozen_on_one_side_says_so_and_frozen_on_both_compares():
     reference[0].weight.grad = reference[0].bias.grad = None
     reference(torch.from_numpy(X)).mean().backward()
     assert torch.equal(reference[0].bias.grad, b[0].bias.grad)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 5, batch_first=True)
+        self.out = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x)[0])
+
+
+def test_a_layer_returning_a_tuple_is_compared_by_its_first_tensor():
+    """An LSTM returns (output, (h, c)): its forward used to go uncompared, and a broken
+    LSTM was reported at the Linear after it."""
+    torch.manual_seed(0)
+    a = _Recurrent()
+    b = copy.deepcopy(a)
+    x = np.random.RandomState(0).randn(2, 3, 4).astype(np.float32)
+    report = compare_step(a, b, x)
+    assert report.ok and [e.layer for e in report.entries if e.what == "forward"] == \
+        ["rnn", "out"]
+    with torch.no_grad():
+        b.rnn.weight_hh_l0.add_(0.01)
+    report = compare_step(a, b, x)
+    assert report.first_forward.layer == "rnn"
+    with torch.no_grad():  # the LSTM's own output difference, exact
+        expected = float((a.rnn(torch.from_numpy(x))[0] - b.rnn(torch.from_numpy(x))[0])
+                         .abs().max())
+    assert report.first_forward.max_abs == pytest.approx(expected, rel=1e-6)

@@ -130,8 +130,11 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         calls[index].done, finished[0] = finished[0], finished[0] + 1
         if index in saved:
             out = adapter.mask(saved.pop(index), pins[index][1])
-        if adapter.is_tensor(out):
-            calls[index].output = adapter.numpy(out)
+        shown = out  # a layer returning a tuple (an LSTM, an attention) by its first tensor
+        if isinstance(out, (tuple, list)):
+            shown = next((o for o in out if adapter.is_tensor(o)), None)
+        if adapter.is_tensor(shown):
+            calls[index].output = adapter.numpy(shown)
         return out if index in pins and pins[index][0] == "mask" else None
 
     remove = adapter.hook(pre, post)
