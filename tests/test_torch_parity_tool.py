@@ -422,3 +422,26 @@ def test_a_layer_returning_a_tuple_is_compared_by_its_first_tensor():
         expected = float((a.rnn(torch.from_numpy(x))[0] - b.rnn(torch.from_numpy(x))[0])
                          .abs().max())
     assert report.first_forward.max_abs == pytest.approx(expected, rel=1e-6)
+
+
+def test_train_drift_refuses_an_optimizer_that_holds_none_of_its_models_parameters():
+    """A stale optimizer (built before the model was copied) used to step nothing: loss b
+    stayed constant and the drift grew with no word why; swapped optimizers raised an
+    AttributeError after one side had stepped."""
+    from gradmgr.parity import train_drift
+
+    torch.manual_seed(0)
+    a = _bn_net()
+    b = copy.deepcopy(a)
+    stale = torch.optim.SGD(b.parameters(), lr=0.1)
+    b = copy.deepcopy(b)
+    with pytest.raises(ParityError, match=r"opt_b \(SGD\) holds none of b's parameters"):
+        train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1), stale, [X] * 2)
+    before = copy.deepcopy(a.state_dict())
+    with pytest.raises(ParityError, match=r"opt_a \(SGD\) holds none of a's parameters"):
+        train_drift(a, b, torch.optim.SGD(b.parameters(), lr=0.1),
+                    torch.optim.SGD(a.parameters(), lr=0.1), [X] * 2)
+    assert all(torch.equal(v, before[k]) for k, v in a.state_dict().items())  # nothing ran
+    report = train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
+                         torch.optim.SGD(b.parameters(), lr=0.1), [X] * 2)
+    assert report.max_abs == [0.0, 0.0]  # same framework, same ops: bit for bit
