@@ -5,6 +5,7 @@ ReLU pinned, and the tool's gradients against plain ``loss.backward()``."""
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -445,3 +446,24 @@ def test_train_drift_refuses_an_optimizer_that_holds_none_of_its_models_paramete
     report = train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
                          torch.optim.SGD(b.parameters(), lr=0.1), [X] * 2)
     assert report.max_abs == [0.0, 0.0]  # same framework, same ops: bit for bit
+
+
+def test_the_report_shows_long_names_whole_in_aligned_columns():
+    """Rows were cut at 40 characters: 'stage3.block0.downsample.weight / stage3.bl'."""
+    torch.manual_seed(0)
+    a = nn.Sequential()
+    a.add_module("stage3", nn.Sequential())
+    a.stage3.add_module("block0", nn.Sequential())
+    a.stage3.block0.add_module("downsample", nn.Linear(4, 4))
+    a.add_module("head", nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.head.bias.add_(1.0)
+    lines = compare_step(a, b, X).text().splitlines()
+    name = "stage3.block0.downsample.weight / stage3.block0.downsample.weight"
+    row = next(line for line in lines if name in line)
+    header = next(line for line in lines if line.startswith("tensor"))
+    rows = [line for line in lines if line.startswith(("forward", "loss", "grad"))]
+    assert row.split()[:3] == ["grad", "stage3.block0.downsample.weight", "/"]
+    verdicts = {re.search(r"  (ok|DIFFERS)", line).start() + 2 for line in rows}
+    assert verdicts == {header.index("verdict")}  # one column
