@@ -467,3 +467,19 @@ def test_the_report_shows_long_names_whole_in_aligned_columns():
     assert row.split()[:3] == ["grad", "stage3.block0.downsample.weight", "/"]
     verdicts = {re.search(r"  (ok|DIFFERS)", line).start() + 2 for line in rows}
     assert verdicts == {header.index("verdict")}  # one column
+
+
+def test_train_drift_refuses_one_array_for_its_batches():
+    """An array is a sequence of rows: train_drift(..., X, steps=2) used to train on X[0],
+    then X[1], one row per step, without a word."""
+    from gradmgr.parity import train_drift
+
+    a = nn.Linear(4, 2)
+    b = copy.deepcopy(a)
+    before = a.weight.detach().clone()
+    for batch in (X, torch.from_numpy(X)):
+        with pytest.raises(ParityError, match=r"a list of batches or a function step -> batch,"
+                                              r" not one .*\[batch\] \* steps"):
+            train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
+                        torch.optim.SGD(b.parameters(), lr=0.1), batch, steps=2)
+    assert torch.equal(a.weight, before)

@@ -118,6 +118,11 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         True
     """
     ad_a, ad_b = adapter_for(a), adapter_for(b)
+    if hasattr(batches, "shape"):  # an array is a sequence too: of rows, one per step
+        raise ParityError(
+            f"train_drift takes a list of batches or a function step -> batch, not one "
+            f"{type(batches).__name__} (it would train on one row per step): for the same "
+            f"batch every step, [batch] * steps")
     _holds(opt_a, ad_a, "a")
     _holds(opt_b, ad_b, "b")
     count = steps if steps is not None else len(batches)  # type: ignore[arg-type]
