@@ -284,3 +284,31 @@ def test_targets_reach_the_loss_and_a_wrong_batch_is_a_clear_error():
         compare_step(a, b, (np.array(["a"]),))
     with pytest.raises(ModelTypeError, match="cannot compare a str"):
         compare_step("model", b, x)
+
+
+def test_a_megengine_sequential_of_twelve_layers_maps_in_written_order_without_a_probe():
+    """MegEngine sorts names as strings (``10`` before ``2``): without a probe the automatic
+    map used to copy layer 10 into torch's layer 2, same shapes, no error."""
+    import megengine.module as M
+
+    a = M.Sequential(*[M.Linear(4, 4) for _ in range(12)])
+    b = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
+    report = transfer_weights(a, b)
+    assert [(p.src, p.dst) for p in report.pairs] == \
+        [(f"{i}.{r}", f"{i}.{r}") for i in range(12) for r in ("bias", "weight")]
+    for i in range(12):  # exact copies, layer by layer
+        np.testing.assert_array_equal(b[i].weight.detach().numpy(), a[i].weight.numpy())
+    step = compare_step(a, b, X16[:, :4])
+    assert step.ok, step.text()
+
+
+def test_a_float64_torch_reference_against_a_megengine_port_fed_a_megengine_tensor():
+    """MegEngine computes in float32: the tolerance is float32's, not the float64 side's
+    (every layer used to differ by 1e-7 against a tolerance of 1e-15); a MegEngine tensor as
+    the batch is one item (it used to be iterated over its rows)."""
+    a, b = T.MLP().double(), G.MLP()
+    transfer_weights(a, b, probe=X16)
+    report = compare_step(a, b, mge.tensor(X16))
+    assert report.ok, report.text()
+    worst = max(e.max_abs for e in report.entries if e.what == "forward")
+    assert 0 < worst < 1e-5  # float32 rounding seen, and accepted

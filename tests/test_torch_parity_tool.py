@@ -5,6 +5,7 @@ ReLU pinned, and the tool's gradients against plain ``loss.backward()``."""
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -277,3 +278,208 @@ def test_the_core_imports_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def test_a_tensor_as_the_batch_is_one_item_and_a_nested_tuple_a_clear_error():
+    """A torch tensor iterates over its rows: it used to be read as a batch of 6 items, and
+    a tuple inside the batch was stacked into one array (the model saw shape (2, 6, 4))."""
+    torch.manual_seed(0)
+    a = _bn_net()
+    b, b2 = copy.deepcopy(a), copy.deepcopy(a)
+    from_numpy, from_tensor = compare_step(a, b, X), compare_step(copy.deepcopy(a), b2,
+                                                                  torch.from_numpy(X))
+    assert from_tensor.ok, from_tensor.text()
+    assert [(e.name, e.max_abs) for e in from_tensor.entries] == \
+        [(e.name, e.max_abs) for e in from_numpy.entries]
+    np.testing.assert_array_equal(b2[0].weight.grad.numpy(), b[0].weight.grad.numpy())
+    with pytest.raises(ParityError, match=r"batch item 0 \(Tensor\) cannot be read as a numpy "
+                                          r"array .*x\.detach\(\)\.cpu\(\)\.numpy\(\)"):
+        compare_step(a, b, torch.from_numpy(X).requires_grad_())
+    with pytest.raises(ParityError, match=r"batch item 0 is a tuple: the batch is a flat tuple"
+                                          r".*inputs="):
+        compare_step(a, b, ((X, X), X))
+
+
+def test_a_failing_loss_leaves_neither_model_a_step_ahead_and_names_the_side():
+    """b's loss raising after a's step ran used to leave a's BatchNorm statistics one step
+    ahead of b's (every later compare then differs), and the error unexplained."""
+    torch.manual_seed(0)
+    a = _bn_net()
+    b = copy.deepcopy(a)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+
+    def broken(output):
+        raise KeyError("logits")
+    with pytest.raises(ParityError, match=r"the torch loss failed \(targets' dtypes: none\): "
+                                          r"KeyError: 'logits'$"):
+        compare_step(a, b, X, loss_b=broken)
+    for name, value in a.state_dict().items():  # exact: put back, not recomputed
+        assert torch.equal(value, before[name]), name
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in a.modules())
+    ce = nn.functional.cross_entropy
+    with pytest.raises(ParityError, match=r"targets. dtypes: torch.int32\): RuntimeError: .*"
+                                          r"give class targets as int64"):
+        compare_step(a, b, (X, np.arange(6, dtype=np.int32) % 3), loss_a=ce, loss_b=ce)
+    assert compare_step(a, b, X).ok
+
+
+def test_a_float64_reference_against_its_float32_port():
+    """The batch reaches each model in that model's float dtype and the tolerance is the
+    coarser dtype's: it used to fail on the dtype (float32 batch into the float64 model), and
+    with a float64 batch the float32 side failed."""
+    torch.manual_seed(0)
+    a = _bn_net().double()
+    b = copy.deepcopy(a).float()
+    report = compare_step(a, b, X)
+    assert report.ok, report.text()
+    reference = copy.deepcopy(a)  # plain backward in float64: the tool's a side is exact
+    reference(torch.from_numpy(X).double()).mean().backward()
+    np.testing.assert_allclose(a[0].weight.grad.numpy(), reference[0].weight.grad.numpy(),
+                               rtol=1e-12, atol=0)
+    with torch.no_grad():
+        b[3].bias.add_(1e-4)  # a bug above float32 rounding is still caught, at its layer
+    broken = compare_step(a, b, X.astype(np.float64))
+    assert not broken.ok and broken.first_forward.layer == "3"
+
+
+def test_one_model_left_in_eval_mode_is_named_at_its_first_batchnorm():
+    """Forgetting .eval() (or .train()) on one side used to show as an unexplained BatchNorm
+    difference; the weights still transfer between models in different modes."""
+    torch.manual_seed(0)
+    a = _bn_net()
+    b, fixed = copy.deepcopy(a).eval(), copy.deepcopy(a).eval()
+    assert transfer_weights(a, b).ok
+    report = compare_step(a, b, X)
+    assert not report.ok and report.first_forward.layer == "1"
+    assert report.first_forward.note == ("a in training mode, b in eval mode: call .train() "
+                                         "or .eval() on both models")
+    assert compare_step(fixed, b, X).ok  # (a's running statistics moved one step)
+
+
+def test_a_typo_in_name_map_is_answered_with_the_closest_name():
+    a, b = _bn_net(), _bn_net()
+    names = {n: n for n in a.state_dict() if "num_batches" not in n}
+    names["0.wieght"] = names.pop("0.weight")
+    with pytest.raises(MappingError, match=r"unmapped \(src\) 0\.wieght: name_map names a "
+                                           r"tensor the model does not have \(did you mean "
+                                           r"'0\.weight'\?\)"):
+        transfer_weights(a, b, names)
+    names["0.weight"] = "1.runing_var"
+    report = transfer_weights(a, b, names, strict=False)
+    assert [str(u.reason) for u in report.unmapped if u.name == "1.runing_var"] == \
+        ["name_map names a tensor the model does not have (did you mean '1.running_var'?)"]
+    assert torch.equal(a[3].weight, b[3].weight)  # what it could map was copied
+
+
+def test_a_layer_frozen_on_one_side_says_so_and_frozen_on_both_compares():
+    torch.manual_seed(0)
+    a = _bn_net()
+    b = copy.deepcopy(a)
+    b[0].weight.requires_grad_(False)
+    report = compare_step(a, b, X)
+    assert not report.ok and report.first_grad.name == "0.weight / 0.weight"
+    assert report.first_grad.note.startswith(
+        "gradient only on side a: b's is frozen (requires_grad=False) or not reached by its "
+        "loss; freeze it on both sides, or compare it trainable on both")
+    a[0].weight.requires_grad_(False)
+    report = compare_step(a, b, X)
+    assert report.ok, report.text()
+    assert a[0].weight.grad is None and not a[0].weight.requires_grad  # left frozen
+    reference = copy.deepcopy(a)  # the trained gradients: plain backward, exact
+    reference[0].weight.grad = reference[0].bias.grad = None
+    reference(torch.from_numpy(X)).mean().backward()
+    assert torch.equal(reference[0].bias.grad, b[0].bias.grad)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 5, batch_first=True)
+        self.out = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x)[0])
+
+
+def test_a_layer_returning_a_tuple_is_compared_by_its_first_tensor():
+    """An LSTM returns (output, (h, c)): its forward used to go uncompared, and a broken
+    LSTM was reported at the Linear after it."""
+    torch.manual_seed(0)
+    a = _Recurrent()
+    b = copy.deepcopy(a)
+    x = np.random.RandomState(0).randn(2, 3, 4).astype(np.float32)
+    report = compare_step(a, b, x)
+    assert report.ok and [e.layer for e in report.entries if e.what == "forward"] == \
+        ["rnn", "out"]
+    with torch.no_grad():
+        b.rnn.weight_hh_l0.add_(0.01)
+    report = compare_step(a, b, x)
+    assert report.first_forward.layer == "rnn"
+    with torch.no_grad():  # the LSTM's own output difference, exact
+        expected = float((a.rnn(torch.from_numpy(x))[0] - b.rnn(torch.from_numpy(x))[0])
+                         .abs().max())
+    assert report.first_forward.max_abs == pytest.approx(expected, rel=1e-6)
+
+
+def test_train_drift_refuses_an_optimizer_that_holds_none_of_its_models_parameters():
+    """A stale optimizer (built before the model was copied) used to step nothing: loss b
+    stayed constant and the drift grew with no word why; swapped optimizers raised an
+    AttributeError after one side had stepped."""
+    from gradmgr.parity import train_drift
+
+    torch.manual_seed(0)
+    a = _bn_net()
+    b = copy.deepcopy(a)
+    stale = torch.optim.SGD(b.parameters(), lr=0.1)
+    b = copy.deepcopy(b)
+    with pytest.raises(ParityError, match=r"opt_b \(SGD\) holds none of b's parameters"):
+        train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1), stale, [X] * 2)
+    before = copy.deepcopy(a.state_dict())
+    with pytest.raises(ParityError, match=r"opt_a \(SGD\) holds none of a's parameters"):
+        train_drift(a, b, torch.optim.SGD(b.parameters(), lr=0.1),
+                    torch.optim.SGD(a.parameters(), lr=0.1), [X] * 2)
+    assert all(torch.equal(v, before[k]) for k, v in a.state_dict().items())  # nothing ran
+    report = train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
+                         torch.optim.SGD(b.parameters(), lr=0.1), [X] * 2)
+    assert report.max_abs == [0.0, 0.0]  # same framework, same ops: bit for bit
+
+
+def test_the_report_shows_long_names_whole_in_aligned_columns():
+    """Rows were cut at 40 characters: 'stage3.block0.downsample.weight / stage3.bl'."""
+    torch.manual_seed(0)
+    a = nn.Sequential()
+    a.add_module("stage3", nn.Sequential())
+    a.stage3.add_module("block0", nn.Sequential())
+    a.stage3.block0.add_module("downsample", nn.Linear(4, 4))
+    a.add_module("head", nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.head.bias.add_(1.0)
+    lines = compare_step(a, b, X).text().splitlines()
+    name = "stage3.block0.downsample.weight / stage3.block0.downsample.weight"
+    row = next(line for line in lines if name in line)
+    header = next(line for line in lines if line.startswith("tensor"))
+    rows = [line for line in lines if line.startswith(("forward", "loss", "grad"))]
+    assert row.split()[:3] == ["grad", "stage3.block0.downsample.weight", "/"]
+    verdicts = {re.search(r"  (ok|DIFFERS)", line).start() + 2 for line in rows}
+    assert verdicts == {header.index("verdict")}  # one column
+
+
+def test_train_drift_refuses_one_array_for_its_batches():
+    """An array is a sequence of rows: train_drift(..., X, steps=2) used to train on X[0],
+    then X[1], one row per step, without a word."""
+    from gradmgr.parity import train_drift
+
+    a = nn.Linear(4, 2)
+    b = copy.deepcopy(a)
+    before = a.weight.detach().clone()
+    for batch in (X, torch.from_numpy(X)):
+        with pytest.raises(ParityError, match=r"a list of batches or a function step -> batch,"
+                                              r" not one .*\[batch\] \* steps"):
+            train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
+                        torch.optim.SGD(b.parameters(), lr=0.1), batch, steps=2)
+    assert torch.equal(a.weight, before)

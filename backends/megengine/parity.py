@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import re
+from typing import Any, Dict, Iterable, Tuple
 
 import megengine as mge
 import megengine.functional as F
@@ -42,18 +43,30 @@ def _config(m: M.Module) -> Dict[str, Any]:
     return {}
 
 
+def _natural(pairs: Iterable[Tuple[str, Any]]) -> Dict[str, Any]:
+    """``(name, value)`` pairs by name with numbers compared as numbers: MegEngine sorts its
+    attribute names as strings, so an ``M.Sequential``'s ``10`` comes before its ``2``; in
+    natural order a Sequential's layers (and ``layer1``..``layer12``) are in the order
+    written, which the weight map falls back on without a probe."""
+    def key(item: Tuple[str, Any]) -> tuple:
+        return tuple(tuple((0, int(t), "") if t.isdigit() else (1, 0, t)
+                           for t in re.split(r"(\d+)", part))
+                     for part in item[0].split("."))
+    return dict(sorted(pairs, key=key))
+
+
 class MegEngineParity(NamedModules):
     """A ``megengine.module.Module`` for gradmgr.parity."""
 
     framework = "megengine"
 
     def __init__(self, model: Any) -> None:
-        leaves = {name: m for name, m in model.named_modules()
-                  if not any(True for _ in m.children())
-                  or any(True for _ in m.parameters(recursive=False))
-                  or any(True for _ in m.buffers(recursive=False))}
-        super().__init__(model, leaves, dict(model.named_parameters()),
-                         dict(model.named_buffers()))
+        leaves = _natural((name, m) for name, m in model.named_modules()
+                          if not any(True for _ in m.children())
+                          or any(True for _ in m.parameters(recursive=False))
+                          or any(True for _ in m.buffers(recursive=False)))
+        super().__init__(model, leaves, _natural(model.named_parameters()),
+                         _natural(model.named_buffers()))
 
     def kind(self, module: Any) -> str:
         return nearest_kind(module, "megengine.module.")

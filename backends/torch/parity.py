@@ -68,7 +68,13 @@ class TorchParity(NamedModules):
             target.copy_(torch.as_tensor(np.asarray(value)).to(target.dtype))
 
     def tensor(self, array: np.ndarray) -> Any:
-        return torch.as_tensor(np.ascontiguousarray(array)).to(self.device)
+        tensor = torch.as_tensor(np.ascontiguousarray(array)).to(self.device)
+        # float data in the model's float dtype (a float64 model fed the float32 batch its
+        # float32 port takes), as MegEngine converts its own
+        floats = [p.dtype for p in self.params.values() if p.is_floating_point()]
+        if tensor.is_floating_point() and floats and tensor.dtype != floats[0]:
+            tensor = tensor.to(floats[0])
+        return tensor
 
     def numpy(self, tensor: Any) -> np.ndarray:
         return tensor.detach().cpu().numpy().copy()

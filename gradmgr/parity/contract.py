@@ -19,6 +19,9 @@ from .errors import ModelTypeError
 
 # Layer kinds whose output is piecewise in the input: two frameworks may take different
 # branches for an input within rounding of the kink (kinks.py). Only "relu" can be pinned.
+# Layer kinds that compute differently in training and in eval mode: their config carries
+# ``training`` (a state, not a setting: compare_step notes it, transfer_weights ignores it).
+MODAL = ("batchnorm", "syncbatchnorm", "dropout", "instancenorm")
 PIECEWISE = ("relu", "maxpool1d", "maxpool2d", "maxpool3d", "leakyrelu", "relu6", "hardtanh")
 
 

@@ -9,7 +9,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from .contract import adapter_for
+from .contract import ModelAdapter, adapter_for
+from .errors import ParityError
 from .mapping import Transform, build_map, convert
 from .trace import Loss, as_batch, forward_order, train_step
 
@@ -117,6 +118,13 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         True
     """
     ad_a, ad_b = adapter_for(a), adapter_for(b)
+    if hasattr(batches, "shape"):  # an array is a sequence too: of rows, one per step
+        raise ParityError(
+            f"train_drift takes a list of batches or a function step -> batch, not one "
+            f"{type(batches).__name__} (it would train on one row per step): for the same "
+            f"batch every step, [batch] * steps")
+    _holds(opt_a, ad_a, "a")
+    _holds(opt_b, ad_b, "b")
     count = steps if steps is not None else len(batches)  # type: ignore[arg-type]
     first = as_batch(batches(0) if callable(batches) else batches[0])
     mapping = build_map(ad_a, ad_b, name_map, transforms=transforms,
@@ -138,3 +146,18 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         dist = np.sqrt(sum(float(((x - y) ** 2).sum()) for x, y in diffs))
         report.rel_l2.append(float(dist / norm) if norm else 0.0)
     return report
+
+
+def _holds(optimizer: Any, adapter: ModelAdapter, side: str) -> None:
+    """Refuse an optimizer that holds none of its model's parameters (opt_a and opt_b swapped,
+    or one built before the model was replaced): it would step nothing, and the drift
+    measured would be one model training against a frozen one."""
+    try:  # both frameworks' optimizers keep param_groups of {"params": [...]}
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    except (AttributeError, KeyError, TypeError):
+        return  # an optimizer of another shape: trusted
+    if not held & {id(p) for p in adapter.parameters()}:
+        raise ParityError(
+            f"opt_{side} ({type(optimizer).__name__}) holds none of {side}'s parameters: build "
+            f"opt_{side} from {side}.parameters() of this very model (not swapped with the "
+            f"other side's, not from a model since copied or replaced)")

@@ -187,8 +187,11 @@ def _given_pairs(name_map: Mapping[str, str], slots_a: Dict[str, Slot],
         missing = [(side, n) for side, n, slots in (("src", src, slots_a), ("dst", dst, slots_b))
                    if n not in slots]
         for side, name in missing:
+            close = difflib.get_close_matches(name, slots_a if side == "src" else slots_b, 1)
             report.unmapped.append(Unmapped(side, name, "name_map names a tensor the model "
-                                                        "does not have"))
+                                                        "does not have" + (
+                                                            f" (did you mean {close[0]!r}?)"
+                                                            if close else "")))
         if not missing:
             pairs.append((slots_a[src], slots_b[dst]))
     return pairs
@@ -300,7 +303,7 @@ def _shape_reason(sa: Slot, sb: Slot) -> str:
 def config_findings(la: Layer, lb: Layer) -> List[ConfigFinding]:
     """The configuration keys both layers have and set differently."""
     found = []
-    for key in sorted(set(la.config) & set(lb.config)):
+    for key in sorted(set(la.config) & set(lb.config) - {"training"}):  # a mode (contract.py)
         va, vb = la.config[key], lb.config[key]
         numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
         # momentum 0.9 in MegEngine arrives as 1 - 0.9 = 0.09999999999999998

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from .contract import Layer, Post, Pre, Slot
+from .contract import MODAL, Layer, Post, Pre, Slot
 
 
 def as_tuple(value: Any, n: int) -> tuple:
@@ -54,7 +54,13 @@ class NamedModules:
         raise NotImplementedError
 
     def layers(self) -> List[Layer]:
-        return [Layer(name, self.kind(m), self.config(m)) for name, m in self.leaves.items()]
+        found = []
+        for name, m in self.leaves.items():
+            kind, config = self.kind(m), dict(self.config(m))
+            if kind.startswith(MODAL):
+                config["training"] = bool(m.training)
+            found.append(Layer(name, kind, config))
+        return found
 
     def slots(self) -> List[Slot]:
         found = []

@@ -99,9 +99,13 @@ class StepReport:
     __str__ = text
 
 
-def _row(e: Entry) -> str:
-    name = e.name if e.what != "forward" else e.layer
-    return (f"{e.what:<8} {name[:40]:<40} {e.kind[:12]:<12} {e.max_abs:>10.3g} "
+def _name(e: Entry) -> str:
+    return e.name if e.what != "forward" else e.layer
+
+
+def _row(e: Entry, width: int) -> str:
+    # names whole (a deep model's "layer3.0.downsample.0.weight / ..." was cut at 40)
+    return (f"{e.what:<8} {_name(e):<{width}} {e.kind[:12]:<12} {e.max_abs:>10.3g} "
             f"{e.max_rel:>10.3g} {e.tol:>10.3g}  {e.verdict}{'  ' + e.note if e.note else ''}")
 
 
@@ -159,9 +163,10 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
                      "cannot watch (a functional relu or max: write it as a module)")
     rows = [e for e in report.entries if all_rows or not e.ok]
     if rows:
-        lines.append(f"{'tensor':<8} {'layer / name':<40} {'kind':<12} {'max abs':>10} "
+        width = max([40] + [len(_name(e)) for e in rows])
+        lines.append(f"{'tensor':<8} {'layer / name':<{width}} {'kind':<12} {'max abs':>10} "
                      f"{'max rel':>10} {'tol':>10}  verdict")
-        lines += [_row(e) for e in rows]
+        lines += [_row(e, width) for e in rows]
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from .contract import Layer, ModelAdapter, adapter_for, squeezed
 from .kinks import Kink, find_kink, near_kink
 from .mapping import MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
-from .tolerance import C_GRAD, C, grad_reduction, layer_reduction, tolerance
+from .tolerance import C_GRAD, C, eps, grad_reduction, layer_reduction, tolerance
 from .trace import Call, Loss, Trace, as_batch, restore, run_step, snapshot
 
 
@@ -57,9 +57,15 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     """
     ad_a, ad_b = adapter_for(a), adapter_for(b)
     arrays = as_batch(batch)
-    before_b = snapshot(ad_b)
-    ta = run_step(ad_a, arrays, inputs, loss_a, {})
-    tb = run_step(ad_b, arrays, inputs, loss_b, {})
+    before_a, before_b = snapshot(ad_a), snapshot(ad_b)
+    try:
+        ta = run_step(ad_a, arrays, inputs, loss_a, {})
+        tb = run_step(ad_b, arrays, inputs, loss_b, {})
+    except BaseException:  # b failed after a stepped: leave neither a step ahead of the other
+        restore(ad_a, before_a)
+        restore(ad_b, before_b)
+        raise
+    ta.dtype = max(ta.dtype, tb.dtype, key=eps)  # a float64 reference against a float32 port
     mapping = build_map(ad_a, ad_b, name_map, transforms=transforms,
                         order_a=ta.order, order_b=tb.order)
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
@@ -153,6 +159,10 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
             kinks[(i, j)] = kink
             if kink.beyond:
                 note = f"{kink.beyond} element(s) on different sides of the kink"
+        if ca.config.get("training") != cb.config.get("training") and diff > tol:
+            modes = ["training" if c.config.get("training") else "eval" for c in (ca, cb)]
+            note = (f"a in {modes[0]} mode, b in {modes[1]} mode: call .train() or .eval() "
+                    f"on both models")
         if ca.kind.startswith("dropout") and diff > tol and not note:
             note = "each framework draws its own dropout mask: use eval() or p=0 to compare"
         entry = Entry("forward", f"{ca.layer} / {cb.layer}", ca.layer, ca.kind, diff, rel, tol,
@@ -239,8 +249,12 @@ def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: i
     name = f"{pair.src} / {pair.dst}"
     if ga is None or gb is None:
         verdict = "ok" if ga is None and gb is None else "DIFFERS"
+        none = "b" if gb is None else "a"
         note = "no gradient on either side" if verdict == "ok" else (
-            f"gradient only on side {'a' if gb is None else 'b'}")
+            f"gradient only on side {'ab'.replace(none, '')}: {none}'s is frozen "
+            f"(requires_grad=False) or not reached by its loss; freeze it on both sides, or "
+            f"compare it trainable on both (the tool attaches every parameter: a MegEngine "
+            f"model frozen by leaving it out of its GradManager is not seen)")
         return Entry("grad", name, layer, kind, 0.0, 0.0, 0.0, verdict, note)
     out = ta.calls[index].output if index >= 0 else None
     reduction = total + grad_reduction(pair.src_shape, out.shape if out is not None else ())

@@ -41,12 +41,10 @@ class Trace:
 
 def as_batch(batch: Any) -> Tuple[np.ndarray, ...]:
     """The batch as a tuple of numpy arrays (one array alone is a batch of one tensor)."""
-    items = (batch,) if isinstance(batch, np.ndarray) else batch
-    try:
-        arrays = tuple(np.asarray(item) for item in items)
-    except TypeError:
-        raise ParityError(f"a batch is a numpy array or a tuple of them, not "
-                          f"{type(batch).__name__}") from None
+    # Only a tuple or list is a batch of several items: anything else (a numpy array, or a
+    # framework's tensor, which iterates over its rows) is one item.
+    items = batch if isinstance(batch, (tuple, list)) else (batch,)
+    arrays = tuple(_as_array(i, item) for i, item in enumerate(items))
     for i, a in enumerate(arrays):
         if a.dtype.kind not in "fiub":
             raise ParityError(f"batch item {i} has dtype {a.dtype}: the batch must hold "
@@ -55,6 +53,23 @@ def as_batch(batch: Any) -> Tuple[np.ndarray, ...]:
         raise ParityError("the batch is empty: give the model's input (and the loss's "
                           "targets) as numpy arrays")
     return arrays
+
+
+def _as_array(index: int, item: Any) -> np.ndarray:
+    if isinstance(item, (tuple, list)):
+        raise ParityError(
+            f"batch item {index} is a {type(item).__name__}: the batch is a flat tuple of "
+            f"arrays; give the model's inputs as the first items and say how many with "
+            f"inputs= (a model taking a tuple: wrap it in a module taking them one by one)")
+    try:
+        array = np.asarray(item)
+    except (TypeError, ValueError, RuntimeError) as error:  # a tensor numpy cannot read
+        raise ParityError(
+            f"batch item {index} ({type(item).__name__}) cannot be read as a numpy array "
+            f"({error}): give numpy arrays (a torch tensor: x.detach().cpu().numpy()), "
+            f"converted for each framework") from None
+    # a framework's tensor may lend a read-only view: torch warns on one
+    return array if array.flags.writeable else array.copy()
 
 
 def forward_order(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int) -> List[str]:
@@ -115,8 +130,11 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         calls[index].done, finished[0] = finished[0], finished[0] + 1
         if index in saved:
             out = adapter.mask(saved.pop(index), pins[index][1])
-        if adapter.is_tensor(out):
-            calls[index].output = adapter.numpy(out)
+        shown = out  # a layer returning a tuple (an LSTM, an attention) by its first tensor
+        if isinstance(out, (tuple, list)):
+            shown = next((o for o in out if adapter.is_tensor(o)), None)
+        if adapter.is_tensor(shown):
+            calls[index].output = adapter.numpy(shown)
         return out if index in pins and pins[index][0] == "mask" else None
 
     remove = adapter.hook(pre, post)
@@ -138,7 +156,7 @@ def _forward_backward(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs
     gm = GradManager().attach(adapter.parameters())
     with gm:
         output = _call(adapter, tensors[:inputs])
-        value = loss(output, *tensors[inputs:]) if loss is not None else _mean(adapter, output)
+        value = _loss(adapter, loss, output, tensors[inputs:])
         gm.backward(value)
     grads = {slot.name: adapter.grad(slot.name) for slot in adapter.slots() if slot.trainable}
     return (float(adapter.numpy(value).reshape(-1)[0]), grads)
@@ -152,6 +170,22 @@ def _call(adapter: ModelAdapter, inputs: Sequence[Any]) -> Any:
         raise ParityError(
             f"the {adapter.framework} model ({type(adapter.model).__name__}) failed on the "
             f"batch's input(s) of shape {shapes}: {type(error).__name__}: {error}") from error
+
+
+def _loss(adapter: ModelAdapter, loss: Optional[Loss], output: Any,
+          targets: Sequence[Any]) -> Any:
+    if loss is None:
+        return _mean(adapter, output)
+    try:
+        return loss(output, *targets)
+    except Exception as error:  # say which side, and the dtypes a port most often gets wrong
+        dtypes = [str(t.dtype) for t in targets]
+        hint = ("; each framework gets the batch's items in their numpy dtype: give class "
+                "targets as int64 (PyTorch's losses need it, MegEngine reads it as int32)"
+                if any("int" in d and "int64" not in d for d in dtypes) else "")
+        raise ParityError(
+            f"the {adapter.framework} loss failed (targets' dtypes: "
+            f"{', '.join(dtypes) or 'none'}): {type(error).__name__}: {error}{hint}") from error
 
 
 def _mean(adapter: ModelAdapter, output: Any) -> Any:
