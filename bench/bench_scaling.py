@@ -217,7 +217,7 @@ def _run(rank: int, world: int, name: str, steps: int) -> Dict[str, Any]:
     from bench_zero import batches, model
     from torch.profiler import ProfilerActivity, profile
 
-    small = _Variant(name, model(64, 2), world)  # library code and lazy state load first
+    small = _variant(name, model(64, 2), world)  # library code and lazy state load first
     for x, y in batches(2, rank, 64):
         small.step(x, y)
     del small
@@ -230,7 +230,7 @@ def _run(rank: int, world: int, name: str, steps: int) -> Dict[str, Any]:
     dist.barrier()
     base = rss()
     reset_peak_rss()
-    variant = _Variant(name, net, world)
+    variant = _variant(name, net, world)
     del net
     counted: Dict[str, int] = {}
 
@@ -256,81 +256,14 @@ def _run(rank: int, world: int, name: str, steps: int) -> Dict[str, Any]:
             "times": slowest.tolist(), **collectives_of(events, world)}
 
 
-class _Variant:
-    """One system training ``net``: ``step(x, y, probe)`` (``probe`` runs between the backward
-    and the optimizer step), ``grads()`` and ``state()`` in bytes on this rank."""
+def _variant(name: str, net: Any, world: int) -> Any:
+    """One system training ``net``: bench_zero.py's ``Variant`` (imported here: it imports
+    torch, which this module's cost-model helpers do not need)."""
+    from bench_zero import Variant
 
-    def __init__(self, name: str, net: Any, world: int) -> None:
-        import torch
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from gradmgr.distributed import ShardedOptimizer, data_parallel
-
-        self.name, self.net = name, net
-        loss = torch.nn.functional.mse_loss
-        adamw = torch.optim.AdamW
-        self._local_opt: Any = None
-        if name in ("ddp", "ddp-view", "zero1"):
-            ddp = DDP(net, gradient_as_bucket_view=name != "ddp")
-            if name == "zero1":
-                opt: Any = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=adamw, lr=LR)
-                self._local_opt = opt.optim
-            else:
-                opt = self._local_opt = adamw(net.parameters(), lr=LR)
-
-            def backward(x: Any, y: Any) -> None:
-                loss(ddp(x), y).backward()
-        elif name.startswith("fsdp2"):
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (world,))
-            reshard = name == "fsdp2-reshard"
-            for layer in net:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(net, mesh=mesh, reshard_after_forward=reshard)
-            opt = self._local_opt = adamw(net.parameters(), lr=LR)
-
-            def backward(x: Any, y: Any) -> None:
-                loss(net(x), y).backward()
-        elif name in ("gradmgr", "sharded"):
-            gm = data_parallel(net, shard=name == "sharded")
-            if name == "gradmgr":
-                opt = self._local_opt = adamw(net.parameters(), lr=LR)
-            else:
-                opt = ShardedOptimizer(gm, adamw, lr=LR)
-
-            def backward(x: Any, y: Any) -> None:
-                with gm:
-                    gm.backward(loss(net(x), y))
-        else:
-            raise ValueError(f"unknown system {name!r}")
-        self.opt, self._backward = opt, backward
-
-    def step(self, x: Any, y: Any, probe: Any = None) -> None:
-        self._backward(x, y)
-        if probe is not None:
-            probe()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def grads(self) -> int:
-        from bench_zero import tensor_bytes
-
-        if self.name == "sharded":
-            return self.opt.memory()["gradients"]
-        return tensor_bytes(p.grad for p in self.net.parameters())
-
-    def state(self) -> int:
-        from bench_zero import state_bytes
-
-        if self.name == "sharded":
-            return self.opt.memory()["optimizer"]
-        return state_bytes(self._local_opt)
+    return Variant(name, net, world)
 
 
-# ---------------------------------------------------------------------------------- parent
 def run_all(worlds: List[int], variants: List[str], rounds: int, steps: int, fresh: bool,
             log: Any) -> Dict[str, Any]:
     """Every system on every number of ranks: by default each round spawns the ranks once and

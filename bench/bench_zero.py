@@ -149,13 +149,14 @@ class Variant:
 
             def backward(x: torch.Tensor, y: torch.Tensor) -> None:
                 loss(ddp(x), y).backward()
-        elif name == "fsdp2":
+        elif name in ("fsdp2", "fsdp2-reshard"):  # the second: bench_scaling.py's
             if fully_shard is None:
                 raise RuntimeError("this torch has no torch.distributed.fsdp.fully_shard")
             mesh = init_device_mesh("cpu", (world,))
+            reshard = name == "fsdp2-reshard"
             for layer in net:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-            fully_shard(net, mesh=mesh, reshard_after_forward=False)
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(net, mesh=mesh, reshard_after_forward=reshard)
             opt = self._local_opt = torch.optim.AdamW(net.parameters(), lr=LR)
 
             def backward(x: torch.Tensor, y: torch.Tensor) -> None:
