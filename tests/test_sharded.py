@@ -101,14 +101,18 @@ def test_wide_layers_gathered_by_broadcasts_equal_ddp(zero_ranks, dtype, direct)
 
 
 def test_one_bucket_buffer_serves_a_backward_of_equal_buckets(zero_ranks):
-    """The bucket in flight hands its buffer to the next one (issue 27): one buffer for four
-    buckets of a step, where two were alive together with the engine's newest gradient
-    before (the step's peak, one buffer higher). Results bit for bit DDP's."""
+    """The bucket in flight hands its buffer to the next one (issue 27): the pool offers its
+    buffer to every bucket after the first, where before the second bucket found none (two
+    were then alive together with the engine's newest gradient: the step's peak, one buffer
+    higher). Whether the offered buffer is taken also depends on gloo's worker having dropped
+    the finished collective's reference to it (``storage_unshared``): usually one buffer
+    serves the step, under load now and then two, never more. Results bit for bit DDP's."""
     main, _ = zero_ranks
     for rank, out in enumerate(main):
         run = out["one_buffer"]
         assert run["buckets"] == 4 and run["allocated"] == 8  # 4 buckets, 2 steps
-        assert run["buffers"] == 1, run
+        assert run["offered"] == [False, True, True, True], run["offered"]
+        assert run["buffers"] <= 2, run["buffers"]
         same(run["ours"], run["ddp"], f"rank {rank}")
 
 

@@ -178,6 +178,7 @@ def one_bucket_buffer(out: dict, rank: int) -> None:
     allocates (the bucket in flight hands its buffer to the next, so one serves them all),
     and the parameters against DDP's after 2 steps."""
     from gradmgr.backends.torch import ops as torch_ops
+    from gradmgr.distributed import sharding
 
     def layers() -> nn.Module:
         torch.manual_seed(2)
@@ -194,7 +195,14 @@ def one_bucket_buffer(out: dict, rank: int) -> None:
         made.append(flat.untyped_storage().data_ptr())
         return flat
 
+    offered, lend = [], sharding.BufferPool.lend
+
+    def offering(self, bucket):  # whether the pool had a free buffer for the bucket
+        lend(self, bucket)
+        offered.append(bucket.spare is not None)
+
     torch_ops.TorchBuffer._allocate = counting
+    sharding.BufferPool.lend = offering
     try:
         for step in range(2):
             x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -207,9 +215,10 @@ def one_bucket_buffer(out: dict, rank: int) -> None:
             ref.zero_grad()
     finally:
         torch_ops.TorchBuffer._allocate = allocate
+        sharding.BufferPool.lend = lend
     out["one_buffer"] = {"ours": params_of(ours), "ddp": params_of(theirs),
                          "buckets": len(opt._plan.buckets), "buffers": len(set(made[:4])),
-                         "allocated": len(made)}
+                         "allocated": len(made), "offered": offered[:4]}
 
 
 def failing_rank(out: dict, rank: int) -> None:
