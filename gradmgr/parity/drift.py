@@ -12,7 +12,7 @@ import numpy as np
 from .contract import ModelAdapter, adapter_for
 from .errors import ParityError
 from .mapping import Transform, build_map, convert
-from .trace import Loss, as_batch, forward_order, train_step
+from .trace import Loss, as_batch, train_step
 
 Batches = Union[Sequence[Any], Callable[[int], Any]]
 
@@ -126,12 +126,10 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
     _holds(opt_a, ad_a, "a")
     _holds(opt_b, ad_b, "b")
     count = steps if steps is not None else len(batches)  # type: ignore[arg-type]
-    first = as_batch(batches(0) if callable(batches) else batches[0])
-    mapping = build_map(ad_a, ad_b, name_map, transforms=transforms,
-                        order_a=forward_order(ad_a, first, inputs),
-                        order_b=forward_order(ad_b, first, inputs))
-    trained = [p for p in mapping.pairs if p.src in {s.name for s in ad_a.slots()
-                                                      if s.trainable}]
+    mapping = build_map(ad_a, ad_b, name_map, transforms=transforms, inputs=inputs,
+                        probe=batches(0) if callable(batches) else batches[0])
+    trainable = {s.name for s in ad_a.slots() if s.trainable}
+    trained = [p for p in mapping.pairs if p.src in trainable]
     report = DriftReport(ad_a.framework, ad_b.framework)
     for step in range(count):
         batch = as_batch(batches(step) if callable(batches) else batches[step])

@@ -13,10 +13,10 @@ within tolerance of each other on both sides and the sides pick different ones, 
 flipped; it is pinned by adding to side b's input a constant that lifts side a's pick just
 above side b's (a constant moves no gradient), unless that would change the pick of an
 overlapping window too. A flip in a LeakyReLU is not pinned, nor is one at a ReLU whose
-counterpart on the other side
-is no module (a functional ``F.relu``: only one side's input is seen, and every element within
-tolerance of the kink may have flipped). A flip that is not pinned leaves the gradients of its
-layer and every earlier one unverified on that batch where they differ.
+counterpart on the other side is no module (a functional ``F.relu``: only one side's input is
+seen, and every element within tolerance of the kink may have flipped). A flip that is not
+pinned leaves the gradients of its layer and every earlier one unverified on that batch where
+they differ.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def _windows(call: Call) -> Optional[np.ndarray]:
 
 def _max_pool(call_a: Call, call_b: Call, tol: float) -> Optional[Kink]:
     """A max-pool's flip: the two sides pick different elements of a window whose two
-    candidates lie within ``tol`` of each other on both sides (a near tie). Not pinnable."""
+    candidates lie within ``tol`` of each other on both sides (a near tie); pinned by an
+    offset on side b's input where :func:`_pool_offset` finds one."""
     wa, wb = _windows(call_a), _windows(call_b)
     if wa is None or wb is None or wa.shape != wb.shape:
         return None

@@ -104,7 +104,8 @@ def _name(e: Entry) -> str:
 
 
 def _row(e: Entry, width: int) -> str:
-    # names whole (a deep model's "layer3.0.downsample.0.weight / ..." was cut at 40)
+    # names whole: the end of a deep name ("... / layer3.0.downsample.0.weight") is the
+    # part that tells which of the port's layers it is
     return (f"{e.what:<8} {_name(e):<{width}} {e.kind[:12]:<12} {e.max_abs:>10.3g} "
             f"{e.max_rel:>10.3g} {e.tol:>10.3g}  {e.verdict}{'  ' + e.note if e.note else ''}")
 

@@ -108,7 +108,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
     finished = [0]
     running: Dict[str, List[int]] = {}  # a layer's calls whose forward has not returned
     saved: Dict[int, Any] = {}
-    kept = None if backward else _buffers(adapter)
+    kept = None if backward else snapshot(adapter)
 
     def pre(name: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
         layer, x = layers[name], args[0] if args else None
@@ -196,13 +196,9 @@ def _mean(adapter: ModelAdapter, output: Any) -> Any:
     return adapter.mean(output)
 
 
-def _buffers(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
-    return {s.name: adapter.read(s.name) for s in adapter.slots() if not s.trainable}
-
-
 def snapshot(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
     """The buffers' values, to run a step again from the same state (:func:`restore`)."""
-    return _buffers(adapter)
+    return {s.name: adapter.read(s.name) for s in adapter.slots() if not s.trainable}
 
 
 def restore(adapter: ModelAdapter, values: Dict[str, np.ndarray]) -> None:
