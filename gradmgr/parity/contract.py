@@ -17,12 +17,13 @@ from ..errors import UnsupportedBackendError
 from ..registry import backend_for
 from .errors import ModelTypeError
 
-# Layer kinds whose output is piecewise in the input: two frameworks may take different
-# branches for an input within rounding of the kink (kinks.py). Only "relu" can be pinned.
 # Layer kinds that compute differently in training and in eval mode: their config carries
 # ``training`` (a state, not a setting: compare_step notes it, transfer_weights ignores it).
 MODAL = ("batchnorm", "syncbatchnorm", "dropout", "instancenorm")
-PIECEWISE = ("relu", "maxpool1d", "maxpool2d", "maxpool3d", "leakyrelu", "relu6", "hardtanh")
+# Layer kinds whose output is piecewise in the input and whose flips kinks.py can find: two
+# frameworks may take different branches for an input within rounding of the kink. Their
+# inputs are kept (a copy per call): only for the kinds kinks.py reads.
+PIECEWISE = ("relu", "leakyrelu", "maxpool2d")
 
 
 @dataclass(frozen=True)
