@@ -178,7 +178,8 @@ def classify(habit, ranks: list, logs: str) -> Result:
         return Result(CRASH, "the process group was left out of step\n" + lines,
                       tracebacks + "\n" + logs)
     if errors:
-        needed = set(range(len(ranks)) if habit.alone is None else [habit.alone])
+        only = habit.alone if habit.alone is not None else habit.ahead
+        needed = set(range(len(ranks)) if only is None else [only])
         if not needed <= set(errors):
             return Result(CRASH, f"an error on rank(s) {sorted(errors)} only\n" + lines,
                           tracebacks)

@@ -18,7 +18,6 @@ HEADER = ["Habit", "What DDP does", "gradmgr", "`native=False`", "`shard=True`"]
 COLUMN = {"native": 2, "single": 2, "buckets": 3, "sharded": 4}  # the one-process habit: 2
 NOT_RUN = "—"  # a path the habit does not apply to
 CELLS = ("same as DDP", "clear error", NOT_RUN)
-GAP = "known gap"  # "known gap (what closes it): crash": what it does today
 
 
 def rows(path: str = DOCS) -> dict:
@@ -41,11 +40,8 @@ def _cells(line: str) -> list:
 
 def expected(cells: list, path: str) -> str:
     """The column a row's cell for ``path`` names: one of :data:`CELLS`, the words that
-    start it (a cell may go on: "clear error: `RankMismatchError`"); for a :data:`GAP`, the
-    failure it shows today (so the row fails once that changes, and the docs are updated)."""
+    start it (a cell may go on: "clear error: `RankMismatchError`")."""
     cell = cells[COLUMN[path]]
-    if cell.startswith(GAP):
-        return cell.split(":", 1)[1].strip()
     for name in CELLS:
         if cell.startswith(name):
             return name

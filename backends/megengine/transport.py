@@ -126,9 +126,9 @@ class MegEngineViaTorchTransport:
     models data-parallel: tensor -> numpy -> torch -> allreduce -> back, on the tensor's device.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, collective: Any = None) -> None:
         self.group = group
-        self._torch = _torch_collective(group)
+        self._torch = _torch_collective(group) if collective is None else collective
 
     def world_size(self) -> int:
         return self._torch.world_size()
@@ -138,6 +138,10 @@ class MegEngineViaTorchTransport:
 
     def arrive(self, key: str) -> Any:
         return self._torch.arrive(key)
+
+    def control(self) -> MegEngineViaTorchTransport:
+        """The plan checks' transport: torch's, in a gloo group of their own."""
+        return MegEngineViaTorchTransport(self.group, self._torch.control())
 
     def allreduce_async(self, flat: Any) -> _HostWork:
         buffer = _host_copy(flat)

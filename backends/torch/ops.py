@@ -94,7 +94,8 @@ class TorchOps(TensorOps):
         return flat.to(getattr(torch, dtype))
 
     def vector(self, values: Sequence[float], like: Any) -> Any:
-        return torch.tensor(list(values), dtype=torch.float32).to(like.device)
+        vector = torch.tensor(list(values), dtype=torch.float32)
+        return vector if like is None else vector.to(like.device)
 
     def values(self, vector: Any) -> List[float]:
         return [float(v) for v in vector.cpu().tolist()]

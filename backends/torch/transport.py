@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from .arrival import arrived, group_store
+from .control import CheckTransport
 from .teardown import collect_cycles_at_exit
 
 
@@ -79,6 +80,10 @@ class TorchTransport(TorchCollective):
     def broadcast(self, flat: Any, src: int) -> Any:
         self.broadcast_in_place(flat, src)
         return flat
+
+    def control(self) -> Any:
+        """The transport of the plan checks: a gloo group of their own (:mod:`.control`)."""
+        return CheckTransport(self.group) if dist.is_gloo_available() else self
 
     def reduce_scatter_async(self, flat: Any) -> Any:
         d = initialised_dist()

@@ -17,7 +17,7 @@ from .allreduce import (
 )
 from .bucket import Bucket, BucketPlan
 from .contract import Handle, TensorOps, Transport
-from .errors import RankFailedError, RankMismatchError, SparseGradientError
+from .errors import RankFailedError, RankMismatchError, RanksOutOfStepError, SparseGradientError
 from .launch import free_port, run_ranks, spawn_local
 from .sharded_optimizer import ShardedOptimizer
 from .sync import broadcast, no_sync
@@ -30,6 +30,7 @@ __all__ = [
     "Handle",
     "RankFailedError",
     "RankMismatchError",
+    "RanksOutOfStepError",
     "ReduceScatterCallback",
     "ShardedOptimizer",
     "SparseGradientError",

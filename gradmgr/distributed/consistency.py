@@ -84,6 +84,8 @@ class PlanCheck:
 
     def __init__(self, transport: Any, ops: TensorOps, fingerprint: Sequence[int],
                  like: Any, request: bool = False, accumulated: Optional[int] = 0) -> None:
+        if getattr(transport, "on_host", False):
+            like = None  # (see TensorOps.vector)
         self._transport, self._ops, self._like = transport, ops, like
         self._world = world = transport.world_size()
         rank_of = getattr(transport, "rank", None)

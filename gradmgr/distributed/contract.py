@@ -55,9 +55,14 @@ class Transport(Protocol):
         reduced = handle.wait()                    # same type, dtype and device as ``flat``
 
     Optional methods: ``rank() -> int`` (names ranks in errors about ranks that disagree, and
-    carries the plan check exactly through lossy wires) and ``broadcast(flat, src) -> flat``
+    carries the plan check exactly through lossy wires), ``broadcast(flat, src) -> flat``
     (the initial sync; without it a sum with zeros from the other ranks is used, which turns
-    -0.0 into 0.0).
+    -0.0 into 0.0) and ``control() -> Transport``: the transport of the plan checks, the
+    small collective that starts every synced step (without it, this one). One of its own
+    (torch's: a gloo group of its own) meets only the other ranks' checks, never a collective
+    of the user's program, and can give up on ranks that never come
+    (:class:`~gradmgr.distributed.RanksOutOfStepError`); with ``on_host = True`` its buffers
+    are built on the host (:meth:`TensorOps.vector`).
 
     Example:
         >>> import torch.distributed as dist
@@ -331,7 +336,8 @@ class TensorOps:
         return self.cast(flat, _COMPRESSED[compression])
 
     def vector(self, values: Sequence[float], like: Any) -> Any:
-        """A float32 vector on ``like``'s device (for the small cross-rank collectives)."""
+        """A float32 vector on ``like``'s device (for the small cross-rank collectives); on
+        the host where ``like`` is None (asked for by a transport with ``on_host = True``)."""
         raise NotImplementedError
 
     def values(self, vector: Any) -> List[float]:

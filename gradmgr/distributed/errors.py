@@ -56,6 +56,30 @@ class RankFailedError(RuntimeError):
     """
 
 
+class RanksOutOfStepError(RankMismatchError):
+    """Not every rank started this data-parallel step: this rank waited, at the start of its
+    step, for the others' plan check until the process group's patience ran out, or a rank
+    left the group meanwhile. The ranks ran different numbers of steps: a rank skipped a
+    batch (``continue``) or ran out of data while the others trained on.
+
+    Collectives pair by their order alone, so without it the rank with a step more meets
+    whatever the others do after their loop (an evaluation's allreduce, a barrier) and
+    crashes inside the transport or hangs. gradmgr checks the plans in a process group of its
+    own, which meets only gradmgr's checks, and gives up after half the group's timeout (at
+    most a minute before it), while the others still wait in their next collective: that
+    collective then meets this rank's next one, and the group is still usable for a program
+    that catches the error. The ranks that finished their loop cannot know; the message
+    reaches them through this rank. The remedy is ``with Join([gm]):`` (the guide "Uneven
+    inputs") or a step on every rank (``with gm: gm.backward()`` records an empty one).
+
+    Example:
+        >>> from gradmgr.distributed import RanksOutOfStepError
+        >>> from gradmgr.distributed import RankMismatchError
+        >>> issubclass(RanksOutOfStepError, RankMismatchError)  # the ranks disagree on steps
+        True
+    """
+
+
 class SparseGradientError(TypeError):
     """The allreduce callback reduces dense gradients only; a tensor got a sparse one.
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, List
 
 from .bucket import BucketPlan
-from .consistency import PlanCheck
 from .errors import RankFailedError
 from .steps import Step
 from .sync import is_paused
@@ -55,14 +54,11 @@ def shadow(synchronizer: Any, gm: Any, theirs: List[float]) -> bool:
 def _check_plan(synchronizer: Any, plan: BucketPlan, sync: bool, unsynced: int) -> None:
     """The step's plan check, as the others' recordings start it (builds torch's reducer
     where a rank asked for one)."""
-    like = plan.tensor(0) if plan.buckets else next(iter(synchronizer.excluded), None)
-    if like is None or synchronizer.transport.world_size() < 2:
-        return
     step = Step(plan, sync)
-    step.check = PlanCheck(synchronizer.transport, synchronizer.ops, synchronizer.fingerprint,
-                           like, request=synchronizer.native and synchronizer.reducer is None,
-                           accumulated=unsynced if sync else None)
-    synchronizer.settle(step)
+    native = synchronizer.native
+    if synchronizer.check_plan(step, native, native and synchronizer.reducer is None,
+                               unsynced if sync else None):
+        synchronizer.settle(step)
 
 
 def _shadow_buckets(synchronizer: Any, plan: BucketPlan) -> bool:

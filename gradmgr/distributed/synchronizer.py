@@ -18,7 +18,7 @@ from ..manager import attach_epoch, callback_chains
 from .bucket import BucketPlan
 from .consistency import NameOf, PlanCheck, plan_fingerprint
 from .contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
-from .errors import RankMismatchError, SparseGradientError, sparse_message
+from .errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
 from .post_backward import PostBackwardStep
 from .sharding import GradientShards, ShardWire
 from .steps import HookWire, PendingGradient, Step, Wire
@@ -63,6 +63,7 @@ class Synchronizer:
         self.name_of = name_of
         self.lock = threading.RLock()  # CUDA backwards call from engine worker threads
         self.transport: Optional[Transport] = None
+        self.checks: Optional[Transport] = None  # the plan checks' (see check_plan)
         self.wire: Optional[Wire] = None
         self.plan: Optional[BucketPlan] = None
         self.excluded: List[Any] = []  # attached with the callback but frozen at planning
@@ -129,8 +130,6 @@ class Synchronizer:
         if sync and at_record:
             step.grads_at_record = self.ops.grad_snapshot(self._planned())
             step.finished_before = self.finished
-        # A tensor to put the check on (its device): planned, else attached but frozen.
-        like = plan.tensor(0) if plan.buckets else next(iter(self.excluded), None)
         native = self.native and not step.after  # this step's path, in the plan check
         request = native and self.reducer is None
         if options.verify == "step":
@@ -142,11 +141,10 @@ class Synchronizer:
         else:  # "plan": only where this rank re-planned, trusting all ranks to do so alike
             wanted = options.verify == "plan" and (
                 first or request or self.fingerprint is not fingerprint)
-        if wanted and like is not None and self.transport.world_size() > 1:
-            step.check = PlanCheck(self.transport, self.ops, self._fingerprint(native), like,
-                                   request=request, accumulated=accumulated)
-            if first or not at_record:
-                self.settle(step)
+        # (launched here; read at once only where nothing else comes to read it first)
+        if wanted and self.check_plan(step, native, request, accumulated) and (
+                first or not at_record):
+            self.settle(step)
         if first and at_record:
             if options.broadcast and plan.buckets:
                 broadcast(plan.tensors(), options.src, transport=self.transport)
@@ -184,13 +182,32 @@ class Synchronizer:
         # The reducer holds the planned tensors (in plan order): no weak references to follow.
         return self.plan.tensors() if self.reducer is None else self.reducer.tensors
 
+    def check_plan(self, step: Step, native: bool, request: bool,
+                   accumulated: Optional[int]) -> bool:
+        """Launch ``step``'s plan check (see :class:`PlanCheck`) for a step on the reducer
+        (``native``) or the buckets, where there are ranks to compare with and a tensor to
+        put it on (its device): planned, else attached but frozen. It runs on the checks'
+        own transport (``control()``), where it meets only the other ranks' checks."""
+        plan = step.plan
+        like = plan.tensor(0) if plan.buckets else next(iter(self.excluded), None)
+        if like is None or self.transport.world_size() < 2:
+            return False
+        step.check = PlanCheck(self.checks, self.ops, self._fingerprint(native), like,
+                               request=request, accumulated=accumulated)
+        return True
+
     def settle(self, step: Step) -> None:
         """Read the step's comparison of plans, once; where they differ, every rank raises
         (now and whenever this step is touched again) and launches nothing for it."""
         check = step.check
         if check is not None:
             step.check = None
-            if not check.agreed():
+            try:
+                agreed = check.agreed()
+            except RanksOutOfStepError as error:  # launch nothing more for this step
+                step.mismatch = error
+                raise
+            if not agreed:
                 self.unsynced = 0  # every rank starts counting afresh (see PlanCheck)
                 step.mismatch = check.error(step.plan.tensors(), self._step_mode(step),
                                             "with the allreduce callback, trainable",
@@ -209,6 +226,8 @@ class Synchronizer:
         if self.transport is None:
             self.transport = resolve_transport(options.transport_spec, self.backend,
                                                options.group)
+            control = getattr(self.transport, "control", None)
+            self.checks = self.transport if control is None else control()
             if self.comm_hook is not None:
                 self.wire = HookWire(ops, self.transport, self.comm_hook)
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, List, Optional
 
@@ -9,6 +10,7 @@ from ..manager import GradManager
 from ..registry import backend_for
 from .allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
 from .consistency import PlanCheck, names_from, plan_fingerprint
+from .errors import RanksOutOfStepError
 from .joining import DataParallelManager, Joining
 from .sync import broadcast, is_paused
 from .transport import TransportSpec, resolve_transport
@@ -127,6 +129,17 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
     if not check.agreed():
         raise check.error(tensors, mode, "their modules' parameters and buffers",
                           names_from(module))
+    _open_checks(chosen)
+
+
+def _open_checks(transport: Any) -> None:
+    """Open the transport of the plan checks (``control()``) while every rank is here: torch's
+    makes its process group, a collective, which a rank with no batch at all would
+    otherwise never join (the others' first step would wait for it in vain)."""
+    control = getattr(transport, "control", None)
+    opened = getattr(control(), "open", None) if control is not None else None
+    if opened is not None:
+        opened()
 
 
 _FORGOTTEN = (
@@ -162,6 +175,7 @@ class _Step:
         self._src, self._group, self._transport = src, group, transport
         self._synced = False  # the recording started outside no_sync
         self._failed = False  # its backward raised
+        self._alone = False  # with RanksOutOfStepError
         self.watch: Any = None  # the backend's watch of the module's forwards, if any
 
     def record(self) -> None:
@@ -170,13 +184,16 @@ class _Step:
             watch.disarm()  # a forward outside a recording armed it; this recording's is fine
         gm = self._gm()
         self._synced = gm is not None and not is_paused(gm)
-        self._failed = False
+        self._failed = self._alone = False
 
     def backward_failed(self) -> None:
         self._failed = True
+        # (called inside the backward's `except`: sys.exc_info() is its error) A rank out of
+        # step broadcasts nothing: no other rank is in this step to meet the broadcast.
+        self._alone = isinstance(sys.exc_info()[1], RanksOutOfStepError)
 
     def release(self, backward_ran: bool) -> None:
-        if not self._synced or self._module is None:
+        if not self._synced or self._module is None or self._alone:
             return
         self._synced = False
         gm = self._gm()

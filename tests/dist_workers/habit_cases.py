@@ -7,7 +7,10 @@ it applies to. What it returns (losses, norms, parameters, buffers) is compared 
 ``ddp=False``: DDP itself is silently wrong (or hangs) with this habit, so it is not run;
 gradmgr must raise. ``accept``: an exception that is not gradmgr's but counts as clear,
 ``(type name, text it contains)``. ``alone``: only that rank runs the habit's call
-(``if rank == 0: ...``), so only it must raise, and the others go on. ``risky``: may hang or
+(``if rank == 0: ...``), so only it must raise, and the others go on. ``ahead``: the rank
+with a step more than the others (one skipped a batch): only it can find out, so only it must
+raise, and the others end their loop; its error says to start a new process group, which the
+harness does after the case. ``risky``: may hang or
 crash a rank on today's code, so it runs after the others; ``teardown``: destroys its
 process group, so it runs last.
 """
@@ -32,6 +35,7 @@ class Habit:
     accept: Optional[Tuple[str, str]] = None
     risky: bool = False
     alone: Optional[int] = None  # only this rank makes the call: its clear error suffices
+    ahead: Optional[int] = None  # only this rank takes a step more: its clear error suffices
     teardown: bool = False
 
     @property
@@ -123,7 +127,7 @@ HABITS = [
           ddp=False, risky=True),
     Habit("rank_skips_silently",
           'one rank skips a batch before its forward (`continue`)',
-          ddp=False, risky=True),
+          ddp=False, risky=True, ahead=0),
     Habit("rank_skips_in_join",
           'the same, inside `with Join([gm]):` (DDP: `with Join([model]):`; sharded: '
           '`Join([gm, opt])`)'),

@@ -7,7 +7,8 @@ wrong too) and on the gradmgr path, and keeps what each returned or how it faile
 small allreduce; a case that left it out of step ends this run) and rewrites
 ``OUTDIR/rank{RANK}.pkl`` with every case so far, so the parent knows how far each rank got
 when one hangs or dies. The process groups start from files in OUTDIR with a short timeout
-(:data:`PG_TIMEOUT_S`), and again after a habit that destroyed its group.
+(:data:`PG_TIMEOUT_S`), and again after a habit that destroyed its group, or one that left a
+rank a step ahead (``RanksOutOfStepError`` says to start a new group).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class Group:
         if not dist.is_initialized():
             self.start()
 
+    def renew(self) -> None:
+        """A new process group, as a program does after ``RanksOutOfStepError``."""
+        dist.destroy_process_group()
+        self.start()
+
     def in_step(self, index: int) -> bool:
         """One allreduce every rank makes after case ``index``: equal on all, or the group
         is out of step (a rank made one collective more than the other)."""
@@ -137,9 +143,12 @@ def main(argv: list) -> None:
     path, done = os.path.join(outdir, f"rank{rank}.pkl"), {}
     for index, case in enumerate(cases):
         name, kind = case.split(":")
-        done[case] = result = run_case(BY_NAME[name], kind, rank, world, group,
+        habit = BY_NAME[name]
+        done[case] = result = run_case(habit, kind, rank, world, group,
                                        os.path.join(outdir, f"rank{rank}.started"))
         result["in_step"] = group.in_step(index)
+        if habit.ahead is not None and result["in_step"]:
+            group.renew()
         with open(path + ".tmp", "wb") as f:
             pickle.dump(done, f)
         os.replace(path + ".tmp", path)

@@ -1,0 +1,166 @@
+"""The plan check's own process group, and how long a rank waits in it.
+
+The plan check is the first collective of every synced step (``gradmgr.distributed.
+consistency``). On the user's process group it would pair with whatever another rank does
+there: a rank that skipped a batch (``continue``) without ``Join`` has left its loop when the
+others start their last step, and its next collective (an evaluation's allreduce, a barrier)
+met their check; gloo then aborted the process on the size mismatch. So the checks run in a
+gloo group of their own, one per user group, made by ``data_parallel()`` or at the first
+check, and kept while that group lives: there a check meets only checks.
+
+A rank whose check nobody joins gives up before the user group's timeout, while the ranks
+that left their loop still wait in their next collective there (the whole timeout): it
+raises :class:`RanksOutOfStepError`, and that collective then meets the next one this rank
+makes, so a program that catches the error still has a working group. Giving up destroys the
+check group: the abandoned check would otherwise meet another rank's next check. This rank's
+later checks raise at once, and another rank's fail as soon as they start; a new process group
+(``destroy_process_group``, ``init_process_group``) makes a new check group. A check that
+completes costs what it cost on the user's group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from gradmgr.distributed.errors import RanksOutOfStepError
+
+from .arrival import group_store
+
+_LATEST_S = 60.0  # give up at most this long before the user group's timeout
+
+_OUT_OF_STEP = (
+    "data parallel: not every rank started this synced step: this rank waited {waited:.0f} s "
+    "(of the process group's {timeout:.0f} s timeout) for the others' plan check{why}. The "
+    "ranks ran different numbers of steps: a rank skipped a batch (`continue`) or ran out of "
+    "data while the others trained on, and its steps have been paired with the others' "
+    "next ones since. Wrap the loop in `with Join([gm]):` (torch.distributed.algorithms.join; "
+    "Join([gm, opt]) with a ShardedOptimizer), or take every step on every rank: a rank with "
+    "nothing to contribute records an empty step, `with gm: gm.backward()`. Then start a new "
+    "process group (this one's plan checks were given up on)"
+)
+_LEFT = (", and another rank left the checks meanwhile (its process ended, or it gave up on "
+         "an earlier step's check: see its RanksOutOfStepError)")
+_EARLIER = (
+    "data parallel: this rank gave up on an earlier synced step's plan check (the "
+    "RanksOutOfStepError raised then), so its checks in this process group would pair with "
+    "the wrong steps. Start a new process group (dist.destroy_process_group(), then "
+    "init_process_group) before training again. The earlier error: {cause}"
+)
+
+
+class CheckGroup:
+    """The gloo group the checks of one user group run in (made by :meth:`make`), and whether
+    this rank gave up on it (``broken``: the error raised then).
+
+    Its timeout is the patience: half the user group's timeout, or a minute short of it where
+    that is more, so that the ranks waiting in their next collective of the user group are
+    still there when this rank gives up."""
+
+    def __init__(self, parent: Any) -> None:
+        store = group_store(parent)
+        timeout = store.timeout if store is not None else datetime.timedelta(minutes=30)
+        self.timeout_s = timeout.total_seconds()
+        self.patience_s = max(self.timeout_s / 2, self.timeout_s - _LATEST_S)
+        self.group: Any = None
+        self.broken: Optional[str] = None
+
+    def make(self, parent: Any) -> None:
+        started = time.monotonic()
+        try:
+            self.group = dist.new_group(
+                dist.get_process_group_ranks(parent), backend="gloo",
+                timeout=datetime.timedelta(seconds=self.patience_s),
+                use_local_synchronization=True)  # (a barrier of its ranks only)
+        except RuntimeError as error:  # a rank never came: its first step is the one missing
+            self.give_up(error, started)
+
+    def start_sum(self, flat: Any) -> CheckWork:
+        if self.broken is not None:
+            raise RanksOutOfStepError(_EARLIER.format(cause=self.broken))
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return CheckWork(work, flat, self, time.monotonic())
+
+    def give_up(self, error: BaseException, started: float) -> None:
+        """Raise :class:`RanksOutOfStepError` for ``error`` (the transport's timeout, or a peer
+        gone), now and at every later check; the group is destroyed, so that a rank that
+        comes late, or whose next check would have met the abandoned one, is told at once."""
+        text = str(error).lower()
+        timed_out = "timed out" in text or "timeout" in text  # gloo's; the store's
+        self.broken = message = _OUT_OF_STEP.format(
+            waited=time.monotonic() - started, timeout=self.timeout_s,
+            why="" if timed_out else _LEFT)
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+        raise RanksOutOfStepError(message) from error
+
+
+_GROUPS: weakref.WeakKeyDictionary[Any, CheckGroup] = weakref.WeakKeyDictionary()
+_MAKING = threading.Lock()  # one check group per user group, whichever thread asks first
+
+
+def check_group(group: Any) -> CheckGroup:
+    """The check group of ``group`` (None: the default group), made where there is none yet
+    (a collective of ``group``'s ranks). One given up on stays: a new one would be made on
+    this rank alone; a new user group (``init_process_group`` again) gets a new one."""
+    parent = group if group is not None else dist.distributed_c10d._get_default_group()
+    with _MAKING:
+        found = _GROUPS.get(parent)
+        if found is None or parent not in dist.distributed_c10d._world.pg_map:  # (private)
+            found = _GROUPS[parent] = CheckGroup(parent)
+            found.make(parent)
+    return found
+
+
+class CheckWork:
+    """A check in flight: ``wait()`` returns the summed buffer, or gives up after the
+    check group's timeout (:meth:`CheckGroup.give_up`)."""
+
+    __slots__ = ("_work", "_flat", "_group", "_started")
+
+    def __init__(self, work: Any, flat: Any, group: CheckGroup, started: float) -> None:
+        self._work, self._flat, self._group, self._started = work, flat, group, started
+
+    def wait(self) -> Any:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as error:  # timed out, or a peer closed its connection
+                self._group.give_up(error, self._started)
+            self._work = None
+        return self._flat
+
+
+class CheckTransport:
+    """The plan check's transport over ``group`` (None: the default group): sums host
+    buffers in :func:`check_group`'s group, made by :meth:`open` or at the first check. Its
+    buffers are on the host (``on_host``), so a check of CUDA tensors waits for no stream."""
+
+    on_host = True
+
+    def __init__(self, group: Any = None) -> None:
+        self._group = group
+
+    def world_size(self) -> int:
+        return dist.get_world_size(self._group)
+
+    def rank(self) -> int:
+        return dist.get_rank(self._group)
+
+    def open(self) -> None:
+        """Make the check group now, where every rank is (``data_parallel()``): a rank with no
+        batch at all never reaches a first check."""
+        if self.world_size() > 1:
+            check_group(self._group)
+
+    def start_sum(self, flat: torch.Tensor) -> CheckWork:
+        return check_group(self._group).start_sum(flat)
+
+    def allreduce_async(self, flat: Any) -> CheckWork:
+        return self.start_sum(flat if flat.device.type == "cpu" else flat.cpu())

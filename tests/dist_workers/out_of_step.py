@@ -1,0 +1,133 @@
+"""Ranks with different numbers of steps, outside ``Join`` (issue 25's last habit row): one rank
+skips a batch (``continue``), so the other has a step more. Run by tests/test_out_of_step.py.
+
+Each scenario runs in a process group of its own with a short timeout (:data:`TIMEOUT_S`),
+started from a file in OUTDIR: the rank that gives up leaves gradmgr's check group unusable
+until a new process group, as its error says. What each rank saw is pickled to
+``OUTDIR/rank{RANK}.pkl`` after every scenario.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gradmgr import GradManager
+from gradmgr.distributed import ShardedOptimizer, data_parallel, make_allreduce_cb
+
+TIMEOUT_S = 6.0  # the process groups': a rank gives up after half of it
+STEPS = 3
+
+
+def _group(outdir: str, name: str, rank: int, world: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, name)}",
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def _torch_side(path: str):
+    """A model, its manager on ``path`` and an optimizer: one training step per call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Linear(16, 3))
+    gm = data_parallel(model, **({"shard": True} if path == "sharded"
+                                 else {"native": path == "native"}))
+    opt = (ShardedOptimizer(gm, torch.optim.SGD, lr=0.1) if path == "sharded"
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step(rank: int, i: int) -> None:
+        g = torch.Generator().manual_seed(100 * rank + i)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        with gm:
+            gm.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _megengine_side(path: str):
+    """MegEngine parameters under the allreduce callback (torch's gloo through host memory)."""
+    import megengine as mge
+    import megengine.functional as F
+    import megengine.optimizer as optim
+
+    w = mge.Parameter(np.linspace(-1, 1, 18, dtype="float32").reshape(6, 3))
+    gm = GradManager().attach([w], callbacks=[make_allreduce_cb("mean")])
+    opt = optim.SGD([w], lr=0.1)
+
+    def step(rank: int, i: int) -> None:
+        x = mge.tensor(np.random.default_rng(100 * rank + i).standard_normal((4, 6), "float32"))
+        with gm:
+            gm.backward(F.sum(F.matmul(x, w) ** 2))
+        opt.step().clear_grad()
+    return step
+
+
+def _train(step, rank: int, skipper: int, skipped=(1,)) -> dict:
+    """:data:`STEPS` steps; rank ``skipper`` skips those in ``skipped``. What happened, and
+    when."""
+    start = time.monotonic()
+    try:
+        for i in range(STEPS):
+            if i in skipped and rank == skipper:
+                continue
+            step(rank, i)
+    except Exception as error:  # noqa: BLE001 - the scenario's data
+        return {"error": type(error).__name__, "message": str(error),
+                "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def _in_step(rank: int) -> bool:
+    """One allreduce on the user's group after the loop: the ranks still pair."""
+    check = torch.tensor([float(rank), 1.0])
+    try:
+        dist.all_reduce(check)
+    except RuntimeError:
+        return False
+    return check.tolist() == [1.0, 2.0]
+
+
+def skip(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
+    """Rank ``skipper`` skips a batch; then every rank makes one allreduce of its own (an
+    evaluation's), then starts training again with a new manager in the same group."""
+    side = _megengine_side if path == "megengine" else _torch_side
+    seen = {"loop": _train(side(path), rank, skipper), "in_step": _in_step(rank)}
+    seen["again"] = _train(side(path), rank, skipper=-1)
+    return seen
+
+
+def idle(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
+    """Rank ``skipper`` has no batch at all (an empty shard): the other's first step, which
+    also broadcasts the parameters, is the one nobody else starts."""
+    seen = {"loop": _train(_torch_side(path), rank, skipper, skipped=range(STEPS))}
+    seen["in_step"] = _in_step(rank)
+    return seen
+
+
+def left(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
+    """Rank ``skipper`` skips a batch, then ends as a script does: destroys its process group
+    (and would exit); the others are told it left."""
+    seen = {"loop": _train(_torch_side(path), rank, skipper)}
+    if rank == skipper:
+        dist.destroy_process_group()
+    return seen
+
+
+def main(rank: int, world: int, outdir: str) -> None:
+    results = {}
+    for n, case in enumerate(os.environ["OUT_OF_STEP_CASES"].split(",")):
+        scenario, path, skipper = case.split(":")
+        _group(outdir, f"store{n}", rank, world)
+        results[case] = globals()[scenario](outdir, rank, world, path, int(skipper))
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(results, f)
+    _group(outdir, "store-end", rank, world)  # dist_workers.run's barrier and teardown

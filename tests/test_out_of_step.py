@@ -1,0 +1,94 @@
+"""Ranks with different numbers of steps outside ``Join`` (issue 25's last habit row), on 2 gloo
+ranks, on every data-parallel path: torch's reducer, gradmgr's buckets, sharded, and MegEngine
+through torch's gloo.
+
+A rank skips a batch (``continue``); each rank's k-th step meets the others' k-th, and the rank
+with a step more starts a step nobody else starts. Before, its plan check met the others'
+next collective on the user's group, and gloo aborted a process (``op.preamble.length <=
+op.nbytes``). Now that rank raises ``RanksOutOfStepError`` after half the process group's
+timeout (dist_workers/out_of_step.py: 6 s, so 3 s), saying what to write, and launches
+nothing more: the others' next allreduce meets its next one. Its later checks raise at once
+(the message says to start a new process group), and a rank waiting for them gives up alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from dist_workers.out_of_step import TIMEOUT_S  # noqa: E402
+from ranks import spawn  # noqa: E402
+
+TORCH_PATHS = ["native", "buckets", "sharded"]
+
+
+def _frameworks() -> list:
+    wanted = os.environ.get("GRADMGR_FRAMEWORKS", "torch,megengine").split(",")
+    return TORCH_PATHS + (["megengine"] if "megengine" in wanted else [])
+
+
+CASES = ([f"skip:{p}:1" for p in _frameworks()] + ["skip:buckets:0"]
+         + [f"idle:{p}:1" for p in TORCH_PATHS] + [f"left:{p}:1" for p in TORCH_PATHS])
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory):
+    if "megengine" in _frameworks():
+        pytest.importorskip("megengine", reason="GRADMGR_FRAMEWORKS names megengine")
+    outdir = tmp_path_factory.mktemp("out_of_step")
+    ranks = spawn("out_of_step", outdir, timeout=240, OUT_OF_STEP_CASES=",".join(CASES))
+    return {case: [r[case] for r in ranks] for case in CASES}
+
+
+def _clear(outcome: dict, *phrases: str) -> None:
+    assert outcome["error"] == "RanksOutOfStepError", outcome
+    for phrase in phrases:
+        assert phrase in outcome["message"], (phrase, outcome["message"])
+
+
+@pytest.mark.parametrize("path", _frameworks())
+def test_the_rank_with_a_step_more_raises_and_the_group_stays_in_step(seen, path):
+    ahead, skipper = seen[f"skip:{path}:1"]
+    _clear(ahead["loop"], "not every rank started this synced step", "Join([gm])",
+           "with gm: gm.backward()")
+    # after half the timeout (its patience), within the timeout
+    assert TIMEOUT_S / 2 - 0.5 <= ahead["loop"]["seconds"] < TIMEOUT_S, ahead["loop"]
+    assert skipper["loop"]["error"] is None  # it ran out of batches: its loop ended
+    assert ahead["in_step"] and skipper["in_step"]
+
+
+@pytest.mark.parametrize("path", _frameworks())
+def test_training_again_in_that_group_raises_on_every_rank(seen, path):
+    ahead, skipper = seen[f"skip:{path}:1"]
+    _clear(ahead["again"], "Start a new process group")
+    assert ahead["again"]["seconds"] < 1.0  # at once: its check group is known to be broken
+    _clear(skipper["again"], "not every rank started this synced step")
+
+
+def test_either_rank_may_be_the_one_ahead(seen):
+    skipper, ahead = seen["skip:buckets:0"]
+    _clear(ahead["loop"], "Join([gm])")
+    assert skipper["loop"]["error"] is None
+    assert ahead["in_step"] and skipper["in_step"]
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+def test_a_rank_without_a_single_batch(seen, path):
+    ahead, idle = seen[f"idle:{path}:1"]
+    _clear(ahead["loop"], "Join([gm])")
+    assert idle["loop"]["error"] is None
+    assert ahead["in_step"] and idle["in_step"]
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+def test_a_rank_that_left_is_named_at_once(seen, path):
+    ahead, skipper = seen[f"left:{path}:1"]
+    _clear(ahead["loop"], "another rank left the checks meanwhile", "Join([gm])")
+    assert ahead["loop"]["seconds"] < TIMEOUT_S / 2, ahead["loop"]  # not a timeout
+    assert skipper["loop"]["error"] is None
