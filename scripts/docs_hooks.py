@@ -60,7 +60,8 @@ PAGES = {
             ("Errors and warnings", [
                 "gradmgr.AttachError", "gradmgr.CallbackResultError",
                 "gradmgr.UnsupportedGraphError", "gradmgr.distributed.RankMismatchError",
-                "gradmgr.distributed.RankFailedError", "gradmgr.distributed.SparseGradientError",
+                "gradmgr.distributed.RankFailedError", "gradmgr.distributed.RanksOutOfStepError",
+                "gradmgr.distributed.SparseGradientError",
                 "gradmgr.BackendNotFoundError", "gradmgr.UnsupportedBackendError",
                 "gradmgr.GradMgrWarning", "gradmgr.CallbackReturnedNoneWarning"]),
         ],

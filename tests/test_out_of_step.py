@@ -86,6 +86,29 @@ def test_a_rank_without_a_single_batch(seen, path):
     assert ahead["in_step"] and idle["in_step"]
 
 
+@pytest.fixture(scope="module")
+def seen_cuda(tmp_path_factory):
+    """The model on the GPU (both ranks on cuda:0, gloo): the check's vector is on the host."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA: no CUDA device visible")
+    cases = ["even:cuda:-1", "skip:cuda:1"]
+    ranks = spawn("out_of_step", tmp_path_factory.mktemp("out_of_step_cuda"), timeout=240,
+                  OUT_OF_STEP_CASES=",".join(cases))
+    return {case: [r[case] for r in ranks] for case in cases}
+
+
+def test_cuda_tensors_check_on_the_host_and_train_alike(seen_cuda):
+    import numpy as np
+
+    first, second = seen_cuda["even:cuda:-1"]
+    assert first["loop"]["error"] is None and second["loop"]["error"] is None
+    for a, b in zip(first["params"], second["params"]):
+        np.testing.assert_array_equal(a, b)  # the ranks in step: the same sums, bit for bit
+    ahead, skipper = seen_cuda["skip:cuda:1"]
+    _clear(ahead["loop"], "Join([gm])")
+    assert skipper["loop"]["error"] is None and ahead["in_step"] and skipper["in_step"]
+
+
 @pytest.mark.parametrize("path", TORCH_PATHS)
 def test_a_rank_that_left_is_named_at_once(seen, path):
     ahead, skipper = seen[f"left:{path}:1"]

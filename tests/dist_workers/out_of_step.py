@@ -33,13 +33,15 @@ def _group(outdir: str, name: str, rank: int, world: int) -> None:
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
-def _torch_side(path: str):
-    """A model, its manager on ``path`` and an optimizer: one training step per call."""
+def _torch_side(path: str, out: dict = None):
+    """A model, its manager on ``path`` ("cuda": the default path, the model on the GPU,
+    gloo still) and an optimizer: one training step per call; the parameters into ``out``."""
+    device = "cuda" if path == "cuda" else "cpu"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
-                                torch.nn.Linear(16, 3))
+                                torch.nn.Linear(16, 3)).to(device)
     gm = data_parallel(model, **({"shard": True} if path == "sharded"
-                                 else {"native": path == "native"}))
+                                 else {"native": path in ("native", "cuda")}))
     opt = (ShardedOptimizer(gm, torch.optim.SGD, lr=0.1) if path == "sharded"
            else torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -47,9 +49,11 @@ def _torch_side(path: str):
         g = torch.Generator().manual_seed(100 * rank + i)
         x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
         with gm:
-            gm.backward(torch.nn.functional.mse_loss(model(x), y))
+            gm.backward(torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)))
         opt.step()
         opt.zero_grad()
+        if out is not None:
+            out["params"] = [p.detach().cpu().numpy().copy() for p in model.parameters()]
     return step
 
 
@@ -102,6 +106,13 @@ def skip(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
     side = _megengine_side if path == "megengine" else _torch_side
     seen = {"loop": _train(side(path), rank, skipper), "in_step": _in_step(rank)}
     seen["again"] = _train(side(path), rank, skipper=-1)
+    return seen
+
+
+def even(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
+    """No rank skips: the plan checks agree, the parameters after the steps."""
+    seen: dict = {}
+    seen["loop"] = _train(_torch_side(path, seen), rank, skipper=-1)
     return seen
 
 
