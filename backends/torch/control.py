@@ -20,6 +20,7 @@ completes costs what it cost on the user's group.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
 import time
@@ -103,6 +104,9 @@ class CheckGroup:
 
 _GROUPS: weakref.WeakKeyDictionary[Any, CheckGroup] = weakref.WeakKeyDictionary()
 _MAKING = threading.Lock()  # one check group per user group, whichever thread asks first
+# Not the last reference at shutdown: a gloo group freed while the interpreter comes apart
+# may abort the process (see .teardown); c10d's own references go as its groups do.
+atexit.register(_GROUPS.clear)
 
 
 def check_group(group: Any) -> CheckGroup:

@@ -65,12 +65,13 @@ class RanksOutOfStepError(RankMismatchError):
     Collectives pair by their order alone, so without it the rank with a step more meets
     whatever the others do after their loop (an evaluation's allreduce, a barrier) and
     crashes inside the transport or hangs. gradmgr checks the plans in a process group of its
-    own, which meets only gradmgr's checks, and gives up after half the group's timeout (at
-    most a minute before it), while the others still wait in their next collective: that
-    collective then meets this rank's next one, and the group is still usable for a program
-    that catches the error. The ranks that finished their loop cannot know; the message
-    reaches them through this rank. The remedy is ``with Join([gm]):`` (the guide "Uneven
-    inputs") or a step on every rank (``with gm: gm.backward()`` records an empty one).
+    own, which meets only gradmgr's checks, and gives up after half the group's timeout (a
+    minute short of the timeout, for timeouts over two minutes), while the others still wait
+    in their next collective: that collective then meets this rank's next one, and the group
+    is still usable for a program that catches the error. The ranks that finished their loop
+    are not told: the error stops the job on the rank that can know. The remedy is ``with
+    Join([gm]):`` (the guide "Uneven inputs") or a step on every rank (``with gm:
+    gm.backward()`` records an empty one); after the error, start a new process group.
 
     Example:
         >>> from gradmgr.distributed import RanksOutOfStepError
