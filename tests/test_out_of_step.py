@@ -115,3 +115,27 @@ def test_a_rank_that_left_is_named_at_once(seen, path):
     _clear(ahead["loop"], "another rank left the checks meanwhile", "Join([gm])")
     assert ahead["loop"]["seconds"] < TIMEOUT_S / 2, ahead["loop"]  # not a timeout
     assert skipper["loop"]["error"] is None
+
+
+# ---------------------------------------------------------------- making the check group
+@pytest.mark.parametrize("failure, out_of_step", [
+    ("Connection refused", False),  # gloo cannot reach the ranks: say so, as it is
+    ("Wait timeout", True),  # the others never came to make it: their first step is missing
+])
+def test_a_check_group_that_cannot_be_made(gloo_one_rank, monkeypatch, failure, out_of_step):
+    from gradmgr.backends.torch import control
+
+    from gradmgr.distributed import RanksOutOfStepError
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(failure)
+
+    monkeypatch.setattr(control.dist, "new_group", refuse)
+    with pytest.raises(RuntimeError) as first:
+        control.check_group(None)
+    assert isinstance(first.value, RanksOutOfStepError) == out_of_step, first.value
+    assert first.value.__cause__.args == (failure,)
+    assert ("GLOO_SOCKET_IFNAME" in str(first.value)) != out_of_step
+    with pytest.raises(type(first.value)) as later:  # every later check: the same error
+        control.check_group(None).start_sum(torch.zeros(1))
+    assert ("making it failed" in str(later.value)) != out_of_step

@@ -25,7 +25,7 @@ import datetime
 import threading
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,12 @@ _OUT_OF_STEP = (
 )
 _LEFT = (", and another rank left the checks meanwhile (its process ended, or it gave up on "
          "an earlier step's check: see its RanksOutOfStepError)")
+_NO_GLOO = (
+    "data parallel: gradmgr runs its plan check (one small collective per synced step) in a "
+    "gloo process group beside yours, and making it failed: {error}. Gloo must reach every "
+    "rank over TCP (GLOO_SOCKET_IFNAME names the network interface), also where the "
+    "gradients go over nccl"
+)
 _EARLIER = (
     "data parallel: this rank gave up on an earlier synced step's plan check (the "
     "RanksOutOfStepError raised then), so its checks in this process group would pair with "
@@ -58,7 +64,7 @@ _EARLIER = (
 
 class CheckGroup:
     """The gloo group the checks of one user group run in (made by :meth:`make`), and whether
-    this rank gave up on it (``broken``: the error raised then).
+    this rank can use it no more (``broken``: the error to raise at every later check).
 
     Its timeout is the patience: half the user group's timeout, or a minute short of it where
     that is more, so that the ranks waiting in their next collective of the user group are
@@ -70,7 +76,7 @@ class CheckGroup:
         self.timeout_s = timeout.total_seconds()
         self.patience_s = max(self.timeout_s / 2, self.timeout_s - _LATEST_S)
         self.group: Any = None
-        self.broken: Optional[str] = None
+        self.broken: Optional[Tuple[type, str]] = None
 
     def make(self, parent: Any) -> None:
         started = time.monotonic()
@@ -79,12 +85,17 @@ class CheckGroup:
                 dist.get_process_group_ranks(parent), backend="gloo",
                 timeout=datetime.timedelta(seconds=self.patience_s),
                 use_local_synchronization=True)  # (a barrier of its ranks only)
-        except RuntimeError as error:  # a rank never came: its first step is the one missing
-            self.give_up(error, started)
+        except RuntimeError as error:
+            if _timed_out(error):  # a rank never came: its first step is the one missing
+                self.give_up(error, started)
+            message = _NO_GLOO.format(error=error)
+            self.broken = (RuntimeError, message)
+            raise RuntimeError(message) from error
 
     def start_sum(self, flat: Any) -> CheckWork:
         if self.broken is not None:
-            raise RanksOutOfStepError(_EARLIER.format(cause=self.broken))
+            kind, message = self.broken
+            raise kind(message)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return CheckWork(work, flat, self, time.monotonic())
 
@@ -92,14 +103,18 @@ class CheckGroup:
         """Raise :class:`RanksOutOfStepError` for ``error`` (the transport's timeout, or a peer
         gone), now and at every later check; the group is destroyed, so that a rank that
         comes late, or whose next check would have met the abandoned one, is told at once."""
-        text = str(error).lower()
-        timed_out = "timed out" in text or "timeout" in text  # gloo's; the store's
-        self.broken = message = _OUT_OF_STEP.format(
-            waited=time.monotonic() - started, timeout=self.timeout_s,
-            why="" if timed_out else _LEFT)
+        message = _OUT_OF_STEP.format(waited=time.monotonic() - started,
+                                      timeout=self.timeout_s,
+                                      why="" if _timed_out(error) else _LEFT)
+        self.broken = (RanksOutOfStepError, _EARLIER.format(cause=message))
         if self.group is not None:
             dist.destroy_process_group(self.group)
         raise RanksOutOfStepError(message) from error
+
+
+def _timed_out(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text  # gloo's; the store's
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, CheckGroup] = weakref.WeakKeyDictionary()
