@@ -3,7 +3,8 @@
 
 Columns: "same as DDP" (every rank's values equal DDP's bit for bit), "clear error" (every
 rank raised, each error gradmgr's own, or the one the habit accepts, and the process group
-still in step), or a failure: "different" (silent), "hang/timeout", "crash" (a rank died, a
+still in step; where the habit names the one rank that can know, ``alone`` or ``ahead``, that
+rank), or a failure: "different" (silent), "hang/timeout", "crash" (a rank died, a
 raw torch or gloo error, an error on some ranks only, or a group left out of step), and
 "DDP failed" (the reference itself raised, hung or died: a harness bug, or DDP's own).
 
