@@ -13,11 +13,26 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 RESULT_PREFIX = "RESULT"
 """Lines starting with this are collected by run_all.py into its summary."""
+
+
+def ranks_output(rank_main: Callable[..., Any], world: int, *args: Any) -> Optional[str]:
+    """Run ``rank_main(rank, world, port, *args, out)`` on ``world`` local ranks
+    (``gradmgr.distributed.spawn_local``) and return what they wrote to the file ``out`` (rank
+    0, as a rule); None where a rank failed."""
+    from gradmgr.distributed import spawn_local
+
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        out = os.path.join(tmp, "out")
+        if spawn_local(rank_main, world, *args, out):
+            return None
+        with open(out) as f:
+            return f.read()
 
 
 def cpu_model() -> str:

@@ -38,7 +38,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Dict, List
 
@@ -48,9 +47,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULT_PREFIX, machine_info  # noqa: E402
+from _common import RESULT_PREFIX, machine_info, ranks_output  # noqa: E402
 
-from gradmgr.distributed import data_parallel, spawn_local  # noqa: E402
+from gradmgr.distributed import data_parallel  # noqa: E402
 
 BATCH, WIDTH, WARMUP = 64, 256, 5
 PAIRS = {"compile": ("gm-compile", "ddp-compile"),
@@ -182,14 +181,10 @@ def main() -> None:
         args.backend = "inductor" if args.device == "cuda" else "aot_eager"
     world = 1 if args.device == "cuda" else 2
     print(machine_info(["torch"]) if "torch" in sys.modules else "")
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "result.txt")
-        code = spawn_local(bench_main, world, args.device, args.backend, args.rounds, out_path)
-        if code:
-            sys.exit(code)
-        with open(out_path) as f:
-            result = json.load(f)
-    report(result, args, world)
+    text = ranks_output(bench_main, world, args.device, args.backend, args.rounds)
+    if text is None:
+        sys.exit(1)
+    report(json.loads(text), args, world)
 
 
 if __name__ == "__main__":

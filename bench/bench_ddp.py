@@ -29,7 +29,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Dict, List
 
@@ -39,10 +38,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULT_PREFIX, machine_info, peak_rss, reset_peak_rss, rss  # noqa: E402
+from _common import (  # noqa: E402
+    RESULT_PREFIX,
+    machine_info,
+    peak_rss,
+    ranks_output,
+    reset_peak_rss,
+    rss,
+)
 
 from gradmgr import GradManager  # noqa: E402
-from gradmgr.distributed import make_allreduce_cb, spawn_local  # noqa: E402
+from gradmgr.distributed import make_allreduce_cb  # noqa: E402
 
 BATCH = 64  # per rank
 WORLD = 2
@@ -217,15 +223,12 @@ def measure_memory(runs: int, device: str) -> Dict[str, float]:
     variants = ["ddp", "ddp-bucket-view", "gradmgr"]
     results: Dict[str, List[int]] = {v: [] for v in variants}
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
-    with tempfile.TemporaryDirectory() as tmp:
-        for run in range(runs):
-            for variant in variants[run % 3:] + variants[:run % 3]:  # rotate the order
-                out = os.path.join(tmp, f"{variant}-{run}")
-                code = spawn_local(memory_main, dist_world(device), variant, device, out)
-                if code:
-                    raise RuntimeError(f"memory run of {variant} failed")
-                with open(out) as f:
-                    results[variant].append(int(f.read()))
+    for run in range(runs):
+        for variant in variants[run % 3:] + variants[:run % 3]:  # rotate the order
+            text = ranks_output(memory_main, dist_world(device), variant, device)
+            if text is None:
+                raise RuntimeError(f"memory run of {variant} failed")
+            results[variant].append(int(text))
     return {v: statistics.median(r) / 2**20 for v, r in results.items()}
 
 
@@ -243,12 +246,10 @@ def main(argv: list = None) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     print(f"setup: {world} ranks, {backend} on 127.0.0.1, 1 thread each, batch {BATCH} per rank, "
           f"SGD; DDP with default settings for the time")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "time")
-        if spawn_local(time_main, world, steps, args.device, out):
-            return 1
-        with open(out) as f:
-            rows = [line.split() for line in f]
+    text = ranks_output(time_main, world, steps, args.device)
+    if text is None:
+        return 1
+    rows = [line.split() for line in text.splitlines()]
     print("gradmgr: the default (plain backwards reduced by torch's C++ Reducer); plan-only: the "
           "same with verify='plan' (no per-step plan check); buckets: the same callback with "
           "native=False (gradmgr's own buckets, per-tensor callbacks); ratio and buckets: to DDP; "

@@ -28,7 +28,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Dict, List
 
@@ -37,11 +36,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_info  # noqa: E402
+from _common import machine_info, ranks_output  # noqa: E402
 from bench_ddp import BATCH, MODELS, WIDTH, init  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
-from gradmgr.distributed import consistency, make_allreduce_cb, spawn_local  # noqa: E402
+from gradmgr.distributed import consistency, make_allreduce_cb  # noqa: E402
 
 VARIANTS = ("ddp", "step", "step, waited at once", "plan", "off")
 _WAIT_AT_ONCE = [False]  # read by the patched PlanCheck below, per variant
@@ -145,12 +144,10 @@ def main(argv: list = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args(argv)
     print(machine_info(["torch"]))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "options")
-        if spawn_local(main_rank, 2, args.rounds, args.steps, out):
-            return 1
-        with open(out) as f:
-            print(f.read())
+    text = ranks_output(main_rank, 2, args.rounds, args.steps)
+    if text is None:
+        return 1
+    print(text)
     return 0
 
 

@@ -27,7 +27,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from typing import Dict, List
 
@@ -36,11 +35,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_info  # noqa: E402
+from _common import machine_info, ranks_output  # noqa: E402
 from bench_ddp import BATCH, init, mlp  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
-from gradmgr.distributed import make_allreduce_cb, spawn_local  # noqa: E402
+from gradmgr.distributed import make_allreduce_cb  # noqa: E402
 
 CHECK_FLOATS = 23  # the check's size with 2 ranks (see gradmgr.distributed.consistency)
 Times = Dict[str, Dict[str, List[float]]]
@@ -144,12 +143,10 @@ def main(argv: list = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args(argv)
     print(machine_info(["torch"]))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "probe")
-        if spawn_local(main_rank, 2, args.steps, out):
-            return 1
-        with open(out) as f:
-            print(f.read())
+    text = ranks_output(main_rank, 2, args.steps)
+    if text is None:
+        return 1
+    print(text)
     return 0
 
 

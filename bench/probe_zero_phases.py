@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ranks_output  # noqa: E402
 from bench_zero import Variant, batches, model  # noqa: E402
-
-from gradmgr.distributed import spawn_local  # noqa: E402
 
 CLOCKS = (("wall", time.perf_counter), ("process CPU", time.process_time),
           ("thread CPU", time.thread_time))
@@ -72,12 +71,10 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"probe_zero_phases_{os.getpid()}.txt")
-    if spawn_local(rank_main, args.world, args.variants.split(","), args.steps, out):
+    text = ranks_output(rank_main, args.world, args.variants.split(","), args.steps)
+    if text is None:
         return 1
-    with open(out) as f:
-        print(f.read(), end="")
-    os.remove(out)
+    print(text, end="")
     return 0
 
 

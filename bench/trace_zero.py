@@ -23,7 +23,6 @@ import argparse
 import datetime
 import os
 import sys
-import tempfile
 import warnings
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
@@ -32,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ranks_output  # noqa: E402
 from bench_zero import Variant, batches, model  # noqa: E402
-
-from gradmgr.distributed import spawn_local  # noqa: E402
 
 MIB = 2**20
 PHASES = ("forward+backward", "optimizer step", "zero_grad")
@@ -171,13 +169,11 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--min-mib", type=float, default=1.0)
     args = parser.parse_args(argv)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    with tempfile.TemporaryDirectory(prefix="trace_zero-") as tmp:
-        for name in args.variants.split(","):
-            out = os.path.join(tmp, f"{name}.txt")
-            if spawn_local(rank_main, args.world, name, args.min_mib, out):
-                raise RuntimeError(f"{name} on {args.world} ranks failed")
-            with open(out) as f:
-                print(f.read(), flush=True)
+    for name in args.variants.split(","):
+        text = ranks_output(rank_main, args.world, name, args.min_mib)
+        if text is None:
+            raise RuntimeError(f"{name} on {args.world} ranks failed")
+        print(text, flush=True)
     return 0
 
 
