@@ -179,7 +179,8 @@ class CheckTransport:
             check_group(self._group)
 
     def start_sum(self, flat: torch.Tensor) -> CheckWork:
+        """Start summing ``flat``, a host buffer (PlanCheck builds its vector there, asked by
+        ``on_host``; MegEngine's transport copies its own there)."""
         return check_group(self._group).start_sum(flat)
 
-    def allreduce_async(self, flat: Any) -> CheckWork:
-        return self.start_sum(flat if flat.device.type == "cpu" else flat.cpu())
+    allreduce_async = start_sum

@@ -62,7 +62,8 @@ class Transport(Protocol):
     (torch's: a gloo group of its own) meets only the other ranks' checks, never a collective
     of the user's program, and can give up on ranks that never come
     (:class:`~gradmgr.distributed.RanksOutOfStepError`); with ``on_host = True`` its buffers
-    are built on the host (:meth:`TensorOps.vector`).
+    are built on the host (:meth:`TensorOps.vector`), and an ``open()`` of its is called by
+    ``data_parallel()``, while every rank is there.
 
     Example:
         >>> import torch.distributed as dist

@@ -23,7 +23,7 @@ from .post_backward import PostBackwardStep
 from .sharding import GradientShards, ShardWire
 from .steps import HookWire, PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
-from .transport import resolve_transport
+from .transport import control_transport, resolve_transport
 
 FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigger buckets
 _MAX_OPEN_STEPS = 1024  # steps begun but not flushed (split backwards pending)
@@ -226,8 +226,7 @@ class Synchronizer:
         if self.transport is None:
             self.transport = resolve_transport(options.transport_spec, self.backend,
                                                options.group)
-            control = getattr(self.transport, "control", None)
-            self.checks = self.transport if control is None else control()
+            self.checks = control_transport(self.transport)
             if self.comm_hook is not None:
                 self.wire = HookWire(ops, self.transport, self.comm_hook)
             else:

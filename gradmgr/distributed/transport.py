@@ -38,4 +38,11 @@ def resolve_transport(spec: TransportSpec, backend: Backend, group: Any) -> Tran
     return backend.transport(group, spec)
 
 
-__all__ = ["TransportSpec", "check_transport", "resolve_transport"]
+def control_transport(transport: Transport) -> Transport:
+    """The transport of the plan checks: ``transport.control()`` where it has one (a group of
+    their own, see :class:`~gradmgr.distributed.contract.Transport`), else ``transport``."""
+    control = getattr(transport, "control", None)
+    return transport if control is None else control()
+
+
+__all__ = ["TransportSpec", "check_transport", "control_transport", "resolve_transport"]

@@ -13,7 +13,7 @@ from .consistency import PlanCheck, names_from, plan_fingerprint
 from .errors import RanksOutOfStepError
 from .joining import DataParallelManager, Joining
 from .sync import broadcast, is_paused
-from .transport import TransportSpec, resolve_transport
+from .transport import TransportSpec, control_transport, resolve_transport
 
 
 def data_parallel(
@@ -133,13 +133,12 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
 
 
 def _open_checks(transport: Any) -> None:
-    """Open the transport of the plan checks (``control()``) while every rank is here: torch's
-    makes its process group, a collective, which a rank with no batch at all would
-    otherwise never join (the others' first step would wait for it in vain)."""
-    control = getattr(transport, "control", None)
-    opened = getattr(control(), "open", None) if control is not None else None
-    if opened is not None:
-        opened()
+    """Open the transport of the plan checks while every rank is here: torch's makes its
+    process group, a collective, which a rank with no batch at all would otherwise never join
+    (the others' first step would wait for it in vain)."""
+    checks = control_transport(transport)
+    if checks is not transport and hasattr(checks, "open"):
+        checks.open()
 
 
 _FORGOTTEN = (
@@ -193,9 +192,9 @@ class _Step:
         self._alone = isinstance(sys.exc_info()[1], RanksOutOfStepError)
 
     def release(self, backward_ran: bool) -> None:
-        if not self._synced or self._module is None or self._alone:
+        synced, self._synced = self._synced, False
+        if not synced or self._module is None or self._alone:
             return
-        self._synced = False
         gm = self._gm()
         if gm is not None and gm.joining is not None and gm.joining.defer_buffers(gm):
             return  # inside torch's Join: at the next step, from DDP's rank (see .joining)
