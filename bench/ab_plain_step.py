@@ -20,12 +20,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import gradmgr.backends.torch.watched as watched  # noqa: E402
 import torch  # noqa: E402
 from _common import grad_clearers, interleaved, machine_info  # noqa: E402
 from bench_torch import many_tensors, mlp  # noqa: E402
 from torch import nn  # noqa: E402
 
+import gradmgr.backends.torch.watched as watched  # noqa: E402
 from gradmgr import GradManager  # noqa: E402
 
 

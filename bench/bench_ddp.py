@@ -174,7 +174,6 @@ def memory_main(rank: int, world: int, port: int, variant: str, device_name: str
         # Library code loads before the baseline on both sides (DDP's at the top of this file;
         # gradmgr loads its torch backend and reducer module when first used).
         import gradmgr.backends.torch.reducer  # noqa: F401
-
         from gradmgr.registry import resolve_backend
 
         resolve_backend("torch")

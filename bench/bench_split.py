@@ -119,10 +119,11 @@ def _plain_torch(model: nn.Module, x0: torch.Tensor, dy: torch.Tensor,
 def _engine_floor(model: nn.Module, x0: torch.Tensor, dy: torch.Tensor) -> Callable[[], None]:
     """An exact split with nothing of gradmgr but its plan and boundary hooks (see the module
     docstring): the first part, then one engine run per group, all straight to the engine."""
+    from torch.autograd.graph import GradientEdge
+
     from gradmgr.backends.torch import split as split_impl
     from gradmgr.backends.torch.engine import run_engine
     from gradmgr.backends.torch.graph import split_plan
-    from torch.autograd.graph import GradientEdge
 
     weights = list(model.parameters())
 

@@ -34,10 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from _common import grad_clearers, interleaved, machine_info, result, samples_for  # noqa: E402
-from gradmgr.backends.torch.engine import own_seed, run_engine  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
+from gradmgr.backends.torch.engine import own_seed, run_engine  # noqa: E402
 
 Case = Tuple[nn.Module, torch.Tensor, torch.Tensor, float]
 

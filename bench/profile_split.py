@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from bench_split import cases  # noqa: E402
-from gradmgr.backends.torch import split as split_impl  # noqa: E402
 
 from gradmgr import GradManager  # noqa: E402
+from gradmgr.backends.torch import split as split_impl  # noqa: E402
 
 # The calling thread's CPU time: on a CPU graph the engine runs on the calling thread, and a
 # busy machine's other jobs (which stretch wall-clock times many-fold) do not count in it.

@@ -78,8 +78,9 @@ def same_on_both_ranks(outs: list, name: str) -> None:
 
 def test_compiled_autograd_flag_is_torchs():
     """What decides the path is torch's own flag, which compiled autograd's context sets."""
-    from gradmgr.backends.torch.compile import COMPILED_AUTOGRAD_PATH
     from torch._dynamo import compiled_autograd
+
+    from gradmgr.backends.torch.compile import COMPILED_AUTOGRAD_PATH
 
     assert not COMPILED_AUTOGRAD_PATH.wanted()
     with compiled_autograd._enable(torch.compile(backend="eager")):

@@ -9,10 +9,10 @@ import importlib
 import pkgutil
 import sys
 
-import gradmgr.backends
 import pytest
 
 import gradmgr
+import gradmgr.backends
 import gradmgr.distributed
 
 FRAMEWORK_MODULES = {"gradmgr.backends.torch": "torch", "gradmgr.backends.megengine": "megengine"}

@@ -107,6 +107,7 @@ def test_pre_record_only_path_torch_warns(torch_fw):
 def test_attached_mid_recording_after_its_only_use_torch_warns(torch_fw):
     """S8: ``y = x * 2`` recorded, then ``attach(x)``: MegEngine gives x no gradient."""
     import torch
+
     from gradmgr.backends.torch import PreRecordGradientWarning
 
     for y_wholly_before_attach in (False, True):

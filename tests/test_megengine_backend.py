@@ -13,11 +13,11 @@ import pytest
 mge = pytest.importorskip("megengine")
 
 import megengine.functional as F  # noqa: E402
-from gradmgr.backends.megengine import MegEngineBackend, MegEngineTape  # noqa: E402
 from megengine.autodiff import GradManager as NativeGradManager  # noqa: E402
 from megengine.core.autodiff.grad import Grad  # noqa: E402
 
 from gradmgr import GradManager, get_backend  # noqa: E402
+from gradmgr.backends.megengine import MegEngineBackend, MegEngineTape  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -124,7 +124,6 @@ def test_a_rank_that_left_is_named_at_once(seen, path):
 ])
 def test_a_check_group_that_cannot_be_made(gloo_one_rank, monkeypatch, failure, out_of_step):
     from gradmgr.backends.torch import control
-
     from gradmgr.distributed import RanksOutOfStepError
 
     def refuse(*args, **kwargs):

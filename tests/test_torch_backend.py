@@ -13,9 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gradmgr.backends import torch as tb  # noqa: E402
-
 from gradmgr import GradManager  # noqa: E402
+from gradmgr.backends import torch as tb  # noqa: E402
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 

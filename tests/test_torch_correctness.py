@@ -14,9 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gradmgr.backends import torch as tb  # noqa: E402
-
 from gradmgr import CallbackResultError, GradManager, UnsupportedGraphError  # noqa: E402
+from gradmgr.backends import torch as tb  # noqa: E402
 
 
 def identity(t, g):
@@ -425,9 +424,8 @@ def test_engine_does_not_hold_a_gradient_a_callback_replaced():
     import gc
     import weakref
 
-    from gradmgr.backends.torch.tape import STAND_IN_BYTES
-
     from gradmgr import Future
+    from gradmgr.backends.torch.tape import STAND_IN_BYTES
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))

@@ -25,10 +25,10 @@ torch = pytest.importorskip("torch")
 
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from gradmgr.backends.torch import PreRecordGradientWarning  # noqa: E402
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential  # noqa: E402
 
 from gradmgr import GradManager, UnsupportedGraphError  # noqa: E402
+from gradmgr.backends.torch import PreRecordGradientWarning  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error::gradmgr.errors.GradMgrWarning")
 
@@ -1289,7 +1289,6 @@ def test_a_reducer_that_failed_to_rebuild_raises_the_transport_error_again(gloo_
     raised (a process group broken by a rank that failed), every later step raised
     AttributeError ('NoneType' object has no attribute 'tensors') instead."""
     from gradmgr.backends.torch import reducer as reducer_module
-
     from gradmgr.distributed import make_allreduce_cb
 
     x, _ = data()

@@ -21,10 +21,10 @@ from diff_interp import TorchEngine  # noqa: E402
 from diff_scenario import scenarios  # noqa: E402
 from diff_scenario_run import check_scenario, reference_scenario, run_scenario  # noqa: E402
 from diff_settings import differential_settings  # noqa: E402
-from gradmgr.backends.torch import PreRecordGradientWarning  # noqa: E402
 from hypothesis import given, note  # noqa: E402
 
 import gradmgr  # noqa: E402
+from gradmgr.backends.torch import PreRecordGradientWarning  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error::gradmgr.GradMgrWarning")
 

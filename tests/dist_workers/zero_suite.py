@@ -178,7 +178,6 @@ def one_bucket_buffer(out: dict, rank: int) -> None:
     allocates (the bucket in flight hands its buffer to the next, so one serves them all),
     and the parameters against DDP's after 2 steps."""
     from gradmgr.backends.torch import ops as torch_ops
-
     from gradmgr.distributed import sharding
 
     def layers() -> nn.Module:

@@ -37,8 +37,7 @@ def _skip_gradmgr() -> None:
     add = getattr(trace_rules, "add", None)  # torch >= 2.2
     if add is None:
         return
-    for package in ("gradmgr", "gradmgr.backends"):  # backends/ may live outside gradmgr/
-        add(package)
+    add("gradmgr")  # the backends too: they are gradmgr.backends
 
 
 _COMPILED_AUTOGRAD = "torch._dynamo.compiled_autograd"
