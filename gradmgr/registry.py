@@ -9,6 +9,7 @@ backends register through the entry-point group ``gradmgr.backends`` or :func:`r
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
@@ -201,6 +202,25 @@ def prepare_ranks(rank: int, world: int) -> None:
         owners = dict(_owners)
     for module, name in owners.items():
         call_after_import(module, lambda name=name: get_backend(name).prepare_rank(rank, world))
+
+
+def hold_rendezvous(world: int) -> Optional[Tuple[Any, int, Dict[str, str]]]:
+    """The first installed backend's rendezvous server for ``world`` ranks
+    (:meth:`Backend.hold_rendezvous`), or None where none has one. A backend whose framework
+    is not installed is passed over; one that is gets imported (torch, whose
+    ``torch.distributed`` every gradmgr rank rendezvouses through, comes first)."""
+    for name in list(_specs):
+        module = next((m for m, owner in _owners.items() if owner == name), None)
+        if module is not None and importlib.util.find_spec(module) is None:
+            continue
+        try:
+            backend = get_backend(name)
+        except BackendNotFoundError:
+            continue
+        held = backend.hold_rendezvous(world)
+        if held is not None:
+            return held
+    return None
 
 
 def resolve_backend(backend: Union[str, Backend, None]) -> Optional[Backend]:
