@@ -18,6 +18,7 @@ from typing import (
     Callable,
     ClassVar,
     ContextManager,
+    Dict,
     Iterable,
     List,
     Optional,
@@ -256,6 +257,14 @@ class Backend(ABC):
         (:func:`gradmgr.distributed.spawn_local` / ``run_ranks``): make the framework's own
         view of the job tell the truth where it would not (MegEngine's rank queries on ranks
         that talk over torch.distributed gloo). Called once the framework is imported."""
+        return None
+
+    def hold_rendezvous(self, world: int) -> Optional[Tuple[Any, int, Dict[str, str]]]:
+        """For :func:`gradmgr.distributed.spawn_local`, in the launching process: start a
+        rendezvous server on a port the system picks, held until the ranks are done, as
+        torchrun's agent does. Returns ``(holder, port, environment for the ranks)``
+        (the launcher keeps ``holder`` alive), or None where this framework has none (the
+        launcher then looks for a free port)."""
         return None
 
     def tensor_ops(self) -> TensorOps:

@@ -100,7 +100,8 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         opt_b: ``b``'s optimizer.
         batches: a sequence of batches (each a numpy array or a tuple of them) or a function
             ``step -> batch``.
-        loss_a: ``loss_a(output, *targets) -> scalar tensor``; default the output's mean.
+        loss_a: ``loss_a(output, *targets) -> scalar tensor``; default the output's mean
+            (which training drives down without end: pass a real loss to read its curve).
         loss_b: the same for ``b``.
         steps: how many steps (default: every batch of the sequence).
         inputs: how many leading batch items the models take.
