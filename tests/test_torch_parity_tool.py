@@ -316,7 +316,7 @@ def test_a_failing_loss_leaves_neither_model_a_step_ahead_and_names_the_side():
         raise KeyError("logits")
     with pytest.raises(ParityError, match=r"the torch loss failed \(targets' dtypes: none\): "
                                           r"KeyError: 'logits'$"):
-        compare_step(a, b, X, loss_b=broken)
+        compare_step(a, b, X, loss_a=lambda output: output.mean(), loss_b=broken)
     for name, value in a.state_dict().items():  # exact: put back, not recomputed
         assert torch.equal(value, before[name]), name
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in a.modules())
