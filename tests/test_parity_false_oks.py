@@ -54,11 +54,14 @@ def test_a_backward_only_bug_behind_one_sided_relus_is_named_not_called_a_flip()
     torch.manual_seed(0)
     a, b = T.ResNet(), G.ResNet(maskless_relu=True)
     transfer_weights(a, b, probe=X)
-    report = compare_step(a, b, (X, LABELS), loss_a=T.cross_entropy, loss_b=G.cross_entropy)
+    # a tolerance 4x wider: elements of the one-sided ReLUs near their kink, possible flips
+    report = compare_step(a, b, (X, LABELS), loss_a=T.cross_entropy, loss_b=G.cross_entropy,
+                          tol_factor=4)
     assert report.first_forward is None, report.text()
+    assert any(not f.seen for f in report.flips), report.text()
     assert report.first_grad is not None and report.first_grad.layer in (
         "layer2.0.bn2", "layer2.0.downsample.1"), report.text()
-    assert report.first_grad.max_rel > 0.1
+    assert report.first_grad.max_rel > 0.1 and report.unverified == []
     assert "every forward agrees but a gradient differs" in report.text()
     with pytest.raises(AssertionError) as info:
         assert_parity(a, b, (X, LABELS), loss_a=T.cross_entropy, loss_b=G.cross_entropy)
@@ -76,8 +79,10 @@ def test_gradients_of_a_port_whose_forward_departed_are_differences_not_flips():
     a, b = T.ResNet(), G.ResNet()
     transfer_weights(a, b, probe=X)
     b.layer1[0].bn1.eps = 1e-1
-    report = compare_step(a, b, X)
+    # a wide tolerance puts elements of every one-sided ReLU near its kink: possible flips
+    report = compare_step(a, b, X, tol_factor=100)
     assert report.first_forward.layer == "layer1.0.bn1"
+    assert any(not f.seen for f in report.flips)
     assert report.unverified == [] and report.first_grad is not None
 
 
