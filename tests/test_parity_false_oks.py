@@ -135,7 +135,7 @@ def _train(b, momentum_a: float = 0.1):
     transfer_weights(a, b, probe=X, strict=False)
     rs = np.random.RandomState(1)
     batches = [(rs.randn(4, 3, 16, 16).astype(np.float32), rs.randint(0, 10, 4))
-               for _ in range(5)]
+               for _ in range(3)]
     return train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9),
                        mge_optim.SGD(b.parameters(), lr=0.05, momentum=0.9), batches,
                        loss_a=T.cross_entropy, loss_b=G.cross_entropy)
@@ -145,7 +145,8 @@ def test_train_drift_sees_running_statistics():
     """A port with MegEngine's momentum copied as PyTorch's (0.1 for 0.9) drifts in its
     running statistics only: the parameter drift used to be identical to the good port's."""
     good, wrong = _train(G.ResNet()), _train(G.ResNet(momentum=0.1))
-    assert max(good.buffer_rel_l2) < 1e-4, good.text()
-    assert min(wrong.buffer_rel_l2) > 1e-2, wrong.text()
-    assert max(good.rel_l2) < 1e-4 and max(wrong.rel_l2) < 1e-4  # parameters: train mode
+    # measured: good 4e-8..9e-8 (buffers), wrong 0.79..0.83; parameters identical in both
+    assert max(good.buffer_rel_l2) < 1e-5, good.text()
+    assert min(wrong.buffer_rel_l2) > 0.1, wrong.text()
+    assert wrong.rel_l2 == good.rel_l2 and max(good.rel_l2) < 1e-5
     assert "buf rel L2" in good.text()

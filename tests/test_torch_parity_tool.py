@@ -538,13 +538,15 @@ def test_issue36_untransferred_weights_say_transfer_the_weights_first():
 
 
 def test_issue36_did_you_mean_stays_in_the_layer():
-    a = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    names = {"0.weight": "0.weight", "0.bais": "0.bias", "1.weight": "1.weight",
-             "1.bias": "1.bias"}
+    """A bias named for a convolution that has none was answered with the BatchNorm's bias
+    ("did you mean '1.bias'?"): another layer's tensor."""
+    a = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Linear(4, 4))
+    names = {"0.bias": "0.bias", "2.wieght": "2.weight"}
     report = transfer_weights(a, copy.deepcopy(a), names, strict=False)
-    reasons = [u.reason for u in report.unmapped if u.name == "0.bais"]
-    assert reasons == ["name_map names a tensor the model does not have (did you mean "
-                       "'0.bias'?)"]
+    reasons = {u.name: u.reason for u in report.unmapped if u.side == "src"}
+    assert reasons["0.bias"] == "name_map names a tensor the model does not have"
+    assert reasons["2.wieght"] == ("name_map names a tensor the model does not have (did you "
+                                   "mean '2.weight'?)")
 
 
 def test_issue36_a_substituted_pool_is_blamed_at_the_pool():

@@ -166,14 +166,18 @@ def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
 
 def _substitutions(ca: List[Call], cb: List[Call], seg_a: List[int],
                    seg_b: List[int]) -> Set[Tuple[int, int]]:
-    """Calls of other kinds at the same place on both sides, paired in order by the shape of
-    their outputs (a max pool against the average pool that replaced it, past a ReLU the
-    other side calls as a function)."""
+    """Calls of other kinds at the same place on both sides that reshape their input alike
+    (an average pool where the original has a max pool, past a ReLU the other side calls as
+    a function), paired in order. Only reshaping calls: an elementwise one (an ``Identity``
+    downsample, a ReLU) has the shape of anything near it, and pairing it on that alone would
+    blame a correct port."""
+    def shapes(call: Call) -> Optional[tuple]:
+        out = None if call.output is None else tuple(call.output.shape)
+        return (tuple(call.in_shape), out) if out and out != tuple(call.in_shape) else None
     found, start = set(), 0
     for i in seg_a:
-        shape = None if ca[i].output is None else ca[i].output.shape
-        j = next((k for k in range(start, len(seg_b)) if cb[seg_b[k]].output is not None
-                  and cb[seg_b[k]].output.shape == shape), None)
+        j = next((k for k in range(start, len(seg_b)) if shapes(ca[i]) is not None
+                  and shapes(cb[seg_b[k]]) == shapes(ca[i])), None)
         if j is not None:
             found.add((i, seg_b[j]))
             start = j + 1
