@@ -116,6 +116,21 @@ def compare(src: Any, dst: Any, direction: str, batch: Any, **kwargs: Any) -> An
                                **kwargs)
 
 
+def batch_without_flips(model: str, direction: str, src: Any, dst: Any,
+                        seeds: range = range(1, 9)) -> Tuple[Any, Any]:
+    """The first seed's batch on which no ReLU input sits within tolerance of its kink, and its
+    report. Which seeds have such inputs depends on the CPU's kernels (seed 1 had none on the
+    Intel machines these tests were written on, and has a pinned flip on an AMD EPYC), so the
+    test picks one instead of naming it; with ``F.relu`` the tool still lists the torch side's
+    near-zero inputs as possible flips, which move nothing when none is unverified."""
+    for seed in seeds:
+        batch = batch_of(model, seed)
+        report = compare(src, dst, direction, batch)
+        if not report.unverified and not [f for f in report.flips if f.seen]:
+            return batch, report
+    raise AssertionError(f"every batch of seeds {seeds} has a kink flip\n{report.text()}")
+
+
 def closest_to_tolerance(report: Any) -> Dict[str, Any]:
     """Per kind of entry (forward, loss, grad): the entry whose max abs came nearest its
     tolerance."""
@@ -191,16 +206,13 @@ def test_correct_port_passes_in_both_directions(model, direction):
     params = len(list(dst.parameters()))
     assert len([p for p in mapping.pairs if p.src in dict(src.named_parameters())]) == params
 
-    batch = batch_of(model, 1)
+    batch, report = batch_without_flips(model, direction, src, dst)
     src_fw, dst_fw = DIRECTIONS[direction]
     logits_src, native_src = NATIVE[src_fw](src, batch)
     logits_dst, native_dst = NATIVE[dst_fw](dst, batch)
 
-    report = compare(src, dst, direction, batch)
     assert report.ok, report.text()
     assert report.first_forward is None and report.first_grad is None
-    # seed 1 has no flip; with F.relu the tool still lists the torch side's near-zero inputs
-    assert [f for f in report.flips if f.seen] == [], report.text()
     grads = [e for e in report.entries if e.what == "grad"]
     assert len(grads) == params, report.text()
     assert {e.layer for e in report.entries if e.what == "forward"} >= {
@@ -381,7 +393,7 @@ def test_a_flip_at_a_functional_relu_is_unverified_never_a_bug():
     the gradients it moves are unverified on that batch (never passed, never a failure), and
     ``assert_parity`` verifies them on another batch."""
     src, dst, _ = ported("resnet18-frelu", "mge->torch")
-    flipped, clean = batch_of("resnet18", 1), batch_of("resnet18", 2)
+    flipped = batch_of("resnet18", 1)
     nudge_to_kink(src, dst, flipped[0], bn="layer4.0.bn1")
 
     report = compare(src, dst, "mge->torch", flipped)
@@ -392,8 +404,11 @@ def test_a_flip_at_a_functional_relu_is_unverified_never_a_bug():
     assert possible and possible[0].count >= 1, text
     assert "possible kink flips" in text and "unverified" in text
 
-    verified = parity.assert_parity(src, dst, [flipped, clean], loss_a=mge_loss,
-                                    loss_b=torch_loss)
+    # the flipped batch first, then fresh ones until its gradients are verified (which seed is
+    # free of flips near those gradients depends on the CPU's kernels)
+    verified = parity.assert_parity(
+        src, dst, lambda i: flipped if i == 0 else batch_of("resnet18", i + 1), tries=8,
+        loss_a=mge_loss, loss_b=torch_loss)
     assert verified.ok and verified.unverified == [], verified.text()
 
 
