@@ -63,3 +63,41 @@ def test_a_dropped_manager_in_a_cycle_is_not_in_the_way(gloo_one_rank):
     gm = data_parallel(model)
     _step(gm, model, torch.randn(5, 3))
     gc.collect()
+
+
+# ------------------------------------------------------------------ Join
+def test_two_managers_in_one_join_are_refused_at_once(gloo_one_rank):
+    """On the old code the second manager's first recording raised "must be the first
+    joinable", which it could not be; the first manager was left inside the context."""
+    from torch.distributed.algorithms.join import Join
+
+    from gradmgr.distributed import data_parallel
+
+    model_a, model_b, x = _model(), _model(), torch.randn(5, 3)
+    gm_a, gm_b = data_parallel(model_a), data_parallel(model_b)
+    with pytest.raises(ValueError, match="two managers in one Join context"):
+        Join([gm_a, gm_b])
+    for gm in (gm_a, gm_b):  # neither is left inside a context that never started
+        assert not gm._join_config.enable
+    model_a.zero_grad()
+    _step(gm_a, model_a, x)
+    plain = _model()
+    plain(x).sum().backward()
+    for p, q in zip(model_a.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_manager_built_by_hand_in_join_says_what_to_do(gloo_one_rank):
+    """On the old code: torch's AttributeError, 'GradManager' object has no attribute
+    'join_hook'."""
+    from torch.distributed.algorithms.join import Join
+
+    from gradmgr import GradManager
+    from gradmgr.distributed import make_allreduce_cb
+
+    model = _model()
+    gm = GradManager().attach(model.parameters(), callbacks=[make_allreduce_cb("mean")])
+    with pytest.raises(TypeError, match=r"not a joinable.*gm = data_parallel\(model\)"):
+        Join([gm])
+    with pytest.raises(AttributeError, match="no attribute 'joinhook'"):
+        gm.joinhook  # noqa: B018 (any other missing name is as before)
