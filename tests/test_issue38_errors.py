@@ -101,3 +101,39 @@ def test_a_manager_built_by_hand_in_join_says_what_to_do(gloo_one_rank):
         Join([gm])
     with pytest.raises(AttributeError, match="no attribute 'joinhook'"):
         gm.joinhook  # noqa: B018 (any other missing name is as before)
+
+
+# ------------------------------------------------------------------ comm hooks
+def _short_hook(state, bucket):
+    """A future of the wrong shape: the bucket less its last element."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer()[:-1].clone())
+    return future
+
+
+def _after_short_hook(state, bucket):
+    """The same, from a ``.then()`` callback (the form torch's own hooks take)."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0][:-1])
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("hook", [_short_hook, _after_short_hook])
+def test_a_hook_future_of_the_wrong_shape_raises_value_error(gloo_one_rank, native, hook):
+    """On the old code the reducer path (native) raised RuntimeError("Got the following error
+    when running the callback: ValueError: ...") where the docs and the python path say
+    ValueError."""
+    from gradmgr.distributed import data_parallel
+
+    model, x = _model(), torch.randn(5, 3)
+    gm = data_parallel(model, comm_hook=hook, native=native)
+    with pytest.raises(ValueError, match="comm_hook's future gave a tensor of shape"):
+        _step(gm, model, x)
+    del gm
+    gm = data_parallel(model, native=native)  # the group and the model go on
+    model.zero_grad()
+    _step(gm, model, x)
+    plain = _model()
+    plain(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -109,9 +109,10 @@ class TorchReducer:
         # from the order given (the plan's; one broadcast, at the same plan on every rank).
         self._reducer._push_all_rebuilt_params()
         self._reducer._rebuild_buckets()
+        self._hook: Any = None
         if comm_hook is not None:  # as DDP registers one (the hook divides, not the reducer)
-            dist._register_comm_hook(self._reducer, comm_hook.state,
-                                     comm_hook.for_reducer(self.flags, self._group))
+            self._hook = comm_hook.for_reducer(self.flags, self._group)
+            dist._register_comm_hook(self._reducer, comm_hook.state, self._hook)
         self._unmarked: Sequence[int] = ()  # reducer indices: no gradient in this engine run
         self.flags.register_post_accumulate_grad_hook(_marker(weakref.ref(self)))
         # .grad (and its version) of every tensor when the current accumulation window (the
@@ -177,6 +178,11 @@ class TorchReducer:
             # A backward of its own: the reducer launches the last bucket and finalizes (writes
             # .grad) at the end of the engine's graph task, as it does at the end of DDP's.
             _backward_of_one_leaf(self.flags, flags)
+        except RuntimeError as error:
+            original = None if self._hook is None else self._hook.take_error()
+            if original is None:
+                raise
+            raise original from error  # the hook's own error (ValueError...), not torch's
         finally:
             self._unmarked = ()
         reduced = self.flags.grad
