@@ -137,3 +137,52 @@ def test_a_hook_future_of_the_wrong_shape_raises_value_error(gloo_one_rank, nati
     plain(x).sum().backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+# ------------------------------------------------------------------ autograd.grad outside
+def _grad_habits(net, step):
+    """What users compute with torch.autograd.grad outside the training step, after a
+    forward through ``net`` outside it: a saliency map, this rank's parameter gradients (their
+    norms), a gradient penalty built outside and trained inside the next step."""
+    torch.manual_seed(1)
+    x = torch.randn(5, 3, requires_grad=True)
+    params = list(net.parameters())
+    saliency = torch.autograd.grad(net(x).square().sum(), x)[0]
+    local = torch.autograd.grad(net(x).square().sum(), params)
+    grads_written = [p.grad for p in params]
+    penalty = torch.autograd.grad(net(x).sum(), x, create_graph=True)[0].square().sum()
+    step(penalty)
+    return [saliency, *local, *(p.grad for p in params)], grads_written
+
+
+def test_autograd_grad_outside_the_step_is_allowed_as_under_ddp(gloo_one_rank):
+    """On the old code the forward watch refused ``torch.autograd.grad(out, params)`` after a
+    forward outside ``with gm:`` (it writes no .grad: it gives this rank's gradient, as under
+    DDP). Bit for bit against DDP on the same rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradmgr.distributed import data_parallel
+
+    ones = torch.ones(2, 3)
+    ddp = DDP(_model())
+
+    def ddp_step(extra):
+        (ddp(ones).sum() + extra).backward()
+
+    expected, ddp_written = _grad_habits(ddp, ddp_step)
+    model = _model()
+    gm = data_parallel(model)
+
+    def step(extra):
+        with gm:
+            gm.backward(model(ones).sum() + extra)
+
+    got, written = _grad_habits(model, step)
+    assert written == ddp_written == [None] * 4  # no .grad written outside the step
+    assert len(got) == len(expected) == 9
+    for ours, theirs in zip(got, expected):
+        assert torch.equal(ours, theirs)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="outside `with gm:`"):
+        model(ones).sum().backward()  # loss.backward() by habit is still refused
+    assert all(p.grad is None for p in model.parameters())  # before anything was written

@@ -42,8 +42,9 @@ def data_parallel(
     accumulation window): the values DDP broadcasts at the next forward, an evaluation's too.
     Where the backend watches forwards (PyTorch), a forward inside a DDP wrapper raises
     ``RuntimeError`` (two reducers), and so does, after a forward run with gradients enabled
-    outside a recording, a backward that computes the module's gradients (``loss.backward()``
-    without ``with gm:``).
+    outside a recording, a backward that writes the module's ``.grad`` (``loss.backward()``
+    without ``with gm:``; ``torch.autograd.grad`` writes none and gives this rank's gradients,
+    as under DDP).
 
     Before broadcasting, the ranks compare their modules (every parameter and buffer, in
     order, with its shape and dtype): where they differ, every rank raises
@@ -186,12 +187,13 @@ def _open_checks(transport: Any) -> None:
 
 
 _FORGOTTEN = (
-    "data_parallel(): a backward computes the model's gradients after a forward that ran with "
+    "data_parallel(): a backward writes the model's .grad after a forward that ran with "
     "gradients enabled outside `with gm:` (loss.backward(), typed by habit after dropping "
     "DDP?): it would compute this rank's gradients only, so the ranks' gradients, and then "
     "their parameters, would differ. Run the forward and gm.backward(loss) inside the recording: "
     "`with gm: gm.backward(loss_fn(model(x), y))`. (A forward for evaluation: under "
-    "torch.no_grad(), or simply never backwarded, is fine.)"
+    "torch.no_grad(), or simply never backwarded, is fine; so is torch.autograd.grad, which "
+    "writes no .grad and gives this rank's gradients, as under DDP.)"
 )
 
 
