@@ -82,7 +82,12 @@ class TorchReducer:
         tensors = [planned[m] for bucket in plan.buckets for m in bucket.members]
         last = tensors[-1]
         # One "used" flag per tensor, then a "this rank failed" marker.
-        self.flags = torch.zeros(len(tensors) + 1, dtype=last.dtype, device=last.device,
+        # Padded to a multiple of 64 bytes: the hook's view of the last bucket, after the
+        # flags, then starts where DDP's bucket starts, at 64-byte alignment (torch's kernels,
+        # matmul's among them, may round differently on a misaligned buffer: PowerSGD's did).
+        per_line = max(1, 64 // last.element_size())
+        count = -(-(len(tensors) + 1) // per_line) * per_line
+        self.flags = torch.zeros(count, dtype=last.dtype, device=last.device,
                                  requires_grad=True)
         self._tensors: List[torch.Tensor] = tensors  # in bucket order, as the flags are
         self.tensors: List[torch.Tensor] = planned  # in plan order (the contract's)
@@ -167,7 +172,7 @@ class TorchReducer:
         # A tensor no rank used keeps its .grad; the reducer reads it into the bucket, and
         # then points .grad at the bucket.
         saved = {i: tensors[i].grad for i in unused}
-        flags = torch.ones(len(tensors) + 1, dtype=self.flags.dtype, device=self.flags.device)
+        flags = torch.ones_like(self.flags, requires_grad=False)  # (the padding: ones too)
         if unused:
             flags[unused] = 0
         if not failed:
