@@ -9,7 +9,7 @@ import numpy as np
 
 from .contract import Layer, ModelAdapter, adapter_for, squeezed
 from .kinks import Kink, find_kink, near_kink
-from .mapping import MappingReport, Transform, build_map, config_findings, convert
+from .mapping import TIED, MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
 from .tolerance import C_GRAD, C, eps, grad_reduction, layer_reduction, tolerance
 from .trace import Call, Loss, Trace, as_batch, restore, run_step, snapshot
@@ -69,6 +69,7 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     mapping = build_map(ad_a, ad_b, name_map, transforms=transforms,
                         order_a=ta.order, order_b=tb.order)
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
+    report.findings += [f for f in mapping.findings if f.key == TIED]  # (layers': _forward)
     aligned = _align(ta.calls, tb.calls, mapping.layers, report)
     depth = _depths(ta.calls)
     kinks = _forward(ta, tb, aligned, depth, tol_factor, report)
