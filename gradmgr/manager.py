@@ -584,10 +584,26 @@ class GradManager(StepHooks):
 
     __ror__ = __or__
 
+    def __getattr__(self, name: str) -> Any:
+        # Called only for a name the manager lacks: torch's Join asks every joinable for these
+        # first, and a manager built by hand is none (see _NOT_JOINABLE).
+        if name in _JOINABLE:
+            raise TypeError(_NOT_JOINABLE)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     def __repr__(self) -> str:
         name = self._backend.name if self._backend else "no backend yet"
         state = "recording" if self._managers is not None else "idle"
         return f"<GradManager {name}, {len(self._attached)} attached, {state}>"
+
+
+_JOINABLE = frozenset({"join_hook", "join_device", "join_process_group"})
+_NOT_JOINABLE = (
+    "this GradManager is not a joinable of torch's Join (uneven inputs): only the manager "
+    "gradmgr.distributed.data_parallel(model) returns takes part in it, as a DDP model does "
+    "(a manager built by hand with make_allreduce_cb() has no join hook). Make it with "
+    "gm = data_parallel(model), or give every rank the same number of batches"
+)
 
 
 # ------------------------------------------------------ for libraries built on a manager

@@ -45,8 +45,8 @@ STEPS = 6
 TRAIN = [f"{h}_{p}_{b}" for h in EXACT for p in PATHS for b in ("one", "two")]
 TRAIN += [f"int8_{p}_one" for p in PATHS]  # its scale is per bucket: one, as DDP's
 POWERSGD = [f"powersgd_{p}_one" for p in PATHS]
-PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising", "mismatch", "racing")
-         for p in PATHS]
+PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising", "mismatch", "racing",
+                                    "powersgd_mlp") for p in PATHS]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,19 @@ def test_powersgd_within_its_own_error(ranks, scenario):
                 assert theirs > 1e-3, (rank, step, theirs)
             for i, (a, b) in enumerate(zip(gm, ddp)):  # measured: equal
                 np.testing.assert_array_equal(a, b, err_msg=f"rank {rank} {prefix} {i}")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_powersgd_on_an_mlp_equals_ddp_bit_for_bit(ranks, path):
+    """docs/communication-hooks.md: PowerSGD bit for bit where the buckets are DDP's, on a
+    16-32-32-4 MLP after 10 steps (issue 38: the reducer path was 3e-8 off, its hook's
+    buffer misaligned)."""
+    for rank, out in enumerate(ranks.scenario(f"powersgd_mlp_{path}")):
+        gm, ddp = _params(out, f"powersgd_mlp_{path}", "gm"), _params(out, f"powersgd_mlp_{path}",
+                                                                      "ddp")
+        assert len(gm) == len(ddp) == 6
+        for i, (a, b) in enumerate(zip(gm, ddp)):
+            np.testing.assert_array_equal(a, b, err_msg=f"rank {rank} param {i}")
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -590,3 +590,51 @@ def test_issue36_a_maskless_relu_behind_one_sided_relus_is_a_difference():
     assert report.first_forward is None and report.first_grad.layer == "fc1"
     assert report.unverified == [] and "beyond what the possible kink flips" in \
         report.first_grad.note
+
+
+class _Tied(nn.Module):
+    """An embedding whose weight the output layer reuses (GPT's wte / lm_head), or not."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(10, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, t):
+        return self.head(torch.tanh(self.mid(self.emb(t))))
+
+
+def test_tied_weights_against_an_untied_port_break_at_the_gradients_not_the_forward():
+    """Issue 38: the tied alias (head.weight) was no slot of the reference, so its value was
+    never copied into the port's own head.weight, and the step reported a first forward
+    divergence at head that the port (same values) does not have. Now the value is copied,
+    every forward agrees, and the verdict, still BROKEN, names the tie and the gradients."""
+    torch.manual_seed(0)
+    a, b = _Tied(True), _Tied(False)
+    t = torch.randint(0, 10, (4, 5))
+    with pytest.raises(MappingError, match="tied to"):
+        transfer_weights(a, b, probe=t.numpy())
+    mapping = transfer_weights(a, b, probe=t.numpy(), strict=False)
+    assert torch.equal(b.head.weight, a.emb.weight) and torch.equal(b.emb.weight, a.emb.weight)
+    assert not mapping.unmapped
+    with torch.no_grad():
+        assert torch.equal(a(t), b(t))
+    report = compare_step(a, b, t.numpy())
+    assert not report.ok and report.first_forward is None
+    assert all(e.ok for e in report.entries if e.what in ("forward", "loss"))
+    assert "head.weight / head.weight: tied to is 'emb.weight'" in str(report)
+    assert report.first_grad is not None and report.first_grad.what == "grad"
+    # the tied gradient is the sum of the port's two
+    np.testing.assert_allclose(a.emb.weight.grad, b.emb.weight.grad + b.head.weight.grad,
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_tied_weights_on_both_sides_are_parity():
+    torch.manual_seed(0)
+    a, b = _Tied(True), _Tied(True)
+    t = torch.randint(0, 10, (4, 5))
+    mapping = transfer_weights(a, b, probe=t.numpy())
+    assert mapping.ok and not mapping.findings
+    assert compare_step(a, b, t.numpy()).ok

@@ -120,6 +120,54 @@ def test_no_node_runs_twice_below_the_boundary():
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_custom_function_at_the_boundary_computes_each_side_once(retain):
+    """Issue 38: a custom Function that honours ``ctx.needs_input_grad``, where the input and
+    weight paths meet, computes its input side in the first part and its weight side in the
+    rest, once each (on the old code: both sides in both parts, the flags being the
+    forward's). Gradients bit for bit as one backward; with ``retain_graph`` a plain backward
+    of the same graph afterwards sees the forward's flags again."""
+    work = []
+
+    class Lin(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            gx = gw = None
+            if ctx.needs_input_grad[0]:
+                work.append("input")
+                gx = g @ w.t()
+            if ctx.needs_input_grad[1]:
+                work.append("weight")
+                gw = x.t() @ g
+            return gx, gw
+
+    torch.manual_seed(0)
+    w, x0 = torch.randn(4, 4, requires_grad=True), torch.randn(3, 4)
+    gm = GradManager().attach([w])
+    with gm:
+        x = x0.clone()
+        gm.attach(x)
+        y = torch.tanh(Lin.apply(x, w)).sum()
+        rest = gm.backward_split(y, first=[x])
+    assert work == ["input"]
+    rest.finish(retain_graph=retain)
+    assert work == ["input", "weight"]
+    xr, wr = x0.clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.tanh(Lin.apply(xr, wr)).sum().backward()
+    assert torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
+    if retain:
+        del work[:]
+        y.backward()
+        assert work == ["input", "weight"]  # the flags the forward recorded
+        assert torch.equal(w.grad, 2 * wr.grad)
+
+
 def test_callbacks_after_backward_callbacks_and_futures_run_in_their_part():
     model, events = mlp(), []
 

@@ -488,8 +488,9 @@ class TensorOps:
         """Watch every forward of ``module``: one run with gradients enabled inside the
         framework's own data-parallel wrapper raises at once (a second reducer); after one
         run with gradients enabled, ``refusal()`` is called, and where it returns a message,
-        a backward that computes the gradient of the module's parameters raises
-        ``RuntimeError(message)`` before writing any (the watch is then ``armed``), until
+        a backward that accumulates the gradient of the module's parameters (into ``.grad``)
+        raises ``RuntimeError(message)`` before writing any (one that only returns them, as
+        ``torch.autograd.grad``, passes; the watch is then ``armed``), until
         ``disarm()``. ``refusal`` is held weakly (a bound method). Returns the watch
         (``armed``, ``disarm()``, ``remove()``), or None (the default: the framework has no
         forward hooks)."""

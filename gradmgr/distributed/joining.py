@@ -39,6 +39,12 @@ _FIRST = (
     "(`with Join([gm, opt]):`): its step's collectives come first, and a joined rank "
     "shadows them before the optimizer's"
 )
+_TWO = (
+    "data_parallel under Join: two managers in one Join context (two models, as DDP allows) "
+    "are not supported: a joined rank shadows the steps of the first manager only. Use one "
+    "Join per manager that has uneven inputs, or one data_parallel over both models (an "
+    "nn.ModuleList of them), or give every rank the same number of batches"
+)
 _VERIFY = (
     "data_parallel under Join needs its plan check at every synced step (verify=True, the "
     "default): a joined rank learns from it what the others' step does. Make the manager "
@@ -110,7 +116,9 @@ class DataParallelManager(GradManager):
     @property
     def join_process_group(self) -> Any:
         """The process group of the Join context's own collectives: the manager's."""
-        return self._joins().process_group()
+        joining = self._joins()
+        _check_place(self)
+        return joining.process_group()
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Any:
@@ -118,6 +126,31 @@ class DataParallelManager(GradManager):
         return self._joins().support.context(
             [self], enable, throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size)
+
+
+# The latest manager the context made its first joinable (torch's Join asks every joinable for
+# its process group in order, after setting each one's place): a later one in the same context
+# is a second manager.
+_FIRST_SEEN: List[weakref.ref] = []
+
+
+def _check_place(gm: DataParallelManager) -> None:
+    """Refuse a manager that is not the context's first joinable while the context is being
+    made, and leave no joinable it refuses inside it (their steps would shadow a context
+    that never starts)."""
+    config = gm._join_config
+    if config is None or not config.enable:
+        return
+    if config.is_first_joinable:
+        _FIRST_SEEN[:] = [weakref.ref(gm)]
+        return
+    first = _FIRST_SEEN[0]() if _FIRST_SEEN else None
+    two = first is not None and first is not gm and first.joining is not None and (
+        first.joining.active(first) and first._join_config.is_first_joinable)
+    for refused in (gm, first) if two else (gm,):
+        refused._join_config = refused.joining.support.disabled_config()
+    _FIRST_SEEN.clear()
+    raise ValueError(_TWO if two else _FIRST)
 
 
 class Joining:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
 import weakref
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..manager import GradManager
 from ..registry import backend_for
@@ -40,8 +42,9 @@ def data_parallel(
     accumulation window): the values DDP broadcasts at the next forward, an evaluation's too.
     Where the backend watches forwards (PyTorch), a forward inside a DDP wrapper raises
     ``RuntimeError`` (two reducers), and so does, after a forward run with gradients enabled
-    outside a recording, a backward that computes the module's gradients (``loss.backward()``
-    without ``with gm:``).
+    outside a recording, a backward that writes the module's ``.grad`` (``loss.backward()``
+    without ``with gm:``; ``torch.autograd.grad`` writes none and gives this rank's gradients,
+    as under DDP).
 
     Before broadcasting, the ranks compare their modules (every parameter and buffer, in
     order, with its shape and dtype): where they differ, every rank raises
@@ -74,6 +77,7 @@ def data_parallel(
         >>> dist.destroy_process_group()
     """
     _refuse_wrapper(module)
+    _refuse_second_manager(module)
     kind = ReduceScatterCallback if shard else AllreduceCallback
     cb = kind(reduce, group, bucket_bytes, compression, transport, broadcast=False, src=src,
               verify=verify, native=False if shard else native, names=module,
@@ -93,6 +97,7 @@ def data_parallel(
     gm.register_record_callback(step.record)
     gm.register_backward_error_callback(step.backward_failed)
     gm.register_release_callback(step.release)
+    _remember(module, gm)
     if params:
         watch = backend_for(params[0]).tensor_ops().watch_forwards(module, step.refusal)
         if watch is not None:
@@ -109,6 +114,46 @@ def _refuse_wrapper(module: Any) -> None:
         problem = backend.tensor_ops().wrapper_problem(module)
         if problem is not None:
             raise TypeError(problem)
+
+
+_SECOND = (
+    "data_parallel(): this model already has a data-parallel manager, from an earlier "
+    "data_parallel(model), and it is still alive: its hooks on the model would take the new "
+    "manager's steps for forwards outside a recording, and two managers would reduce every "
+    "gradient. Keep using the first manager, or drop it before wrapping again: `del gm` (and "
+    "any other reference to it), then `gm = data_parallel(model, ...)` (assigning the new one "
+    "over the old name drops the old one only after the new one is made)"
+)
+
+# id(module) -> (the module, its manager), both weakly: the model's live data-parallel manager
+_MANAGERS: Dict[int, Tuple[Any, Any]] = {}
+
+
+def _refuse_second_manager(module: Any) -> None:
+    """A model's live manager keeps its forward watch and buffer broadcasts: a second one on
+    the same model would fight it (its watch refuses the new manager's steps)."""
+    if _manager_of(module) is not None:
+        gc.collect()  # a manager dropped by the user but held in a cycle is not in the way
+        if _manager_of(module) is not None:
+            raise RuntimeError(_SECOND)
+
+
+def _manager_of(module: Any) -> Any:
+    entry = _MANAGERS.get(id(module))
+    if entry is None or entry[0]() is not module:
+        return None
+    return entry[1]()
+
+
+def _remember(module: Any, gm: GradManager) -> None:
+    key = id(module)
+
+    def forget(dead: Any) -> None:
+        if _MANAGERS.get(key, (None, None))[1] is dead:
+            del _MANAGERS[key]
+
+    with contextlib.suppress(TypeError):  # a module that takes no weak reference: unwatched
+        _MANAGERS[key] = (weakref.ref(module), weakref.ref(gm, forget))
 
 
 def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
@@ -142,12 +187,13 @@ def _open_checks(transport: Any) -> None:
 
 
 _FORGOTTEN = (
-    "data_parallel(): a backward computes the model's gradients after a forward that ran with "
+    "data_parallel(): a backward writes the model's .grad after a forward that ran with "
     "gradients enabled outside `with gm:` (loss.backward(), typed by habit after dropping "
     "DDP?): it would compute this rank's gradients only, so the ranks' gradients, and then "
     "their parameters, would differ. Run the forward and gm.backward(loss) inside the recording: "
     "`with gm: gm.backward(loss_fn(model(x), y))`. (A forward for evaluation: under "
-    "torch.no_grad(), or simply never backwarded, is fine.)"
+    "torch.no_grad(), or simply never backwarded, is fine; so is torch.autograd.grad, which "
+    "writes no .grad and gives this rank's gradients, as under DDP.)"
 )
 
 

@@ -178,6 +178,8 @@ def build_map(a: ModelAdapter, b: ModelAdapter, name_map: Optional[Mapping[str, 
     pairs += _auto_pairs(a, b, order_a, order_b, report, named_a, named_b)
     for sa, sb in pairs:
         _pair(sa, sb, dict(transforms or {}), report)
+    report.findings.extend(tie_findings(report.pairs, getattr(a, "aliases", {}),
+                                        getattr(b, "aliases", {})))
     used_a, used_b = {p[0].name for p in pairs}, {p[1].name for p in pairs}
     for side, slots, used, named in (("src", slots_a, used_a, named_a),
                                      ("dst", slots_b, used_b, named_b)):
@@ -192,6 +194,30 @@ def build_map(a: ModelAdapter, b: ModelAdapter, name_map: Optional[Mapping[str, 
                                                 if slot.layer in named
                                                 else "no paired layer owns it"))
     return report
+
+
+TIED = "tied to"  # the key of a tie finding
+
+
+def tie_findings(pairs: Sequence[Pair], aliases_a: Mapping[str, str],
+                 aliases_b: Mapping[str, str]) -> List[ConfigFinding]:
+    """Tied weights on one side only: one parameter paired with two of the other model's.
+    The forwards can agree (the values are copied to both), but the tied parameter's
+    gradient sums both uses' where the untied ones get one each."""
+    found, seen = [], set()
+    for tied, other, side in ((aliases_a, aliases_b, 0), (aliases_b, aliases_a, 1)):
+        for pair in pairs:
+            mine, theirs = (pair.src, pair.dst) if side == 0 else (pair.dst, pair.src)
+            if mine not in tied or (mine, side) in seen:
+                continue
+            partner = next((p.dst if side == 0 else p.src for p in pairs
+                            if (p.src if side == 0 else p.dst) == tied[mine]), None)
+            if partner is None or other.get(theirs, theirs) == other.get(partner, partner):
+                continue  # tied on both sides too
+            seen.add((mine, side))
+            values = (tied[mine], "none") if side == 0 else ("none", tied[mine])
+            found.append(ConfigFinding(pair.src, pair.dst, TIED, *values))
+    return found
 
 
 def _given_pairs(name_map: Mapping[str, str], slots_a: Dict[str, Slot],

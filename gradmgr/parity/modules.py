@@ -58,8 +58,12 @@ class NamedModules:
     framework = ""
 
     def __init__(self, model: Any, leaves: Dict[str, Any], params: Dict[str, Any],
-                 buffers: Dict[str, Any]) -> None:
+                 buffers: Dict[str, Any], aliases: Optional[Dict[str, str]] = None) -> None:
         self.model, self.leaves, self.params, self.buffers = model, leaves, params, buffers
+        # Tied weights: {another name of a parameter: its name in params} (head.weight ->
+        # emb.weight). A slot of its own, so that its layer pairs with the other model's and
+        # the mapping sees the tie (mapping.tie_findings); one parameter all the same.
+        self.aliases = dict(aliases or {})
         self.device = next(iter(params.values())).device
 
     def kind(self, module: Any) -> str:
@@ -86,10 +90,14 @@ class NamedModules:
             for name, t in table.items():
                 layer, _, role = name.rpartition(".")
                 found.append(Slot(name, layer, role, tuple(t.shape), trainable))
+        for alias, name in self.aliases.items():
+            layer, _, role = alias.rpartition(".")
+            found.append(Slot(alias, layer, role, tuple(self.params[name].shape), True))
         return found
 
     def slot(self, name: str) -> Any:
-        """The parameter or buffer named ``name``."""
+        """The parameter or buffer named ``name`` (or another name of a tied parameter)."""
+        name = self.aliases.get(name, name)
         return self.params[name] if name in self.params else self.buffers[name]
 
     def read(self, name: str) -> np.ndarray:
@@ -99,7 +107,7 @@ class NamedModules:
         return list(self.params.values())
 
     def grad(self, name: str) -> Optional[np.ndarray]:
-        g = self.params[name].grad
+        g = self.params[self.aliases.get(name, name)].grad
         return None if g is None else self.numpy(g)
 
     def clear_grads(self) -> None:

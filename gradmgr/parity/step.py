@@ -11,7 +11,7 @@ import numpy as np
 from .contract import Layer, ModelAdapter, adapter_for, family, squeezed
 from .errors import ParityError
 from .kinks import Kink, find_kink, near_kink, toggle
-from .mapping import MappingReport, Transform, build_map, config_findings, convert
+from .mapping import TIED, MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
 from .tolerance import C_GRAD, C, eps, grad_reduction, layer_reduction, tolerance
 from .trace import Call, Loss, Trace, as_batch, restore, run_step, snapshot
@@ -77,6 +77,7 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
                         order_a=ta.order, order_b=tb.order)
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
     report.weights = _weights_differ(mapping, weights_a, weights_b)
+    report.findings += [f for f in mapping.findings if f.key == TIED]  # (layers': _forward)
     aligned, same_kind = _align(ta.calls, tb.calls, mapping.layers, report)
     depth = _depths(ta.calls)
     kinks = _forward(ta, tb, aligned, depth, tol_factor, report)

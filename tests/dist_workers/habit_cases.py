@@ -99,6 +99,8 @@ HABITS = [
           "a rank's batch fails inside the step; every rank catches it and skips the batch"),
     Habit("forward_outside_with",
           'the forward before `with gm:`, only the backward inside'),
+    Habit("autograd_grad_outside",
+          '`torch.autograd.grad` outside `with gm:` (a saliency map, gradient norms)'),
     Habit("backward_inside_with_single",
           '`loss.backward()` inside `with gm:`, one process (item 3)',
           paths=("single",)),

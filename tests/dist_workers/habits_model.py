@@ -230,3 +230,24 @@ def skip_failed_batch(kind, rank, world):
     return out
 
 
+
+
+def autograd_grad_outside(kind, rank, world):
+    """Issue 38: after each step, a forward outside the step (``eval()``, gradients enabled)
+    and ``torch.autograd.grad`` of its loss for the input (a saliency map) and for the
+    parameters (this rank's gradient norms): no ``.grad`` written, nothing reduced, as with
+    DDP."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        out[f"loss {step}"] = np.float32(side.step(x, y))
+        opt.step()
+        opt.zero_grad()
+        side.model.eval()
+        x = x.clone().requires_grad_(True)
+        grads = torch.autograd.grad(loss_fn(side.net(x), y), [x, *side.model.parameters()])
+        side.model.train()
+        out[f"norms {step}"] = np.array([g.norm().item() for g in grads], dtype=np.float32)
+    out.update(state(side))
+    return out

@@ -117,11 +117,19 @@ class _ReducerHook:
     """``hook(state, bucket)`` as the C++ reducer calls it (see :meth:`TorchCommHook.
     for_reducer`)."""
 
-    __slots__ = ("_hook", "_flags", "_group", "__qualname__", "__name__")
+    __slots__ = ("_hook", "_flags", "_group", "_error", "__qualname__", "__name__")
 
     def __init__(self, hook: TorchCommHook, flags: torch.Tensor, group: Any) -> None:
         self._hook, self._flags, self._group = hook, flags, group
+        self._error: Optional[BaseException] = None  # what the merge raised, this step
         self.__qualname__ = self.__name__ = hook.describe()
+
+    def take_error(self) -> Optional[BaseException]:
+        """What the bucket's merge raised (the hook's error, or a result of the wrong shape):
+        torch raises it wrapped in a RuntimeError ("Got the following error when running the
+        callback"), and the backward should raise it as it is, as on gradmgr's buckets."""
+        error, self._error = self._error, None
+        return error
 
     def __call__(self, state: Any, bucket: Any) -> Any:
         _refuse_racing(self._hook, bucket.index(), bucket.is_last())
@@ -143,10 +151,14 @@ class _ReducerHook:
         hook_future = _call(self._hook, hooked)
 
         def merge(both: Any) -> torch.Tensor:
-            for future in both.value():
-                future.value()  # raises what the hook, or the flags' allreduce, raised
-            result = _value(hook_future.value())
-            _put_back(buffer, start, stop, result)
+            try:
+                for future in both.value():
+                    future.value()  # raises what the hook, or the flags' allreduce, raised
+                result = _value(hook_future.value())
+                _put_back(buffer, start, stop, result)
+            except Exception as error:
+                self._error = error
+                raise
             return buffer
 
         return torch.futures.collect_all([flags_future, hook_future]).then(merge)

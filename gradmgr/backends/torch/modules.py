@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 _grad_enabled = torch.is_grad_enabled
 _DDP_MODULE = "torch.nn.parallel.distributed"
@@ -71,12 +72,31 @@ def _refuse_backward(message: str, grad: Any) -> None:
     raise RuntimeError(message)
 
 
+class _Refusal:
+    """A pre-hook on a parameter's gradient accumulator: it runs where a backward is about to
+    write ``.grad`` (``loss.backward()``), before it does. ``torch.autograd.grad(out,
+    params)`` takes the gradient at the parameter instead, writes no ``.grad`` and passes:
+    this rank's gradient, what it gives under DDP too (a gradient penalty, a saliency map,
+    gradient norms). The accumulator is held: the graphs built from now on use this one."""
+
+    __slots__ = ("_node", "_handle")
+
+    def __init__(self, param: Any, refuse: Callable[[Any], None]) -> None:
+        self._node = get_gradient_edge(param).node
+        self._handle = self._node.register_prehook(refuse)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self._node = None
+
+
 class ForwardWatch:
     """The hooks on one module's forward, and the parameter hooks a forward arms.
 
     A forward with gradients enabled for which ``refusal()`` gives a message (outside a
-    recording) arms a hook on every trainable parameter that raises it when a backward
-    computes that parameter's gradient, before anything is accumulated: ``loss.backward()``.
+    recording) arms a hook on every trainable parameter that raises it when a backward is
+    about to accumulate that parameter's gradient into ``.grad``: ``loss.backward()``
+    (``torch.autograd.grad`` writes no ``.grad`` and passes, see :class:`_Refusal`).
     A manager's backward of another model through this one's outputs (a GAN's generator step
     through the discriminator) computes no gradient for these parameters and passes. The
     manager disarms them when a recording starts, so its own backwards run without them."""
@@ -103,8 +123,7 @@ class ForwardWatch:
         message = None if refusal is None else refusal()
         if message is not None:
             refuse = functools.partial(_refuse_backward, message)
-            self._armed = [p.register_hook(refuse) for p in module.parameters()
-                           if p.requires_grad]
+            self._armed = [_Refusal(p, refuse) for p in module.parameters() if p.requires_grad]
 
     def disarm(self) -> None:
         armed, self._armed = self._armed, []

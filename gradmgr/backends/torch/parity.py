@@ -53,8 +53,12 @@ class TorchParity(NamedModules):
                   if not any(True for _ in m.children())
                   or any(True for _ in m.parameters(recurse=False))
                   or any(True for _ in m.buffers(recurse=False))}
-        super().__init__(model, leaves, dict(model.named_parameters()),
-                         dict(model.named_buffers()))
+        params = dict(model.named_parameters())
+        first = {id(p): name for name, p in params.items()}
+        aliases = {name: first[id(p)]
+                   for name, p in model.named_parameters(remove_duplicate=False)
+                   if name not in params and id(p) in first}
+        super().__init__(model, leaves, params, dict(model.named_buffers()), aliases)
 
     def kind(self, module: Any) -> str:
         return nearest_kind(module, "torch.nn.")

@@ -82,7 +82,12 @@ class TorchReducer:
         tensors = [planned[m] for bucket in plan.buckets for m in bucket.members]
         last = tensors[-1]
         # One "used" flag per tensor, then a "this rank failed" marker.
-        self.flags = torch.zeros(len(tensors) + 1, dtype=last.dtype, device=last.device,
+        # Padded to a multiple of 64 bytes: the hook's view of the last bucket, after the
+        # flags, then starts where DDP's bucket starts, at 64-byte alignment (torch's kernels,
+        # matmul's among them, may round differently on a misaligned buffer: PowerSGD's did).
+        per_line = max(1, 64 // last.element_size())
+        count = -(-(len(tensors) + 1) // per_line) * per_line
+        self.flags = torch.zeros(count, dtype=last.dtype, device=last.device,
                                  requires_grad=True)
         self._tensors: List[torch.Tensor] = tensors  # in bucket order, as the flags are
         self.tensors: List[torch.Tensor] = planned  # in plan order (the contract's)
@@ -109,9 +114,10 @@ class TorchReducer:
         # from the order given (the plan's; one broadcast, at the same plan on every rank).
         self._reducer._push_all_rebuilt_params()
         self._reducer._rebuild_buckets()
+        self._hook: Any = None
         if comm_hook is not None:  # as DDP registers one (the hook divides, not the reducer)
-            dist._register_comm_hook(self._reducer, comm_hook.state,
-                                     comm_hook.for_reducer(self.flags, self._group))
+            self._hook = comm_hook.for_reducer(self.flags, self._group)
+            dist._register_comm_hook(self._reducer, comm_hook.state, self._hook)
         self._unmarked: Sequence[int] = ()  # reducer indices: no gradient in this engine run
         self.flags.register_post_accumulate_grad_hook(_marker(weakref.ref(self)))
         # .grad (and its version) of every tensor when the current accumulation window (the
@@ -166,7 +172,7 @@ class TorchReducer:
         # A tensor no rank used keeps its .grad; the reducer reads it into the bucket, and
         # then points .grad at the bucket.
         saved = {i: tensors[i].grad for i in unused}
-        flags = torch.ones(len(tensors) + 1, dtype=self.flags.dtype, device=self.flags.device)
+        flags = torch.ones_like(self.flags, requires_grad=False)  # (the padding: ones too)
         if unused:
             flags[unused] = 0
         if not failed:
@@ -177,6 +183,11 @@ class TorchReducer:
             # A backward of its own: the reducer launches the last bucket and finalizes (writes
             # .grad) at the end of the engine's graph task, as it does at the end of DDP's.
             _backward_of_one_leaf(self.flags, flags)
+        except RuntimeError as error:
+            original = None if self._hook is None else self._hook.take_error()
+            if original is None:
+                raise
+            raise original from error  # the hook's own error (ValueError...), not torch's
         finally:
             self._unmarked = ()
         reduced = self.flags.grad

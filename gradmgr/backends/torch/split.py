@@ -23,6 +23,7 @@ import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from gradmgr.errors import GradMgrWarning, UnsupportedGraphError
@@ -143,9 +144,14 @@ class Rest:
             for i in indices:
                 self._roots[i] = _own_root(outputs[i])
         self._handovers = {}
+        self._only_needed = []
         for node in plan.boundary:
             hook = self._handovers[node] = _Handover(node.name())
             node.register_prehook(hook)
+            if _OnlyNeeded.applies(node):
+                only = _OnlyNeeded(node)
+                node.register_prehook(only)
+                self._only_needed.append(only)
 
     def run(self, may_accumulate: bool, retain_graph: bool = False) -> None:
         """Run the rest; ``may_accumulate``: as for :meth:`TorchTape.backward`;
@@ -196,9 +202,49 @@ class Rest:
         """Let go of the recorded gradients and the graph; the hooks stay behind, inert."""
         for hook in self._handovers.values():
             hook.state, hook.grads, hook._stand_ins = _DONE, (), ()
+        for only in self._only_needed:  # a retained graph runs as recorded again
+            only.restore()
+        self._only_needed = []
         self._handovers = {}
         self._plan = self._roots = self._seeds = self._entry_of = None
         self._flagged = []
+
+
+class _OnlyNeeded:
+    """Node pre-hook on a boundary node that is a custom ``autograd.Function``: its backward
+    sees what each run needs, not what the forward recorded. Built-in nodes ask the engine
+    which outputs it will use; a Function reads ``ctx.needs_input_grad``, fixed at the
+    forward, and would compute its input side again in the rest and its weight side in the
+    first part (work the engine then drops). Each run, the flags an input's node will not be
+    executed get are turned off (those of the forward are put back in :meth:`restore`)."""
+
+    __slots__ = ("_node", "_recorded")
+
+    def __init__(self, node: Any) -> None:
+        self._node = weakref.ref(node)
+        self._recorded = tuple(node.needs_input_grad)
+
+    @staticmethod
+    def applies(node: Any) -> bool:
+        """A Function's node whose flags are one per input edge (no non-tensor arguments)."""
+        flags = getattr(node, "needs_input_grad", None)
+        return (isinstance(node, BackwardCFunction) and isinstance(flags, tuple)
+                and len(flags) == len(node.next_functions))
+
+    def __call__(self, grad_outputs: tuple) -> None:
+        node = self._node()
+        if node is not None:
+            node.needs_input_grad = tuple(
+                wanted and child is not None and _will_execute(child)
+                for wanted, (child, _) in zip(self._recorded, node.next_functions))
+
+    def restore(self) -> None:
+        node = self._node()
+        if node is not None:
+            node.needs_input_grad = self._recorded
+
+
+_will_execute = torch._C._will_engine_execute_node
 
 
 def _own_root(output: Any) -> GradientEdge:
