@@ -153,6 +153,16 @@ def _accumulation_message(rows: List[List[float]]) -> str:
             f"(`with no_sync(gm), gm: gm.backward()`). Nothing was reduced at this step")
 
 
+def every_rank(transport: Any, ops: TensorOps, row: Sequence[float],
+               like: Any) -> Optional[List[List[float]]]:
+    """Every rank's ``row`` (the same length on every rank), in rank order; a collective, so
+    call it on every rank. None (and no collective) with a transport that knows no ``rank()``."""
+    rank_of = getattr(transport, "rank", None)
+    if rank_of is None:
+        return None
+    return _gather(transport, ops, rank_of(), transport.world_size(), list(row), like)
+
+
 def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],
             like: Any) -> List[List[float]]:
     """Every rank's ``row`` (same length on all ranks), by a sum over zeros elsewhere."""
