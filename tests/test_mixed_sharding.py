@@ -6,6 +6,8 @@ Before, the sharded ranks waited in the optimizer's comparison on the user's gro
 gloo's timeout, and the plain ones raised ``RanksOutOfStepError`` (about skipped batches)
 after half of it. Now ``data_parallel()`` compares ``shard=`` with the modules: every rank
 raises ``RankMismatchError`` saying which ranks shard, at once, and the group stays in step.
+With the callbacks attached by hand (``hand:``), the optimizer's comparison, a plan check in
+the checks' group, meets the plain ranks' first step check: every rank raises it there.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def _megengine_wanted() -> bool:
     return "megengine" in os.environ.get("GRADMGR_FRAMEWORKS", "torch,megengine").split(",")
 
 
-CASES = {2: ["torch:0", "torch:1"] + (["megengine:0", "megengine:1"] if _megengine_wanted()
-                                      else []),
-         3: ["torch:0", "torch:1", "torch:2", "torch:1+2", "torch:0+2", "torch:0+1"]}
+CASES = {2: ["torch:0", "torch:1", "hand:0", "hand:1"]
+         + (["megengine:0", "megengine:1"] if _megengine_wanted() else []),
+         3: ["torch:0", "torch:1", "torch:2", "torch:1+2", "torch:0+2", "torch:0+1",
+             "hand:0", "hand:1+2"]}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -45,9 +48,16 @@ def seen(request, tmp_path_factory):
     return world, {case: [r[case] for r in ranks] for case in CASES[world]}
 
 
+def _sides(case: str, world: int) -> tuple:
+    sharded = [int(r) for r in case.split(":")[1].split("+")]
+    return sharded, [r for r in range(world) if r not in sharded]
+
+
 def test_every_rank_raises_rank_mismatch_naming_the_sharded_ranks(seen):
     world, cases = seen
     for case, per_rank in cases.items():
+        if case.startswith("hand"):
+            continue
         sharded = [int(r) for r in case.split(":")[1].split("+")]
         plain = [r for r in range(world) if r not in sharded]
         for rank, outcome in enumerate(per_rank):
@@ -72,3 +82,19 @@ def test_the_process_group_still_works_after_it(seen):
         for other in params[1:]:  # a step on every rank: the same parameters, bit for bit
             for a, b in zip(params[0], other):
                 np.testing.assert_array_equal(a, b)
+
+
+def test_by_hand_every_rank_raises_at_the_optimizer_or_the_first_step(seen):
+    world, cases = seen
+    for case in [c for c in cases if c.startswith("hand")]:
+        sharded, plain = _sides(case, world)
+        for rank, outcome in enumerate(cases[case]):
+            first = outcome["first"]
+            assert first["error"] == "RankMismatchError", (case, rank, first)
+            message = first["message"]
+            assert "the ranks disagree about sharding" in message, message
+            for r in sharded:
+                assert f"rank {r} makes a ShardedOptimizer" in message, (case, message)
+            for r in plain:
+                assert f"rank {r} starts a synced step" in message, (case, message)
+            assert first["seconds"] < PROMPT_S, (case, rank, first)

@@ -150,9 +150,9 @@ class ShardedOptimizer:
             # The other ranks are in the comparison: take part, so that they raise too.
             failed = [("an error making it", f"{type(error).__name__}: {error}")]
             with contextlib.suppress(RankMismatchError):
-                check_agreement(self._ops, transport, plan.tensor(0), failed)
+                check_agreement(self._ops, sync.checks, plan.tensor(0), failed)
             raise
-        check_agreement(self._ops, transport, plan.tensor(0),
+        check_agreement(self._ops, sync.checks, plan.tensor(0),
                         [("an error making it", "none"), *entries])
 
     def _build(self, gm: Any, callback: Any, optimizer_class: Any, params: Any,

@@ -2,8 +2,10 @@
 shard=True)`` and make a ``ShardedOptimizer``, the others ``data_parallel(model)`` and a plain
 optimizer. Run by tests/test_mixed_sharding.py.
 
-``MIXED_CASES`` lists ``framework:sharded ranks`` (``torch:0+2``). Each case runs in a process
-group of its own with a short timeout (:data:`TIMEOUT_S`), started from a file in OUTDIR. Every
+``MIXED_CASES`` lists ``framework:sharded ranks`` (``torch:0+2``; ``hand``: torch with the
+callbacks attached by hand, ``make_reduce_scatter_cb`` or ``make_allreduce_cb``). Each case
+runs in a process group of its own with a short timeout (:data:`TIMEOUT_S`), started from a
+file in OUTDIR. Every
 rank records what its set-up and first step raised and how long they took, then whether the
 process group still works: one allreduce, then a step of a plain ``data_parallel`` on every
 rank (the parameters after it). What each rank saw is pickled to ``OUTDIR/rank{RANK}.pkl``
@@ -21,7 +23,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradmgr.distributed import ShardedOptimizer, data_parallel
+from gradmgr import GradManager
+from gradmgr.distributed import (
+    ShardedOptimizer,
+    broadcast,
+    data_parallel,
+    make_allreduce_cb,
+    make_reduce_scatter_cb,
+)
 
 TIMEOUT_S = 20.0  # the process groups': gloo's own error would come after it
 
@@ -34,12 +43,17 @@ def _group(outdir: str, name: str, rank: int, world: int) -> None:
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
-def _torch_step(sharded: bool, rank: int):
+def _torch_step(sharded: bool, rank: int, by_hand: bool = False):
     """A model with its manager (sharded or not) and optimizer, made now; one step per call;
     returns the parameters after it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    gm = data_parallel(model, shard=sharded)
+    if by_hand:
+        broadcast(list(model.parameters()))
+        make = make_reduce_scatter_cb if sharded else make_allreduce_cb
+        gm = GradManager().attach(model.parameters(), callbacks=[make("mean")])
+    else:
+        gm = data_parallel(model, shard=sharded)
     opt = (ShardedOptimizer(gm, torch.optim.SGD, lr=0.1) if sharded
            else torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -100,8 +114,16 @@ def _in_step(rank: int) -> bool:
     return check.tolist() == [world * (world - 1) / 2, float(world)]
 
 
+def _by_hand(sharded: bool, rank: int):
+    return _torch_step(sharded, rank, by_hand=True)
+
+
 def case(framework: str, sharded_ranks: set, rank: int) -> dict:
-    make = _megengine_step if framework == "megengine" else _torch_step
+    make = {"megengine": _megengine_step, "hand": _by_hand}.get(framework, _torch_step)
+    if framework == "megengine":
+        import megengine  # noqa: F401 - seconds on a busy machine: not part of the timing
+
+        dist.barrier()
     seen = {"first": _attempt(make, rank in sharded_ranks, rank), "in_step": _in_step(rank)}
     try:  # training goes on once every rank chose alike
         seen["params"] = make(False, rank)()
