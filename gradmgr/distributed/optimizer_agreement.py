@@ -68,12 +68,20 @@ def check_agreement(ops: Any, checks: Any, like: Any, entries: List[Entry]) -> N
         raise stage
     encoded = text.encode()
     lengths = every_rank(checks, ops, [len(encoded)], like)
-    if lengths is None:  # (a transport without rank(): no more to tell)
-        raise RankMismatchError(_message([entries, [("something", "else")]]))
+    if lengths is None:
+        raise RankMismatchError(_UNNAMED)
     sizes = [int(row[0]) for row in lengths]
     texts = every_rank(checks, ops, list(encoded) + [0] * (max(sizes) - len(encoded)), like)
     described = [_decoded(row[:n]) for row, n in zip(texts, sizes)]
     raise RankMismatchError(_message(described))
+
+
+_UNNAMED = (
+    "the ranks built ShardedOptimizer differently (their plan checks' transport knows no "
+    "rank(), so the difference cannot be named here). Every rank must build it with the same "
+    "optimizer class, the same params (the same parameter groups, in the same order) and the "
+    "same options"
+)
 
 
 def _decoded(codes: Sequence[float]) -> List[Entry]:
