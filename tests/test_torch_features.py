@@ -916,17 +916,24 @@ def test_no_false_pre_record_warning_after_a_worker_threads_forward():
     assert torch.equal(leaf.grad, torch.full((3,), 4.0))  # d(4 * leaf)/d leaf, as MegEngine
 
 
-def test_the_pre_record_check_still_warns_where_the_recording_ran_alone():
-    """A thread that ran before record() leaves the check on; a value computed from the
-    parameter before record() still warns."""
+def test_the_pre_record_check_still_warns_where_no_thread_started_during_the_recording():
+    """Threads started before record() (one still alive, idle) leave the check on; a value
+    computed from the parameter before record() still warns."""
     w = torch.ones(3, requires_grad=True)
-    worker = threading.Thread(target=lambda: (w * 2).sum())
-    worker.start()
-    worker.join()
-    gm = GradManager().attach([w])
-    older = w * 3  # before record(): PyTorch differentiates it, MegEngine does not
-    with pytest.warns(PreRecordGradientWarning, match="#0"), gm:
-        gm.backward((older * w).sum())
+    done = threading.Thread(target=lambda: (w * 2).sum())
+    done.start()
+    done.join()
+    release = threading.Event()
+    idle = threading.Thread(target=release.wait)
+    idle.start()
+    try:
+        gm = GradManager().attach([w])
+        older = w * 3  # before record(): PyTorch differentiates it, MegEngine does not
+        with pytest.warns(PreRecordGradientWarning, match="#0"), gm:
+            gm.backward((older * w).sum())
+    finally:
+        release.set()
+        idle.join()
 
 
 @CALLBACKS

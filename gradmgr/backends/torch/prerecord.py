@@ -6,11 +6,11 @@ tensors attached mid-recording). The check finds them from node sequence numbers
 where the result differs from MegEngine's while the recording computed part of the outputs.
 
 Autograd numbers nodes per thread, so a node another thread made inside the recording can look
-older than it; nodes carry no thread. So the check runs only where the recording thread ran
-alone from ``record()`` to the check: no other Python thread alive at either end, and none
-started in between (counted by a profile function that ``threading`` gives each new thread,
-which removes itself at the thread's first call). Elsewhere it is skipped, never a false
-warning.
+older than it; nodes carry no thread. So the recording remembers how many threads had been
+started when it began (counted by a profile function that ``threading`` gives each new thread,
+which removes itself at the thread's first call), and the check is skipped where one was
+started since: a forward in a worker thread, a pool's first task. A thread started before the
+recording (a pool reused across steps) is not seen: its nodes can still look older.
 """
 
 from __future__ import annotations
@@ -76,21 +76,19 @@ def _count_start(frame: Any, event: str, arg: Any) -> None:
 
 
 def thread_mark() -> Optional[int]:
-    """At ``record()``: the threads started so far, where this thread runs alone (no other
-    Python thread alive, and threads started from now on counted); else None."""
+    """At ``record()``: the threads started so far (those started from now on are counted);
+    None where they cannot be counted (another profile function for new threads)."""
     profile = _profile_of_new_threads()
     if profile is not _count_start:
         if profile is not None:
-            return None  # a profiler's: new threads cannot be counted
+            return None  # a profiler's
         threading.setprofile(_count_start)
-    return _started if threading.active_count() == 1 else None
+    return _started
 
 
 def alone_since(mark: Optional[int]) -> bool:
-    """Whether the recording thread ran alone since ``mark`` (:func:`thread_mark`): only
-    then do the graph's sequence numbers all come from it."""
-    return (mark is not None and _started == mark and threading.active_count() == 1
-            and _profile_of_new_threads() is _count_start)
+    """Whether no thread was started since ``mark`` (:func:`thread_mark`)."""
+    return mark is not None and _started == mark and _profile_of_new_threads() is _count_start
 
 
 def warn_if_pre_record(parents: Dict[Any, List[Any]], inputs: List[torch.Tensor],

@@ -560,6 +560,6 @@ class TorchTape(Tape):
             return  # no snapshot could be taken (inference mode, functorch): check a later step
         self._checked = True
         if not prerecord.alone_since(self._record_threads):
-            return  # another thread may have made some of the nodes: their numbers are its own
+            return  # a thread started since record() may have made nodes: numbered its own way
         if prerecord.warn_if_pre_record(parents, inputs, since, base):
             self._warned = True
