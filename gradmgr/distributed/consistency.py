@@ -61,8 +61,19 @@ def _count_chunks(n: int) -> List[int]:
 def plan_fingerprint(ops: TensorOps, tensors: Sequence[Any], mode: str) -> List[int]:
     """What the ranks compare: the count, then shape and dtype of each tensor in order, and
     how they are reduced; a list of small ints, the same length for any plan."""
-    return _count_chunks(len(tensors)) + _chunks(
-        ";".join([describe(ops, t) for t in tensors] + [mode]))
+    return text_fingerprint(len(tensors), ";".join([describe(ops, t) for t in tensors] + [mode]))
+
+
+def text_fingerprint(count: int, text: str) -> List[int]:
+    """A fingerprint of ``count`` things described by ``text``, as :func:`plan_fingerprint`'s
+    (the same length: a :class:`PlanCheck` of either pairs with the other's)."""
+    return _count_chunks(count) + _chunks(text)
+
+
+MAKING_OPTIMIZER = -1
+"""``PlanCheck``'s ``accumulated`` for the comparison of a ``ShardedOptimizer`` being made
+(:mod:`.optimizer_agreement`): a stage of its own, so that where it meets another rank's step
+check (that rank does not shard) both disagree, and every rank raises the same error."""
 
 
 class PlanCheck:
@@ -76,7 +87,7 @@ class PlanCheck:
     float32 exactly. One more element carries ``request`` (0 or 1), so that work all ranks
     must do together (building torch's reducer, which broadcasts) is done by all of them when
     any asks. :meth:`agreed` waits for it; every rank gets the same answer, so where the plans
-    differ all ranks go on to :meth:`error` together.
+    differ all ranks go on to :meth:`error` (or :meth:`stage_error`) together.
     """
 
     __slots__ = ("_transport", "_ops", "_like", "_world", "_rank", "_width", "_handle",
@@ -118,31 +129,66 @@ class PlanCheck:
         differ; a few more collectives (so call it on every rank) find the first difference,
         which ``name_of(tensor)`` names where it knows the tensor."""
         transport, ops, world, like = self._transport, self._ops, self._world, self._like
-        rank_of = getattr(transport, "rank", None)
-        if rank_of is not None:
-            rows = _gather(transport, ops, rank_of(), world, self._accumulation, like)
-            if any(row != rows[0] for row in rows):
-                return RankMismatchError(_accumulation_message(rows))
+        stage = self.stage_error()
+        if stage is not None:
+            return stage
         return RankMismatchError(_mismatch_message(transport, ops, tensors, what, world, mode,
                                                    like, name_of))
+
+    def stage_error(self) -> Optional[RankMismatchError]:
+        """Where the ranks are at different stages (inside no_sync or not, after how many such
+        recordings, making a ShardedOptimizer): the error every rank raises; else None. One
+        more collective where the transport knows its rank, so call it on every rank, once
+        :meth:`agreed` said no."""
+        transport = self._transport
+        rank_of = getattr(transport, "rank", None)
+        if rank_of is None:
+            return None
+        rows = _gather(transport, self._ops, rank_of(), self._world, self._accumulation,
+                       self._like)
+        if all(row == rows[0] for row in rows):
+            return None
+        codes = [_code(row) for row in rows]
+        if _OPTIMIZER_CODE in codes:
+            return RankMismatchError(_sharding_message(codes))
+        return RankMismatchError(_accumulation_message(codes))
+
+
+_OPTIMIZER_CODE = 2**(8 * _COUNT_CHUNKS) - 1  # MAKING_OPTIMIZER's
 
 
 def _accumulation_chunks(accumulated: Optional[int]) -> List[int]:
     """0 for a recording inside no_sync, else 1 + the recordings inside no_sync before it
-    (capped: only equality matters), as bytes."""
-    code = 0 if accumulated is None else 1 + min(accumulated, 2**(8 * _COUNT_CHUNKS) - 2)
+    (capped: only equality matters), or :data:`_OPTIMIZER_CODE`, as bytes."""
+    if accumulated == MAKING_OPTIMIZER:
+        return _count_chunks(_OPTIMIZER_CODE)
+    code = 0 if accumulated is None else 1 + min(accumulated, _OPTIMIZER_CODE - 2)
     return _count_chunks(code)
 
 
-def _read_accumulation(row: Sequence[float]) -> str:
-    code = sum(int(b) << (8 * i) for i, b in enumerate(row))
+def _code(row: Sequence[float]) -> int:
+    return sum(int(b) << (8 * i) for i, b in enumerate(row))
+
+
+def _read_accumulation(code: int) -> str:
+    if code == _OPTIMIZER_CODE:
+        return "makes a ShardedOptimizer"
     if code == 0:
         return "records inside no_sync"
     return f"starts a synced step after {code - 1} recording(s) inside no_sync"
 
 
-def _accumulation_message(rows: List[List[float]]) -> str:
-    per_rank = "; ".join(f"rank {r} {_read_accumulation(row)}" for r, row in enumerate(rows))
+def _sharding_message(codes: List[int]) -> str:
+    per_rank = "; ".join(f"rank {r} {_read_accumulation(c)}" for r, c in enumerate(codes))
+    return (f"the ranks disagree about sharding: {per_rank}. A ShardedOptimizer steps the "
+            f"slices of reduce-scattered gradients (data_parallel(model, shard=True), or "
+            f"make_reduce_scatter_cb), so the ranks that make none reduce their gradients "
+            f"otherwise, and the collectives of the two sides would never pair. Shard on "
+            f"every rank, with a ShardedOptimizer on each, or on none. Nothing was reduced")
+
+
+def _accumulation_message(codes: List[int]) -> str:
+    per_rank = "; ".join(f"rank {r} {_read_accumulation(c)}" for r, c in enumerate(codes))
     return (f"the ranks disagree about no_sync (gradient accumulation): at this step {per_rank}. "
             f"Collectives pair by their order alone, so a rank that reduces a micro-batch "
             f"that another only accumulates would pair its reductions with another step of "
@@ -151,6 +197,16 @@ def _accumulation_message(rows: List[List[float]]) -> str:
             f"`with (no_sync(gm) if micro < k - 1 else contextlib.nullcontext()), gm:` with "
             f"the same k everywhere; a rank with fewer micro-batches can record empty ones "
             f"(`with no_sync(gm), gm: gm.backward()`). Nothing was reduced at this step")
+
+
+def every_rank(transport: Any, ops: TensorOps, row: Sequence[float],
+               like: Any) -> Optional[List[List[float]]]:
+    """Every rank's ``row`` (the same length on every rank), in rank order; a collective, so
+    call it on every rank. None (and no collective) with a transport that knows no ``rank()``."""
+    rank_of = getattr(transport, "rank", None)
+    if rank_of is None:
+        return None
+    return _gather(transport, ops, rank_of(), transport.world_size(), list(row), like)
 
 
 def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],

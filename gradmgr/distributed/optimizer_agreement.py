@@ -5,18 +5,23 @@ different parameter groups or options (one rank ``weight_decay=0.01``, another t
 0.5 and 0.0) would each step their slices by their own rules, and the all-gathered model would
 be a mixture of both, with no error anywhere. So the ranks compare a digest of what they were
 given (the optimizer class, ``master_dtype``, each group's options and parameters) in one small
-all-gather; where the digests differ, two more gather every rank's description, and every rank
+collective; where the digests differ, two more gather every rank's description, and every rank
 raises the same RankMismatchError naming the first difference and each rank's value of it.
+
+The comparison is a plan check (:class:`~.consistency.PlanCheck`) in the checks' own group
+(``Transport.control()``), with a stage of its own: a rank that does not shard, and so makes
+no ShardedOptimizer, meets it with its first step's check, and every rank raises
+RankMismatchError saying which ranks make one; and a rank that nobody joins gives up as a step
+check does (RanksOutOfStepError), so the user's process group never holds a collective that
+only some ranks started.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Dict, List, Sequence, Tuple
 
+from .consistency import MAKING_OPTIMIZER, PlanCheck, every_rank, text_fingerprint
 from .errors import RankMismatchError
-
-_DIGEST_BYTES = 8  # small ints (0-255), which a float32 all-gather carries exactly
 
 Entry = Tuple[str, str]  # (what, its value as text)
 
@@ -47,28 +52,36 @@ def _text(ops: Any, value: Any) -> str:
     return repr(value)
 
 
-def check_agreement(ops: Any, transport: Any, like: Any, entries: List[Entry]) -> None:
-    """Raise RankMismatchError on every rank where the ranks' ``entries`` differ (a collective:
-    every rank calls it, one small all-gather where they agree)."""
-    world = transport.world_size()
-    if world < 2:
+def check_agreement(ops: Any, checks: Any, like: Any, entries: List[Entry]) -> None:
+    """Raise RankMismatchError on every rank where the ranks' ``entries`` differ (a collective
+    over ``checks``, the plan checks' transport: every rank calls it, one small allreduce
+    where they agree)."""
+    if checks.world_size() < 2:
         return
-    encoded = "\n".join(f"{what}\t{value}" for what, value in entries).encode()
-    digest = list(hashlib.blake2b(encoded, digest_size=_DIGEST_BYTES).digest())
-    rows = _gathered(ops, transport, like, digest, world)
-    if all(row == rows[0] for row in rows):
+    text = "\n".join(f"{what}\t{value}" for what, value in entries)
+    check = PlanCheck(checks, ops, text_fingerprint(len(entries), text), like,
+                      accumulated=MAKING_OPTIMIZER)
+    if check.agreed():
         return
-    lengths = [int(row[0]) for row in _gathered(ops, transport, like, [len(encoded)], world)]
-    size = max(lengths)
-    texts = _gathered(ops, transport, like, list(encoded) + [0] * (size - len(encoded)), world)
-    described = [_decoded(row[:n]) for row, n in zip(texts, lengths)]
+    stage = check.stage_error()  # a rank that is not making one: it does not shard
+    if stage is not None:
+        raise stage
+    encoded = text.encode()
+    lengths = every_rank(checks, ops, [len(encoded)], like)
+    if lengths is None:
+        raise RankMismatchError(_UNNAMED)
+    sizes = [int(row[0]) for row in lengths]
+    texts = every_rank(checks, ops, list(encoded) + [0] * (max(sizes) - len(encoded)), like)
+    described = [_decoded(row[:n]) for row, n in zip(texts, sizes)]
     raise RankMismatchError(_message(described))
 
 
-def _gathered(ops: Any, transport: Any, like: Any, row: List[int], world: int) -> List[list]:
-    values = ops.values(transport.all_gather_async(ops.vector(row, like)).wait())
-    width = len(row)
-    return [values[r * width:(r + 1) * width] for r in range(world)]
+_UNNAMED = (
+    "the ranks built ShardedOptimizer differently (their plan checks' transport knows no "
+    "rank(), so the difference cannot be named here). Every rank must build it with the same "
+    "optimizer class, the same params (the same parameter groups, in the same order) and the "
+    "same options"
+)
 
 
 def _decoded(codes: Sequence[float]) -> List[Entry]:

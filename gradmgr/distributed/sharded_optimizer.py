@@ -71,7 +71,7 @@ class ShardedOptimizer:
     ``data_parallel(model, shard=True)``: ``model.parameters()``). Every parameter the manager
     reduces must be in ``params``; one it does not reduce (frozen) is numbered but not stepped.
     Every rank makes it alike: the ranks compare the optimizer class, ``master_dtype`` and
-    each group's options and parameters (one small all-gather), and where they differ every
+    each group's options and parameters (one small collective), and where they differ every
     rank raises :class:`RankMismatchError` naming the first difference and each rank's value.
 
     On PyTorch it is also a ``torch.optim.Optimizer``, on MegEngine a
@@ -150,9 +150,9 @@ class ShardedOptimizer:
             # The other ranks are in the comparison: take part, so that they raise too.
             failed = [("an error making it", f"{type(error).__name__}: {error}")]
             with contextlib.suppress(RankMismatchError):
-                check_agreement(self._ops, transport, plan.tensor(0), failed)
+                check_agreement(self._ops, sync.checks, plan.tensor(0), failed)
             raise
-        check_agreement(self._ops, transport, plan.tensor(0),
+        check_agreement(self._ops, sync.checks, plan.tensor(0),
                         [("an error making it", "none"), *entries])
 
     def _build(self, gm: Any, callback: Any, optimizer_class: Any, params: Any,

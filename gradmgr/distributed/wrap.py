@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..manager import GradManager
 from ..registry import backend_for
 from .allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
-from .consistency import PlanCheck, names_from, plan_fingerprint
-from .errors import RanksOutOfStepError
+from .consistency import PlanCheck, every_rank, names_from, plan_fingerprint
+from .errors import RankMismatchError, RanksOutOfStepError
 from .joining import DataParallelManager, Joining
 from .sync import broadcast, is_paused
 from .transport import TransportSpec, control_transport, resolve_transport
@@ -47,10 +47,11 @@ def data_parallel(
     as under DDP).
 
     Before broadcasting, the ranks compare their modules (every parameter and buffer, in
-    order, with its shape and dtype): where they differ, every rank raises
-    :class:`RankMismatchError` naming the first differing one (``fc2.weight``), as DDP refuses
-    to wrap at once. The other options are :class:`AllreduceCallback`'s; ``verify=False``
-    also skips this first comparison. ``shard=True`` reduce-scatters the gradients instead
+    order, with its shape and dtype) and ``shard=``: where they differ, every rank raises
+    :class:`RankMismatchError` naming the ranks that shard and those that do not, or else the
+    first differing tensor (``fc2.weight``), as DDP refuses to wrap at once. The other
+    options are :class:`AllreduceCallback`'s; ``verify=False`` also skips this first
+    comparison. ``shard=True`` reduce-scatters the gradients instead
     (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
     :class:`ShardedOptimizer`; ``native`` does not apply, ``comm_hook`` raises ``ValueError``).
     ``comm_hook=hook, comm_state=state`` is DDP's ``register_comm_hook(state, hook)``.
@@ -84,7 +85,7 @@ def data_parallel(
               comm_hook=comm_hook, comm_state=comm_state)
     params, buffers = list(module.parameters()), list(module.buffers())
     if verify:
-        _refuse_modules_that_differ(module, params + buffers, group, transport)
+        _refuse_modules_that_differ(module, params + buffers, group, transport, shard)
     broadcast(params + (buffers if broadcast_buffers else []), src, group=group,
               transport=transport)
     gm = DataParallelManager()
@@ -157,9 +158,10 @@ def _remember(module: Any, gm: GradManager) -> None:
 
 
 def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
-                                transport: TransportSpec) -> None:
-    """One collective compares every rank's parameters and buffers; where they differ, a few
-    more find the first difference and every rank raises RankMismatchError naming it."""
+                                transport: TransportSpec, shard: bool) -> None:
+    """One collective compares every rank's parameters and buffers, and ``shard``; where they
+    differ, a few more find the first difference and every rank raises RankMismatchError
+    naming it."""
     if not tensors:
         return
     backend = backend_for(tensors[0])
@@ -170,11 +172,49 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
     if chosen.world_size() < 2:
         return
     mode = "the module's parameters and buffers, in order"
-    check = PlanCheck(chosen, ops, plan_fingerprint(ops, tensors, mode), tensors[0])
+    # shard= too: a sharded rank's next collective (its ShardedOptimizer's comparison) and a
+    # plain rank's (its first step's plan check) pair with nothing on the other side.
+    check = PlanCheck(chosen, ops, plan_fingerprint(ops, tensors, f"{mode}; shard={shard}"),
+                      tensors[0])
     if not check.agreed():
+        _refuse_mixed_sharding(chosen, ops, shard, tensors[0])
         raise check.error(tensors, mode, "their modules' parameters and buffers",
                           names_from(module))
     _open_checks(chosen)
+
+
+_MIXED = (
+    "data_parallel(): the ranks disagree about sharding: sharded on {sharded} (shard=True: "
+    "gradients reduce-scattered, for a ShardedOptimizer), plain on {plain} (shard=False: "
+    "gradients allreduced, for a plain optimizer). Their collectives would never pair: each "
+    "side would wait for the other until the process group's timeout. Pass the same shard= "
+    "to data_parallel() on every rank, with a ShardedOptimizer on every rank where it is "
+    "True. Nothing was broadcast or reduced: the process group is as it was"
+)
+
+
+def _refuse_mixed_sharding(transport: Any, ops: Any, shard: bool, like: Any) -> None:
+    """Where ``shard`` differs between the ranks, raise RankMismatchError saying which ranks
+    shard (a collective: every rank calls it once the opening check disagreed)."""
+    rows = every_rank(transport, ops, [float(shard)], like)
+    if rows is None:  # a transport that knows no rank: how many shard
+        world = transport.world_size()
+        count = round(ops.values(transport.allreduce_async(
+            ops.vector([float(shard)], like)).wait())[0])
+        if 0 < count < world:
+            here = "this rank among them" if shard else "not this rank"
+            raise RankMismatchError(_MIXED.format(
+                sharded=f"{count} of the {world} ranks ({here})", plain="the others"))
+        return
+    flags = [bool(row[0]) for row in rows]
+    if any(flags) and not all(flags):
+        raise RankMismatchError(_MIXED.format(
+            sharded=_ranks([r for r, f in enumerate(flags) if f]),
+            plain=_ranks([r for r, f in enumerate(flags) if not f])))
+
+
+def _ranks(ranks: List[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
 
 
 def _open_checks(transport: Any) -> None:

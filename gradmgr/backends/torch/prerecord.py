@@ -4,12 +4,21 @@ Autograd records operations on a ``requires_grad`` tensor whether or not a manag
 so on PyTorch such operations contribute gradient where MegEngine ignores them (S9, and S8 for
 tensors attached mid-recording). The check finds them from node sequence numbers and warns
 where the result differs from MegEngine's while the recording computed part of the outputs.
+
+Autograd numbers nodes per thread, so a node another thread made inside the recording can look
+older than it; nodes carry no thread. So the recording remembers how many threads had been
+started when it began (counted by a profile function that ``threading`` gives each new thread,
+which removes itself at the thread's first call), and the check is skipped where one was
+started since: a forward in a worker thread, a pool's first task. A thread started before the
+recording (a pool reused across steps) is not seen: its nodes can still look older.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -52,6 +61,34 @@ def set_pre_record_check(mode: str) -> None:
 
 def check_mode() -> str:
     return _mode
+
+
+_started = 0  # threads started through `threading` since the counting began
+# (threading.getprofile is Python 3.10's; before, the attribute it reads)
+_profile_of_new_threads = getattr(threading, "getprofile", lambda: threading._profile_hook)
+
+
+def _count_start(frame: Any, event: str, arg: Any) -> None:
+    """A new thread's profile function: counts it, then removes itself (one call a thread)."""
+    global _started
+    _started += 1
+    sys.setprofile(None)
+
+
+def thread_mark() -> Optional[int]:
+    """At ``record()``: the threads started so far (those started from now on are counted);
+    None where they cannot be counted (another profile function for new threads)."""
+    profile = _profile_of_new_threads()
+    if profile is not _count_start:
+        if profile is not None:
+            return None  # a profiler's
+        threading.setprofile(_count_start)
+    return _started
+
+
+def alone_since(mark: Optional[int]) -> bool:
+    """Whether no thread was started since ``mark`` (:func:`thread_mark`)."""
+    return mark is not None and _started == mark and _profile_of_new_threads() is _count_start
 
 
 def warn_if_pre_record(parents: Dict[Any, List[Any]], inputs: List[torch.Tensor],

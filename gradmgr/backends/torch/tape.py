@@ -255,6 +255,7 @@ class TorchTape(Tape):
         self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._grad_mode_thread = 0
         self._record_seq = 0
+        self._record_threads: Optional[int] = None  # see prerecord.thread_mark
         # Watched leaves a backward that was not a manager's reached while recording (see
         # _note_foreign), by key: (ref, .grad then, its version). None: none.
         self._foreign: Optional[dict] = None
@@ -342,6 +343,7 @@ class TorchTape(Tape):
         if ((not self._checked or prerecord.every_backward)
                 and self._wants_pre_record_check()):
             self._record_seq = current_sequence_nr()  # a later attach() takes its own
+            self._record_threads = prerecord.thread_mark()
         if watched.needs_flag:
             for key, ref in list(watched.needs_flag.items()):
                 tensor = ref()
@@ -557,5 +559,7 @@ class TorchTape(Tape):
         if 0 in since:
             return  # no snapshot could be taken (inference mode, functorch): check a later step
         self._checked = True
+        if not prerecord.alone_since(self._record_threads):
+            return  # a thread started since record() may have made nodes: numbered its own way
         if prerecord.warn_if_pre_record(parents, inputs, since, base):
             self._warned = True
