@@ -9,7 +9,9 @@ final parameters (``rank{RANK}.pkl``: {scenario: {side: result}}), or the error 
 
 from __future__ import annotations
 
+import copy
 import datetime
+import io
 import os
 import pickle
 import sys
@@ -120,12 +122,28 @@ def train(scenario: str, strategy, rank: int) -> dict:
     inner = model.module  # Fabric's: the user's module, not DDP's or gradmgr's wrapper
     params = {n: p.detach().clone().numpy() for n, p in inner.named_parameters()}
     params.update({f"buffer:{n}": b.clone().numpy() for n, b in inner.named_buffers()})
+    params.update(_copies(inner))
     path = os.path.join(os.environ["FABRIC_CKPT_DIR"], f"{scenario}-{type(strategy).__name__}")
     fabric.save(path, {"model": model, "opt": opt})
     state = {"model": model}
     fabric.load(path, state)  # the model's own keys, loaded into it
     keys = sorted(torch.load(path, weights_only=True)["model"])
     return {"losses": losses, "norms": norms, "params": params, "evals": evals, "keys": keys}
+
+
+def _copies(inner: torch.nn.Module) -> dict:
+    """Issue 38: an EMA copy (``copy.deepcopy``) and a snapshot (``torch.save``) of the
+    user's module, DDP's ``module``: their parameters, and how many forward hooks they carry
+    (none under DDP: a plain model)."""
+    buf = io.BytesIO()
+    torch.save(inner, buf)
+    buf.seek(0)
+    out = {}
+    for label, twin in (("deepcopy", copy.deepcopy(inner)),
+                        ("saved", torch.load(buf, weights_only=False))):
+        out[f"{label} hooks"] = torch.tensor(len(twin._forward_hooks)).numpy()
+        out.update({f"{label}:{n}": p.detach().numpy() for n, p in twin.named_parameters()})
+    return out
 
 
 def train_gan(strategy, rank: int) -> dict:
