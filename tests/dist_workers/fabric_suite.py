@@ -35,7 +35,7 @@ def sides(scenario: str) -> dict:
         "native": lambda: GradmgrStrategy(timeout=TIMEOUT),
         "buckets": lambda: GradmgrStrategy(timeout=TIMEOUT, native=False),
     }
-    if scenario in ("sgd", "adam", "accumulate", "clip_norm", "frozen_unused"):
+    if scenario in ("sgd", "adam", "accumulate", "clip_norm", "frozen_unused", "scheduler"):
         out["sharded"] = lambda: GradmgrStrategy(timeout=TIMEOUT, shard=True)
     return out
 
@@ -70,7 +70,7 @@ def _model(scenario: str, rank: int) -> torch.nn.Module:
 
 def _optimizer(scenario: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters()]
-    if scenario == "sgd" or scenario.startswith("skipped"):
+    if scenario in ("sgd", "scheduler") or scenario.startswith("skipped"):
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return torch.optim.Adam(params, lr=1e-2)
 
@@ -84,7 +84,10 @@ def train(scenario: str, strategy, rank: int) -> dict:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
     fabric.launch()
     model = _model(scenario, rank)
-    model, opt = fabric.setup(model, _optimizer(scenario, model))
+    opt = _optimizer(scenario, model)
+    # issue 38: a scheduler made before fabric.setup, as many scripts do
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5) if scenario == "scheduler" else None
+    model, opt = fabric.setup(model, opt)
     losses, norms, evals = [], [], []
     skips = scenario in ("skipped", "skipped_accumulate")
     micro = 2 if scenario in ("accumulate", "skipped_accumulate") else 1
@@ -118,6 +121,8 @@ def train(scenario: str, strategy, rank: int) -> dict:
             fabric.clip_gradients(model, opt, clip_val=0.01)
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     evaluate()
     inner = model.module  # Fabric's: the user's module, not DDP's or gradmgr's wrapper
     params = {n: p.detach().clone().numpy() for n, p in inner.named_parameters()}
