@@ -177,6 +177,11 @@ class TorchReducer:
             # A backward of its own: the reducer launches the last bucket and finalizes (writes
             # .grad) at the end of the engine's graph task, as it does at the end of DDP's.
             _backward_of_one_leaf(self.flags, flags)
+        except BaseException:
+            # (a comm hook's future failed) .grad as before the step, as on gradmgr's buckets
+            for tensor, old in zip(tensors, step[0]):
+                tensor.grad = old
+            raise
         finally:
             self._unmarked = ()
         reduced = self.flags.grad
