@@ -46,7 +46,7 @@ TRAIN = [f"{h}_{p}_{b}" for h in EXACT for p in PATHS for b in ("one", "two")]
 TRAIN += [f"int8_{p}_one" for p in PATHS]  # its scale is per bucket: one, as DDP's
 POWERSGD = [f"powersgd_{p}_one" for p in PATHS]
 PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising", "mismatch", "racing",
-                                    "powersgd_mlp") for p in PATHS]
+                                    "powersgd_mlp", "one_rank") for p in PATHS]
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +147,43 @@ def test_hook_that_fails(ranks, path):
             for i, (gm, ddp) in enumerate(zip(_params(out, prefix, "gm"),
                                               _params(out, prefix, "ddp"))):
                 np.testing.assert_array_equal(gm, ddp, err_msg=f"rank {rank} {prefix} {i}")
+
+
+@pytest.mark.parametrize("path", [
+    "python",
+    pytest.param("native", marks=pytest.mark.xfail(
+        strict=True, reason="issue 38: on torch's reducer the other rank is not told yet")),
+])
+def test_hook_that_fails_on_one_rank(ranks, path):
+    """Issue 38: a hook's ``.then()`` callback that raises on rank 0 only, then a hook that
+    raises on rank 0 only after launching its allreduce: rank 0 raises the hook's error, rank
+    1 RankFailedError, at the same steps; the ranks stay paired and the other steps equal
+    DDP's."""
+    outs = list(ranks.scenario(f"one_rank_{path}"))
+    for rank, out in enumerate(outs):
+        errors = list(out[f"one_rank_{path}_errors"])
+        assert [e.split(":")[0] for e in errors] == ["1", "2"], (rank, errors)
+        if rank == 0:
+            assert "ValueError: the callback failed" in errors[0], errors
+            assert errors[1] == "2: ValueError: the hook failed", errors
+        else:
+            assert all(e.split(": ")[1] == "RankFailedError" for e in errors), errors
+        for step in (0, 3, 4):
+            prefix = f"one_rank_{path}_s{step}"
+            for i, (gm, ddp) in enumerate(zip(_params(out, prefix, "gm"),
+                                              _params(out, prefix, "ddp"))):
+                np.testing.assert_array_equal(gm, ddp, err_msg=f"rank {rank} {prefix} {i}")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_failed_hook_is_called_once_and_leaves_grad_as_before_the_step(ranks, path):
+    """Issue 38, the same scenario: the hook is called once per bucket and step (one bucket
+    here), also at a step where it raises; after each error ``.grad`` is what it was before
+    the step (None), on both paths (the reducer's used to keep the local, unreduced sums)."""
+    for rank, out in enumerate(ranks.scenario(f"one_rank_{path}")):
+        assert list(out[f"one_rank_{path}_calls"]) == [1] * 5, (rank, path)
+        assert list(out[f"one_rank_{path}_cleared"]) == [True] * (2 if rank == 0 or
+                                                                  path == "python" else 0)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -33,7 +33,7 @@ MISUSES = {  # what each rank raises, and words its message must hold
     "sharded optimizer of another model": ("ValueError", "exactly one module"),
 }
 SCENARIOS = ["sgd", "adam", "accumulate", "clip_norm", "clip_val", "frozen_unused", "skipped",
-             "skipped_accumulate", "bf16_mixed", "gan"]
+             "skipped_accumulate", "bf16_mixed", "gan", "scheduler"]
 
 
 def _spawn(outdir, scenarios, timeout: float = 240) -> list:

@@ -416,3 +416,35 @@ def test_a_checkpoint_taken_on_rank_0_alone_raises_there_and_training_goes_on(
         close_every_step(out["before"], "before")
         close_every_step(out["after"], "after")
         states_close(out["state"], out["native_state"], "the checkpoint after")
+
+
+def test_step_returns_the_optimizer_for_megengines_step_clear_grad_chain(mge_modules):
+    """Issue 38: MegEngine's ``opt.step().clear_grad()`` (its optimizer's step returns
+    itself) works on a ShardedOptimizer: ``step()`` returns the ShardedOptimizer, whose
+    ``clear_grad()`` drops the shards; one rank, bit for bit MegEngine's own AdamW chained the
+    same way (see the test above)."""
+    megengine, NativeGradManager, AdamW = mge_modules
+    from fake_distributed import OneRank
+
+    from gradmgr import GradManager
+    from gradmgr.distributed import ShardedOptimizer, make_reduce_scatter_cb
+
+    rng = np.random.default_rng(4)
+    start = rng.standard_normal((2, 4)).astype("float32")
+    x = megengine.Tensor(rng.standard_normal((5, 4)).astype("float32"))
+    theirs, ours = megengine.Parameter(start), megengine.Parameter(start)
+    native_gm = NativeGradManager().attach([theirs])
+    native = AdamW([theirs], lr=0.1)
+    cb = make_reduce_scatter_cb(transport=OneRank(), broadcast=False)
+    gm = GradManager().attach([ours], callbacks=[cb])
+    opt = ShardedOptimizer(gm, AdamW, lr=0.1)
+    for _ in range(2):
+        with native_gm:
+            native_gm.backward((megengine.functional.matmul(x, theirs, transpose_b=True)
+                                ** 2).mean())
+        native.step().clear_grad()
+        with gm:
+            gm.backward((megengine.functional.matmul(x, ours, transpose_b=True) ** 2).mean())
+        opt.step().clear_grad()
+        assert ours.grad is None
+    np.testing.assert_array_equal(ours.numpy(), theirs.numpy())

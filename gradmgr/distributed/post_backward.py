@@ -60,6 +60,7 @@ class PostBackwardStep:
             new = None  # (the buckets hold the sums now)
             self._closed = True  # (where closing raises, its collectives are done)
             missing = synchronizer.close(step)
+        synchronizer.wire.settle(step)
         if synchronizer.shards is not None:
             return  # the shards hold the reduced gradients and set .grad (see close)
         pending += [(t, PendingGradient(step.launched, b, slot, True)) for t, b, slot in missing]

@@ -193,14 +193,16 @@ class ShardedOptimizer:
         return self._reduced, self._frozen
 
     # ------------------------------------------------------------------ a step
-    def step(self) -> None:
+    def step(self) -> Any:
         """Step this rank's segments with their reduced gradients, then all-gather the
-        updated parameters."""
+        updated parameters. Returns what the wrapped optimizer's ``step()`` returns (torch's:
+        None), this ShardedOptimizer where that is the wrapped optimizer itself
+        (MegEngine's: so that ``opt.step().clear_grad()`` clears the shards too)."""
         if active(self):
             announce(self, STEP)
-        self.step_slice()
+        return self.step_slice()
 
-    def step_slice(self) -> None:
+    def step_slice(self) -> Any:
         """:meth:`step`'s work (a joined rank's too: see :mod:`.sharded_join`)."""
         self._check_plan()
         self._consolidated = None  # the state it holds is the state before this step
@@ -215,9 +217,10 @@ class ShardedOptimizer:
         _refuse_changes_behind(wrapped_groups, self._stepped_with)
         for ours, wrapped in zip(self._param_groups, wrapped_groups):
             wrapped.update((k, v) for k, v in ours.items() if k != "params")
-        self.optimizer.step()
+        result = self.optimizer.step()
         self._stepped_with = [_options(group) for group in wrapped_groups]
         self._gather()
+        return self if result is self.optimizer else result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient shards (and the segments' ``.grad``).
@@ -229,6 +232,10 @@ class ShardedOptimizer:
         self._shards.zero()
         for tensor in self._reduced.tensors:
             self._ops.set_segment_grad(tensor, None)
+
+    def clear_grad(self) -> None:
+        """MegEngine's name for :meth:`zero_grad` (``opt.step().clear_grad()``)."""
+        self.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale the gradient shards so that the norm of the whole gradient (every rank's

@@ -43,7 +43,8 @@ class Reduction:
                 if self._compressed:
                     flat = self._ops.cast(flat, self._bucket.key[0])
                 parts, flags = self._ops.unpack(flat, self._bucket)
-                if self._last and self._ops.failed_somewhere(flags):
+                # (every bucket's marker: a comm hook's failure marks its own bucket only)
+                if self._ops.failed_somewhere(flags):
                     raise RankFailedError(RANK_FAILED)
                 self._parts, self._flags = parts, flags
 
@@ -105,6 +106,9 @@ class Wire:
         self.ops, self.transport = ops, transport
         self.mean, self.compression = mean, compression
 
+    def settle(self, step: Step) -> None:
+        """After a synced step's last bucket went out (nothing to do: see HookWire)."""
+
     def lend(self, bucket: Any) -> None:
         """Before ``bucket``'s buffer is made: the allreduce path keeps each bucket's own
         (``.grad`` views it), so nothing to do."""
@@ -129,6 +133,12 @@ class HookWire(Wire):
     def __init__(self, ops: TensorOps, transport: Transport, hook: CommHook) -> None:
         super().__init__(ops, transport, False, None)
         self.hook = hook
+
+    def settle(self, step: Step) -> None:
+        """Wait for every launched bucket in plan order: each sends its flags when its hook's
+        future is done, and their allreduces must pair alike on every rank (an error is kept
+        for the gradient's Future)."""
+        step.drain()
 
     def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> Reduction:
         def parameters() -> List[Any]:

@@ -89,12 +89,13 @@ def data_parallel(
     broadcast(params + (buffers if broadcast_buffers else []), src, group=group,
               transport=transport)
     gm = DataParallelManager()
+    step = _Step(gm, module, broadcast_buffers, src, group, transport)
+    gm.register_record_callback(step.check_module)  # before any collective of the step
     support = backend_for(params[0]).tensor_ops().join_support() if params else None
     if support is not None:  # uneven inputs: its record callback comes before the step's
         gm.joining = Joining(gm, module, cb, support, broadcast_buffers)
         gm.register_record_callback(gm.joining.record)
     gm.attach(params, callbacks=[cb])
-    step = _Step(gm, module, broadcast_buffers, src, group, transport)
     gm.register_record_callback(step.record)
     gm.register_backward_error_callback(step.backward_failed)
     gm.register_release_callback(step.release)
@@ -237,6 +238,16 @@ _FORGOTTEN = (
 )
 
 
+_CHANGED = (
+    "data_parallel(): the model has a parameter it did not have when data_parallel(model) "
+    "made this manager: {name} (a layer replaced or added since). The manager reduces the "
+    "parameters it was given, so the new ones would get no gradient, or this rank's only. "
+    "Make a new manager for the changed model, as DDP needs DDP(model) again: drop this one "
+    "(`del gm`), then `gm = data_parallel(model)` on every rank (it broadcasts rank src's "
+    "new weights) and a new optimizer over model.parameters()"
+)
+
+
 class _Step:
     """What ``data_parallel`` adds to each step, as DDP does in its forward.
 
@@ -270,6 +281,14 @@ class _Step:
         gm = self._gm()
         self._synced = gm is not None and not is_paused(gm)
         self._failed = self._alone = False
+
+    def check_module(self) -> None:
+        """At the start of a recording, before its collectives: refuse a changed module (on
+        every rank that changed it; DDP raises at its next step too)."""
+        watch = self.watch
+        name = None if watch is None else watch.changed()
+        if name is not None:
+            raise RuntimeError(_CHANGED.format(name=name))
 
     def backward_failed(self) -> None:
         self._failed = True

@@ -282,6 +282,53 @@ def raising(out: dict, rank: int, world: int, path: str) -> None:
     out[f"raising_{path}_errors"] = np.array(errors)
 
 
+def one_rank(out: dict, rank: int, world: int, path: str) -> None:
+    """Issue 38: a hook whose future's ``.then()`` callback raises on rank 0 only (its second
+    call), then one that raises on rank 0 only after launching its allreduce (its third): on
+    rank 0 the backward raises the hook's error, on rank 1 RankFailedError; the ranks stay
+    paired and the next steps equal DDP's. Each step's hook calls are counted (a hook that
+    raises is called once)."""
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(1)
+        future = default_hooks.allreduce_hook(state, bucket)
+        if rank == 0 and len(calls) == 2:
+            def fail(_):
+                raise ValueError("the callback failed")
+            return future.then(fail)
+        if rank == 0 and len(calls) == 3:
+            raise ValueError("the hook failed")
+        return future
+
+    # no unused layer: the bucket goes out during the backward (where a hook that raised used
+    # to be called again, for the failed step's collectives)
+    net, net_ddp = HookNet(False), HookNet(False)
+    gm = data_parallel(net, comm_hook=hook, native=path == "native")
+    ddp = DDP(net_ddp)
+    errors, counts, cleared = [], [], []
+    for step in range(5):
+        x, y = local_batch(step, rank, world)
+        before = len(calls)
+        try:
+            with gm:
+                gm.backward(net(x, y))
+            save(out, f"one_rank_{path}_s{step}_gm", [p.grad.numpy().copy() for p in
+                                                      net.parameters() if p.grad is not None])
+        except Exception as error:  # noqa: BLE001 - what the step raised, kept as text
+            errors.append(f"{step}: {type(error).__name__}: {error}"[:300])
+            cleared.append(all(p.grad is None for p in net.parameters()))
+        counts.append(len(calls) - before)
+        ddp(x, y).backward()  # on every rank at every step: DDP's collectives stay paired
+        save(out, f"one_rank_{path}_s{step}_ddp", [p.grad.numpy().copy() for p in
+                                                   net_ddp.parameters() if p.grad is not None])
+        for m in (net, net_ddp):
+            m.zero_grad(set_to_none=True)
+    out[f"one_rank_{path}_cleared"] = np.array(cleared)
+    out[f"one_rank_{path}_errors"] = np.array(errors)
+    out[f"one_rank_{path}_calls"] = np.array(counts)
+
+
 def racing(out: dict, rank: int, world: int, path: str) -> None:
     """PowerSGD over gloo with two buckets (DDP hangs there): ValueError on every rank, at
     every step, instead of an abort inside gloo."""
@@ -329,7 +376,7 @@ def scenarios() -> dict:
     for path in ("native", "python"):
         for kind, run in (("probe", probe), ("accumulate", accumulate), ("raising", raising),
                           ("mismatch", mismatch), ("racing", racing),
-                          ("powersgd_mlp", powersgd_mlp)):
+                          ("powersgd_mlp", powersgd_mlp), ("one_rank", one_rank)):
             table[f"{kind}_{path}"] = (lambda out, rank, world, p=path, run=run:
                                       run(out, rank, world, p))
     return table

@@ -9,7 +9,9 @@ final parameters (``rank{RANK}.pkl``: {scenario: {side: result}}), or the error 
 
 from __future__ import annotations
 
+import copy
 import datetime
+import io
 import os
 import pickle
 import sys
@@ -33,7 +35,7 @@ def sides(scenario: str) -> dict:
         "native": lambda: GradmgrStrategy(timeout=TIMEOUT),
         "buckets": lambda: GradmgrStrategy(timeout=TIMEOUT, native=False),
     }
-    if scenario in ("sgd", "adam", "accumulate", "clip_norm", "frozen_unused"):
+    if scenario in ("sgd", "adam", "accumulate", "clip_norm", "frozen_unused", "scheduler"):
         out["sharded"] = lambda: GradmgrStrategy(timeout=TIMEOUT, shard=True)
     return out
 
@@ -68,7 +70,7 @@ def _model(scenario: str, rank: int) -> torch.nn.Module:
 
 def _optimizer(scenario: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters()]
-    if scenario == "sgd" or scenario.startswith("skipped"):
+    if scenario in ("sgd", "scheduler") or scenario.startswith("skipped"):
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return torch.optim.Adam(params, lr=1e-2)
 
@@ -82,7 +84,10 @@ def train(scenario: str, strategy, rank: int) -> dict:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
     fabric.launch()
     model = _model(scenario, rank)
-    model, opt = fabric.setup(model, _optimizer(scenario, model))
+    opt = _optimizer(scenario, model)
+    # issue 38: a scheduler made before fabric.setup, as many scripts do
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5) if scenario == "scheduler" else None
+    model, opt = fabric.setup(model, opt)
     losses, norms, evals = [], [], []
     skips = scenario in ("skipped", "skipped_accumulate")
     micro = 2 if scenario in ("accumulate", "skipped_accumulate") else 1
@@ -116,16 +121,34 @@ def train(scenario: str, strategy, rank: int) -> dict:
             fabric.clip_gradients(model, opt, clip_val=0.01)
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     evaluate()
     inner = model.module  # Fabric's: the user's module, not DDP's or gradmgr's wrapper
     params = {n: p.detach().clone().numpy() for n, p in inner.named_parameters()}
     params.update({f"buffer:{n}": b.clone().numpy() for n, b in inner.named_buffers()})
+    params.update(_copies(inner))
     path = os.path.join(os.environ["FABRIC_CKPT_DIR"], f"{scenario}-{type(strategy).__name__}")
     fabric.save(path, {"model": model, "opt": opt})
     state = {"model": model}
     fabric.load(path, state)  # the model's own keys, loaded into it
     keys = sorted(torch.load(path, weights_only=True)["model"])
     return {"losses": losses, "norms": norms, "params": params, "evals": evals, "keys": keys}
+
+
+def _copies(inner: torch.nn.Module) -> dict:
+    """Issue 38: an EMA copy (``copy.deepcopy``) and a snapshot (``torch.save``) of the
+    user's module, DDP's ``module``: their parameters, and how many forward hooks they carry
+    (none under DDP: a plain model)."""
+    buf = io.BytesIO()
+    torch.save(inner, buf)
+    buf.seek(0)
+    out = {}
+    for label, twin in (("deepcopy", copy.deepcopy(inner)),
+                        ("saved", torch.load(buf, weights_only=False))):
+        out[f"{label} hooks"] = torch.tensor(len(twin._forward_hooks)).numpy()
+        out.update({f"{label}:{n}": p.detach().numpy() for n, p in twin.named_parameters()})
+    return out
 
 
 def train_gan(strategy, rank: int) -> dict:

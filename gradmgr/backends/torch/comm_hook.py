@@ -74,15 +74,18 @@ class TorchCommHook:
     def launch(self, flat: torch.Tensor, bucket: Any, last: bool, transport: Any,
                parameters: Callable[[], List[torch.Tensor]]) -> HookWork:
         """Start ``hook`` on one of gradmgr's buckets (the values first, the flags after
-        ``bucket.numel``); the handle's ``wait()`` returns ``flat`` reduced."""
+        ``bucket.numel``); the handle's ``wait()`` returns ``flat`` reduced. A hook that
+        raises is not called again: its error waits for ``wait()`` (see :class:`HookWork`)."""
         _refuse_racing(self, bucket.index, last)
         numel = bucket.numel
-        flags = transport.allreduce_async(flat[numel:])  # launched first on every rank
         data = flat[:numel]
         gradients = [data.narrow(0, bucket.offsets[slot], bucket.sizes[slot])
                      .view(bucket.shapes[slot]) for slot in range(len(bucket.sizes))]
-        future = _call(self, HookBucket(bucket.index, data, gradients, parameters, last))
-        return HookWork(future, flags, flat, numel)
+        try:
+            future = _call(self, HookBucket(bucket.index, data, gradients, parameters, last))
+        except Exception as error:  # noqa: BLE001 - reported by wait(), after the flags
+            return HookWork(None, error, flat, numel, transport)
+        return HookWork(future, None, flat, numel, transport)
 
     # ------------------------------------------------------------------ torch's reducer
     def for_reducer(self, flags: torch.Tensor, group: Any) -> Callable:
@@ -94,22 +97,40 @@ class TorchCommHook:
 
 class HookWork:
     """The hook's future and the flags' allreduce on one of gradmgr's buckets (a
-    :class:`gradmgr.distributed.contract.Handle`)."""
+    :class:`gradmgr.distributed.contract.Handle`).
 
-    __slots__ = ("_future", "_flags", "_flat", "_numel", "_done")
+    The flags go out once the hook's future is done (or the hook raised), with the failure
+    marker set where it failed here, so that every other rank learns of it and raises
+    :class:`RankFailedError` (a failure in a future's ``.then()`` on one rank only, too),
+    while this rank raises the hook's error. The synchronizer waits for its buckets in plan
+    order, so the flags' allreduces pair alike on every rank."""
 
-    def __init__(self, future: Any, flags: Any, flat: torch.Tensor, numel: int) -> None:
-        self._future, self._flags, self._flat, self._numel = future, flags, flat, numel
+    __slots__ = ("_future", "_error", "_flat", "_numel", "_transport", "_done")
+
+    def __init__(self, future: Any, error: Optional[BaseException], flat: torch.Tensor,
+                 numel: int, transport: Any) -> None:
+        self._future, self._error, self._flat, self._numel = future, error, flat, numel
+        self._transport = transport
         self._done = False
 
     def wait(self) -> torch.Tensor:
         if not self._done:
-            try:
-                result = _value(self._future.wait())
-            finally:
-                self._flags.wait()  # paired on every rank, whatever the hook did
-            _write_back(self._flat[:self._numel], result)
             self._done = True
+            result = None
+            if self._error is None:
+                try:
+                    result = _value(self._future.wait())
+                    _check_shape(result, self._numel)
+                except Exception as error:  # noqa: BLE001 - raised below, after the flags
+                    self._error = error
+            if self._error is not None:
+                with torch.no_grad():
+                    self._flat[-1].fill_(1)  # the failure marker (see BucketBuffer.finish)
+            self._transport.allreduce_async(self._flat[self._numel:]).wait()
+            if self._error is None:
+                _write_back(self._flat[:self._numel], result)
+        if self._error is not None:
+            raise self._error
         return self._flat
 
 

@@ -320,7 +320,26 @@ def _sharded(gm: Any, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
             "Fabric before its first step (it is rebuilt sharded, and its state would be lost)"
         )
     groups = [dict(group) for group in optimizer.param_groups]
-    return ShardedOptimizer(gm, type(optimizer), groups)
+    sharded = ShardedOptimizer(gm, type(optimizer), groups)
+    _rebind_schedulers(optimizer, sharded)
+    return sharded
+
+
+def _rebind_schedulers(optimizer: torch.optim.Optimizer, sharded: ShardedOptimizer) -> None:
+    """A scheduler made before ``fabric.setup`` (the order many scripts use) holds
+    ``optimizer``, which Fabric then drops, and sets its groups' options at every step: give
+    ``optimizer`` the sharded optimizer's very groups, whose options the sharded step reads.
+    torch's schedulers also check that the optimizer they hold stepped before them (they wrap
+    its ``step``): the sharded step tells it so."""
+    optimizer.param_groups[:] = sharded.param_groups
+    step = sharded.step
+
+    def stepped() -> Any:
+        optimizer._opt_called = True  # (torch's mark, set by the wrapper schedulers put)
+        return step()
+
+    stepped.__doc__ = step.__doc__
+    sharded.step = stepped  # type: ignore[method-assign]
 
 
 __all__ = ["GradmgrModule", "GradmgrStrategy"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
@@ -103,10 +104,14 @@ class ForwardWatch:
 
     def __init__(self, module: Any, refusal: Callable[[], Optional[str]]) -> None:
         self._refusal = weakref.WeakMethod(refusal)
+        self._module = weakref.ref(module)
+        self._params = [weakref.ref(p) for p in module.parameters()]
+        self._seen = _watch_registrations()
         self._armed: list = []  # the parameter hooks' handles
         # One forward hook, run after the forward (still inside a DDP wrapper's): a pre-hook
         # as well would cost every forward about 3 us more (torch 2.8, measured).
         self._handle = module.register_forward_hook(self._after)
+        _copy_plain(module)
 
     @property
     def armed(self) -> bool:
@@ -125,6 +130,20 @@ class ForwardWatch:
             refuse = functools.partial(_refuse_backward, message)
             self._armed = [_Refusal(p, refuse) for p in module.parameters() if p.requires_grad]
 
+    def changed(self) -> Optional[str]:
+        """The name of the first parameter of the module that it did not have when watched
+        (a layer replaced or added since); None: none. Cheap: the parameters are looked at
+        only after a module or parameter was assigned somewhere."""
+        module = self._module()
+        if module is None or self._seen == _REGISTRATIONS[0]:
+            return None
+        seen, known = _REGISTRATIONS[0], {id(ref()) for ref in self._params}
+        for name, param in module.named_parameters():
+            if id(param) not in known:
+                return name
+        self._seen = seen
+        return None
+
     def disarm(self) -> None:
         armed, self._armed = self._armed, []
         for handle in armed:
@@ -133,6 +152,51 @@ class ForwardWatch:
     def remove(self) -> None:
         self.disarm()
         self._handle.remove()
+        module = self._module()
+        if module is not None and not any(map(_ours, module._forward_hooks.values())):
+            module.__dict__.pop("__getstate__", None)
+
+
+_REGISTRATIONS = [0]  # modules and parameters assigned on any module (torch's global hooks)
+_HOOKS: list = []
+
+
+def _registered(module: Any, name: str, value: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+def _watch_registrations() -> int:
+    """Count every assignment of a module or parameter from now on (torch calls these hooks
+    in ``Module.__setattr__`` and ``register_parameter``): no cost at a step."""
+    if not _HOOKS:
+        registration = torch.nn.modules.module
+        _HOOKS.append(registration.register_module_module_registration_hook(_registered))
+        _HOOKS.append(registration.register_module_parameter_registration_hook(_registered))
+    return _REGISTRATIONS[0]
+
+
+def _ours(hook: Any) -> bool:
+    return isinstance(getattr(hook, "__self__", None), ForwardWatch)
+
+
+def _copy_plain(module: Any) -> None:
+    """``copy.deepcopy(model)`` and ``torch.save(model)`` copy a plain model, as DDP's
+    ``module`` is: without the watch's hook (which no copy could use, and which pickles a
+    weak reference). Both take a module's state from ``__getstate__`` looked up on the
+    instance first, so the module itself carries the one that leaves the hook out (torch
+    already leaves out the compiled forward there)."""
+    module.__dict__["__getstate__"] = functools.partial(_plain_state, weakref.ref(module))
+
+
+def _plain_state(ref: Any) -> dict:
+    module = ref()
+    state = type(module).__getstate__(module)
+    state.pop("__getstate__", None)
+    hooks = state.get("_forward_hooks")
+    if hooks is not None and any(map(_ours, hooks.values())):
+        state["_forward_hooks"] = OrderedDict(
+            (key, hook) for key, hook in hooks.items() if not _ours(hook))
+    return state
 
 
 def watch_forwards(module: Any, refusal: Callable[[], Optional[str]]) -> Optional[ForwardWatch]:

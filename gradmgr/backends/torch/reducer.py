@@ -183,9 +183,12 @@ class TorchReducer:
             # A backward of its own: the reducer launches the last bucket and finalizes (writes
             # .grad) at the end of the engine's graph task, as it does at the end of DDP's.
             _backward_of_one_leaf(self.flags, flags)
-        except RuntimeError as error:
+        except BaseException as error:
+            # (a comm hook's future failed) .grad as before the step, as on gradmgr's buckets
+            for tensor, old in zip(tensors, step[0]):
+                tensor.grad = old
             original = None if self._hook is None else self._hook.take_error()
-            if original is None:
+            if original is None or not isinstance(error, RuntimeError):
                 raise
             raise original from error  # the hook's own error (ValueError...), not torch's
         finally:
