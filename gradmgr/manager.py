@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from . import _state
-from .attachments import Attachments, AttachSpec, Callback, check_callbacks, check_tensors
+from .attachments import (
+    Attachments,
+    AttachSpec,
+    Callback,
+    Tensors,
+    check_callbacks,
+    check_tensors,
+)
 from .backend import Backend, Tape
 from .delivery import Delivery
 from .errors import GradMgrWarning, UnsupportedGraphError
@@ -91,7 +98,7 @@ class GradManager(StepHooks):
 
     def attach(
         self,
-        tensors: Union[Any, Iterable[Any]],
+        tensors: Tensors,
         callbacks: Union[Callback, Sequence[Callback], None] = None,
     ) -> GradManager:
         """Track ``tensors`` so that later backwards compute their gradients.
@@ -490,7 +497,7 @@ class GradManager(StepHooks):
 
     # ----------------------------------------------------------------- split backward
     def backward_split(self, y: Any = None, dy: Any = None, *,
-                       first: Union[Any, Iterable[Any]]) -> DeferredBackward:
+                       first: Tensors) -> DeferredBackward:
         """A backward in two parts: the gradients of the attached tensors in ``first`` now, the
         others when the returned object's ``finish()`` is called.
 
