@@ -18,6 +18,7 @@ from typing import (
     Callable,
     ClassVar,
     ContextManager,
+    Dict,
     Iterable,
     List,
     Optional,
@@ -272,6 +273,11 @@ class Backend(ABC):
         (:class:`gradmgr.parity.contract.ModelAdapter`). The default refuses."""
         raise UnsupportedBackendError(
             f"the {self.name!r} backend has no parity adapter (gradmgr.parity.contract)")
+
+    def environment(self) -> Dict[str, str]:
+        """What ``python -m gradmgr env`` reports for this framework besides its version:
+        its distributed backends and devices, by label. Nothing by default."""
+        return {}
 
     transport_names: ClassVar[Sequence[str]] = ()
     """The names :meth:`transport` accepts besides None."""

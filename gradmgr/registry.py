@@ -168,6 +168,18 @@ def _detect(cls: type, obj: Any, outputs: bool = False) -> Optional[Backend]:
     return None
 
 
+def known_backends() -> List[str]:
+    """The names of the registered backends, built in and from entry points, imported or not.
+
+    Example:
+        >>> {"torch", "megengine"} <= set(known_backends())
+        True
+    """
+    with _lock:
+        _load_entry_points()
+        return sorted(_specs)
+
+
 def imported_backends() -> List[Backend]:
     """The backends of the registered frameworks imported so far, by name.
 
