@@ -156,7 +156,8 @@ def _check_signature(cb: Any) -> None:
         ) from None
 
 
-def check_tensors(tensors: Any, backend: Optional[Backend]) -> Tuple[List[Any], Backend]:
+def check_tensors(tensors: Any,
+                  backend: Optional[Backend]) -> Tuple[List[Any], Optional[Backend]]:
     """The tensors to attach and their backend, after checking every one of them (so a bad
     call leaves no trace); ``backend``: the manager's, if known."""
     if backend_for(tensors) is not None:

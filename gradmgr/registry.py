@@ -8,10 +8,11 @@ backends register through the entry-point group ``gradmgr.backends`` or :func:`r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Type, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Type, Union
 
 from ._imports import call_after_import
 from .backend import Backend
@@ -56,10 +57,10 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     from importlib.metadata import entry_points
 
-    eps = entry_points()
-    group = eps.select(group=ENTRY_POINT_GROUP) if hasattr(eps, "select") else eps.get(
-        ENTRY_POINT_GROUP, []
-    )
+    if sys.version_info >= (3, 10):
+        group: Iterable[Any] = entry_points(group=ENTRY_POINT_GROUP)
+    else:  # a dict of lists by group
+        group = entry_points().get(ENTRY_POINT_GROUP, [])
     for ep in group:
         if ep.name in _specs:
             continue
@@ -199,7 +200,11 @@ def prepare_ranks(rank: int, world: int) -> None:
             _load_entry_points()
         owners = dict(_owners)
     for module, name in owners.items():
-        call_after_import(module, lambda name=name: get_backend(name).prepare_rank(rank, world))
+        call_after_import(module, functools.partial(_prepare_rank, name, rank, world))
+
+
+def _prepare_rank(name: str, rank: int, world: int) -> None:
+    get_backend(name).prepare_rank(rank, world)
 
 
 def resolve_backend(backend: Union[str, Backend, None]) -> Optional[Backend]:

@@ -92,7 +92,7 @@ def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
     """Pair the two forwards' calls: the k-th call of a mapped layer with the k-th call of its
     counterpart; between those anchors, the calls of layers without tensors (activations,
     pooling) by kind, as ``diff`` pairs lines. The rest are listed as without counterpart."""
-    anchors = []
+    anchors: List[Tuple[int, int]] = []
     for la, lb in layers:
         anchors += zip([i for i, c in enumerate(ca) if c.layer == la],
                        [j for j, c in enumerate(cb) if c.layer == lb])
@@ -215,7 +215,7 @@ def _flip(ca: Call, cb: Call, kink: Kink, pin: bool) -> Flip:
 
 def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
            depth: List[float], factor: float, unpinned: int, report: StepReport) -> None:
-    first_call = {}
+    first_call: Dict[str, int] = {}
     for index, call in enumerate(ta.calls):
         first_call.setdefault(call.layer, index)
     layers = {slot.name: slot.layer for slot in ad_a.slots()}

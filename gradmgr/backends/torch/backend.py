@@ -47,7 +47,8 @@ class TorchBackend(Backend):
     def shape(self, tensor: Any) -> tuple:
         return tuple(tensor.shape)
 
-    ones_like = staticmethod(own_seed)  # no extra frame: the one call every backward(loss) makes
+    # no extra frame: the one call every backward(loss) makes (typed for torch's tensors)
+    ones_like = staticmethod(own_seed)  # type: ignore[assignment]
 
     def is_output(self, obj: Any) -> bool:
         return isinstance(obj, (torch.Tensor, GradientEdge))
