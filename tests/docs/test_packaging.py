@@ -135,6 +135,22 @@ def test_doc_block_runs_installed(installed: str, block, tmp_path) -> None:
     run_block(block, tmp_path, python=installed, **INSTALLED_ONLY)
 
 
+def test_the_env_command_reports_the_installed_copy(installed: str) -> None:
+    """The console script ``gradmgr`` (what a bug report asks for) from the venv's bin."""
+    command = os.path.join(os.path.dirname(installed), "gradmgr")
+    out = run([command, "env"], TIMEOUT_S, cwd="/", **INSTALLED_ONLY).stdout
+    lines = {}  # label: value, the columns two spaces apart
+    for line in out.splitlines():
+        label, _, value = line.strip().partition("  ")
+        lines[label] = value.strip()
+    prefix = os.path.dirname(os.path.dirname(installed))
+    assert lines["location"].startswith(prefix), out
+    assert lines["torch backend"] == "imports" and lines["torch.distributed"].startswith(
+        "gloo yes"), out
+    assert lines["parity"] == lines["lightning"] == "yes", out
+    assert lines["gradmgr.parity"] == "imports", out
+
+
 def test_wheel_metadata(installed: str) -> None:
     info = json.loads(run([installed, "-c", METADATA], TIMEOUT_S, cwd="/",
                           **INSTALLED_ONLY).stdout)
