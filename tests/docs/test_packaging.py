@@ -24,8 +24,10 @@ import pytest
 from doc_blocks import RUN, run_block
 from docs_helpers import ROOT, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.docs]
+# The first test also pays for the venv (clone, build, install: minutes on a busy machine),
+# and mypy reads torch's types for the user scripts: more than pytest's default 300 s
 TIMEOUT_S = 600
+pytestmark = [pytest.mark.slow, pytest.mark.docs, pytest.mark.timeout(3 * TIMEOUT_S)]
 EXTRAS = "torch,lightning,parity"
 # The installed copy alone: no checkout on the path (PYTHONPATH names one in our runs).
 INSTALLED_ONLY = {"PYTHONPATH": "", "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1"}
