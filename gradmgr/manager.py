@@ -687,7 +687,7 @@ class _Backwarding:
 
     def __init__(self, manager: GradManager, step: int) -> None:
         self._manager, self._step = manager, step
-        self._stack: Optional[List[GradManager]] = None  # (set on entering)
+        self._stack: List[GradManager] = []  # (this thread's, set on entering)
         self._tracked: Optional[tuple] = None
 
     def __enter__(self) -> _Backwarding:
@@ -698,8 +698,7 @@ class _Backwarding:
         self._tracked = _track(self._manager, backend)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._stack is not None:  # None: __enter__ raised, and Python does not call this
-            _close_scope(self._manager, self._stack, self._tracked, exc)
+        _close_scope(self._manager, self._stack, self._tracked, exc)
 
 
 def _open_scope(manager: GradManager, step: int) -> List[GradManager]:
