@@ -3,11 +3,12 @@
 # the checkout changes unless the machine lacks a CPython 3.8-3.10 (or, for `make test`,
 # Chromium): scripts/setup.sh then says what it is about to install before it does, and how to
 # avoid it (README.md, "Two commands").
-.PHONY: help setup setup-demo setup-latest setup-system test lint demo docs bench clean distclean
+.PHONY: help setup setup-demo setup-latest setup-system test test-fast lint demo docs bench clean distclean
 
 help:
 	@echo "make demo          set up .venv, then run examples/demo.py"
 	@echo "make test          set up both environments (and Chromium), then lint and run every test"
+	@echo "make test-fast     set up .venv-latest, then lint and run the core tests and one distributed smoke"
 	@echo "make setup         create .venv (torch 2.8 + megengine 1.13) and .venv-latest (torch 2.13, docs tools)"
 	@echo "make setup-system  only install what the set-up needs outside the checkout (python3.9, chromium)"
 	@echo "make docs          set up .venv-latest, then build the documentation site into site/ (strict)"
@@ -30,6 +31,9 @@ setup-system:
 
 test: setup
 	bash scripts/run_tests.sh
+
+test-fast: setup-latest
+	bash scripts/run_tests.sh --fast
 
 lint: setup-latest
 	.venv-latest/bin/ruff check .

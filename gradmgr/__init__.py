@@ -9,6 +9,7 @@ Example:
 Importing gradmgr imports no framework; a backend is loaded on the first tensor of its kind.
 """
 
+from . import _log
 from ._state import get_backwarding_grad_manager
 from .backend import Backend, Capabilities, Tape
 from .errors import (
@@ -27,6 +28,8 @@ from .registry import backend_for, get_backend, register_backend
 from .split import DeferredBackward, UnfinishedBackwardWarning
 
 __version__ = "0.1.0"
+
+_log.configure_from_env()  # GRADMGR_LOG=info: the library's decisions on stderr
 
 __all__ = [
     "AttachError",

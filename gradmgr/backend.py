@@ -259,6 +259,14 @@ class Backend(ABC):
         that talk over torch.distributed gloo). Called once the framework is imported."""
         return None
 
+    def hold_rendezvous(self, world: int) -> Optional[Tuple[Any, int, Dict[str, str]]]:
+        """For :func:`gradmgr.distributed.spawn_local`, in the launching process: start a
+        rendezvous server on a port the system picks, held until the ranks are done, as
+        torchrun's agent does. Returns ``(holder, port, environment for the ranks)``
+        (the launcher keeps ``holder`` alive), or None where this framework has none (the
+        launcher then looks for a free port)."""
+        return None
+
     def tensor_ops(self) -> TensorOps:
         """The tensor operations data parallelism needs (bucketing, the cross-rank checks, the
         initial broadcast). A backend without data parallelism keeps this default."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import sys
 import threading
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 from ._imports import call_after_import
 from .backend import Backend
@@ -103,18 +104,31 @@ def get_backend(name: str) -> Backend:
         return instance
 
 
-_INSTALL_HINTS = {
+def _python() -> Tuple[int, ...]:
+    return tuple(sys.version_info[:3])
+
+
+def _megengine_hint() -> str:
+    # MegEngine 1.13, its newest release, has wheels for CPython 3.8-3.10 only: on those the
+    # fix is an install; on a newer Python there is nothing to install.
+    if _python()[:2] <= (3, 10):
+        return "install MegEngine 1.13 (pip install 'gradmgr[megengine]'), which supports it"
+    return ("MegEngine publishes no wheels for Python 3.11 or newer (1.13 supports CPython "
+            "3.8-3.10): use a Python 3.10 environment and pip install 'gradmgr[megengine]' "
+            "there")
+
+
+_INSTALL_HINTS: Dict[str, Union[str, Callable[[], str]]] = {
     "torch": "install PyTorch (pip install 'gradmgr[torch]')",
-    "megengine": "MegEngine's newest release (1.13) has wheels for CPython 3.8-3.10 only "
-                 "(pip install 'gradmgr[megengine]' there)",
+    "megengine": _megengine_hint,
 }
 
 
 def _cannot_import(name: str, error: ImportError) -> str:
     hint = _INSTALL_HINTS.get(name, "install its framework")
-    python = ".".join(map(str, sys.version_info[:3]))
+    python = ".".join(map(str, _python()))
     return (f"the {name!r} backend cannot be used here: importing it failed ({error}); "
-            f"{hint}. This is Python {python}")
+            f"{hint() if callable(hint) else hint}. This is Python {python}")
 
 
 def backend_for(obj: Any) -> Optional[Backend]:
@@ -205,6 +219,25 @@ def prepare_ranks(rank: int, world: int) -> None:
 
 def _prepare_rank(name: str, rank: int, world: int) -> None:
     get_backend(name).prepare_rank(rank, world)
+
+
+def hold_rendezvous(world: int) -> Optional[Tuple[Any, int, Dict[str, str]]]:
+    """The first installed backend's rendezvous server for ``world`` ranks
+    (:meth:`Backend.hold_rendezvous`), or None where none has one. A backend whose framework
+    is not installed is passed over; one that is gets imported (torch, whose
+    ``torch.distributed`` every gradmgr rank rendezvouses through, comes first)."""
+    for name in list(_specs):
+        module = next((m for m, owner in _owners.items() if owner == name), None)
+        if module is not None and importlib.util.find_spec(module) is None:
+            continue
+        try:
+            backend = get_backend(name)
+        except BackendNotFoundError:
+            continue
+        held = backend.hold_rendezvous(world)
+        if held is not None:
+            return held
+    return None
 
 
 def resolve_backend(backend: Union[str, Backend, None]) -> Optional[Backend]:

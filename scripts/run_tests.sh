@@ -7,8 +7,14 @@
 # In each environment a test skipped for a reason not starting with "CUDA" counts as a failure
 # (GRADMGR_STRICT_SKIPS, see tests/conftest.py). Exits non-zero if lint or either run failed.
 # Extra arguments go to both pytest runs, e.g. scripts/run_tests.sh -k backward -x
+# Each run lists its 25 slowest tests (--durations=25); the summary ends with the total time.
+# scripts/run_tests.sh --fast (make test-fast): lint, then FAST_TESTS below in .venv-latest
+# only: the core and one distributed smoke, for the inner loop (CONTRIBUTING.md, "Test map").
 set -uo pipefail
 cd "$(dirname "$0")/.."
+started=$SECONDS
+FAST_TESTS=(tests/test_core.py tests/test_edges.py tests/test_dp_contract.py
+            tests/test_logging.py -m "not slow")
 
 bold() { printf '\n\033[1m%s\033[0m\n' "$*"; }
 status=0
@@ -45,7 +51,7 @@ for name in ("torch", "megengine", "mkdocs"):
 PY
   log=$(mktemp)
   GRADMGR_FRAMEWORKS=$frameworks GRADMGR_DOCS=$docs GRADMGR_STRICT_SKIPS=1 PYTHONDONTWRITEBYTECODE=1 \
-    "$venv/bin/python" -m pytest -p no:cacheprovider -q -ra tests "$@" 2>&1 | tee "$log"
+    "$venv/bin/python" -m pytest -p no:cacheprovider -q -ra --durations=25 "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   line=$(grep -E '^(=+ )?(no tests ran|[0-9]+ [a-z]+).* in [0-9.]+s' "$log" | tail -1)
   summaries+=("$venv ($frameworks): ${line:-no pytest summary line} [exit $rc]")
@@ -53,10 +59,17 @@ PY
   [ "$rc" = 0 ] || status=1
 }
 
-run_env .venv torch,megengine 0 "$@"
-run_env .venv-latest torch 1 "$@"
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  run_env .venv-latest torch 0 "${FAST_TESTS[@]}" "$@"
+else
+  run_env .venv torch,megengine 0 tests "$@"
+  run_env .venv-latest torch 1 tests "$@"
+fi
 
 bold "== summary"
 printf '%s\n' "${summaries[@]}"
+elapsed=$((SECONDS - started))
+printf 'total time: %dm %02ds\n' $((elapsed / 60)) $((elapsed % 60))
 if [ "$status" = 0 ]; then bold "ALL PASSED"; else bold "FAILED"; fi
 exit "$status"

@@ -31,6 +31,7 @@ from gradmgr import Future, GradManager, get_backend  # noqa: E402
 from gradmgr.distributed import (  # noqa: E402
     AllreduceCallback,
     BucketPlan,
+    data_parallel,
     make_allreduce_cb,
 )
 
@@ -504,6 +505,17 @@ def test_without_process_group_backward_says_what_to_do():
     gm = GradManager().attach(w, callbacks=[make_allreduce_cb()])
     with pytest.raises(RuntimeError, match="init_process_group"), gm:
         gm.backward((w * 3).sum())
+
+
+def test_data_parallel_without_process_group_names_torchrun():
+    """A script run with plain ``python`` (no torchrun, no init_process_group) is told how to
+    start its ranks, not only what to call."""
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match=r"(?s)not initialised.*torchrun --nproc_per_node.*"
+                                           r"init_process_group\('gloo' or 'nccl'\)"):
+        data_parallel(torch.nn.Linear(2, 1))
+    assert not dist.is_initialized()
 
 
 # ---------------------------------------------------------------------- MegEngine, 2 ranks

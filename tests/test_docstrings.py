@@ -55,6 +55,27 @@ def test_a_backend_whose_framework_is_missing_names_the_python_version(monkeypat
     assert f"Python {sys.version_info[0]}.{sys.version_info[1]}" in message
 
 
+@pytest.mark.parametrize("python, says, never", [
+    ((3, 10, 12), "install MegEngine 1.13 (pip install 'gradmgr[megengine]'), which supports it",
+     "only"),
+    ((3, 11, 4), "no wheels for Python 3.11 or newer", "which supports it"),
+])
+def test_the_megengine_hint_reads_right_for_the_python(monkeypatch, python, says, never):
+    """On Python 3.10 (supported) the hint is to install MegEngine; it read "wheels for CPython
+    3.8-3.10 only ... This is Python 3.10", as if 3.10 were not supported. On 3.11 there is
+    nothing to install."""
+    from gradmgr import BackendNotFoundError, GradManager, registry
+
+    monkeypatch.setattr(registry, "_python", lambda: python, raising=False)
+    monkeypatch.setitem(registry._specs, "megengine", "no_such_framework_module:Backend")
+    monkeypatch.delitem(registry._instances, "megengine", raising=False)
+    with pytest.raises(BackendNotFoundError) as info:
+        GradManager(backend="megengine")
+    message = str(info.value)
+    assert says in message and never not in message, message
+    assert "This is Python " + ".".join(map(str, python)) in message
+
+
 def test_help_shows_the_public_methods_only():
     """``help(GradManager)`` lists what a user calls (every ``register_*`` among them), not
     what only the data-parallel library needs (now functions of gradmgr.hooks and

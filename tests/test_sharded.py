@@ -162,6 +162,18 @@ def test_a_sharded_optimizer_needs_a_reduce_scatter_callback():
         ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
 
 
+@pytest.mark.parametrize("first", ["parameters", "parameter list", "model"])
+def test_zero_redundancy_optimizers_argument_order_is_named(first):
+    """``ZeroRedundancyOptimizer(params, optimizer_class, ...)`` written as a ShardedOptimizer:
+    a TypeError naming the order (it was ``'generator' object has no attribute
+    '_attached'``)."""
+    model = torch.nn.Linear(2, 1)
+    given = {"parameters": model.parameters(), "parameter list": list(model.parameters()),
+             "model": model}[first]
+    with pytest.raises(TypeError, match=r"takes the manager first.*ShardedOptimizer\(gm, "):
+        ShardedOptimizer(given, torch.optim.AdamW, lr=0.1)
+
+
 def test_copied_segments_follow_weights_loaded_after_the_optimizer_was_made():
     """A parameter that is not contiguous is stepped through a copy of its slice: the weights
     loaded into the model afterwards (resuming) are what the step starts from, as for the

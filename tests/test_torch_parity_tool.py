@@ -5,6 +5,7 @@ ReLU pinned, and the tool's gradients against plain ``loss.backward()``."""
 from __future__ import annotations
 
 import copy
+import os
 import re
 
 import numpy as np
@@ -328,7 +329,7 @@ def test_a_failing_loss_leaves_neither_model_a_step_ahead_and_names_the_side():
         raise KeyError("logits")
     with pytest.raises(ParityError, match=r"the torch loss failed \(targets' dtypes: none\): "
                                           r"KeyError: 'logits'$"):
-        compare_step(a, b, X, loss_b=broken)
+        compare_step(a, b, X, loss_a=lambda output: output.mean(), loss_b=broken)
     for name, value in a.state_dict().items():  # exact: put back, not recomputed
         assert torch.equal(value, before[name]), name
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in a.modules())
@@ -495,3 +496,109 @@ def test_train_drift_refuses_one_array_for_its_batches():
             train_drift(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
                         torch.optim.SGD(b.parameters(), lr=0.1), batch, steps=2)
     assert torch.equal(a.weight, before)
+
+
+def _stem_net(pool: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), pool, nn.Conv2d(4, 4, 3),
+                         nn.Flatten(), nn.LazyLinear(2))
+
+
+XIMG = np.random.RandomState(2).randn(2, 3, 8, 8).astype(np.float32)
+
+
+def test_issue36_report_text_names_both_sides_and_keeps_its_promises():
+    """The kind column was cut at 12 characters, forward rows and the first-divergence line
+    named a's layer only, text(all_rows=False) listed every call without counterpart, and
+    assert_parity's message began with 'batch 0:' instead of the verdict."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parity_ports_torch import BertLayerNorm  # a kind longer than 12 characters
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, eps=1e-12), nn.ReLU(), nn.Linear(4, 2))
+    b = nn.Sequential(nn.Linear(4, 4), BertLayerNorm(4), nn.ReLU(), nn.Linear(4, 2))
+    b.load_state_dict(a.state_dict())
+    b.add_module("extra", nn.Identity())  # a call without counterpart
+    b.forward = lambda x: b.extra(nn.Sequential.forward(b, x))
+    with torch.no_grad():
+        b[3].bias.add_(0.1)
+    report = compare_step(a, b, X)
+    text = report.text()
+    assert "layernorm / bertlayernorm" in text and report.first_forward.name == "3 / 3"
+    assert "first forward divergence: layer 3 / 3 (linear)" in text
+    assert "forward  0 / 0" in text
+    assert "no counterpart: b extra (identity)" in text
+    short = report.text(all_rows=False)
+    assert "no counterpart: b extra" not in short and "no counterpart: 2 call(s)" in short
+    with pytest.raises(AssertionError) as info:
+        assert_parity(a, b, X)
+    assert str(info.value).startswith("PARITY BROKEN: torch (a) against torch (b), one step "
+                                      "(batch 0)")
+
+
+def test_issue36_a_loss_on_one_side_only_is_an_error():
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    with pytest.raises(ParityError, match="loss_a given without loss_b"):
+        compare_step(a, b, X, loss_a=lambda out: out.sum())
+    with pytest.raises(ParityError, match="loss_b given without loss_a"):
+        assert_parity(a, b, X, loss_b=lambda out: out.sum())
+
+
+def test_issue36_untransferred_weights_say_transfer_the_weights_first():
+    torch.manual_seed(0)
+    a, b = _bn_net(), _bn_net()
+    report = compare_step(a, b, X)
+    assert not report.ok and len(report.weights) == 4  # BatchNorm starts equal
+    assert "transfer the weights first" in report.text()
+    transfer_weights(a, b)
+    assert compare_step(a, b, X).weights == []
+
+
+def test_issue36_did_you_mean_stays_in_the_layer():
+    """A bias named for a convolution that has none was answered with the BatchNorm's bias
+    ("did you mean '1.bias'?"): another layer's tensor."""
+    a = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Linear(4, 4))
+    names = {"0.bias": "0.bias", "2.wieght": "2.weight"}
+    report = transfer_weights(a, copy.deepcopy(a), names, strict=False)
+    reasons = {u.name: u.reason for u in report.unmapped if u.side == "src"}
+    assert reasons["0.bias"] == "name_map names a tensor the model does not have"
+    assert reasons["2.wieght"] == ("name_map names a tensor the model does not have (did you "
+                                   "mean '2.weight'?)")
+
+
+def test_issue36_a_substituted_pool_is_blamed_at_the_pool():
+    torch.manual_seed(0)
+    a = _stem_net(nn.MaxPool2d(2))
+    a(torch.from_numpy(XIMG))
+    b = _stem_net(nn.AvgPool2d(2))
+    b(torch.from_numpy(XIMG))
+    transfer_weights(a, b, probe=XIMG)
+    report = compare_step(a, b, XIMG)
+    assert report.first_forward.layer == "2" and "substituted" in report.first_forward.note
+
+
+def test_issue36_a_maskless_relu_behind_one_sided_relus_is_a_difference():
+    """A port whose ReLU is a hand-written function with no mask in its backward, against a
+    reference with ReLU modules: its gradients used to be 'unverified behind a kink flip'."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parity_ports_torch import MaskLessReLU
+
+    torch.manual_seed(0)
+    a = ModuleRelu()
+    with torch.no_grad():  # unit 0 of sample 0 exactly at the kink: a possible flip
+        a.fc1.weight[0] = 0.25
+        a.fc1.bias[0] = -1.0
+    b = FunctionalRelu()
+    transfer_weights(a, b, probe=X)
+    x = X.copy()
+    x[0] = 1.0
+    good = compare_step(a, b, x)
+    assert good.failures() == [] and good.flips[0].seen is False, good.text()
+    b.forward = lambda x: b.fc2(MaskLessReLU.apply(b.fc1(x)))
+    report = compare_step(a, b, x)
+    assert report.first_forward is None and report.first_grad.layer == "fc1"
+    assert report.unverified == [] and "beyond what the possible kink flips" in \
+        report.first_grad.note

@@ -1,4 +1,6 @@
-"""Start a data-parallel job on this machine: one process per rank, rendezvous on a free port."""
+"""Start a data-parallel job on this machine: one process per rank, meeting at a rendezvous
+server this process holds (torch's TCPStore on a port the system picks, as torchrun's agent
+does: see gradmgr/backends/torch/rendezvous.py for why, and what was measured)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,9 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List
 
-from ..registry import prepare_ranks
+from ..registry import hold_rendezvous, prepare_ranks
 
 
 def free_port() -> int:
@@ -24,10 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple) -> None:
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
+               env: Dict[str, str]) -> None:
     # What torchrun sets, so init_process_group("gloo") works with env:// too.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      **env)
     try:
         prepare_ranks(rank, world)
         fn(rank, world, port, *args)
@@ -42,9 +46,12 @@ def spawn_local(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
     code (0: every rank returned; 1: a rank failed, reported on stderr, and the others were
     stopped).
 
-    ``port`` is free for the rendezvous (``init_process_group(init_method=
-    f"tcp://127.0.0.1:{port}")``; ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
-    are set as torchrun sets them, so ``init_method="env://"`` works too), and gloo is told
+    ``port`` is the rendezvous for ``init_process_group(init_method=f"tcp://127.0.0.1:{port}")``
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are set as torchrun sets them,
+    so ``init_method="env://"`` works too): with torch installed, as under torchrun, this
+    process holds the store there (a ``TCPStore`` on a port the system picked, so no other
+    program can take it first) and every rank joins it as a client
+    (``TORCHELASTIC_USE_AGENT_STORE``); without torch, a port found free. Gloo is told
     to use the loopback interface unless ``GLOO_SOCKET_IFNAME`` is already set. ``fn`` must be
     importable by a new process (a module-level function), as with
     ``torch.multiprocessing.spawn``. Each backend is told which rank a process is (MegEngine's
@@ -62,12 +69,14 @@ def spawn_local(fn: Callable[..., Any], world: int = 2, *args: Any) -> int:
     """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     context = multiprocessing.get_context("spawn")  # no forked framework state
-    port = free_port()
-    procs: List[Any] = [context.Process(target=_rank_main, args=(fn, r, world, port, args),
+    held = hold_rendezvous(world)
+    holder, port, env = held if held is not None else (None, free_port(), {})
+    procs: List[Any] = [context.Process(target=_rank_main, args=(fn, r, world, port, args, env),
                                         name=f"rank {r}") for r in range(world)]
     for p in procs:
         p.start()
     failed = _wait_for_all(procs)
+    del holder  # the rendezvous server closes once every rank is done
     if failed:
         print(f"a rank failed: {failed} (exit code {failed.exitcode}); the others were stopped",
               file=sys.stderr)

@@ -21,7 +21,7 @@ import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ..manager import callback_chains
+from ..manager import GradManager, callback_chains
 from .allreduce import ReduceScatterCallback
 from .bucket import BucketPlan
 from .errors import RankMismatchError
@@ -444,6 +444,14 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _sharded_callback(gm: Any) -> Any:
+    if not isinstance(gm, GradManager):
+        # ZeroRedundancyOptimizer(params, optimizer_class, ...) habit: the parameters first
+        raise TypeError(
+            f"ShardedOptimizer takes the manager first, not {type(gm).__name__}: "
+            "ShardedOptimizer(gm, optimizer_class, params=None, **defaults) with "
+            "gm = data_parallel(model, shard=True). ZeroRedundancyOptimizer's "
+            "(params, optimizer_class, ...) order becomes ShardedOptimizer(gm, "
+            "torch.optim.AdamW, lr=...) (params defaults to the manager's parameters)")
     found = []
     for _, callbacks in callback_chains(gm):
         for cb in callbacks:

@@ -10,6 +10,7 @@ marker set, so the ranks stay paired and the others raise :class:`RankFailedErro
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
 
@@ -24,6 +25,8 @@ from .sharding import GradientShards, ShardReduction, ShardWire
 from .steps import HookWire, PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
 from .transport import control_transport, resolve_transport
+
+_log = logging.getLogger(__name__)
 
 FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigger buckets
 _MAX_OPEN_STEPS = 1024  # steps begun but not flushed (split backwards pending)
@@ -242,6 +245,9 @@ class Synchronizer:
         if new_plan:
             first_bytes = min(options.bucket_bytes, FIRST_BUCKET_BYTES)
             self.plan = BucketPlan(tensors, ops, options.bucket_bytes, first_bytes)
+            _log.info("bucket plan: %d trainable tensors in %d buckets of %s bytes (the first "
+                      "bucket up to %d, the others %d)", len(tensors), len(self.plan.buckets),
+                      [b.nbytes for b in self.plan.buckets], first_bytes, options.bucket_bytes)
             self.used &= {id(t) for t in tensors}
             if self.shards is not None:
                 self.shards.planned(self.plan)
@@ -328,8 +334,9 @@ class Synchronizer:
         :meth:`_build_reducer`)."""
         self._drop_reducer()
         self.native = native
-        self.fingerprint = plan_fingerprint(self.ops, self._the_plan().tensors(),
-                                            self._mode(native))
+        mode = self._mode(native)
+        _log.info("the steps' path: %s", mode)
+        self.fingerprint = plan_fingerprint(self.ops, self._the_plan().tensors(), mode)
         self.bucket_fingerprint = None if native else self.fingerprint
 
     def _fingerprint(self, native: bool) -> List[int]:

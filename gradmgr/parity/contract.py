@@ -130,6 +130,23 @@ def adapter_for(model: Any) -> ModelAdapter:
         raise ModelTypeError(str(error)) from error
 
 
+# The kinds a port's own class is matched as when its name ends with one (a BERT port's
+# ``BertLayerNorm`` is a ``layernorm``): the kind shown stays the class's own.
+FAMILIES = ("layernorm", "batchnorm1d", "batchnorm2d", "groupnorm", "linear", "conv1d",
+            "conv2d", "embedding", "relu", "gelu", "dropout", "maxpool2d", "avgpool2d")
+
+
+def family(kind: str) -> str:
+    """``kind``, or the known kind its name ends with (``bertlayernorm`` -> ``layernorm``).
+
+    Example:
+        >>> from gradmgr.parity.contract import family
+        >>> family("bertlayernorm"), family("conv2d")
+        ('layernorm', 'conv2d')
+    """
+    return next((f for f in FAMILIES if kind.endswith(f)), kind)
+
+
 def squeezed(shape: Sequence[int]) -> Tuple[int, ...]:
     """``shape`` without its size-1 dims: two layouts of the same elements in the same order
     (MegEngine's ``(1, C, 1, 1)`` BatchNorm weight, PyTorch's ``(C,)``) compare equal."""

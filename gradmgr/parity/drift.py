@@ -12,7 +12,7 @@ import numpy as np
 from ._extra import require
 from .contract import ModelAdapter, adapter_for
 from .errors import ParityError
-from .mapping import Transform, build_map, convert
+from .mapping import Pair, Transform, build_map, convert
 from .trace import Loss, as_batch, train_step
 
 Batches = Union[Sequence[Any], Callable[[int], Any]]
@@ -21,7 +21,9 @@ Batches = Union[Sequence[Any], Callable[[int], Any]]
 @dataclass
 class DriftReport:
     """Per step: each side's loss, the largest absolute difference between mapped parameters
-    and their relative L2 distance ``||a - b|| / ||a||`` over all of them.
+    and their relative L2 distance ``||a - b|| / ||a||`` over all of them; the same two for
+    the mapped buffers (BatchNorm's running statistics), which a wrong momentum moves while
+    the parameters still agree.
 
     Example:
         >>> import numpy as np, torch
@@ -41,6 +43,8 @@ class DriftReport:
     loss_b: List[float] = field(default_factory=list)
     max_abs: List[float] = field(default_factory=list)
     rel_l2: List[float] = field(default_factory=list)
+    buffer_max_abs: List[float] = field(default_factory=list)
+    buffer_rel_l2: List[float] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -50,9 +54,12 @@ class DriftReport:
     def text(self) -> str:
         """One line per step."""
         lines = [f"drift {self.a} (a) against {self.b} (b), {self.steps} steps",
-                 f"{'step':>5} {'loss a':>12} {'loss b':>12} {'max abs':>10} {'rel L2':>10}"]
-        lines += [f"{i:>5} {la:>12.6g} {lb:>12.6g} {m:>10.3g} {r:>10.3g}" for i, (la, lb, m, r)
-                  in enumerate(zip(self.loss_a, self.loss_b, self.max_abs, self.rel_l2))]
+                 f"{'step':>5} {'loss a':>12} {'loss b':>12} {'max abs':>10} {'rel L2':>10} "
+                 f"{'buf max abs':>12} {'buf rel L2':>11}"]
+        rows = zip(self.loss_a, self.loss_b, self.max_abs, self.rel_l2, self.buffer_max_abs,
+                   self.buffer_rel_l2)
+        lines += [f"{i:>5} {la:>12.6g} {lb:>12.6g} {m:>10.3g} {r:>10.3g} {bm:>12.3g} "
+                  f"{br:>11.3g}" for i, (la, lb, m, r, bm, br) in enumerate(rows)]
         return "\n".join(lines)
 
     __str__ = text
@@ -73,6 +80,8 @@ class DriftReport:
             left.set(title="loss", xlabel="step")
             right.plot(self.max_abs, label="max |a - b|")
             right.plot(self.rel_l2, label="||a - b|| / ||a||")
+            if any(self.buffer_rel_l2):
+                right.plot(self.buffer_rel_l2, ls=":", label="buffers ||a - b|| / ||a||")
             right.set_yscale("log", nonpositive="mask")
             right.set(title="parameter drift (zeros not drawn)", xlabel="step")
             for ax in (left, right):
@@ -100,7 +109,8 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         opt_b: ``b``'s optimizer.
         batches: a sequence of batches (each a numpy array or a tuple of them) or a function
             ``step -> batch``.
-        loss_a: ``loss_a(output, *targets) -> scalar tensor``; default the output's mean.
+        loss_a: ``loss_a(output, *targets) -> scalar tensor``; default the output's mean
+            (which training drives down without end: pass a real loss to read its curve).
         loss_b: the same for ``b``.
         steps: how many steps (default: every batch of the sequence).
         inputs: how many leading batch items the models take.
@@ -117,6 +127,9 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         >>> report.rel_l2[-1] > 0.01
         True
     """
+    if (loss_a is None) != (loss_b is None):
+        raise ParityError("loss_a and loss_b go together: each model needs its own "
+                          "framework's loss (or neither, for the output's mean)")
     ad_a, ad_b = adapter_for(a), adapter_for(b)
     if hasattr(batches, "shape"):  # an array is a sequence too: of rows, one per step
         raise ParityError(
@@ -130,6 +143,7 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
                         probe=batches(0) if callable(batches) else batches[0])
     trainable = {s.name for s in ad_a.slots() if s.trainable}
     trained = [p for p in mapping.pairs if p.src in trainable]
+    buffers = [p for p in mapping.pairs if p.src not in trainable]
     report = DriftReport(ad_a.framework, ad_b.framework)
     for step in range(count):
         batch = as_batch(batches(step) if callable(batches) else batches[step])
@@ -137,13 +151,23 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         report.loss_b.append(train_step(ad_b, batch, inputs, loss_b))
         ad_a.step(opt_a)
         ad_b.step(opt_b)
-        diffs = [(convert(p, ad_a.read(p.src)).astype(np.float64),
-                  ad_b.read(p.dst).astype(np.float64)) for p in trained]
-        report.max_abs.append(max((float(np.abs(x - y).max()) for x, y in diffs), default=0.0))
-        norm = np.sqrt(sum(float((x * x).sum()) for x, _ in diffs))
-        dist = np.sqrt(sum(float(((x - y) ** 2).sum()) for x, y in diffs))
-        report.rel_l2.append(float(dist / norm) if norm else 0.0)
+        for pairs, largest, rel in ((trained, report.max_abs, report.rel_l2),
+                                    (buffers, report.buffer_max_abs, report.buffer_rel_l2)):
+            worst, relative = _distance(ad_a, ad_b, pairs)
+            largest.append(worst)
+            rel.append(relative)
     return report
+
+
+def _distance(ad_a: ModelAdapter, ad_b: ModelAdapter, pairs: Sequence[Pair]) -> tuple:
+    """The largest absolute difference between the mapped tensors, and ``||a - b|| / ||a||``
+    over all of them."""
+    diffs = [(convert(p, ad_a.read(p.src)).astype(np.float64),
+              ad_b.read(p.dst).astype(np.float64)) for p in pairs]
+    worst = max((float(np.abs(x - y).max()) for x, y in diffs), default=0.0)
+    norm = np.sqrt(sum(float((x * x).sum()) for x, _ in diffs))
+    dist = np.sqrt(sum(float(((x - y) ** 2).sum()) for x, y in diffs))
+    return worst, float(dist / norm) if norm else 0.0
 
 
 def _holds(optimizer: Any, adapter: ModelAdapter, side: str) -> None:

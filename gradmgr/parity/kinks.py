@@ -29,10 +29,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from .trace import Call
 
-# ("mask", keep): the layer's output becomes x * keep (a ReLU with side a's branches);
+# ("mask", keep, where): the layer's output becomes x * keep where ``where`` holds (a ReLU
+# taking side a's branches at the flipped elements, its own output elsewhere);
 # ("offset", delta): the layer's input becomes x + delta, a constant that moves no gradient
 # (a max-pool whose flipped windows then pick side a's element)
-Pin = Tuple[str, np.ndarray]
+Pin = tuple
 
 # kind -> can be pinned (its output is x * mask); all have their kink at 0
 KINKED_AT_ZERO = {"relu": True, "leakyrelu": False}
@@ -72,18 +73,33 @@ def find_kink(call_a: Call, call_b: Call, tol: float) -> Optional[Kink]:
     near = (np.abs(xa) <= tol) & (np.abs(xb) <= tol)
     flipped = differ & near
     largest = float(np.maximum(np.abs(xa), np.abs(xb))[flipped].max()) if flipped.any() else 0.0
-    keep = ("mask", (xa > 0).astype(xa.dtype)) if pinnable else None
+    keep = ("mask", (xa > 0).astype(xa.dtype), flipped) if pinnable else None
     return Kink(int(flipped.sum()), int((differ & ~near).sum()), largest, keep)
 
 
-def near_kink(call: Call, tol: float) -> Tuple[int, float]:
+def near_kink(call: Call, tol: float) -> Tuple[int, float, np.ndarray]:
     """How many inputs of a piecewise call WITHOUT a counterpart on the other side (a
-    functional ``F.relu`` there) lie within ``tol`` of the kink, and the largest of them: each
-    may have flipped unseen."""
+    functional ``F.relu`` there) lie within ``tol`` of the kink, the largest of them, and
+    where they are (flat indices): each may have flipped unseen."""
     if KINKED_AT_ZERO.get(call.kind) is None or call.input is None:
-        return 0, 0.0
+        return 0, 0.0, np.zeros(0, np.int64)
     near = np.abs(call.input) <= tol
-    return int(near.sum()), float(np.abs(call.input[near]).max()) if near.any() else 0.0
+    largest = float(np.abs(call.input[near]).max()) if near.any() else 0.0
+    return int(near.sum()), largest, np.flatnonzero(near)
+
+
+def toggle(call: Call, element: int) -> Pin:
+    """The pin that sends one input element of a ReLU-like call down the other branch (the
+    rest untouched): what a flip of that element would do to the gradients."""
+    if call.input is None:  # (only a watched ReLU-like call keeps its input)
+        raise ValueError(f"toggle: the call of {call.layer} kept no input to flip")
+    shape = call.input.shape
+    x = call.input.reshape(-1)
+    keep = (x > 0).astype(x.dtype)
+    keep[element] = 1 - keep[element]
+    where = np.zeros(x.shape, bool)
+    where[element] = True
+    return ("mask", keep.reshape(shape), where.reshape(shape))
 
 
 def _windows(call: Call) -> Optional[np.ndarray]:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
-from .contract import Layer, ModelAdapter, Slot, adapter_for, squeezed
+from .contract import Layer, ModelAdapter, Slot, adapter_for, family, squeezed
 from .errors import MappingError
 from .trace import as_batch, forward_order
 
@@ -61,11 +61,19 @@ class ConfigFinding:
     dst: Any
 
     def __str__(self) -> str:
-        text = (f"{self.layer_src} / {self.layer_dst}: {self.key} is {self.src!r} on one "
-                f"side, {self.dst!r} on the other")
+        text = (f"{self.layer_src} / {self.layer_dst}: {self.key} is {_shown(self.src)} on "
+                f"one side, {_shown(self.dst)} on the other")
         if self.key == "momentum":  # MegEngine's m arrives as 1 - m
             text += " (in PyTorch's convention, the new batch's weight: MegEngine's is 1 - it)"
         return text
+
+
+def _shown(value: Any) -> str:
+    """A config value as written: MegEngine's momentum 0.9 arrives as 1 - 0.9, shown as 0.1
+    (12 significant digits), not 0.09999999999999998."""
+    if isinstance(value, float):
+        return f"{value:.12g}"
+    return repr(value)
 
 
 @dataclass
@@ -163,30 +171,36 @@ def build_map(a: ModelAdapter, b: ModelAdapter, name_map: Optional[Mapping[str, 
               *, probe: Any = None, transforms: Optional[Mapping[str, Transform]] = None,
               inputs: int = 1, order_a: Optional[Sequence[str]] = None,
               order_b: Optional[Sequence[str]] = None) -> MappingReport:
-    """The map from ``a``'s tensors to ``b``'s, without copying anything."""
+    """The map from ``a``'s tensors to ``b``'s, without copying anything: ``name_map``'s
+    pairs, then the layers it does not name, automatically."""
     if probe is not None and order_a is None:
         batch = as_batch(probe)
         order_a, order_b = forward_order(a, batch, inputs), forward_order(b, batch, inputs)
     report = MappingReport(a.framework, b.framework)
     slots_a, slots_b = {s.name: s for s in a.slots()}, {s.name: s for s in b.slots()}
-    if name_map is None:
-        pairs = _auto_pairs(a, b, order_a or [], order_b or [], report)
-    else:
-        pairs = _given_pairs(name_map, slots_a, slots_b, report)
+    pairs = _given_pairs(name_map or {}, slots_a, slots_b, report)
+    named_a = {slots_a[n].layer if n in slots_a else n.rpartition(".")[0] for n in name_map or {}}
+    named_b = {slots_b[n].layer if n in slots_b else n.rpartition(".")[0]
+               for n in (name_map or {}).values()}
+    for sa, sb in pairs:
+        if (sa.layer, sb.layer) not in report.layers:
+            report.layers.append((sa.layer, sb.layer))
+    pairs += _auto_pairs(a, b, order_a, order_b, report, named_a, named_b)
     for sa, sb in pairs:
         _pair(sa, sb, dict(transforms or {}), report)
-        if name_map is not None and (sa.layer, sb.layer) not in report.layers:
-            report.layers.append((sa.layer, sb.layer))
     used_a, used_b = {p[0].name for p in pairs}, {p[1].name for p in pairs}
-    for side, slots, used in (("src", slots_a, used_a), ("dst", slots_b, used_b)):
+    for side, slots, used, named in (("src", slots_a, used_a, named_a),
+                                     ("dst", slots_b, used_b, named_b)):
         for name, slot in slots.items():
             if name in used or any(u.name == name and u.side == side for u in report.unmapped):
                 continue
             if slot.role in _IGNORED and not slot.trainable:
                 report.ignored.append((name, _IGNORED[slot.role]))
-            else:  # automatic: a tensor no paired layer owns is said, never skipped silently
-                report.unmapped.append(Unmapped(side, name, "not in name_map" if name_map
-                                                is not None else "no paired layer owns it"))
+            else:  # a tensor no paired layer owns is said, never skipped silently
+                report.unmapped.append(Unmapped(side, name, "not in name_map (name_map names "
+                                                            "other tensors of its layer)"
+                                                if slot.layer in named
+                                                else "no paired layer owns it"))
     return report
 
 
@@ -197,39 +211,65 @@ def _given_pairs(name_map: Mapping[str, str], slots_a: Dict[str, Slot],
         missing = [(side, n) for side, n, slots in (("src", src, slots_a), ("dst", dst, slots_b))
                    if n not in slots]
         for side, name in missing:
-            close = difflib.get_close_matches(name, slots_a if side == "src" else slots_b, 1)
+            close = _closest(name, slots_a if side == "src" else slots_b)
             report.unmapped.append(Unmapped(side, name, "name_map names a tensor the model "
                                                         "does not have" + (
-                                                            f" (did you mean {close[0]!r}?)"
+                                                            f" (did you mean {close!r}?)"
                                                             if close else "")))
         if not missing:
             pairs.append((slots_a[src], slots_b[dst]))
     return pairs
 
 
-def _ordered(adapter: ModelAdapter, order: Sequence[str]) -> List[Layer]:
-    """Layers that own tensors, in execution order, then the never-called ones as
-    registered."""
-    owners = {s.layer for s in adapter.slots()}
+def _closest(name: str, slots: Mapping[str, Slot]) -> Optional[str]:
+    """The tensor ``name`` most likely meant: its layer first (the closest layer name), then
+    the closest role in that layer, so that a typo in a role is never answered with another
+    layer's tensor of the same role."""
+    layer, _, role = name.rpartition(".")
+    layers = sorted({s.layer for s in slots.values()})
+    near = [layer] if layer in layers else difflib.get_close_matches(layer, layers, 1, 0.6)
+    if not near:
+        close = difflib.get_close_matches(name, list(slots), 1)
+        return close[0] if close else None
+    roles = [s.role for s in slots.values() if s.layer == near[0]]
+    close = difflib.get_close_matches(role, roles, 1, 0.5)
+    if not close:
+        return None
+    return f"{near[0]}.{close[0]}" if near[0] else close[0]
+
+
+def _ordered(adapter: ModelAdapter, order: Sequence[str], skip: Set[str]) -> List[Layer]:
+    """Layers that own tensors (but those in ``skip``), in execution order, then the
+    never-called ones as registered."""
+    owners = {s.layer for s in adapter.slots()} - skip
     layers = {layer.name: layer for layer in adapter.layers() if layer.name in owners}
     rank = {name: i for i, name in enumerate(order)}
     return sorted(layers.values(), key=lambda layer: rank.get(layer.name, len(rank)))
 
 
-def _auto_pairs(a: ModelAdapter, b: ModelAdapter, order_a: Sequence[str],
-                order_b: Sequence[str], report: MappingReport) -> List[Tuple[Slot, Slot]]:
-    la, lb = _ordered(a, order_a), _ordered(b, order_b)
+def _auto_pairs(a: ModelAdapter, b: ModelAdapter, order_a: Optional[Sequence[str]],
+                order_b: Optional[Sequence[str]], report: MappingReport, skip_a: Set[str],
+                skip_b: Set[str]) -> List[Tuple[Slot, Slot]]:
+    la, lb = _ordered(a, order_a or [], skip_a), _ordered(b, order_b or [], skip_b)
     by_layer_a, by_layer_b = _by_layer(a.slots()), _by_layer(b.slots())
+    matched, ambiguous = match_layers(la, lb, by_layer_a, by_layer_b,
+                                      executed=order_a is not None)
     pairs: List[Tuple[Slot, Slot]] = []
-    for ya, yb in match_layers(la, lb, by_layer_a, by_layer_b):
+    for ya, yb in matched:
         report.layers.append((ya.name, yb.name))
         report.findings.extend(config_findings(ya, yb))
         pairs.extend(_pair_roles(by_layer_a[ya.name], by_layer_b[yb.name], report))
-    matched_a, matched_b = {x for x, _ in report.layers}, {y for _, y in report.layers}
-    for side, layers, matched, by_layer, other in (("src", la, matched_a, by_layer_a, lb),
-                                                   ("dst", lb, matched_b, by_layer_b, la)):
+    for side, by_layer, names in (("src", by_layer_a, ambiguous), ("dst", by_layer_b,
+                                                                   ambiguous.values())):
+        for name in names:  # no tensor is copied on a guess
+            report.unmapped.extend(Unmapped(side, s.name, _ambiguous(len(ambiguous)))
+                                   for s in by_layer[name] if s.role not in _IGNORED)
+    matched_a = {x for x, _ in report.layers} | set(ambiguous)
+    matched_b = {y for _, y in report.layers} | set(ambiguous.values())
+    for side, layers, done, by_layer, other in (("src", la, matched_a, by_layer_a, lb),
+                                                ("dst", lb, matched_b, by_layer_b, la)):
         for layer in layers:
-            if layer.name not in matched:
+            if layer.name not in done:
                 reason = (f"no {layer.kind} layer at this place in the other model (its "
                           f"layers with tensors, in execution order: "
                           f"{', '.join(x.kind for x in other)})")
@@ -239,27 +279,58 @@ def _auto_pairs(a: ModelAdapter, b: ModelAdapter, order_a: Sequence[str],
 
 
 def match_layers(la: List[Layer], lb: List[Layer], slots_a: Dict[str, List[Slot]],
-                 slots_b: Dict[str, List[Slot]]) -> List[Tuple[Layer, Layer]]:
+                 slots_b: Dict[str, List[Slot]],
+                 executed: bool = True
+                 ) -> Tuple[List[Tuple[Layer, Layer]], Dict[str, str]]:
     """Pair the layers of two models: first as ``diff`` aligns lines, a line being a layer's
     kind and its tensors' shapes (size-1 dims dropped); then what is left, by the same kind
     and shapes in order (a port that calls its downsample before the block's convolutions,
-    not after); then by kind alone in order (so that a shape mismatch is reported as one)."""
+    not after); then by kind alone in order (so that a shape mismatch is reported as one).
+
+    Without ``executed`` (no probe: registration order, which MegEngine sorts by name) the
+    order proves nothing: layers of the same name and line pair first, and a pair whose line
+    another layer of either model shares is ambiguous: returned apart, ``{a_name: b_name}``,
+    so that no tensor is copied on a guess."""
     def key(layer: Layer, slots: Dict[str, List[Slot]]) -> tuple:
-        return (layer.kind,) + tuple(sorted((s.role, squeezed(s.shape))
-                                            for s in slots.get(layer.name, ())
-                                            if s.role not in _IGNORED))
+        return (family(layer.kind),) + tuple(sorted((s.role, squeezed(s.shape))
+                                                    for s in slots.get(layer.name, ())
+                                                    if s.role not in _IGNORED))
     ka, kb = [key(x, slots_a) for x in la], [key(x, slots_b) for x in lb]
-    matcher = difflib.SequenceMatcher(None, ka, kb, autojunk=False)
-    found = {blk.a + k: blk.b + k for blk in matcher.get_matching_blocks()
-             for k in range(blk.size)}
-    for same in (lambda i, j: ka[i] == kb[j], lambda i, j: la[i].kind == lb[j].kind):
+    found: Dict[int, int] = {}
+    if not executed:  # the same name and the same line: the port kept the reference's names
+        index_b = {y.name: j for j, y in enumerate(lb)}
+        found = {i: index_b[x.name] for i, x in enumerate(la)
+                 if x.name in index_b and ka[i] == kb[index_b[x.name]]}
+    rest_a = [i for i in range(len(la)) if i not in found]
+    rest_b = [j for j in range(len(lb)) if j not in found.values()]
+    matcher = difflib.SequenceMatcher(None, [ka[i] for i in rest_a], [kb[j] for j in rest_b],
+                                      autojunk=False)
+    found.update({rest_a[blk.a + k]: rest_b[blk.b + k] for blk in matcher.get_matching_blocks()
+                  for k in range(blk.size)})
+    for same in (lambda i, j: ka[i] == kb[j],
+                 lambda i, j: family(la[i].kind) == family(lb[j].kind)):
         free_b = [j for j in range(len(lb)) if j not in found.values()]
         for i in range(len(la)):
             j = next((j for j in free_b if i not in found and same(i, j)), None)
             if j is not None:
                 found[i] = j
                 free_b.remove(j)
-    return [(la[i], lb[j]) for i, j in sorted(found.items())]
+    result, ambiguous = [], {}
+    for i, j in sorted(found.items()):
+        twins_a = sum(ka[k] == ka[i] for k in rest_a)
+        twins_b = sum(kb[k] == kb[j] for k in rest_b)
+        if executed or la[i].name == lb[j].name or (twins_a <= 1 and twins_b <= 1):
+            result.append((la[i], lb[j]))
+        else:
+            ambiguous[la[i].name] = lb[j].name
+    return result, ambiguous
+
+
+def _ambiguous(count: int) -> str:
+    return (f"ambiguous without a probe: its layer has the kind and shapes of other layers, "
+            f"and registration order (MegEngine's is by name) does not say which is which "
+            f"({count} layer pair(s) like it); pass probe=batch (one forward gives the "
+            f"execution order) or name_map")
 
 
 def _by_layer(slots: Sequence[Slot]) -> Dict[str, List[Slot]]:
@@ -317,7 +388,7 @@ def config_findings(la: Layer, lb: Layer) -> List[ConfigFinding]:
         va, vb = la.config[key], lb.config[key]
         numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
         # momentum 0.9 in MegEngine arrives as 1 - 0.9 = 0.09999999999999998
-        same = math.isclose(va, vb, rel_tol=1e-6, abs_tol=1e-12) if numbers else va == vb
+        same = math.isclose(va, vb, rel_tol=1e-6, abs_tol=0.0) if numbers else va == vb
         if not same:
             found.append(ConfigFinding(la.name, lb.name, key, va, vb))
     return found

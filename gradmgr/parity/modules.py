@@ -29,6 +29,24 @@ def nearest_kind(module: Any, package: str) -> str:
     return type(module).__name__.lower()
 
 
+# Configuration a port's own module keeps under another name (a BERT port's LayerNorm keeps
+# its eps as ``variance_epsilon``): read where the framework's config reader knows no class.
+ALIASES = {"eps": ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")}
+
+
+def attribute_config(module: Any) -> Dict[str, Any]:
+    """The configuration of a module of no framework class, from its plain number
+    attributes (:data:`ALIASES`)."""
+    found = {}
+    for key, names in ALIASES.items():
+        value = next((getattr(module, n) for n in names
+                      if isinstance(getattr(module, n, None), (int, float))
+                      and not isinstance(getattr(module, n), bool)), None)
+        if value is not None:
+            found[key] = value
+    return found
+
+
 class NamedModules:
     """The tables of a model, and what reads only them.
 
@@ -56,7 +74,7 @@ class NamedModules:
     def layers(self) -> List[Layer]:
         found = []
         for name, m in self.leaves.items():
-            kind, config = self.kind(m), dict(self.config(m))
+            kind, config = self.kind(m), dict(self.config(m) or attribute_config(m))
             if kind.startswith(MODAL):
                 config["training"] = bool(m.training)
             found.append(Layer(name, kind, config))

@@ -5,7 +5,7 @@ backward, the kink flips, the tensors left unmapped and the configuration findin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 if TYPE_CHECKING:
     from .mapping import ConfigFinding, MappingReport, Unmapped
@@ -26,6 +26,8 @@ class Entry:
     tol: float
     verdict: str
     note: str = ""
+    index: int = -1  # side a's call of the layer (a gradient: its layer's first call)
+    pair: Any = field(default=None, repr=False)  # a gradient's weight pair (mapping.Pair)
 
     @property
     def ok(self) -> bool:
@@ -76,6 +78,7 @@ class StepReport:
     findings: List[ConfigFinding] = field(default_factory=list)
     first_forward: Optional[Entry] = None
     first_grad: Optional[Entry] = None
+    weights: List[str] = field(default_factory=list)  # mapped parameters unequal before it
 
     @property
     def ok(self) -> bool:
@@ -99,14 +102,10 @@ class StepReport:
     __str__ = text
 
 
-def _name(e: Entry) -> str:
-    return e.name if e.what != "forward" else e.layer
-
-
-def _row(e: Entry, width: int) -> str:
+def _row(e: Entry, width: int, kinds: int) -> str:
     # names whole: the end of a deep name ("... / layer3.0.downsample.0.weight") is the
     # part that tells which of the port's layers it is
-    return (f"{e.what:<8} {_name(e):<{width}} {e.kind[:12]:<12} {e.max_abs:>10.3g} "
+    return (f"{e.what:<8} {e.name:<{width}} {e.kind:<{kinds}} {e.max_abs:>10.3g} "
             f"{e.max_rel:>10.3g} {e.tol:>10.3g}  {e.verdict}{'  ' + e.note if e.note else ''}")
 
 
@@ -119,8 +118,8 @@ def _unseen_line(flips: List[Flip]) -> str:
     listed = ", ".join(f"{layer}: {'+'.join(n)}" for layer, n in counts.items())
     return (f"possible kink flips at ReLUs watched on one side only (the other side's is a "
             f"function, e.g. F.relu): inputs within tolerance of the kink at {listed}; they "
-            f"cannot be compared or pinned: gradients behind them that differ are unverified "
-            f"on this batch")
+            f"cannot be compared or pinned: a gradient behind them that differs is "
+            f"unverified on this batch where their flips can explain it, DIFFERS where not")
 
 
 def _flip_line(f: Flip) -> str:
@@ -136,38 +135,53 @@ def _flip_line(f: Flip) -> str:
     return f"kink flip (rounding, not a bug): {what}; {verdict}"
 
 
+def verdict(report: StepReport) -> str:
+    """``PARITY OK``, ``NOT VERIFIED`` (nothing beyond tolerance, but gradients a flip left
+    unchecked) or ``PARITY BROKEN``."""
+    if report.ok:
+        return "PARITY OK"
+    clean = not report.failures() and not report.findings and not report.unmapped
+    return "NOT VERIFIED" if clean else "PARITY BROKEN"
+
+
 def step_text(report: StepReport, all_rows: bool = True) -> str:
     """The text of a :class:`StepReport`."""
-    verdict = "PARITY OK" if report.ok else ("NOT VERIFIED" if not report.failures()
-                                             and not report.findings and not report.unmapped
-                                             else "PARITY BROKEN")
-    lines = [f"{verdict}: {report.a} (a) against {report.b} (b), one step"]
+    lines = [f"{verdict(report)}: {report.a} (a) against {report.b} (b), one step"]
     if report.first_forward is not None:
         e = report.first_forward
-        lines.append(f"first forward divergence: layer {e.layer} ({e.kind}): "
+        lines.append(f"first forward divergence: layer {e.name} ({e.kind}): "
                      + (e.note or f"max abs {e.max_abs:.3g} > tol {e.tol:.3g}"))
     if report.first_grad is not None:
         e = report.first_grad
         lines.append(f"first gradient divergence (backward order): {e.name} of layer "
                      f"{e.layer} ({e.kind}): "
                      + (e.note or f"max abs {e.max_abs:.3g} > tol {e.tol:.3g}"))
+    if report.weights:
+        shown = ", ".join(report.weights[:3]) + (", ..." if len(report.weights) > 3 else "")
+        lines.append(f"weights: {len(report.weights)} mapped parameter(s) differ before the "
+                     f"step ({shown}): transfer the weights first (transfer_weights(a, b, "
+                     f"probe=batch)), unless the port changes them on purpose")
     lines += [f"config: {finding}" for finding in report.findings]
     lines += [f"unmapped ({u.side}) {u.name}: {u.reason}" for u in report.unmapped]
     lines += [_flip_line(f) for f in report.flips if f.seen]
     if any(not f.seen for f in report.flips):
         lines.append(_unseen_line([f for f in report.flips if not f.seen]))
-    lines += [f"no counterpart: {u}" for u in report.unmatched]
-    if (report.first_grad is not None and report.first_forward is None
-            and not report.flips):
-        lines.append("every forward agrees but a gradient differs: a backward-only difference "
-                     "(a custom backward, a detach), or a kink flip in an operation the tool "
-                     "cannot watch (a functional relu or max: write it as a module)")
+    if all_rows:
+        lines += [f"no counterpart: {u}" for u in report.unmatched]
+    elif report.unmatched:
+        lines.append(f"no counterpart: {len(report.unmatched)} call(s) (text() lists them)")
+    if report.first_grad is not None and report.first_forward is None:
+        lines.append("every forward agrees but a gradient differs beyond what a kink flip can "
+                     "move it: a backward-only difference (a hand-written backward, a detach) "
+                     f"at or after layer {report.first_grad.layer}'s output, in a layer or "
+                     "function the tool does not watch")
     rows = [e for e in report.entries if all_rows or not e.ok]
     if rows:
-        width = max([40] + [len(_name(e)) for e in rows])
-        lines.append(f"{'tensor':<8} {'layer / name':<{width}} {'kind':<12} {'max abs':>10} "
-                     f"{'max rel':>10} {'tol':>10}  verdict")
-        lines += [_row(e, width) for e in rows]
+        width = max([40] + [len(e.name) for e in rows])
+        kinds = max([12] + [len(e.kind) for e in rows])
+        lines.append(f"{'tensor':<8} {'layer / name':<{width}} {'kind':<{kinds}} "
+                     f"{'max abs':>10} {'max rel':>10} {'tol':>10}  verdict")
+        lines += [_row(e, width, kinds) for e in rows]
     return "\n".join(lines)
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
 
-from .contract import Layer, ModelAdapter, adapter_for, squeezed
-from .kinks import Kink, find_kink, near_kink
+from .contract import Layer, ModelAdapter, adapter_for, family, squeezed
+from .errors import ParityError
+from .kinks import Kink, find_kink, near_kink, toggle
 from .mapping import MappingReport, Transform, build_map, config_findings, convert
 from .report import Entry, Flip, StepReport
 from .tolerance import C_GRAD, C, eps, grad_reduction, layer_reduction, tolerance
@@ -55,9 +57,14 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         >>> report.ok, report.first_forward.layer
         (False, '2')
     """
+    if (loss_a is None) != (loss_b is None):
+        given, missing = ("loss_a", "loss_b") if loss_b is None else ("loss_b", "loss_a")
+        raise ParityError(f"{given} given without {missing}: each model needs its own "
+                          f"framework's loss (or neither, for the output's mean)")
     ad_a, ad_b = adapter_for(a), adapter_for(b)
     arrays = as_batch(batch)
     before_a, before_b = snapshot(ad_a), snapshot(ad_b)
+    weights_a, weights_b = _weights(ad_a), _weights(ad_b)
     try:
         ta = run_step(ad_a, arrays, inputs, loss_a, {})
         tb = run_step(ad_b, arrays, inputs, loss_b, {})
@@ -69,7 +76,8 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     mapping = build_map(ad_a, ad_b, name_map, transforms=transforms,
                         order_a=ta.order, order_b=tb.order)
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
-    aligned = _align(ta.calls, tb.calls, mapping.layers, report)
+    report.weights = _weights_differ(mapping, weights_a, weights_b)
+    aligned, same_kind = _align(ta.calls, tb.calls, mapping.layers, report)
     depth = _depths(ta.calls)
     kinks = _forward(ta, tb, aligned, depth, tol_factor, report)
     report.entries.append(_loss_entry(ta, tb, depth, tol_factor))
@@ -77,21 +85,53 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     if pin and pins:
         restore(ad_b, before_b)  # the step runs again from the same state
         tb = run_step(ad_b, arrays, inputs, loss_b, pins)
+    else:
+        pins = {}
     report.flips = [_flip(ta.calls[i], tb.calls[j], k, pin) for (i, j), k in kinks.items()
                     if k.flipped]
-    unseen = _unseen(ta, tb, aligned, depth, tol_factor)
-    report.flips += [flip for _, flip in unseen]
+    unseen = _unseen(ta, tb, same_kind, depth, tol_factor)
+    report.flips += [u.flip for u in unseen]
     unpinned = [i for (i, j), k in kinks.items() if k.flipped and not (pin and k.pinnable)]
-    unpinned += [i for i, _ in unseen]
-    _grads(ad_a, ta, tb, mapping, depth, tol_factor, max(unpinned, default=-1), report)
+    _grads(ad_a, ta, tb, mapping, depth, tol_factor, report)
+    behind = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"
+              and 0 <= e.index <= max(unpinned + [u.at for u in unseen], default=-1)]
+    if behind:
+        sides = Sides((ad_a, ad_b), (ta, tb), (before_a, before_b), (loss_a, loss_b),
+                      ({}, pins), arrays, inputs)
+        _explain(behind, max(unpinned, default=-1), unseen, mapping, sides, report)
+    bad = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"]
+    report.first_grad = max(bad, key=lambda e: e.index) if bad else None
     return report
 
 
+def _weights(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
+    """The trainable tensors' values before the step."""
+    return {s.name: adapter.read(s.name) for s in adapter.slots() if s.trainable}
+
+
+def _weights_differ(mapping: MappingReport, wa: Dict[str, np.ndarray],
+                    wb: Dict[str, np.ndarray]) -> List[str]:
+    """The mapped parameters whose values differ before the step (in the coarser dtype: a
+    float64 reference against its float32 port holds the same values)."""
+    found = []
+    for p in mapping.pairs:
+        if p.src in wa and p.dst in wb:
+            x, y = convert(p, wa[p.src]), wb[p.dst]
+            dtype = min(x.dtype, y.dtype, key=lambda d: np.finfo(d).bits
+                        if d.kind == "f" else 64)
+            if not np.array_equal(x.astype(dtype), y.reshape(x.shape).astype(dtype)):
+                found.append(f"{p.src} / {p.dst}")
+    return found
+
+
 def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
-           report: StepReport) -> List[Tuple[int, int]]:
+           report: StepReport) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
     """Pair the two forwards' calls: the k-th call of a mapped layer with the k-th call of its
     counterpart; between those anchors, the calls of layers without tensors (activations,
-    pooling) by kind, as ``diff`` pairs lines. The rest are listed as without counterpart."""
+    pooling) by kind, as ``diff`` pairs lines, and as many calls of other kinds at the same
+    place on both sides (an average pool where the original has a max pool) as a
+    substitution, compared like any pair. The rest are listed as without counterpart.
+    Returns every pair, and those of the same kind."""
     anchors: List[Tuple[int, int]] = []
     for la, lb in layers:
         anchors += zip([i for i, c in enumerate(ca) if c.layer == la],
@@ -103,20 +143,45 @@ def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
             chain.append((i, j))
             last = j
     used_a, used_b = {i for i, _ in anchors}, {j for _, j in anchors}
-    pairs = set(anchors)
+    pairs, swapped = set(anchors), set()
     bounds = [(-1, -1)] + chain + [(len(ca), len(cb))]
     for (i0, j0), (i1, j1) in zip(bounds, bounds[1:]):
         seg_a = [i for i in range(i0 + 1, i1) if i not in used_a]
         seg_b = [j for j in range(j0 + 1, j1) if j not in used_b]
-        matcher = difflib.SequenceMatcher(None, [ca[i].kind for i in seg_a],
-                                          [cb[j].kind for j in seg_b], autojunk=False)
-        pairs |= {(seg_a[blk.a + k], seg_b[blk.b + k]) for blk in matcher.get_matching_blocks()
-                  for k in range(blk.size)}
+        matcher = difflib.SequenceMatcher(None, [family(ca[i].kind) for i in seg_a],
+                                          [family(cb[j].kind) for j in seg_b], autojunk=False)
+        for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+            if tag == "equal":
+                pairs |= set(zip(seg_a[a0:a1], seg_b[b0:b1]))
+            elif tag == "replace":
+                found = _substitutions(ca, cb, seg_a[a0:a1], seg_b[b0:b1])
+                pairs |= found
+                swapped |= found
     left_a = sorted(set(range(len(ca))) - {i for i, _ in pairs})
     left_b = sorted(set(range(len(cb))) - {j for _, j in pairs})
     report.unmatched += [f"a {ca[i].layer} ({ca[i].kind}), call {i}" for i in left_a]
     report.unmatched += [f"b {cb[j].layer} ({cb[j].kind}), call {j}" for j in left_b]
-    return sorted(pairs)
+    return sorted(pairs), sorted(pairs - swapped)
+
+
+def _substitutions(ca: List[Call], cb: List[Call], seg_a: List[int],
+                   seg_b: List[int]) -> Set[Tuple[int, int]]:
+    """Calls of other kinds at the same place on both sides that reshape their input alike
+    (an average pool where the original has a max pool, past a ReLU the other side calls as
+    a function), paired in order. Only reshaping calls: an elementwise one (an ``Identity``
+    downsample, a ReLU) has the shape of anything near it, and pairing it on that alone would
+    blame a correct port."""
+    def shapes(call: Call) -> Optional[tuple]:
+        out = None if call.output is None else tuple(call.output.shape)
+        return (tuple(call.in_shape), out) if out and out != tuple(call.in_shape) else None
+    found, start = set(), 0
+    for i in seg_a:
+        j = next((k for k in range(start, len(seg_b)) if shapes(ca[i]) is not None
+                  and shapes(cb[seg_b[k]]) == shapes(ca[i])), None)
+        if j is not None:
+            found.add((i, seg_b[j]))
+            start = j + 1
+    return found
 
 
 def _depths(calls: List[Call]) -> List[float]:
@@ -153,7 +218,7 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
         if ca.output is None or cb.output is None:
             continue
         diff, rel, tol, note = _compare(ca.output, cb.output, ta.dtype, depth[i], factor)
-        kink = find_kink(ca, cb, tol)
+        kink = find_kink(ca, cb, tol) if family(ca.kind) == family(cb.kind) else None
         if kink is not None:
             kink.tol = tol
             kinks[(i, j)] = kink
@@ -163,35 +228,52 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
             modes = ["training" if c.config.get("training") else "eval" for c in (ca, cb)]
             note = (f"a in {modes[0]} mode, b in {modes[1]} mode: call .train() or .eval() "
                     f"on both models")
+        if family(ca.kind) != family(cb.kind) and (diff > tol or note):
+            note = (f"a {ca.kind} on side a, a {cb.kind} on side b: a substituted layer"
+                    + (f" ({note})" if note else ""))
         if ca.kind.startswith("dropout") and diff > tol and not note:
             note = "each framework draws its own dropout mask: use eval() or p=0 to compare"
-        entry = Entry("forward", f"{ca.layer} / {cb.layer}", ca.layer, ca.kind, diff, rel, tol,
-                      "ok" if diff <= tol and not note else "DIFFERS", note)
+        kind = ca.kind if ca.kind == cb.kind else f"{ca.kind} / {cb.kind}"
+        entry = Entry("forward", f"{ca.layer} / {cb.layer}", ca.layer, kind, diff, rel, tol,
+                      "ok" if diff <= tol and not note else "DIFFERS", note, index=i)
         report.entries.append(entry)
         if not entry.ok and report.first_forward is None:
             report.first_forward = entry
     return kinks
 
 
+@dataclass
+class Unseen:
+    """A piecewise call with no counterpart on the other side: where (``side``, ``call``),
+    the index of side a's call it is placed at, the elements near its kink, its flip row."""
+
+    side: int
+    call: int
+    at: int
+    elements: np.ndarray
+    flip: Flip
+
+
 def _unseen(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
-            factor: float) -> List[Tuple[int, Flip]]:
-    """Piecewise calls on one side only (the other side's is a function): the elements near
-    their kink, placed at the index of side a's nearest call before them."""
+            factor: float) -> List[Unseen]:
+    """Piecewise calls on one side only (the other side's is a function, or a layer of
+    another kind): the elements near their kink, placed at the index of side a's nearest
+    call before them."""
     found = []
-    for side, calls, matched in (("a", ta.calls, {i for i, _ in aligned}),
-                                 ("b", tb.calls, {j for _, j in aligned})):
+    for side, calls, matched in ((0, ta.calls, {i for i, _ in aligned}),
+                                 (1, tb.calls, {j for _, j in aligned})):
         for index, call in enumerate(calls):
             if index in matched or call.input is None:
                 continue
-            at = index if side == "a" else max((i for i, j in aligned if j <= index),
-                                               default=-1)
+            at = index if side == 0 else max((i for i, j in aligned if j <= index),
+                                             default=-1)
             scale = float(np.abs(call.input).max(initial=0.0))
             tol = tolerance(ta.dtype, depth[at] if at >= 0 else 1.0, scale, factor, C)
-            count, largest = near_kink(call, tol)
+            count, largest, elements = near_kink(call, tol)
             if count:
-                names = (call.layer, "?") if side == "a" else ("?", call.layer)
-                found.append((max(at, 0), Flip(*names, call.kind, count, largest, tol, False,
-                                               seen=False)))
+                names = (call.layer, "?") if side == 0 else ("?", call.layer)
+                found.append(Unseen(side, index, max(at, 0), elements, Flip(
+                    *names, call.kind, count, largest, tol, False, seen=False)))
     return found
 
 
@@ -214,7 +296,7 @@ def _flip(ca: Call, cb: Call, kink: Kink, pin: bool) -> Flip:
 
 
 def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
-           depth: List[float], factor: float, unpinned: int, report: StepReport) -> None:
+           depth: List[float], factor: float, report: StepReport) -> None:
     first_call: Dict[str, int] = {}
     for index, call in enumerate(ta.calls):
         first_call.setdefault(call.layer, index)
@@ -227,7 +309,6 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
         if g is not None and name in layers:
             floors[layers[name]] = max(floors.get(layers[name], 0.0), float(np.abs(g).max()))
     total = max(depth, default=0.0)
-    worst: Optional[Tuple[int, Entry]] = None
     for pair in mapping.pairs:
         if pair.src not in ta.grads:
             continue  # a buffer
@@ -235,12 +316,102 @@ def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
         index = first_call.get(layer, -1)
         entry = _grad_entry(pair, ta, tb, layer, kinds.get(layer, ""), index, total, factor,
                             floors.get(layer, 0.0))
-        if entry.verdict == "DIFFERS" and 0 <= index <= unpinned:
-            entry.verdict, entry.note = "unverified", "behind a kink flip that cannot be pinned"
+        entry.pair = pair
         report.entries.append(entry)
-        if entry.verdict == "DIFFERS" and (worst is None or index > worst[0]):
-            worst = (index, entry)
-    report.first_grad = worst[1] if worst else None
+
+
+@dataclass
+class Sides:
+    """What re-running one side's step needs: per side (a, b) its adapter, trace, buffers
+    before the step, loss and pins; the batch."""
+
+    adapters: Tuple[ModelAdapter, ModelAdapter]
+    traces: Tuple[Trace, Trace]
+    before: Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]
+    losses: Tuple[Optional[Loss], Optional[Loss]]
+    pins: Tuple[Dict[int, Any], Dict[int, Any]]
+    batch: Tuple[np.ndarray, ...]
+    inputs: int
+
+
+MAX_TOGGLES = 48
+"""The most near-kink elements whose flips :func:`_flip_bound` sizes (one step of one side
+each); beyond, the gradients behind them are left unverified."""
+
+
+def _explain(behind: List[Entry], unpinned: int, unseen: List[Unseen],
+             mapping: MappingReport, sides: Sides, report: StepReport) -> None:
+    """Decide the gradients beyond tolerance that lie behind a flip the tool could not pin: a
+    difference is unverified only where a flip can explain it. Once a forward has departed
+    the flip explains nothing; a possible flip at a ReLU watched on one side only moves a
+    gradient by at most what sending each of its near-kink elements down the other branch
+    moves it (summed, element by element); a difference beyond that is a difference."""
+    if report.first_forward is not None:
+        for e in behind:
+            e.note = (f"the forward already departed at {report.first_forward.name}: not a "
+                      f"kink flip")
+        return
+    bound = _flip_bound(unseen, mapping, sides) if any(
+        e.index > unpinned for e in behind) else None
+    for e in behind:
+        if e.index <= unpinned or bound is None or e.pair.src not in bound:
+            e.verdict = "unverified"
+            e.note = ("behind a kink flip that cannot be pinned" if e.index <= unpinned else
+                      f"behind more than {MAX_TOGGLES} elements near a kink watched on one "
+                      f"side only: too many to size what their flips can move")
+            continue
+        ga, gb = sides.traces[0].grads[e.pair.src], sides.traces[1].grads[e.pair.dst]
+        if ga is None or gb is None:  # (an entry compared two gradients: not expected)
+            e.verdict, e.note = "unverified", "no gradient on one side to size a flip against"
+            continue
+        diff = np.abs(convert(e.pair, ga).astype(np.float64) - gb.reshape(
+            e.pair.dst_shape).astype(np.float64))
+        limit = bound[e.pair.src]
+        if np.all(diff <= e.tol + limit * 1.01):
+            e.verdict = "unverified"
+            e.note = (f"within what the possible kink flips at ReLUs watched on one side only "
+                      f"can move it (up to {float(limit.max()):.3g})")
+        else:
+            e.note = (f"beyond what the possible kink flips can move it (up to "
+                      f"{float(limit.max()):.3g}): not a flip")
+
+
+def _flip_bound(unseen: List[Unseen], mapping: MappingReport,
+                sides: Sides) -> Optional[Dict[str, np.ndarray]]:
+    """Per parameter (in side b's layout, by side a's name), the sum over every element near
+    a kink watched on one side only of how far sending that element down the other branch
+    moves the gradient: one step of that side per element. None where there are too many
+    elements, or a kink the toggle cannot model (a LeakyReLU)."""
+    if sum(len(u.elements) for u in unseen) > MAX_TOGGLES or any(
+            u.flip.kind != "relu" for u in unseen):
+        return None
+    to_a, from_a = {p.dst: p for p in mapping.pairs}, {p.src: p for p in mapping.pairs}
+    bound = {p.src: np.zeros(p.dst_shape) for p in mapping.pairs}
+    for side in (0, 1):
+        mine = [u for u in unseen if u.side == side]
+        if not mine:
+            continue
+        adapter, trace = sides.adapters[side], sides.traces[side]
+        try:
+            for u in mine:
+                for element in u.elements:
+                    restore(adapter, sides.before[side])
+                    pins = dict(sides.pins[side])
+                    pins[u.call] = toggle(trace.calls[u.call], int(element))
+                    moved = run_step(adapter, sides.batch, sides.inputs, sides.losses[side],
+                                     pins).grads
+                    for name, g in moved.items():
+                        pair = to_a.get(name) if side else from_a.get(name)
+                        base = trace.grads.get(name)
+                        if pair is None or g is None or base is None:
+                            continue
+                        delta = np.abs(g.astype(np.float64) - base.astype(np.float64))
+                        bound[pair.src] += (convert(pair, delta) if side == 0
+                                            else delta.reshape(pair.dst_shape))
+        finally:  # leave the side as its compared step left it
+            restore(adapter, sides.before[side])
+            run_step(adapter, sides.batch, sides.inputs, sides.losses[side], sides.pins[side])
+    return bound
 
 
 def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: int,
@@ -255,10 +426,10 @@ def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: i
             f"(requires_grad=False) or not reached by its loss; freeze it on both sides, or "
             f"compare it trainable on both (the tool attaches every parameter: a MegEngine "
             f"model frozen by leaving it out of its GradManager is not seen)")
-        return Entry("grad", name, layer, kind, 0.0, 0.0, 0.0, verdict, note)
+        return Entry("grad", name, layer, kind, 0.0, 0.0, 0.0, verdict, note, index=index)
     out = ta.calls[index].output if index >= 0 else None
     reduction = total + grad_reduction(pair.src_shape, out.shape if out is not None else ())
     diff, rel, tol, note = _compare(convert(pair, ga), gb, ta.dtype, reduction, factor, floor,
                                     C_GRAD)
     return Entry("grad", name, layer, kind, diff, rel, tol,
-                 "ok" if diff <= tol and not note else "DIFFERS", note)
+                 "ok" if diff <= tol and not note else "DIFFERS", note, index=index)

@@ -33,8 +33,8 @@ def assert_parity(a: Any, b: Any, batches: Batches, *, loss_a: Optional[Loss] = 
         >>> try:
         ...     assert_parity(a, b, np.ones((3, 4), np.float32))   # weights never copied
         ... except AssertionError as error:
-        ...     print(str(error).splitlines()[1])
-        PARITY BROKEN: torch (a) against torch (b), one step
+        ...     print(str(error).splitlines()[0])
+        PARITY BROKEN: torch (a) against torch (b), one step (batch 0)
     """
     count = tries if callable(batches) else (len(batches) if isinstance(batches, list) else 1)
     pending: Optional[Set[str]] = None
@@ -45,12 +45,13 @@ def assert_parity(a: Any, b: Any, batches: Batches, *, loss_a: Optional[Loss] = 
         report = compare_step(a, b, batch, loss_a=loss_a, loss_b=loss_b, inputs=inputs,
                               name_map=name_map, transforms=transforms, tol_factor=tol_factor)
         if report.failures() or report.findings or report.unmapped:
-            raise AssertionError(f"batch {i}:\n{report.text()}")
+            first, _, rest = report.text().partition("\n")
+            raise AssertionError(f"{first} (batch {i})\n{rest}")
         left = {e.name for e in report.unverified}
         pending = left if pending is None else pending & left
         if not pending:
             return report
     raise AssertionError(
-        f"gradients left unverified by kink flips that cannot be pinned on every one of "
-        f"{count} batch(es): {', '.join(sorted(pending or ()))}; give more batches "
+        f"NOT VERIFIED: gradients left unverified by kink flips that cannot be pinned on "
+        f"every one of {count} batch(es): {', '.join(sorted(pending or ()))}; give more batches "
         f"(a function i -> batch, tries=...)\n{report.text() if report else ''}")

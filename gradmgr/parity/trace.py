@@ -80,10 +80,10 @@ def forward_order(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: in
 
 
 def run_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
-             loss: Optional[Loss], pins: Dict[int, Tuple[str, np.ndarray]]) -> Trace:
+             loss: Optional[Loss], pins: Dict[int, tuple]) -> Trace:
     """One forward and backward; ``pins`` maps a call's index to its pin (kinks.py):
-    ``("mask", keep)``: the output is ``x * keep``; ``("offset", delta)``: the input is
-    ``x + delta``."""
+    ``("mask", keep[, where])``: the output is ``x * keep`` (only where ``where`` is set, if
+    given); ``("offset", delta)``: the input is ``x + delta``."""
     calls, value, grads = _watch(adapter, batch, inputs, loss, pins, backward=True)
     dtype = calls[0].output.dtype if calls and calls[0].output is not None else np.float32
     return Trace(calls, value, grads, dtype, _first_calls(calls))
@@ -101,7 +101,7 @@ def _first_calls(calls: List[Call]) -> List[str]:
 
 
 def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
-           loss: Optional[Loss], pins: Dict[int, Tuple[str, np.ndarray]],
+           loss: Optional[Loss], pins: Dict[int, tuple],
            backward: bool) -> tuple:
     layers = {layer.name: layer for layer in adapter.layers()}
     calls: List[Call] = []
@@ -129,7 +129,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         index = running[name].pop()
         calls[index].done, finished[0] = finished[0], finished[0] + 1
         if index in saved:
-            out = adapter.mask(saved.pop(index), pins[index][1])
+            out = _pinned(adapter, out, saved.pop(index), pins[index])
         shown = out  # a layer returning a tuple (an LSTM, an attention) by its first tensor
         if isinstance(out, (tuple, list)):
             shown = next((o for o in out if adapter.is_tensor(o)), None)
@@ -144,6 +144,16 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         remove()
         if kept is not None:
             restore(adapter, kept)
+
+
+def _pinned(adapter: ModelAdapter, out: Any, x: Any, pin: tuple) -> Any:
+    """A pinned layer's output: ``x * keep`` where the pin holds (its third item, if any;
+    everywhere without one); elsewhere the layer's own output, so that its own backward
+    (a port's hand-written one among them) is still what is compared."""
+    if len(pin) < 3:
+        return adapter.mask(x, pin[1])
+    where = pin[2].astype(pin[1].dtype)
+    return adapter.mask(out, 1 - where) + adapter.mask(x, pin[1] * where)
 
 
 def _forward_backward(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,

@@ -82,3 +82,19 @@ def test_the_comparison_can_fail(results) -> None:
         assert state["1.num_batches_tracked"].item() == 8  # 4 steps of 2 micro-batches
     for key in ("0.weight", "1.weight", "5.bias"):
         assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key
+
+
+def test_the_readmes_quick_diff_equals_ddp_bit_for_bit() -> None:
+    """README.md's first example, the diff of examples/ddp/quick_ddp.py against
+    quick_gradmgr.py: both under torchrun print each rank's last loss and weights (``repr``,
+    every bit), which must be the same lines, with the ranks' weights equal (they start
+    from different seeds: the broadcast and the averaged gradients made them so)."""
+    printed = {}
+    for name in ("quick_ddp.py", "quick_gradmgr.py"):
+        done = run(torchrun(os.path.join(EXAMPLE, name)), TIMEOUT_S)
+        printed[name] = sorted(line for line in done.stdout.splitlines()
+                               if line.startswith("rank "))
+    assert len(printed["quick_ddp.py"]) == 2, printed
+    assert printed["quick_gradmgr.py"] == printed["quick_ddp.py"]
+    weights = {line.split(" weight ")[1] for line in printed["quick_ddp.py"]}
+    assert len(weights) == 1, "the ranks' weights differ"

@@ -102,6 +102,11 @@ class TorchBackend(Backend):
 
         return TorchParity(model)
 
+    def hold_rendezvous(self, world: int) -> Any:
+        from .rendezvous import hold
+
+        return hold(world)
+
     def tensor_ops(self) -> Any:
         from .ops import TORCH_OPS
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import threading
 import time
 import weakref
@@ -34,6 +35,7 @@ from gradmgr.distributed.errors import RanksOutOfStepError
 
 from .arrival import group_store
 
+_log = logging.getLogger(__name__)
 _LATEST_S = 60.0  # give up at most this long before the user group's timeout
 
 _OUT_OF_STEP = (
@@ -81,10 +83,13 @@ class CheckGroup:
     def make(self, parent: Any) -> None:
         started = time.monotonic()
         try:
+            ranks = dist.get_process_group_ranks(parent)
             self.group = dist.new_group(
-                dist.get_process_group_ranks(parent), backend="gloo",
-                timeout=datetime.timedelta(seconds=self.patience_s),
+                ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.patience_s),
                 use_local_synchronization=True)  # (a barrier of its ranks only)
+            _log.info("plan check group: a gloo group of its own over ranks %s, patience %.0f s "
+                      "(gloo on torch 2.8 prints its '[Gloo] ... connected' lines for it too)",
+                      ranks, self.patience_s)
         except RuntimeError as error:
             if _timed_out(error):  # a rank never came: its first step is the one missing
                 self.give_up(error, started)

@@ -15,9 +15,11 @@ def initialised_dist() -> Any:
     """``torch.distributed``, after checking that a process group is initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            "torch.distributed is not initialised: call "
-            "torch.distributed.init_process_group('gloo' or 'nccl', ...) in every process "
-            "before the first backward, or pass transport= to make_allreduce_cb"
+            "torch.distributed is not initialised: data parallelism runs one process per rank "
+            "in a process group. Start the script with `torchrun --nproc_per_node 2 "
+            "train.py` (or gradmgr.distributed.spawn_local) and call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') in every process before "
+            "data_parallel() or the first backward (or pass transport= to make_allreduce_cb)"
         )
     return dist
 

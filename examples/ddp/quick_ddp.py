@@ -1,0 +1,24 @@
+"""The README's first example: a DDP loop (quick_ddp.py) and the same loop with gradmgr
+(quick_gradmgr.py). Both print each rank's last loss and weights, the same to the bit:
+    torchrun --nproc_per_node 2 examples/ddp/quick_ddp.py
+"""
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")  # "nccl" on GPUs
+rank = dist.get_rank()
+torch.manual_seed(rank)  # each rank its own data (and weights, until the broadcast)
+model = torch.nn.Linear(4, 1)
+ddp = DDP(model)  # broadcasts rank 0's weights
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(32, 4)
+y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+for _ in range(5):
+    loss = torch.nn.functional.mse_loss(ddp(x), y)
+    loss.backward()  # .grad is now the mean over the ranks
+    opt.step()
+    opt.zero_grad()
+print(f"rank {rank}: loss {loss.item()!r} weight {model.weight.tolist()}")
+del ddp  # before its process group goes
+dist.destroy_process_group()
