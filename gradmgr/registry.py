@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 from ._imports import call_after_import
 from .backend import Backend
@@ -58,10 +58,10 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     from importlib.metadata import entry_points
 
-    if sys.version_info >= (3, 10):
-        group: Iterable[Any] = entry_points(group=ENTRY_POINT_GROUP)
-    else:  # a dict of lists by group
-        group = entry_points().get(ENTRY_POINT_GROUP, [])
+    eps: Any = entry_points()  # EntryPoints (3.10 on), or on 3.9 a dict of lists by group
+    group = eps.select(group=ENTRY_POINT_GROUP) if hasattr(eps, "select") else eps.get(
+        ENTRY_POINT_GROUP, []
+    )
     for ep in group:
         if ep.name in _specs:
             continue
