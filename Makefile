@@ -12,7 +12,7 @@ help:
 	@echo "make setup         create .venv (torch 2.8 + megengine 1.13) and .venv-latest (torch 2.13, docs tools)"
 	@echo "make setup-system  only install what the set-up needs outside the checkout (python3.9, chromium)"
 	@echo "make docs          set up .venv-latest, then build the documentation site into site/ (strict)"
-	@echo "make lint          ruff check ."
+	@echo "make lint          ruff check . and mypy (the library)"
 	@echo "make bench         set up .venv, then run bench/run_all.py"
 	@echo "make clean         remove caches and generated output (keeps the environments)"
 	@echo "make distclean     clean, and remove both environments and pip's cache"
@@ -37,6 +37,7 @@ test-fast: setup-latest
 
 lint: setup-latest
 	.venv-latest/bin/ruff check .
+	.venv-latest/bin/python -m mypy
 
 demo: setup-demo
 	.venv/bin/python examples/demo.py
@@ -50,7 +51,7 @@ bench: setup-demo
 clean:
 	find . -path ./.venv -prune -o -path ./.venv-latest -prune -o -path ./.cache -prune -o \
 		-name __pycache__ -type d -exec rm -rf {} +
-	rm -rf .pytest_cache .ruff_cache build dist demo_out site
+	rm -rf .pytest_cache .ruff_cache .mypy_cache build dist demo_out site
 
 distclean: clean
 	rm -rf .venv .venv-latest .cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple, Union
 
 from .backend import Backend
 from .errors import AttachError
@@ -13,6 +13,19 @@ from .registry import backend_for
 
 Callback = Callable[[Any, Any], Any]
 """``cb(tensor, grad) -> grad`` (or a Future of a grad)."""
+
+
+class TensorLike(Protocol):
+    """A framework's tensor, as a type checker sees it (torch's and MegEngine's have
+    ``detach``). A module is not one: ``torch.nn.Module`` finds its attributes with
+    ``__getattr__``, which gives no method, so a user's type checker rejects
+    ``attach(model)`` where ``attach(model.parameters())`` was meant."""
+
+    def detach(self) -> Any: ...
+
+
+Tensors = Union[TensorLike, Iterable[TensorLike]]
+"""One tensor, or any iterable of them (a list, ``model.parameters()``)."""
 
 
 class AttachSpec:
@@ -143,7 +156,8 @@ def _check_signature(cb: Any) -> None:
         ) from None
 
 
-def check_tensors(tensors: Any, backend: Optional[Backend]) -> Tuple[List[Any], Backend]:
+def check_tensors(tensors: Any,
+                  backend: Optional[Backend]) -> Tuple[List[Any], Optional[Backend]]:
     """The tensors to attach and their backend, after checking every one of them (so a bad
     call leaves no trace); ``backend``: the manager's, if known."""
     if backend_for(tensors) is not None:

@@ -282,6 +282,11 @@ class Backend(ABC):
         raise UnsupportedBackendError(
             f"the {self.name!r} backend has no parity adapter (gradmgr.parity.contract)")
 
+    def environment(self) -> Dict[str, str]:
+        """What ``python -m gradmgr env`` reports for this framework besides its version:
+        its distributed backends and devices, by label. Nothing by default."""
+        return {}
+
     transport_names: ClassVar[Sequence[str]] = ()
     """The names :meth:`transport` accepts besides None."""
 

@@ -54,7 +54,8 @@ def note_callback(error: Exception, callback: Any, described: str) -> None:
         return
     note = f"(raised by {source_name(callback)} on an attached tensor of {described})"
     try:
-        error._gradmgr_noted = True  # once, also when the error passes an outer manager
+        # once, also when it passes an outer manager (a mark on the user's error object)
+        error._gradmgr_noted = True  # type: ignore[attr-defined]
     except AttributeError:
         return
     if error.args and isinstance(error.args[0], str):

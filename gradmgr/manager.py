@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, NoReturn, Optional, Sequence, Union
 
 from . import _state
-from .attachments import Attachments, AttachSpec, Callback, check_callbacks, check_tensors
+from .attachments import (
+    Attachments,
+    AttachSpec,
+    Callback,
+    Tensors,
+    check_callbacks,
+    check_tensors,
+)
 from .backend import Backend, Tape
 from .delivery import Delivery
 from .errors import GradMgrWarning, UnsupportedGraphError
@@ -91,7 +98,7 @@ class GradManager(StepHooks):
 
     def attach(
         self,
-        tensors: Union[Any, Iterable[Any]],
+        tensors: Tensors,
         callbacks: Union[Callback, Sequence[Callback], None] = None,
     ) -> GradManager:
         """Track ``tensors`` so that later backwards compute their gradients.
@@ -119,7 +126,7 @@ class GradManager(StepHooks):
         """
         callback_list = check_callbacks(callbacks)
         tensor_list, backend = check_tensors(tensors, self.backend)
-        if self._guessed:
+        if self._guessed and backend is not None:
             self._replace_guess(backend)
         self._use_backend(backend)
         for cb in callback_list:
@@ -165,11 +172,14 @@ class GradManager(StepHooks):
         def sink(grad: Any) -> Any:
             owner, spec = manager(), spec_ref()
             tensor = None if spec is None else spec.tensor()
-            if owner is None or tensor is None:
+            if owner is None or spec is None or tensor is None:
                 return None
             if spec.callbacks:
                 grad = owner._run_chain(spec.callbacks, key, tensor, grad)
-            owner._delivery.gradients[key] = grad
+            delivery = owner._delivery
+            if delivery is None:
+                _outside_backward()
+            delivery.gradients[key] = grad
             return grad
 
         return sink
@@ -182,7 +192,10 @@ class GradManager(StepHooks):
         if pushed:
             stack.append(self)
         try:
-            return self._delivery.run_chain(self._backend, callbacks, key, tensor, grad)
+            delivery, backend = self._delivery, self._backend
+            if delivery is None or backend is None:
+                _outside_backward()
+            return delivery.run_chain(backend, callbacks, key, tensor, grad)
         finally:
             if pushed:
                 stack.pop()
@@ -287,6 +300,10 @@ class GradManager(StepHooks):
 
     def _own_tape(self) -> Tape:
         if self._tape is None:
+            if self._backend is None:  # callers come with a tensor, or from _use_backend
+                raise RuntimeError("gradmgr: a tape was asked for before the manager's "
+                                   "framework is known (an internal error: please report it "
+                                   "with the output of `python -m gradmgr env`)")
             self._tape = self._leftover.tape = self._backend.new_tape()
         return self._tape
 
@@ -398,7 +415,7 @@ class GradManager(StepHooks):
                         (False, False) if len(managers) == 1 else self._nesting())
                     tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
                                   may_accumulate=not self._after_backward_callbacks)
-                if self._after_backward_callbacks or self._delivery.gradients:
+                if self._after_backward_callbacks or _delivering(self).gradients:
                     self._end_backward()
         except BaseException as error:
             _close_scope(self, stack, tracked, error)
@@ -408,7 +425,7 @@ class GradManager(StepHooks):
         finally:
             self.release()
 
-    def _require_recording(self, call: str) -> None:
+    def _require_recording(self, call: str) -> NoReturn:
         if self._managers is None and self._backward_ran:
             raise RuntimeError(
                 f"not recording: the first backward() ended the recording, as every backward "
@@ -416,11 +433,10 @@ class GradManager(StepHooks):
                 f"backward, compute y again in a new recording (`with gm:` or record()); for "
                 f"several outputs at once, pass them together: backward([y1, y2])"
             )
-        if self._managers is None:
-            raise RuntimeError(
-                f"no computation history to differentiate: call record() (or use `with gm:`) "
-                f"before computing y, then {call} inside the recording"
-            )
+        raise RuntimeError(
+            f"no computation history to differentiate: call record() (or use `with gm:`) "
+            f"before computing y, then {call} inside the recording"
+        )
 
     def _outputs(self, y: Any, dy: Any) -> tuple:
         backend = self._backend
@@ -437,9 +453,9 @@ class GradManager(StepHooks):
         """After the engine: after-backward callbacks, then Futures and ``.grad``."""
         if self._after_backward_callbacks:
             self._run_after_backward_callbacks()
-        delivery = self._delivery
+        delivery = _delivering(self)
         if delivery.gradients:
-            delivery.accumulate(self._backend, self._attached)
+            delivery.accumulate(_delivering_backend(self), self._attached)
 
     def _run_delegated(self, ys: List[Any], dys: List[Any], delegated: Any) -> None:
         """The engine accumulates into ``.grad``; ``delegated`` does the rest (see
@@ -485,12 +501,12 @@ class GradManager(StepHooks):
             raise RuntimeError("add_gradient() is only valid while this manager is backwarding")
         if self._attached.spec_of(tensor) is None:
             raise ValueError("add_gradient(): the tensor is not attached to this manager")
-        delivery.check(self._backend, id(tensor), tensor, grad, "add_gradient()")
+        delivery.check(_delivering_backend(self), id(tensor), tensor, grad, "add_gradient()")
         delivery.gradients[id(tensor)] = grad
 
     # ----------------------------------------------------------------- split backward
     def backward_split(self, y: Any = None, dy: Any = None, *,
-                       first: Union[Any, Iterable[Any]]) -> DeferredBackward:
+                       first: Tensors) -> DeferredBackward:
         """A backward in two parts: the gradients of the attached tensors in ``first`` now, the
         others when the returned object's ``finish()`` is called.
 
@@ -526,7 +542,8 @@ class GradManager(StepHooks):
             UnsupportedGraphError: the backend cannot split a backward
                 (``capabilities.split_backward``), or an outer manager records this backward.
         """
-        self._require_recording("backward_split(y, first=...)")
+        if self._managers is None:
+            self._require_recording("backward_split(y, first=...)")
         self._backward_ran = True
         step, rest = self._step, None
         try:
@@ -545,7 +562,7 @@ class GradManager(StepHooks):
                             "differentiated; use backward() there"
                         )
                     rest = tape.backward_split(ys, dys, first_list, retain_graph=retain_graph)
-                self._delivery.accumulate(self._backend, self._attached)
+                _delivering(self).accumulate(_delivering_backend(self), self._attached)
         except BaseException:
             if rest is not None:
                 rest.release()
@@ -621,9 +638,30 @@ def attach_epoch(gm: GradManager) -> int:
     return gm._attached.epoch
 
 
-def _live(refs: List[weakref.ref]) -> List[GradManager]:
-    """The live managers of a thread's list of recording ones (see GradManager._ref)."""
-    return [m for m in (ref() for ref in refs) if m is not None]
+def _live(refs: Optional[List[weakref.ref]]) -> List[GradManager]:
+    """The live managers of a thread's list of recording ones (see GradManager._ref); none
+    for a manager that is not recording."""
+    return [] if refs is None else [m for m in (ref() for ref in refs) if m is not None]
+
+
+def _outside_backward() -> NoReturn:
+    raise RuntimeError("gradmgr: a gradient arrived while its manager is not backwarding, or "
+                       "before its framework is known (an internal error: please report it "
+                       "with the output of `python -m gradmgr env`)")
+
+
+def _delivering(manager: GradManager) -> Delivery:
+    """The delivery of ``manager``'s running backward."""
+    if manager._delivery is None:
+        _outside_backward()
+    return manager._delivery
+
+
+def _delivering_backend(manager: GradManager) -> Backend:
+    """The backend of ``manager``'s running backward (a gradient came: it is known)."""
+    if manager._backend is None:
+        _outside_backward()
+    return manager._backend
 
 
 class _Leftover:
@@ -665,7 +703,7 @@ class _Backwarding:
 
     def __init__(self, manager: GradManager, step: int) -> None:
         self._manager, self._step = manager, step
-        self._stack: Optional[List[GradManager]] = None  # (set on entering)
+        self._stack: List[GradManager] = []  # (this thread's, set on entering)
         self._tracked: Optional[tuple] = None
 
     def __enter__(self) -> _Backwarding:

@@ -25,15 +25,7 @@ def check_outputs(y: Any, dy: Any,
         if dy is not None and as_list(dy):
             raise ValueError("dy was given but y is empty")
         return [], [], backend
-    for t in ys:
-        found = backend_of_output(t)
-        if found is None:
-            raise TypeError(f"backward() expects tensors as y, got {type(t).__name__}")
-        if backend is not None and found is not backend:
-            raise TypeError(
-                f"y is a {found.name} tensor but this manager holds {backend.name} tensors"
-            )
-        backend = found
+    backend = _backend_of(ys, backend)
     if dy is None:
         if any(not backend.is_tensor(t) for t in ys):
             raise ValueError("a y that is not a tensor (a GradientEdge) needs its dy: "
@@ -49,3 +41,19 @@ def check_outputs(y: Any, dy: Any,
         if problem is not None:
             raise ValueError(f"dy[{i}] {problem} (y[{i}]); each dy must match its y")
     return ys, dys, backend
+
+
+def _backend_of(ys: List[Any], backend: Optional[Backend]) -> Backend:
+    """The backend of every output in ``ys`` (not empty), which must be ``backend`` if given."""
+    for t in ys:
+        found = backend_of_output(t)
+        if found is None:
+            raise TypeError(f"backward() expects tensors as y, got {type(t).__name__}")
+        if backend is not None and found is not backend:
+            raise TypeError(
+                f"y is a {found.name} tensor but this manager holds {backend.name} tensors"
+            )
+        backend = found
+    if backend is None:
+        raise ValueError("backward(): no output to differentiate")
+    return backend

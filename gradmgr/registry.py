@@ -8,6 +8,7 @@ backends register through the entry-point group ``gradmgr.backends`` or :func:`r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -57,7 +58,7 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     from importlib.metadata import entry_points
 
-    eps = entry_points()
+    eps: Any = entry_points()  # EntryPoints (3.10 on), or on 3.9 a dict of lists by group
     group = eps.select(group=ENTRY_POINT_GROUP) if hasattr(eps, "select") else eps.get(
         ENTRY_POINT_GROUP, []
     )
@@ -182,6 +183,18 @@ def _detect(cls: type, obj: Any, outputs: bool = False) -> Optional[Backend]:
     return None
 
 
+def known_backends() -> List[str]:
+    """The names of the registered backends, built in and from entry points, imported or not.
+
+    Example:
+        >>> {"torch", "megengine"} <= set(known_backends())
+        True
+    """
+    with _lock:
+        _load_entry_points()
+        return sorted(_specs)
+
+
 def imported_backends() -> List[Backend]:
     """The backends of the registered frameworks imported so far, by name.
 
@@ -201,7 +214,11 @@ def prepare_ranks(rank: int, world: int) -> None:
             _load_entry_points()
         owners = dict(_owners)
     for module, name in owners.items():
-        call_after_import(module, lambda name=name: get_backend(name).prepare_rank(rank, world))
+        call_after_import(module, functools.partial(_prepare_rank, name, rank, world))
+
+
+def _prepare_rank(name: str, rank: int, world: int) -> None:
+    get_backend(name).prepare_rank(rank, world)
 
 
 def hold_rendezvous(world: int) -> Optional[Tuple[Any, int, Dict[str, str]]]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs lint and the whole test suite in both environments made by scripts/setup.sh:
+# Runs lint (ruff), the type check (mypy on gradmgr/) and the whole test suite in both
+# environments made by scripts/setup.sh:
 #   .venv         torch 2.8 + megengine 1.13: every test
 #   .venv-latest  torch 2.13: core and torch tests, and the docs site's; MegEngine tests are
 #                 deselected there (and the docs site's in .venv, which has no docs tools)
@@ -24,6 +25,13 @@ if .venv-latest/bin/ruff check .; then
   summaries+=("lint: ruff check passed")
 else
   status=1; summaries+=("lint: ruff check FAILED")
+fi
+
+bold "== types: mypy (the library, [tool.mypy] in pyproject.toml)"
+if .venv-latest/bin/python -m mypy; then
+  summaries+=("types: mypy passed")
+else
+  status=1; summaries+=("types: mypy FAILED")
 fi
 
 run_env() {  # run_env VENV FRAMEWORKS DOCS(0|1) [PYTEST-ARGS...]

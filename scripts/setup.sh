@@ -293,12 +293,12 @@ ensure_chromium() {  # the docs' browser test (tests/docs/test_docs_site.py) dri
 setup_legacy() {  # .venv: torch 2.8 + MegEngine, what the demo, the benchmarks and most tests run in
   LEGACY_PY=$(ensure_legacy_python)
   setup_env .venv "$LEGACY_PY" "torch, megengine, gradmgr, lightning_fabric" \
-    "$LEGACY_TORCH" -e ".[megengine,lightning,test,demo]"
+    "$LEGACY_TORCH" -e ".[megengine,lightning,parity,test,demo]"
 }
 
 setup_latest() {  # .venv-latest: the newest torch, the docs tools and ruff
   setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr, mkdocs, mkdocstrings, lightning_fabric" \
-    "$LATEST_TORCH" -e ".[lightning,test,docs]"
+    "$LATEST_TORCH" -e ".[lightning,parity,test,docs]"
 }
 
 summary() {  # one line per environment there is

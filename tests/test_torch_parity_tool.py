@@ -37,6 +37,18 @@ class InOutLinear(nn.Module):
         return x @ self.weight + self.bias
 
 
+def test_a_misspelt_transform_is_refused_naming_the_one_there_is():
+    """A transform is "transpose" or a function; another string was called as one
+    (TypeError: 'str' object is not callable)."""
+    a, b = nn.Linear(4, 3), InOutLinear(4, 3)
+    before = b.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"unknown transform 'transposed': give 'transpose' "
+                                         r"or a function of the array"):
+        transfer_weights(a, b, {"weight": "weight", "bias": "bias"},
+                         transforms={"weight": "transposed"})
+    assert torch.equal(b.weight.detach(), before)  # nothing written
+
+
 def test_a_transposed_layout_is_refused_until_declared_then_compared_through_it():
     torch.manual_seed(0)
     a, b = nn.Linear(4, 3), InOutLinear(4, 3)

@@ -104,12 +104,10 @@ class PlanCheck:
         # accumulated: recordings inside no_sync since the last synced one, before this synced
         # recording; None: this recording is inside no_sync (its check is the first one).
         self._accumulation = _accumulation_chunks(accumulated)
-        fingerprint = list(fingerprint) + self._accumulation
-        self._width = len(fingerprint)
-        if self._rank is not None:
-            flat = _own_row(self._rank, world, fingerprint)
-        else:
-            flat = list(fingerprint) + [v * v for v in fingerprint]
+        row: List[float] = [*fingerprint, *self._accumulation]
+        self._width = len(row)
+        flat = (_own_row(self._rank, world, row) if self._rank is not None
+                else row + [v * v for v in row])
         self._handle = transport.allreduce_async(ops.vector(flat + [int(request)], like))
         self.requested = False  # by any rank; known once agreed() returned
 
@@ -209,7 +207,7 @@ def every_rank(transport: Any, ops: TensorOps, row: Sequence[float],
     return _gather(transport, ops, rank_of(), transport.world_size(), list(row), like)
 
 
-def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: List[float],
+def _gather(transport: Any, ops: TensorOps, rank: int, world: int, row: Sequence[float],
             like: Any) -> List[List[float]]:
     """Every rank's ``row`` (same length on all ranks), by a sum over zeros elsewhere."""
     flat = _own_row(rank, world, row)

@@ -219,8 +219,16 @@ class JoinHook:
     def __init__(self, joining: Joining, gm: DataParallelManager) -> None:
         self._joining, self._gm = joining, weakref.ref(gm)
 
+    def _manager(self) -> DataParallelManager:
+        gm = self._gm()
+        if gm is None:  # the other ranks would wait for this one's collectives for ever
+            raise RuntimeError("gradmgr: the DataParallelManager was garbage-collected while "
+                               "torch's Join context still holds its hook: keep a reference "
+                               "to it until the context ends")
+        return gm
+
     def main_hook(self) -> None:
-        joining, gm = self._joining, self._gm()
+        joining, gm = self._joining, self._manager()
         if not gm._join_config.is_first_joinable:
             raise ValueError(_FIRST)
         synchronizer = joining.callback.synchronizer(gm)
@@ -234,7 +242,7 @@ class JoinHook:
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the model of the (highest) last rank to join, as DDP's
         ``_sync_final_model``; then steps are as outside the context again."""
-        joining, gm = self._joining, self._gm()
+        joining, gm = self._joining, self._manager()
         synchronizer = joining.callback.synchronizer(gm)
         synchronizer.plan_now(gm)
         module = joining.module

@@ -5,7 +5,7 @@ state into the whole model's (collectives over the sharding transport)."""
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from .bucket import BucketPlan
 from .sharding import Segment, chunk_numel
@@ -25,12 +25,13 @@ class Ranks(NamedTuple):
 class Layout(NamedTuple):
     """This rank's segments of one bucket plan (the reduced parameters', or the frozen
     ones'), the tensors the wrapped optimizer holds for them, and where each of the plan's
-    members sits in the unsharded optimizer's numbering (``index[position]``)."""
+    members sits in the unsharded optimizer's numbering (``numbering[position]``; not
+    ``index``, which would hide the tuple's method)."""
 
     plan: BucketPlan
     segments: List[Segment]
     tensors: List[Any]
-    index: List[int]
+    numbering: List[int]
 
 
 def elementwise(ops: Any, key: str, value: Any, shape: tuple) -> bool:
@@ -82,7 +83,7 @@ class Numbering:
         groups: List[Dict[str, Any]] = [{**o, "params": []} for o in self.options]
         for layout in layouts:
             for segment, tensor in zip(layout.segments, layout.tensors):
-                group = self.group_of[layout.index[segment.position]]
+                group = self.group_of[layout.numbering[segment.position]]
                 groups[group]["params"].append(tensor)
         return groups
 
@@ -176,7 +177,7 @@ def _agreed_keys(ranks: Ranks, held: List[Tuple[Dict[str, Any], Any]]) -> List[s
         return []
     codes = ops.values(transport.all_gather_async(
         ops.vector(mine + [0] * (size - len(mine)), like)).wait())
-    agreed = set()
+    agreed: Set[str] = set()
     for rank in range(ranks.world):
         raw = bytes(int(c) for c in codes[rank * size:(rank + 1) * size]).rstrip(b"\0")
         agreed.update(k for k in raw.decode().split("\0") if k)
@@ -235,7 +236,7 @@ def _consolidate_key(ranks: Ranks, layout: Layout, bucket: Any, key: str, mine: 
     # The counts are summed over the ranks: every rank skips the bucket-sized sum alike.
     summed = (_summed(ranks, bucket, per_element, like) if any(counts[2::3]) else None)
     for slot, position in enumerate(bucket.members):
-        index = layout.index[position]
+        index = layout.numbering[position]
         if counts[3 * slot + 1]:
             value = counts[3 * slot] / counts[3 * slot + 1]
             out.setdefault(index, {})[key] = ops.scalar_like_state(value, like)

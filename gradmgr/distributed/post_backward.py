@@ -82,7 +82,7 @@ class PostBackwardStep:
         """The reduced gradients become ``.grad`` (views into the buckets, as
         ``gradient_as_bucket_view``); a tensor no rank used keeps its ``.grad``. The last
         bucket is read first: it says whether some rank failed, and then nothing changes."""
-        launched = self._step.launched
+        launched = self._step.all_launched()
         if launched:
             launched[-1].result(0)  # raises RankFailedError where a rank failed
         results = [(tensor, future.get()) for tensor, future in pending]

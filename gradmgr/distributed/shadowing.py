@@ -72,7 +72,7 @@ def _shadow_buckets(synchronizer: Any, plan: BucketPlan) -> bool:
             synchronizer.shards.zero()  # its slice is the others' step's gradient, alone
             synchronizer.keep_shards(step)
         else:
-            for reduction in step.launched:  # the sums are dropped; the last bucket's
+            for reduction in step.all_launched():  # the sums are dropped; the last bucket's
                 reduction.result(0)          # flags say whether a rank failed
     except RankFailedError:
         step.drain()

@@ -394,7 +394,7 @@ class ShardedOptimizer:
         self._stepped_with = [_options(group) for group in self.optimizer.param_groups]
         for layout in self._layouts():
             for segment, tensor in zip(layout.segments, layout.tensors):
-                state = saved.get(layout.index[segment.position])
+                state = saved.get(layout.numbering[segment.position])
                 if state is None:
                     ops.reset_optimizer_state(self.optimizer, tensor)
                 else:

@@ -32,7 +32,8 @@ class BufferPool:
     __slots__ = ("ops", "free", "open")
 
     def __init__(self, ops: TensorOps) -> None:
-        self.ops, self.free, self.open = ops, [], False
+        self.ops, self.open = ops, False
+        self.free: List[Any] = []
 
     def lend(self, bucket: Any) -> None:
         """Offer ``bucket`` a free buffer as its ``spare``, or none (``TensorOps.new_buffer``
@@ -249,12 +250,16 @@ class GradientShards:
                failed_here: bool) -> None:
         """Keep a finished step's chunks, or raise RankFailedError (every rank not failing
         itself) where some rank failed; nothing is kept then."""
-        if summed_flags[-1] != 0 or _any_bucket_failed(self.plan, summed_flags):
+        plan = self.plan
+        if plan is None:  # the synchronizer plans (planned()) before any step launches
+            raise RuntimeError("gradmgr: gradient shards given a step before a plan (an "
+                               "internal error: please report it with `gradmgr env`)")
+        if summed_flags[-1] != 0 or _any_bucket_failed(plan, summed_flags):
             if failed_here:
                 return
             raise RankFailedError(RANK_FAILED)
         start = 0
-        for b, (bucket, reduction) in enumerate(zip(self.plan.buckets, launched)):
+        for b, (bucket, reduction) in enumerate(zip(plan.buckets, launched)):
             flags = summed_flags[start:start + len(bucket.members)]
             start += len(bucket.members) + 1
             chunk = reduction.chunk()

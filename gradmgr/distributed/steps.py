@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Set, Tuple
 
 from ..future import Future
 from .bucket import BucketPlan
@@ -19,6 +19,17 @@ RANK_FAILED = (
     "it held before the step. Skip the step on every rank (catch this error where that rank "
     "catches its own), or stop all ranks"
 )
+
+
+class Launched(Protocol):
+    """A launched bucket as a step holds it: a :class:`Reduction`, or on the sharded path a
+    ``ShardReduction`` (whose per-tensor results are None)."""
+
+    def drain(self) -> None: ...
+
+    def result(self, slot: int) -> Any: ...
+
+    def used_anywhere(self, slot: int) -> bool: ...
 
 
 class Reduction:
@@ -36,7 +47,7 @@ class Reduction:
         self._flags: Any = None
         self._lock = threading.Lock()
 
-    def _unpack(self) -> None:
+    def _unpack(self) -> List[Any]:
         with self._lock:
             if self._parts is None:
                 flat = self._handle.wait()
@@ -47,6 +58,7 @@ class Reduction:
                 if self._ops.failed_somewhere(flags):
                     raise RankFailedError(RANK_FAILED)
                 self._parts, self._flags = parts, flags
+            return self._parts
 
     def drain(self) -> None:
         """Wait for the collective, for a rank whose backward failed: its error, not the
@@ -55,9 +67,10 @@ class Reduction:
             self._handle.wait()
 
     def result(self, slot: int) -> Any:
-        if self._parts is None:
-            self._unpack()
-        return self._parts[slot]
+        parts = self._parts
+        if parts is None:
+            parts = self._unpack()
+        return parts[slot]
 
     def used_anywhere(self, slot: int) -> bool:
         if self._parts is None:
@@ -73,7 +86,7 @@ class PendingGradient(Future):
 
     replaces_grad = True
 
-    def __init__(self, launched: List[Optional[Reduction]], bucket: int, slot: int,
+    def __init__(self, launched: List[Optional[Launched]], bucket: int, slot: int,
                  maybe_unused: bool) -> None:
         self._launched, self._bucket, self._slot = launched, bucket, slot
         self._maybe_unused = maybe_unused
@@ -113,7 +126,7 @@ class Wire:
         """Before ``bucket``'s buffer is made: the allreduce path keeps each bucket's own
         (``.grad`` views it), so nothing to do."""
 
-    def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> Reduction:
+    def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> Launched:
         ops = self.ops
         if self.mean:
             flat = ops.scale(flat, 1.0 / self.transport.world_size())
@@ -140,7 +153,7 @@ class HookWire(Wire):
         for the gradient's Future)."""
         step.drain()
 
-    def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> Reduction:
+    def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> Launched:
         def parameters() -> List[Any]:
             return [plan.tensor(m) for m in bucket.members]
 
@@ -161,7 +174,7 @@ class Step:
         self.buffers: List[Any] = [None] * len(plan.buckets)  # BucketBuffer, once needed
         self.filled: List[List[bool]] = [[False] * len(b.members) for b in plan.buckets]
         self.count = [0] * len(plan.buckets)
-        self.launched: List[Optional[Reduction]] = [None] * len(plan.buckets)
+        self.launched: List[Optional[Launched]] = [None] * len(plan.buckets)
         self.next_launch = 0
         self.check: Any = None  # the ranks' plans compared (PlanCheck), not yet read
         self.mismatch: Optional[BaseException] = None  # they differed: launch nothing
@@ -223,6 +236,14 @@ class Step:
         rank's next step) and they raise RankFailedError rather than use incomplete sums."""
         for b in range(self.next_launch, len(self.plan.buckets)):
             self.launch(wire, b, (), failed=True)
+
+    def all_launched(self) -> List[Launched]:
+        """Every bucket's reduction, once the step launched them all (a step ends so)."""
+        launched = [r for r in self.launched if r is not None]
+        if len(launched) != len(self.launched):
+            raise RuntimeError("gradmgr: a step ended with a bucket never launched (an internal "
+                               "error: please report it with the output of `gradmgr env`)")
+        return launched
 
     def drain(self) -> None:
         """Wait for every launched bucket (a failed rank's, whose own error is reported)."""

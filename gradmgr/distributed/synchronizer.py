@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
 
 from ..hooks import after_backward_callbacks
 from ..manager import attach_epoch, callback_chains
@@ -21,7 +21,7 @@ from .consistency import NameOf, PlanCheck, plan_fingerprint
 from .contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
 from .errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
 from .post_backward import PostBackwardStep
-from .sharding import GradientShards, ShardWire
+from .sharding import GradientShards, ShardReduction, ShardWire
 from .steps import HookWire, PendingGradient, Step, Wire
 from .sync import broadcast, is_paused
 from .transport import control_transport, resolve_transport
@@ -110,7 +110,7 @@ class Synchronizer:
         options = self.options
         fingerprint = self.fingerprint
         first = not self.started
-        self.replan_if_needed(gm)
+        plan = self.replan_if_needed(gm)
         if self.shards is not None:
             self.shards.recording()
         sync = options.syncing and not is_paused(gm)
@@ -121,11 +121,11 @@ class Synchronizer:
         steps = self.steps
         if len(steps) >= _MAX_OPEN_STEPS:
             del steps[min(steps)]
-        plan = self.plan
         step = steps[gm.step] = Step(plan, sync)
-        # (post_ok first: the usual step asks nothing more)
-        step.after = self.post_ok and self.post_path.wanted() and self._still_delegable(
-            gm, self._planned(), self.post_path)
+        # (post_ok first: the usual step asks nothing more; post_ok says there is a path)
+        post_path = self.post_path
+        step.after = (self.post_ok and post_path is not None and post_path.wanted()
+                      and self._still_delegable(gm, self._planned(), post_path))
         if step.after and self.reducer is not None:
             # Its hooks on the tensors' accumulators would run in the backward (torch's
             # reducer then raises under compiled autograd); the next reducer step builds one.
@@ -150,11 +150,12 @@ class Synchronizer:
             self.settle(step)
         if first and at_record:
             if options.broadcast and plan.buckets:
-                broadcast(plan.tensors(), options.src, transport=self.transport)
+                broadcast(plan.tensors(), options.src, transport=self._transport())
             self.started = True
         return step
 
-    def replan_if_needed(self, gm: Any) -> None:
+    def replan_if_needed(self, gm: Any) -> BucketPlan:
+        """The plan for ``gm``'s next recording, made again where it is outdated."""
         if self.plan is None or self._plan_outdated(gm):
             self._plan(gm)
         reducer = self.reducer
@@ -165,25 +166,25 @@ class Synchronizer:
                 # A backward raised midway, or building the reducer raised (a broken process
                 # group): build it again, so that this step raises the transport's error again.
                 self._set_native(True)
+        return self._the_plan()
 
     def _plan_outdated(self, gm: Any) -> bool:
         """Whether the trainable attached tensors changed since planning: attached, frozen,
         unfrozen, died, or (``model.double()`` after planning) of another dtype now."""
         ops, planned = self.ops, self._planned()
         return (self.epoch != attach_epoch(gm) or not ops.all_trainable(planned)
-                or ops.dtypes(planned) != self.plan.dtypes
+                or ops.dtypes(planned) != self._the_plan().dtypes
                 or ops.any_trainable(self.excluded))
 
     def plan_now(self, gm: Any) -> BucketPlan:
         """The plan the next recording will use, made now where there is none yet (the sharded
         optimizer lays its segments out on it)."""
         with self.lock:
-            self.replan_if_needed(gm)
-            return self.plan
+            return self.replan_if_needed(gm)
 
     def _planned(self) -> List[Any]:
         # The reducer holds the planned tensors (in plan order): no weak references to follow.
-        return self.plan.tensors() if self.reducer is None else self.reducer.tensors
+        return self._the_plan().tensors() if self.reducer is None else self.reducer.tensors
 
     def check_plan(self, step: Step, native: bool, request: bool,
                    accumulated: Optional[int]) -> bool:
@@ -193,7 +194,7 @@ class Synchronizer:
         own transport (``control()``), where it meets only the other ranks' checks."""
         plan = step.plan
         like = plan.tensor(0) if plan.buckets else next(iter(self.excluded), None)
-        if like is None or self.transport.world_size() < 2:
+        if like is None or self._transport().world_size() < 2:
             return False
         step.check = PlanCheck(self.checks, self.ops, self._fingerprint(native), like,
                                request=request, accumulated=accumulated)
@@ -307,6 +308,27 @@ class Synchronizer:
         return (after_backward_callbacks(gm) == (self.flush_hook,)
                 and path.still_accepts(tensors))
 
+    # What the first recording sets up (see _plan), for the steps after it
+    def _the_plan(self) -> BucketPlan:
+        if self.plan is None:
+            _unprepared("a bucket plan")
+        return self.plan
+
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            _unprepared("a transport")
+        return self.transport
+
+    def _wire(self) -> Wire:
+        if self.wire is None:
+            _unprepared("a wire")
+        return self.wire
+
+    def _the_reducer(self) -> NativeReducer:
+        if self.reducer is None:
+            _unprepared("the backend's reducer")
+        return self.reducer
+
     def _set_native(self, native: bool) -> None:
         """Choose the path; a reducer for it is built at the next synced step (see
         :meth:`_build_reducer`)."""
@@ -314,7 +336,7 @@ class Synchronizer:
         self.native = native
         mode = self._mode(native)
         _log.info("the steps' path: %s", mode)
-        self.fingerprint = plan_fingerprint(self.ops, self.plan.tensors(), mode)
+        self.fingerprint = plan_fingerprint(self.ops, self._the_plan().tensors(), mode)
         self.bucket_fingerprint = None if native else self.fingerprint
 
     def _fingerprint(self, native: bool) -> List[int]:
@@ -323,7 +345,7 @@ class Synchronizer:
         if native:
             return self.fingerprint
         if self.bucket_fingerprint is None:
-            self.bucket_fingerprint = plan_fingerprint(self.ops, self.plan.tensors(),
+            self.bucket_fingerprint = plan_fingerprint(self.ops, self._the_plan().tensors(),
                                                        self._mode(False))
         return self.bucket_fingerprint
 
@@ -332,7 +354,9 @@ class Synchronizer:
         asks in the step's plan check, or, with no check, where this rank needs one."""
         self._drop_reducer()
         bucket_bytes = self.options.bucket_bytes
-        self.reducer = self.native_path.build(self.plan, bucket_bytes,
+        if self.native_path is None:
+            _unprepared("the backend's reducer path")
+        self.reducer = self.native_path.build(self._the_plan(), bucket_bytes,
                                               min(bucket_bytes, FIRST_BUCKET_BYTES),
                                               self.comm_hook)
 
@@ -341,12 +365,13 @@ class Synchronizer:
             self.used.update(self.reducer.used_since_window())
         self.reducer = None  # its hooks go with it
 
-    def _reducer_for(self, step: Step) -> None:
+    def _reducer_for(self, step: Step) -> NativeReducer:
         """Settle a synced step bound for the reducer, building the reducer if no plan check
-        agreed on it (where it raises, the step is dropped by the caller)."""
+        agreed on it (where it raises, the step is dropped by the caller); the reducer."""
         self.settle(step)
         if self.reducer is None:
             self._build_reducer()
+        return self._the_reducer()
 
     def native_step(self, gm: Any) -> Any:
         """The backward delegate: this step is reduced after the backward where its recording
@@ -366,14 +391,16 @@ class Synchronizer:
                 del self.steps[gm.step]  # (no collective: every rank raises this alike)
                 raise RuntimeError(_LATE_COMPILED)
             if step.sync:
-                self._reducer_for(step)
+                reducer = self._reducer_for(step)
             elif self.reducer is None:
                 return None  # not built yet: the per-tensor path accumulates locally
+            else:
+                reducer = self.reducer
             del self.steps[gm.step]
             try:
-                self.reducer.begin(step.sync)
+                reducer.begin(step.sync)
             except BaseException:
-                self.reducer.abort()
+                reducer.abort()
                 raise
             return NativeStep(self, step.sync)
 
@@ -410,7 +437,7 @@ class Synchronizer:
             if not step.sync:
                 self.used.add(id(tensor))  # for the next synced step (see Step.launch_missing)
                 return grad
-            return step.put(self.wire, tensor, grad, *where)
+            return step.put(self._wire(), tensor, grad, *where)
 
     # ------------------------------------------------------------------ a step ends
     def flush(self, gm: Any) -> None:
@@ -435,7 +462,7 @@ class Synchronizer:
         self.settle(step)
         if self.reducer is not None:  # earlier steps went to the reducer
             self.used.update(self.reducer.used_since_window())
-        missing = step.launch_missing(self.wire, self.used)
+        missing = step.launch_missing(self._wire(), self.used)
         if self.shards is not None:
             self.keep_shards(step)
             missing = []  # (their gradients went to the shards too)
@@ -446,14 +473,24 @@ class Synchronizer:
     def _end_sharded(self, step: Step, failed: bool) -> List[float]:
         """The sharded step's closing collective: every bucket's flags, summed."""
         like = step.plan.tensor(0)
-        return self.ops.values(self.wire.end_step(step.launched, failed, like).wait())
+        wire = self.wire
+        if not isinstance(wire, ShardWire):
+            _unprepared("the sharded path's wire")
+        # ShardWire.send launched them: ShardReductions (None: not launched, as a failed step)
+        launched = cast(Sequence[Optional[ShardReduction]], step.launched)
+        return self.ops.values(wire.end_step(launched, failed, like).wait())
 
     def keep_shards(self, step: Step) -> None:
         """The step's chunks join the shards (or RankFailedError), and the local gradients
         they summed are freed: ``.grad`` is None after a synced sharded step, or a stand-in
         (see :mod:`.shard_grads`)."""
-        self.shards.accept(step.launched, self._end_sharded(step, False), False)
-        self.shards.release(self.transport)
+        shards = self.shards
+        if shards is None:
+            _unprepared("the gradient shards")
+        # A ShardWire launched every bucket of a step on the sharded path
+        launched = cast(Sequence[ShardReduction], step.all_launched())
+        shards.accept(launched, self._end_sharded(step, False), False)
+        shards.release(self._transport())
 
     def abort(self, gm: Any) -> None:
         """``gm``'s backward raised: this rank still takes part in the step's collectives,
@@ -469,7 +506,7 @@ class Synchronizer:
         failure marker set (see :meth:`Step.launch_failed`)."""
         with self.lock:
             self.settle(step)
-            step.launch_failed(self.wire)
+            step.launch_failed(self._wire())
             if self.shards is not None:
                 self._end_sharded(step, True)
         step.drain()
@@ -492,10 +529,9 @@ class Synchronizer:
             changed = (step.finished_before == self.finished  # .grad written by gradmgr
                        and self.ops.grads_changed(self._planned(), step.grads_at_record))
             if self.native and not step.after:
-                self._reducer_for(step)
-                self.reducer.fail_step(self.used)
+                self._reducer_for(step).fail_step(self.used)
             else:
-                step.launch_failed(self.wire)
+                step.launch_failed(self._wire())
                 if self.shards is not None:
                     self._end_sharded(step, True)
         step.drain()
@@ -513,10 +549,15 @@ class NativeStep:
 
     def finish(self) -> None:
         synchronizer = self._synchronizer
-        synchronizer.reducer.finish(self._sync, synchronizer.used)
+        synchronizer._the_reducer().finish(self._sync, synchronizer.used)
         if self._sync:
             synchronizer.used.clear()
             synchronizer.finished += 1
 
     def abort(self) -> None:
-        self._synchronizer.reducer.abort()
+        self._synchronizer._the_reducer().abort()
+
+
+def _unprepared(what: str) -> NoReturn:
+    raise RuntimeError(f"gradmgr: the data-parallel step has no {what} yet (an internal error: "
+                       f"please report it with the output of `python -m gradmgr env`)")

@@ -8,10 +8,10 @@ import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..manager import GradManager
 from ..registry import backend_for
 from .allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
 from .consistency import PlanCheck, every_rank, names_from, plan_fingerprint
+from .contract import TensorOps
 from .errors import RankMismatchError, RanksOutOfStepError
 from .joining import DataParallelManager, Joining
 from .sync import broadcast, is_paused
@@ -89,9 +89,10 @@ def data_parallel(
     broadcast(params + (buffers if broadcast_buffers else []), src, group=group,
               transport=transport)
     gm = DataParallelManager()
+    ops = _tensor_ops(params)
     step = _Step(gm, module, broadcast_buffers, src, group, transport)
     gm.register_record_callback(step.check_module)  # before any collective of the step
-    support = backend_for(params[0]).tensor_ops().join_support() if params else None
+    support = ops.join_support() if ops is not None else None
     if support is not None:  # uneven inputs: its record callback comes before the step's
         gm.joining = Joining(gm, module, cb, support, broadcast_buffers)
         gm.register_record_callback(gm.joining.record)
@@ -101,11 +102,23 @@ def data_parallel(
     gm.register_release_callback(step.release)
     _remember(module, gm)
     if params:
-        watch = backend_for(params[0]).tensor_ops().watch_forwards(module, step.refusal)
+        watch = ops.watch_forwards(module, step.refusal) if ops is not None else None
         if watch is not None:
             step.watch = watch
             weakref.finalize(gm, watch.remove)
     return gm
+
+
+def _tensor_ops(params: List[Any]) -> Optional[TensorOps]:
+    """The tensor operations of the parameters' framework (None: no parameters)."""
+    if not params:
+        return None
+    backend = backend_for(params[0])
+    if backend is None:
+        raise TypeError(f"data_parallel: the module's parameters are "
+                        f"{type(params[0]).__qualname__}, not tensors of a framework with a "
+                        f"gradmgr backend")
+    return backend.tensor_ops()
 
 
 def _refuse_wrapper(module: Any) -> None:
@@ -147,7 +160,7 @@ def _manager_of(module: Any) -> Any:
     return entry[1]()
 
 
-def _remember(module: Any, gm: GradManager) -> None:
+def _remember(module: Any, gm: DataParallelManager) -> None:
     key = id(module)
 
     def forget(dead: Any) -> None:
@@ -264,8 +277,8 @@ class _Step:
     recording, a backward that computes the parameters' gradients raises :data:`_FORGOTTEN`
     (until the next recording starts)."""
 
-    def __init__(self, gm: GradManager, module: Any, buffers: bool, src: int, group: Any,
-                 transport: TransportSpec) -> None:
+    def __init__(self, gm: DataParallelManager, module: Any, buffers: bool, src: int,
+                 group: Any, transport: TransportSpec) -> None:
         self._gm = weakref.ref(gm)
         self._module = module if buffers else None
         self._src, self._group, self._transport = src, group, transport

@@ -16,6 +16,7 @@ dataclasses read through the reports' attributes. Importing it imports no framew
 model's backend supplies its adapter (:mod:`gradmgr.parity.contract`).
 """
 
+from . import _extra  # noqa: F401  (first: says which extra is missing)
 from .drift import DriftReport, train_drift
 from .errors import MappingError, ModelTypeError, ParityError
 from .mapping import MappingReport, transfer_weights

@@ -9,6 +9,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from ._extra import require
 from .contract import ModelAdapter, adapter_for
 from .errors import ParityError
 from .mapping import Pair, Transform, build_map, convert
@@ -65,9 +66,8 @@ class DriftReport:
 
     def plot(self, path: str) -> str:
         """Write a PNG of both losses and both distances against the step to ``path``
-        (matplotlib, imported now); returns ``path``."""
-        import matplotlib
-
+        (matplotlib, imported now: the ``parity`` extra); returns ``path``."""
+        matplotlib = require("matplotlib", "DriftReport.plot")
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 

@@ -91,12 +91,15 @@ def near_kink(call: Call, tol: float) -> Tuple[int, float, np.ndarray]:
 def toggle(call: Call, element: int) -> Pin:
     """The pin that sends one input element of a ReLU-like call down the other branch (the
     rest untouched): what a flip of that element would do to the gradients."""
+    if call.input is None:  # (only a watched ReLU-like call keeps its input)
+        raise ValueError(f"toggle: the call of {call.layer} kept no input to flip")
+    shape = call.input.shape
     x = call.input.reshape(-1)
     keep = (x > 0).astype(x.dtype)
     keep[element] = 1 - keep[element]
     where = np.zeros(x.shape, bool)
     where[element] = True
-    return ("mask", keep.reshape(call.input.shape), where.reshape(call.input.shape))
+    return ("mask", keep.reshape(shape), where.reshape(shape))
 
 
 def _windows(call: Call) -> Optional[np.ndarray]:

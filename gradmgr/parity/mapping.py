@@ -150,10 +150,20 @@ def transfer_weights(src: Any, dst: Any, name_map: Optional[Mapping[str, str]] =
     return report
 
 
+def transformed(transform: Transform, value: np.ndarray) -> np.ndarray:
+    """``value`` through ``transform``: ``"transpose"``, or a function of the array."""
+    if callable(transform):
+        return transform(value)
+    if transform != "transpose":
+        raise ValueError(f"unknown transform {transform!r}: give 'transpose' or a function "
+                         f"of the array")
+    return np.transpose(value)
+
+
 def convert(pair: Pair, value: np.ndarray) -> np.ndarray:
     """``value`` of ``pair.src`` in the layout of ``pair.dst``."""
     if pair.transform is not None:
-        value = np.transpose(value) if pair.transform == "transpose" else pair.transform(value)
+        value = transformed(pair.transform, value)
     return np.ascontiguousarray(value).reshape(pair.dst_shape)
 
 
@@ -378,7 +388,7 @@ def _pair(sa: Slot, sb: Slot, transforms: Dict[str, Transform], report: MappingR
     shape = sa.shape
     if transform is not None:
         probe = np.zeros(sa.shape, dtype=np.float32)
-        shape = np.transpose(probe).shape if transform == "transpose" else transform(probe).shape
+        shape = transformed(transform, probe).shape
     if shape == sb.shape:
         how = "transform" if transform is not None else "copy"
     elif squeezed(shape) == squeezed(sb.shape):

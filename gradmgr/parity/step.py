@@ -133,7 +133,7 @@ def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
     place on both sides (an average pool where the original has a max pool) as a
     substitution, compared like any pair. The rest are listed as without counterpart.
     Returns every pair, and those of the same kind."""
-    anchors = []
+    anchors: List[Tuple[int, int]] = []
     for la, lb in layers:
         anchors += zip([i for i, c in enumerate(ca) if c.layer == la],
                        [j for j, c in enumerate(cb) if c.layer == lb])
@@ -298,7 +298,7 @@ def _flip(ca: Call, cb: Call, kink: Kink, pin: bool) -> Flip:
 
 def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
            depth: List[float], factor: float, report: StepReport) -> None:
-    first_call = {}
+    first_call: Dict[str, int] = {}
     for index, call in enumerate(ta.calls):
         first_call.setdefault(call.layer, index)
     layers = {slot.name: slot.layer for slot in ad_a.slots()}
@@ -362,6 +362,9 @@ def _explain(behind: List[Entry], unpinned: int, unseen: List[Unseen],
                       f"side only: too many to size what their flips can move")
             continue
         ga, gb = sides.traces[0].grads[e.pair.src], sides.traces[1].grads[e.pair.dst]
+        if ga is None or gb is None:  # (an entry compared two gradients: not expected)
+            e.verdict, e.note = "unverified", "no gradient on one side to size a flip against"
+            continue
         diff = np.abs(convert(e.pair, ga).astype(np.float64) - gb.reshape(
             e.pair.dst_shape).astype(np.float64))
         limit = bound[e.pair.src]

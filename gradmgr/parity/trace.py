@@ -113,7 +113,7 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
     def pre(name: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
         layer, x = layers[name], args[0] if args else None
         index = len(calls)
-        shape = tuple(x.shape) if adapter.is_tensor(x) else ()
+        shape = tuple(x.shape) if x is not None and adapter.is_tensor(x) else ()
         piecewise = layer.kind in PIECEWISE and adapter.is_tensor(x)
         calls.append(Call(name, layer.kind, layer.config, shape, None,
                           adapter.numpy(x) if piecewise else None))

@@ -18,10 +18,13 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional
 
-from docs_helpers import ROOT
+from docs_helpers import ROOT, run, torchrun
 
 _OPEN = re.compile(r"^```([\w-]*)\s*$")
 _MARKER = re.compile(r"^<!--\s*test:\s*(.*?)\s*-->\s*$")
@@ -141,3 +144,30 @@ def read(path: str) -> str:
     """The text of ``path``, relative to the root."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         return f.read()
+
+
+RUN = [b for b in all_blocks() if b.lang == "python" and b.marker in ("", "2 ranks")]
+ONE_RANK_TIMEOUT_S, TWO_RANKS_TIMEOUT_S = 120, 180
+
+
+def run_block(block: Block, folder: Path, python: str = sys.executable,
+              **env: str) -> subprocess.CompletedProcess:
+    """Run a ``python`` block as a script in ``folder`` (empty) with ``python``, on 2 ranks
+    where its marker says so; fail unless it exits 0 within the timeout and prints what the
+    page's output block after it shows (if there is one). ``env`` is added to the script's
+    environment (tests/docs/test_packaging.py empties PYTHONPATH to run the installed copy)."""
+    script = folder / "block.py"
+    script.write_text(block.text, encoding="utf-8")
+    if block.marker == "2 ranks":
+        # The pages' 2-rank examples run on CPU over gloo; CUDA hidden, as on the machines
+        # they are written for (torch's powerSGD_hook calls torch.cuda.synchronize on a CPU
+        # tensor's device wherever CUDA is available: DDP's run fails there too).
+        done = run(torchrun(str(script), python=python), TWO_RANKS_TIMEOUT_S, cwd=str(folder),
+                   CUDA_VISIBLE_DEVICES="", **env)
+    else:
+        done = run([python, str(script)], ONE_RANK_TIMEOUT_S, cwd=str(folder), **env)
+    shown = outputs().get(block.id)
+    if shown is not None:
+        problems = printed_as_shown(done.stdout, shown.text)
+        assert not problems, f"{block.id} prints other than {shown.id} shows: {problems}"
+    return done

@@ -19,12 +19,13 @@ def script_env(**extra: str) -> dict:
                 PYTHONDONTWRITEBYTECODE="1", **extra)
 
 
-def torchrun(script: str, *args: str, nproc: int = 2) -> List[str]:
+def torchrun(script: str, *args: str, nproc: int = 2, python: str = sys.executable) -> List[str]:
     """The command that runs ``script`` as ``torchrun --nproc_per_node 2`` would, on a free
-    port. The venv's ``torchrun`` where there is one; else its entry point run by module
-    (``torch.distributed.run``, what the ``torchrun`` script calls)."""
-    exe = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    launcher = [exe] if os.path.exists(exe) else [sys.executable, "-m", "torch.distributed.run"]
+    port, in the environment of ``python``. That venv's ``torchrun`` where there is one; else
+    its entry point run by module (``torch.distributed.run``, what the ``torchrun`` script
+    calls)."""
+    exe = os.path.join(os.path.dirname(python), "torchrun")
+    launcher = [exe] if os.path.exists(exe) else [python, "-m", "torch.distributed.run"]
     return [*launcher, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
             "--master_port", str(free_port()), script, *args]
 

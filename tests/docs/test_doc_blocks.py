@@ -9,17 +9,22 @@ is not installed (.venv-latest).
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import pytest
-from doc_blocks import MARKERS, all_blocks, outputs, printed_as_shown, read, unified_diff
-from docs_helpers import run, torchrun
+from doc_blocks import (
+    MARKERS,
+    RUN,
+    all_blocks,
+    outputs,
+    printed_as_shown,
+    read,
+    run_block,
+    unified_diff,
+)
 
 BLOCKS = all_blocks()
-RUN = [b for b in BLOCKS if b.lang == "python" and b.marker in ("", "2 ranks")]
 OUTPUTS = outputs()  # the output a page shows after a block, by the block's id
-ONE_RANK_TIMEOUT_S, TWO_RANKS_TIMEOUT_S = 120, 180
 
 
 @pytest.mark.slow
@@ -27,20 +32,7 @@ ONE_RANK_TIMEOUT_S, TWO_RANKS_TIMEOUT_S = 120, 180
 def test_block_runs(framework: str, block, tmp_path) -> None:
     if framework != "core":
         pytest.importorskip(framework, reason=f"{framework} is not installed in this environment")
-    script = tmp_path / "block.py"
-    script.write_text(block.text, encoding="utf-8")
-    if block.marker == "2 ranks":
-        # The pages' 2-rank examples run on CPU over gloo; CUDA hidden, as on the machines
-        # they are written for (torch's powerSGD_hook calls torch.cuda.synchronize on a CPU
-        # tensor's device wherever CUDA is available: DDP's run fails there too).
-        done = run(torchrun(str(script)), TWO_RANKS_TIMEOUT_S, cwd=str(tmp_path),
-                   CUDA_VISIBLE_DEVICES="")
-    else:
-        done = run([sys.executable, str(script)], ONE_RANK_TIMEOUT_S, cwd=str(tmp_path))
-    shown = OUTPUTS.get(block.id)
-    if shown is not None:
-        problems = printed_as_shown(done.stdout, shown.text)
-        assert not problems, f"{block.id} prints other than {shown.id} shows: {problems}"
+    run_block(block, tmp_path)
 
 
 QUICK_STARTS = ["README.md", "docs/index.md"]

@@ -1,23 +1,36 @@
-"""What a user installs: a wheel built from a clean clone of the committed tree installs into an
-empty virtual environment, reports its version, licence and URLs, and is typed: mypy checks a
-user script against it without ``import-untyped``, and reports a deliberate type error in
-another (so the types are really seen, not ``Any``).
+"""What a user installs: a wheel built from a clean clone of the committed tree installs, with
+its extras (``torch``, ``lightning``, ``parity``), into an empty virtual environment; from
+there, with no checkout on the path, every subpackage imports, the docs' code blocks run (the
+runner of test_doc_blocks.py, pointed at the installed copy), the metadata is right, and the
+package is typed: mypy checks a user script against it without ``import-untyped``, and reports
+deliberate type errors in another (so the types are really seen, not ``Any``).
 
-Needs the package index for the build's setuptools and for typing-extensions, as CI has.
+torch is the release this environment has (pip finds the same wheel, from its cache or the
+index scripts/setup.sh used). Marked ``docs``: it runs in .venv-latest only (torch 2.13 for
+CPU; MegEngine has no wheel for its Python, so the MegEngine blocks do not run here; .venv's
+torch 2.8 is a CUDA build of several GB). Needs the package index, as CI has.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+from doc_blocks import RUN, run_block
 from docs_helpers import ROOT, run
 
-pytestmark = pytest.mark.slow
-TIMEOUT_S = 300
+# The first test also pays for the venv (clone, build, install: minutes on a busy machine),
+# and mypy reads torch's types for the user scripts: more than pytest's default 300 s
+TIMEOUT_S = 600
+pytestmark = [pytest.mark.slow, pytest.mark.docs, pytest.mark.timeout(3 * TIMEOUT_S)]
+EXTRAS = "torch,lightning,parity"
+# The installed copy alone: no checkout on the path (PYTHONPATH names one in our runs).
+INSTALLED_ONLY = {"PYTHONPATH": "", "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1"}
 
 USER_SCRIPT = '''\
 """A user's training helpers, type-checked against the installed gradmgr."""
@@ -45,12 +58,16 @@ version: str = gradmgr.__version__
 '''
 
 WRONG_SCRIPT = '''\
+import torch
+
 from gradmgr import GradManager
 from gradmgr.distributed import data_parallel, make_allreduce_cb
 
 manager: int = GradManager()
 gm = data_parallel(object(), bucket_bytes="25 MB")
 cb = make_allreduce_cb("avg")
+model = torch.nn.Linear(4, 2)
+GradManager().attach(model)
 '''
 
 METADATA = '''\
@@ -66,9 +83,28 @@ print(json.dumps({
 '''
 
 
+SUBPACKAGES = '''\
+import importlib, json, pkgutil, sys, gradmgr
+found = {}
+for info in pkgutil.walk_packages(gradmgr.__path__, "gradmgr."):
+    if info.ispkg and not info.name.startswith("gradmgr.backends.megengine"):
+        found[info.name] = importlib.import_module(info.name).__file__
+    elif info.ispkg:
+        found[info.name] = None  # MegEngine has no wheel for this Python
+print(json.dumps({"gradmgr": gradmgr.__file__, "prefix": sys.prefix, **found}))
+'''
+
+
+def packages_in_checkout() -> list:
+    """gradmgr's packages in the checkout: the folders under gradmgr/ with an __init__.py."""
+    return sorted(os.path.relpath(folder, ROOT).replace(os.sep, ".")
+                  for folder, _, names in os.walk(os.path.join(ROOT, "gradmgr"))
+                  if "__init__.py" in names)
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> str:
-    """The python of an empty venv that has the wheel (and typing-extensions) installed."""
+    """The python of an empty venv that has the wheel with its extras installed."""
     tmp = tmp_path_factory.mktemp("packaging")
     clone, dist, venv = tmp / "clone", tmp / "dist", tmp / "venv"
     run(["git", "clone", "--quiet", ROOT, str(clone)], TIMEOUT_S)
@@ -78,13 +114,48 @@ def installed(tmp_path_factory) -> str:
     assert len(wheels) == 1, wheels
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], TIMEOUT_S)
     python = str(venv / "bin" / "python")
-    run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", wheels[0]],
-        TIMEOUT_S)
+    torch = f"torch=={importlib.metadata.version('torch')}"
+    run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
+         f"{wheels[0]}[{EXTRAS}]", torch], TIMEOUT_S)
     return python
 
 
+def test_every_subpackage_imports_from_the_wheel(installed: str) -> None:
+    info = json.loads(run([installed, "-c", SUBPACKAGES], TIMEOUT_S, cwd="/",
+                          **INSTALLED_ONLY).stdout)
+    prefix = info.pop("prefix")
+    assert info.pop("gradmgr").startswith(prefix), "gradmgr did not come from the wheel"
+    assert sorted(["gradmgr", *info]) == packages_in_checkout()
+    for name, file in info.items():
+        assert file is None or file.startswith(prefix), (name, file)
+    assert {"gradmgr.parity", "gradmgr.integrations", "gradmgr.backends.torch"} <= set(info)
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in RUN
+                                   if b.framework != "megengine"])
+def test_doc_block_runs_installed(installed: str, block, tmp_path) -> None:
+    run_block(block, tmp_path, python=installed, **INSTALLED_ONLY)
+
+
+def test_the_env_command_reports_the_installed_copy(installed: str) -> None:
+    """The console script ``gradmgr`` (what a bug report asks for) from the venv's bin."""
+    command = os.path.join(os.path.dirname(installed), "gradmgr")
+    out = run([command, "env"], TIMEOUT_S, cwd="/", **INSTALLED_ONLY).stdout
+    lines = {}  # label: value, the columns two spaces apart
+    for line in out.splitlines():
+        label, _, value = line.strip().partition("  ")
+        lines[label] = value.strip()
+    prefix = os.path.dirname(os.path.dirname(installed))
+    assert lines["location"].startswith(prefix), out
+    assert lines["torch backend"] == "imports" and lines["torch.distributed"].startswith(
+        "gloo yes"), out
+    assert lines["parity"] == lines["lightning"] == "yes", out
+    assert lines["gradmgr.parity"] == "imports", out
+
+
 def test_wheel_metadata(installed: str) -> None:
-    info = json.loads(run([installed, "-c", METADATA], TIMEOUT_S, cwd="/").stdout)
+    info = json.loads(run([installed, "-c", METADATA], TIMEOUT_S, cwd="/",
+                          **INSTALLED_ONLY).stdout)
     assert info["version"] == info["__version__"]
     assert info["license"] == "Apache-2.0"
     assert "Typing :: Typed" in info["classifiers"]
@@ -110,4 +181,6 @@ def test_mypy_sees_the_types(installed: str, tmp_path) -> None:
     # a string option is a Literal: a misspelt one fails the check, not the run
     assert any("[arg-type]" in e and "make_allreduce_cb" in e and "'avg'" in e
                for e in errors), out
+    # a module where tensors are expected (a user's habit from DDP(model))
+    assert any("[arg-type]" in e and '"attach"' in e and '"Linear"' in e for e in errors), out
     assert proc.returncode == 1, out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Dict, Optional
 
 import megengine
 import megengine.functional as F
@@ -108,6 +108,10 @@ class MegEngineBackend(Backend):
         from . import world as gloo_world
 
         gloo_world.install(rank, world)
+
+    def environment(self) -> Dict[str, str]:
+        """The GPUs MegEngine sees (its collectives run on them, or on gloo via gradmgr)."""
+        return {"megengine GPUs": str(megengine.device.get_device_count("gpu"))}
 
     def parity_adapter(self, model: Any) -> Any:
         from .parity import MegEngineParity

@@ -20,14 +20,21 @@ class _NativeView(native_grad_manager.GradManager):
     def __init__(self, manager: Any) -> None:  # not MegEngine's __init__: it holds no state
         self._gradmgr = weakref.ref(manager)
 
+    def _manager(self) -> Any:
+        manager = self._gradmgr()
+        if manager is None:  # MegEngine's helper kept this view past its backward
+            raise RuntimeError("gradmgr: the GradManager this MegEngine view stands for is "
+                               "gone (a view is valid only during its manager's backward)")
+        return manager
+
     def _register_after_backward_callback(self, callback: Any) -> _NativeView:
-        self._gradmgr().register_after_backward_callback(callback)
+        self._manager().register_after_backward_callback(callback)
         return self
 
 
 def _forward_to_gradmgr(name: str) -> Any:
     def method(self: _NativeView, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._gradmgr(), name)(*args, **kwargs)
+        return getattr(self._manager(), name)(*args, **kwargs)
 
     method.__name__ = name
     return method

@@ -19,7 +19,7 @@ class MegEngineShardedBase(Optimizer):
 
     def clear_grad(self) -> None:
         """Drop the gradient slices, as ``zero_grad``."""
-        self.zero_grad()  # type: ignore[call-arg]
+        self.zero_grad()
 
     def add_param_group(self, param_group: dict) -> NoReturn:
         raise NotImplementedError(

@@ -19,7 +19,7 @@ gradmgr's callback here.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import megengine
 import megengine.distributed as mdist
@@ -110,9 +110,11 @@ def _bcast_list_(tensors: Any, group: Any = None) -> None:
 
 def _make_allreduce_cb(reduce_method: str, group: Any = None, backend: Any = None) -> Any:
     from gradmgr.distributed import make_allreduce_cb
+    from gradmgr.distributed.allreduce import Reduce
 
     _world_only(group)
-    return make_allreduce_cb(reduce_method.lower())  # for gradmgr's GradManager
+    # MegEngine's names in any case; make_allreduce_cb refuses others, naming the choices
+    return make_allreduce_cb(cast(Reduce, reduce_method.lower()))  # for gradmgr's GradManager
 
 
 def _new_allreduce_cb(cls: type, reduce_method: str, group: Any = None,

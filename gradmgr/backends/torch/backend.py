@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -47,7 +47,8 @@ class TorchBackend(Backend):
     def shape(self, tensor: Any) -> tuple:
         return tuple(tensor.shape)
 
-    ones_like = staticmethod(own_seed)  # no extra frame: the one call every backward(loss) makes
+    # no extra frame: the one call every backward(loss) makes (typed for torch's tensors)
+    ones_like = staticmethod(own_seed)  # type: ignore[assignment]
 
     def is_output(self, obj: Any) -> bool:
         return isinstance(obj, (torch.Tensor, GradientEdge))
@@ -83,6 +84,18 @@ class TorchBackend(Backend):
 
     # data parallelism (gradmgr.distributed.contract), imported on first use
     transport_names = ("torch",)
+
+    def environment(self) -> Dict[str, str]:
+        """torch.distributed's backends, and the CUDA devices torch sees."""
+        import torch.distributed as dist
+
+        found = {name: getattr(dist, f"is_{name}_available", lambda: False)()
+                 for name in ("gloo", "nccl", "mpi")}
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        devices = f"{len(names)} ({', '.join(names)})" if names else "none"
+        available = ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in found.items())
+        return {"torch.distributed": available if dist.is_available() else "not built",
+                "torch CUDA": f"built for {torch.version.cuda or 'none'}; devices: {devices}"}
 
     def parity_adapter(self, model: Any) -> Any:
         from .parity import TorchParity

@@ -31,8 +31,8 @@ def _public_engine(outputs, seeds, retain, create_graph, inputs, accumulate):
 
 
 def run_engine(
-    outputs: List[torch.Tensor], seeds: List[torch.Tensor], retain: bool, create_graph: bool,
-    inputs: List[torch.Tensor], accumulate: bool,
+    outputs: Sequence[Any], seeds: Sequence[torch.Tensor], retain: bool, create_graph: bool,
+    inputs: Sequence[Any], accumulate: bool,
 ) -> Sequence[Optional[torch.Tensor]]:
     """Run the autograd engine: accumulate into ``.grad`` of ``inputs``, or return their grads.
 

@@ -85,10 +85,17 @@ def _storage(t: torch.Tensor) -> tuple:
     return torch._C._storage_Use_Count(storage._cdata), storage.nbytes()
 
 
+def _use_count(tensor: torch.Tensor) -> int:
+    """C++ tensors sharing ``tensor``'s TensorImpl (its Python object among them)."""
+    return tensor._use_count()  # type: ignore[attr-defined]  # private: not in torch's stubs
+
+
 def _base_users(view: torch.Tensor) -> tuple:
     """Python references to a view's base, and C++ tensors on it (the view itself is one)."""
     base = view._base
-    return sys.getrefcount(base), base._use_count()
+    if base is None:
+        raise ValueError("_base_users: not a view")  # (callers ask for views only)
+    return sys.getrefcount(base), _use_count(base)
 
 
 def _calibrate() -> tuple:
@@ -98,7 +105,7 @@ def _calibrate() -> tuple:
     product)."""
     alone = torch.empty(1)
     view = torch.empty(2, 2).t()
-    return (alone._use_count(), _storage(alone)[0]) + _base_users(view)
+    return (_use_count(alone), _storage(alone)[0]) + _base_users(view)
 
 
 _OWN_TENSOR_USES, _OWN_STORAGE_USES, _OWN_BASE_REFS, _OWN_BASE_USES = _calibrate()
@@ -141,7 +148,7 @@ def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:
     of its own size, and it needs no graph; and, stricter than AccumulateGrad, no other tensor
     uses its storage but its own base, if it is a view (so two views of one buffer, which
     ``cat``'s backward hands out, are never two ``.grad`` tensors on one storage)."""
-    if (refs > _OWN_REFS or grad._use_count() > _OWN_TENSOR_USES or grad.requires_grad
+    if (refs > _OWN_REFS or _use_count(grad) > _OWN_TENSOR_USES or grad.requires_grad
             or grad.is_sparse or grad.storage_offset()):
         return False
     if not (grad.is_contiguous() and like.is_contiguous()) and grad.stride() != like.stride():
@@ -155,7 +162,8 @@ def stealable(grad: torch.Tensor, like: torch.Tensor, refs: int) -> bool:
     if base_refs > _OWN_BASE_REFS or base_uses > _OWN_BASE_USES:
         return False
     base = grad._base
-    return base._base is None and base.nbytes == grad.nbytes and not base._is_view()
+    return (base is not None and base._base is None and base.nbytes == grad.nbytes
+            and not base._is_view())
 
 
 def accumulate(tensor: torch.Tensor, grad: torch.Tensor) -> None:

@@ -301,14 +301,15 @@ def _first_part(parents: Dict[Any, List[Any]], now_nodes: List[Any], rest: Seque
     # it get their gradient in the first part too, or no part would run that node for them.
     below = _below(n for n in now_nodes if n.next_functions and not any(
         child in first for child, _ in n.next_functions)) if stops_at_intermediates else ()
-    moved, later = [], []
+    moved: List[Tuple[Any, Any]] = []
+    later: List[Tuple[Any, Any]] = []
     for t in rest:
         node = node_of(t)
         if node is not None:
             (moved if node in first or node in below else later).append((t, node))
     if below and any(node in below for _, node in moved):
         first = _upward(parents, [*now_nodes, *(node for _, node in moved)])
-        still = []
+        still: List[Tuple[Any, Any]] = []
         for t, node in later:
             (moved if node in first else still).append((t, node))
         later = still

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Literal, Optional
 
 import torch
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -172,7 +172,8 @@ class GradmgrStrategy(DDPStrategy):
     def __init__(self, accelerator: Any = None, parallel_devices: Optional[List[Any]] = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None,
                  precision: Any = None, process_group_backend: Optional[str] = None,
-                 timeout: Any = default_pg_timeout, start_method: str = "popen",
+                 timeout: Any = default_pg_timeout,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
                  **options: Any) -> None:
         unknown = sorted(set(options) - _OPTIONS)
         if unknown:
@@ -195,7 +196,8 @@ class GradmgrStrategy(DDPStrategy):
         """The options given to ``data_parallel`` for every module set up."""
         return dict(self._options)
 
-    def setup_module(self, module: torch.nn.Module) -> GradmgrModule:
+    def setup_module(  # type: ignore[override]  # Fabric takes any module back; ours is no DDP
+            self, module: torch.nn.Module) -> GradmgrModule:
         gm = data_parallel(module, **self._options)
         buffers = None
         if self._options.get("broadcast_buffers", True):
@@ -234,7 +236,8 @@ class GradmgrStrategy(DDPStrategy):
         if not isinstance(optimizer, ShardedOptimizer):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type,
                                                error_if_nonfinite)
-        self.precision.unscale_gradients(optimizer)
+        # (a ShardedOptimizer of torch tensors is a torch Optimizer: TorchShardedBase)
+        self.precision.unscale_gradients(optimizer)  # type: ignore[arg-type]
         total = optimizer.clip_grad_norm_(max_norm, norm_type)
         if error_if_nonfinite and not torch.isfinite(torch.tensor(total)):
             raise RuntimeError(f"The total norm of the gradients is {total}: not finite")

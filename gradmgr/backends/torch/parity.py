@@ -33,8 +33,9 @@ def _config(module: torch.nn.Module) -> Dict[str, Any]:
     if isinstance(m, torch.nn.GroupNorm):
         return {"num_groups": m.num_groups, "eps": m.eps, "affine": m.affine}
     if isinstance(m, (torch.nn.MaxPool2d, torch.nn.AvgPool2d)):
-        config = {"kernel_size": as_tuple(m.kernel_size, 2), "stride": as_tuple(m.stride, 2),
-                  "padding": as_tuple(m.padding, 2)}
+        config: Dict[str, Any] = {
+            "kernel_size": as_tuple(m.kernel_size, 2), "stride": as_tuple(m.stride, 2),
+            "padding": as_tuple(m.padding, 2)}
         if isinstance(m, torch.nn.AvgPool2d):
             config["count_include_pad"] = m.count_include_pad
         return config

@@ -102,10 +102,15 @@ class TorchReducer:
         # The group's Python object, kept until after the C++ reducer is gone (``__del__``):
         # the group's last reference must not die in the reducer (see teardown.py).
         self._group = group if group is not None else dist.group.WORLD
-        self._reducer = dist.Reducer(
+        if self._group is None:
+            raise RuntimeError("torch's reducer needs a process group: call "
+                               "torch.distributed.init_process_group() first (torchrun sets "
+                               "its environment)")
+        self._reducer = dist.Reducer(  # type: ignore[call-arg]  # see first_bucket_bytes_cap
             params, indices, [bucket_bytes] * len(indices), self._group,
             expect_sparse_gradients=[False] * len(params), bucket_bytes_cap=bucket_bytes,
             find_unused_parameters=False, gradient_as_bucket_view=True,
+            # (torch's stub spells it first_bucket_types_cap; the binding takes this name)
             first_bucket_bytes_cap=first_bucket_bytes,
         )
         # Without find_unused_parameters the reducer records the order gradients arrive in
@@ -166,6 +171,9 @@ class TorchReducer:
         tensors = self._tensors
         step, window = self._step, self._window
         self._window = self._step = None
+        if step is None or window is None:  # begin(sync=True) snapshots both
+            raise RuntimeError("gradmgr: torch's reducer finished a synced step it never began "
+                               "(an internal error: please report it with `gradmgr env`)")
         unreached = _unchanged(tensors, step)
         unused = [i for i in (unreached if window is step else _unchanged(tensors, window))
                   if id(tensors[i]) not in used]
@@ -194,6 +202,8 @@ class TorchReducer:
         finally:
             self._unmarked = ()
         reduced = self.flags.grad
+        if reduced is None:  # the reducer's backward writes it, or raised
+            raise RuntimeError("gradmgr: torch's reducer wrote no flags (an internal error)")
         if failed or reduced[-1].item() != 0:  # (a host read: the step must not be used)
             for tensor, old in zip(tensors, step[0]):
                 tensor.grad = old

@@ -44,7 +44,7 @@ class ShardedGradient(torch.Tensor):
         grad._member = member
         return grad
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]  # (1)
         return (f"ShardedGradient(shape={list(self.shape)}, dtype={self.dtype}: this rank's "
                 f"slice of it is in the ShardedOptimizer)")
 
@@ -59,8 +59,10 @@ class ShardedGradient(torch.Tensor):
                 return func(*args, **kwargs)
         raise RuntimeError(_REFUSED.format(what=_name(func)))
 
+    # (1) torch declares these as wrapped or bound C functions, which mypy cannot match
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # (1)
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         raise RuntimeError(_REFUSED.format(what=str(func)))
 
 
@@ -74,7 +76,8 @@ def is_stand_in(grad: Any) -> bool:
 
 def _name(func: Any) -> str:
     owner = getattr(func, "__objclass__", None) or getattr(func, "__module__", None)
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    name = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+               or repr(func))
     return name if owner is None or "." in name else f"{getattr(owner, '__name__', owner)}.{name}"
 
 

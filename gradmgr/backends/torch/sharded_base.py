@@ -34,12 +34,15 @@ _HOOKS = "its step and checkpoints are its own; call what the hook would do arou
 class TorchShardedBase(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` under the core's ``ShardedOptimizer`` (see the module)."""
 
+    optimizer: torch.optim.Optimizer  # the wrapped one, set by ShardedOptimizer
+
+    # (read-only properties where torch's Optimizer has attributes: on purpose)
     @property
-    def defaults(self) -> Any:  # OneCycleLR and CyclicLR read it
+    def defaults(self) -> Any:  # type: ignore[override]  # the wrapped one's (OneCycleLR reads it)
         return self.optimizer.defaults
 
     @property
-    def state(self) -> Any:  # noqa: D401 - what torch's Optimizer.state would be
+    def state(self) -> Any:  # type: ignore[override]  # refused: a rank holds its slices' only
         raise AttributeError(
             "ShardedOptimizer.state: each rank holds the state of its slices only, in "
             "opt.optimizer.state; opt.state_dict() (every rank) gives the whole state")

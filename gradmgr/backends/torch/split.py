@@ -98,7 +98,8 @@ def first_part(tape: Any, outputs: List[torch.Tensor], seeds: List[torch.Tensor]
     """Run the first part on ``tape`` (delivering the first tensors' gradients to their sinks)
     and return what the rest needs. ``flagged``: inputs the recording made require grad."""
     first_ids = {id(t) for t in first}
-    now, later = [], []
+    now: List[torch.Tensor] = []
+    later: List[torch.Tensor] = []
     for t in inputs:
         (now if id(t) in first_ids else later).append(t)
     snapshots = None
@@ -206,7 +207,7 @@ class Rest:
             only.restore()
         self._only_needed = []
         self._handovers = {}
-        self._plan = self._roots = self._seeds = self._entry_of = None
+        self._plan, self._roots, self._seeds, self._entry_of = None, {}, [], {}
         self._flagged = []
 
 

@@ -98,7 +98,7 @@ def _note_foreign(tape: TorchTape, key: int) -> None:
     if key not in foreign:
         entry = tape.watched.entries.get(key)
         tensor = None if entry is None else entry.ref()
-        if tensor is not None:
+        if entry is not None and tensor is not None:
             grad = tensor.grad
             foreign[key] = (entry.ref, grad, None if grad is None else grad._version)
 
@@ -543,7 +543,7 @@ class TorchTape(Tape):
         mode = prerecord.check_mode()
         return mode != "off" and not self._warned and (mode == "always" or not self._checked)
 
-    def _check_graph(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+    def _check_graph(self, outputs: Sequence[Any], inputs: List[torch.Tensor],
                      entries: List[Entry]) -> None:
         """One walk of the graph: refuse what gradmgr cannot differentiate, and warn where the
         result differs from MegEngine's (each manager's first backward; every backward in

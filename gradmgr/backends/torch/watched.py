@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -27,6 +27,13 @@ def input_without_flag(tensor: torch.Tensor) -> bool:
             and not FLAGS.user_flag(tensor))
 
 
+def _alive(ref: weakref.ref) -> torch.Tensor:
+    tensor = ref()
+    if tensor is None:
+        raise RuntimeError("gradmgr: a tensor died while being watched (an internal error)")
+    return tensor
+
+
 class Entry:
     """One watched tensor: weakly held, with its sink and snapshot sequence number, and for a
     non-leaf the gradient edge it had when watched."""
@@ -43,7 +50,8 @@ class Entry:
         # tensor after attach() does not move it (contract point 8's snapshot); its tensor hook
         # (on the same node) delivers it, after the user's own hooks.
         self.edge = edge
-        self.version = None if edge is None else ref()._version  # see tape.check_non_leaves
+        # (watched while alive: ref() is the tensor) see tape.check_non_leaves
+        self.version = None if edge is None else _alive(ref)._version
 
 
 class Watched:
@@ -106,10 +114,10 @@ class Watched:
         if order is not None and FLAGS.lends_only(self.needs_flag):
             # the usual step: the same tensors as last time, all trainable
             entries, refs = order
-            inputs = list(map(_DEREF, refs))  # (no Python frame, unlike a comprehension)
+            alive = list(map(_DEREF, refs))  # (no Python frame, unlike a comprehension)
             try:
-                if all(map(_REQUIRES_GRAD, inputs)):
-                    return entries, inputs
+                if all(map(_REQUIRES_GRAD, alive)):  # (so none is None)
+                    return entries, cast(List[torch.Tensor], alive)
             except AttributeError:  # None: a tensor died since
                 pass
         entries, inputs = [], []
