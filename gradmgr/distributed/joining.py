@@ -144,11 +144,12 @@ def _check_place(gm: DataParallelManager) -> None:
     if config.is_first_joinable:
         _FIRST_SEEN[:] = [weakref.ref(gm)]
         return
-    first = _FIRST_SEEN[0]() if _FIRST_SEEN else None
+    first: Optional[DataParallelManager] = _FIRST_SEEN[0]() if _FIRST_SEEN else None
     two = first is not None and first is not gm and first.joining is not None and (
         first.joining.active(first) and first._join_config.is_first_joinable)
     for refused in (gm, first) if two else (gm,):
-        refused._join_config = refused.joining.support.disabled_config()
+        if refused is not None and refused.joining is not None:
+            refused._join_config = refused.joining.support.disabled_config()
     _FIRST_SEEN.clear()
     raise ValueError(_TWO if two else _FIRST)
 

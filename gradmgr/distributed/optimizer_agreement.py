@@ -72,6 +72,8 @@ def check_agreement(ops: Any, checks: Any, like: Any, entries: List[Entry]) -> N
         raise RankMismatchError(_UNNAMED)
     sizes = [int(row[0]) for row in lengths]
     texts = every_rank(checks, ops, list(encoded) + [0] * (max(sizes) - len(encoded)), like)
+    if texts is None:  # (the same transport as for the lengths: never, said for mypy)
+        raise RankMismatchError(_UNNAMED)
     described = [_decoded(row[:n]) for row, n in zip(texts, sizes)]
     raise RankMismatchError(_message(described))
 

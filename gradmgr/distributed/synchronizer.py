@@ -450,7 +450,7 @@ class Synchronizer:
             if not step.sync:
                 return
             missing = self.close(step)
-        self.wire.settle(step)
+        self._wire().settle(step)
         for tensor, b, slot in missing:
             gm.add_gradient(tensor, PendingGradient(step.launched, b, slot, True))
 

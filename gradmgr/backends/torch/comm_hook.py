@@ -116,7 +116,7 @@ class HookWork:
     def wait(self) -> torch.Tensor:
         if not self._done:
             self._done = True
-            result = None
+            result: Optional[torch.Tensor] = None
             if self._error is None:
                 try:
                     result = _value(self._future.wait())
@@ -127,7 +127,7 @@ class HookWork:
                 with torch.no_grad():
                     self._flat[-1].fill_(1)  # the failure marker (see BucketBuffer.finish)
             self._transport.allreduce_async(self._flat[self._numel:]).wait()
-            if self._error is None:
+            if result is not None and self._error is None:
                 _write_back(self._flat[:self._numel], result)
         if self._error is not None:
             raise self._error

@@ -338,7 +338,7 @@ def _rebind_schedulers(optimizer: torch.optim.Optimizer, sharded: ShardedOptimiz
     step = sharded.step
 
     def stepped() -> Any:
-        optimizer._opt_called = True  # (torch's mark, set by the wrapper schedulers put)
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's mark, set by the wrapper schedulers put
         return step()
 
     stepped.__doc__ = step.__doc__

@@ -13,10 +13,10 @@ import functools
 import sys
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import Node, get_gradient_edge
 
 _grad_enabled = torch.is_grad_enabled
 _DDP_MODULE = "torch.nn.parallel.distributed"
@@ -83,7 +83,7 @@ class _Refusal:
     __slots__ = ("_node", "_handle")
 
     def __init__(self, param: Any, refuse: Callable[[Any], None]) -> None:
-        self._node = get_gradient_edge(param).node
+        self._node: Optional[Node] = get_gradient_edge(param).node
         self._handle = self._node.register_prehook(refuse)
 
     def remove(self) -> None:
@@ -190,7 +190,8 @@ def _copy_plain(module: Any) -> None:
 
 def _plain_state(ref: Any) -> dict:
     module = ref()
-    state = type(module).__getstate__(module)
+    getstate: Any = type(module).__getstate__  # the module's class's (nn.Module's: a copy)
+    state: Dict[str, Any] = getstate(module)
     state.pop("__getstate__", None)
     hooks = state.get("_forward_hooks")
     if hooks is not None and any(map(_ours, hooks.values())):
