@@ -80,6 +80,12 @@ def test_a_checkpoint_saved_from_rank_0_alone_raises_there_and_leaves_the_group_
     outs = run(tmp_path, "lone_state_dict")
     kind, message = outs[0]["lone_state_dict"]
     assert kind == "RuntimeError" and "state = opt.state_dict()` on every rank" in message
+    # told at a quarter of the timeout (1.25 s of 5) why it waits (the error comes at half of
+    # it: 15 minutes with torch's default timeout, so the warning is what a user sees first)
+    [warned] = outs[0]["lone_warned"]
+    assert warned.startswith("ShardedOptimizer.state_dict() on rank 0 waits for the other ranks")
+    assert "raises RuntimeError in 1 s" in warned and "on every rank" in warned
+    assert 2.4 <= outs[0]["lone_seconds"] < 5
     assert outs[1]["lone_state_dict"] is None
     for out in outs:
         ours, ddp = out["lone_after"]["params"]

@@ -48,6 +48,13 @@ _ALONE = (
     "scripts?). Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
     "torch.save(state, path)`. Nothing was communicated: the process group is as it was"
 )
+_WAITING = (
+    "ShardedOptimizer.state_dict() on rank {rank} waits for the other ranks: it gathers every "
+    "rank's slices of the optimizer state, so every rank calls it. Where the others do not "
+    "(the `if rank == 0: torch.save(opt.state_dict(), path)` habit of DDP scripts?), this "
+    "rank raises RuntimeError in {seconds:.0f} s, having communicated nothing. Write `state = "
+    "opt.state_dict()` on every rank, then `if rank == 0: torch.save(state, path)`"
+)
 _NOT_TO = (
     "ShardedOptimizer.state_dict() on rank {rank} after consolidate_state_dict(to={to}): as "
     "with ZeroRedundancyOptimizer, only rank {to} holds the consolidated state, until the next "
@@ -321,8 +328,10 @@ class ShardedOptimizer:
 
         Every rank calls it. Over torch.distributed the ranks first meet in the process group's
         store: a rank that calls it while the others do not (``if rank == 0:
-        torch.save(opt.state_dict(), ...)``) raises RuntimeError once half the group's timeout
-        has passed, having started no collective, instead of waiting in one forever.
+        torch.save(opt.state_dict(), ...)``) warns, after 20 s (a quarter of the group's timeout
+        where that is shorter), that it waits and why, and raises RuntimeError once half the
+        group's timeout has passed, having started no collective, instead of waiting in one
+        forever.
 
         After :meth:`consolidate_state_dict` (``to``), until the next :meth:`step` or
         :meth:`load_state_dict`, it communicates nothing: rank ``to`` returns the state
@@ -372,7 +381,8 @@ class ShardedOptimizer:
         arrive = getattr(self._transport, "arrive", None)
         if arrive is None or self._world < 2:
             return
-        if arrive(f"sharded/{self._serial}/state_dict/{self._gathered}") is False:
+        key = f"sharded/{self._serial}/state_dict/{self._gathered}"
+        if arrive(key, _WAITING.replace("{rank}", str(self._rank))) is False:
             raise RuntimeError(_ALONE.format(rank=self._rank))
         self._gathered += 1  # a meeting that failed is tried again under its key
 

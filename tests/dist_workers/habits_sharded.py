@@ -13,6 +13,7 @@ import copy
 import datetime
 import os
 import pickle
+import time
 import warnings
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import gradmgr
 from gradmgr.distributed import ShardedOptimizer, data_parallel, no_sync
 
 LR = 1e-2
@@ -150,7 +152,13 @@ def lone_state_dict(out: dict, rank: int) -> None:
     path = os.path.join(OUTDIR, "optimizer.pt")
     out["lone_state_dict"] = None
     if rank == 0:
-        out["lone_state_dict"] = raised(lambda: torch.save(opt.state_dict(), path))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            start = time.monotonic()
+            out["lone_state_dict"] = raised(lambda: torch.save(opt.state_dict(), path))
+        out["lone_warned"] = [str(w.message) for w in caught
+                              if issubclass(w.category, gradmgr.GradMgrWarning)]
+        out["lone_seconds"] = time.monotonic() - start
     dist.barrier()
     train(1)
     state, theirs_state = opt.state_dict(), ref.state_dict()

@@ -12,9 +12,15 @@ asks it before its collectives, for the ``if rank == 0: torch.save(opt.state_dic
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import datetime
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+
+# A rank still alone after this long is told why it waits (the error itself comes at patience's
+# end, which is 15 minutes with torch's default timeout): a rank that others reach later than
+# this is rare, and it costs them a warning, not an error.
+NUDGE = datetime.timedelta(seconds=20)
 
 
 def group_store(group: Any) -> Optional[Any]:
@@ -34,18 +40,36 @@ def patience(store: Any) -> Any:
     return store.timeout / 2
 
 
-def arrived(store: Any, key: str, world: int) -> bool:
+def arrived(store: Any, key: str, world: int,
+            waiting: Optional[Callable[[Any], None]] = None) -> bool:
     """Count this rank in at ``key`` (each rank once, and a key used for one meeting only) and
     wait until all ``world`` ranks have: True; or, where :func:`patience` runs out first,
-    take this arrival back and return False (unless the last rank came meanwhile)."""
+    take this arrival back and return False (unless the last rank came meanwhile).
+    ``waiting(left)`` is called once where the others have not come within
+    ``min(NUDGE, patience / 2)`` (``left``: the patience that remains), so that a rank left
+    alone says so long before it gives up."""
     done = f"{key}/all"
     if store.add(key, 1) == world:
         store.set(done, "1")
         return True
+    whole = patience(store)
+    nudge = min(NUDGE, whole / 2)
     try:
-        store.wait([done], patience(store))
+        if waiting is not None and not _came(store, done, nudge):
+            waiting(whole - nudge)
+            store.wait([done], whole - nudge)
+        elif waiting is None:
+            store.wait([done], whole)
         return True
     except RuntimeError:  # DistStoreError: the wait's timeout passed
         store.add(key, -1)
         # A rank that counted itself in before our -1 saw all ranks here and went on: so do we.
         return store.check([done])
+
+
+def _came(store: Any, done: str, within: Any) -> bool:
+    try:
+        store.wait([done], within)
+        return True
+    except RuntimeError:
+        return False

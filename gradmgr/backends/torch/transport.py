@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+from gradmgr.errors import GradMgrWarning
 
 from .arrival import arrived, group_store
 from .control import CheckTransport
@@ -55,11 +58,21 @@ class TorchCollective:
         d = initialised_dist()
         return d.all_reduce(buffer, op=d.ReduceOp.SUM, group=self.group, async_op=True)
 
-    def arrive(self, key: str) -> Optional[bool]:
+    def arrive(self, key: str, waiting: Optional[str] = None) -> Optional[bool]:
         """Whether every rank reached ``key`` within the group's timeout, asked of the group's
-        store without a collective (see :mod:`.arrival`); None where there is no store."""
+        store without a collective (see :mod:`.arrival`); None where there is no store.
+        ``waiting`` (formatted with ``seconds``, the patience that remains) is warned where the
+        others are late (``arrival.NUDGE``)."""
         store = group_store(self.group)
-        return None if store is None else arrived(store, f"gradmgr/{key}", self.world_size())
+        if store is None:
+            return None
+
+        def warn(left: Any) -> None:
+            if waiting is not None:
+                warnings.warn(waiting.format(seconds=left.total_seconds()),
+                              GradMgrWarning, stacklevel=2)
+
+        return arrived(store, f"gradmgr/{key}", self.world_size(), warn)
 
     def broadcast_in_place(self, buffer: Any, src: int, async_op: bool = False) -> Any:
         """Broadcast from the group's rank ``src``; the work in flight where ``async_op``."""
