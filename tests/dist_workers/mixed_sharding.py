@@ -32,6 +32,8 @@ from gradmgr.distributed import (
     make_reduce_scatter_cb,
 )
 
+from .out_of_step import in_step
+
 TIMEOUT_S = 20.0  # the process groups': gloo's own error would come after it
 
 
@@ -103,17 +105,6 @@ def _attempt(make, sharded: bool, rank: int) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _in_step(rank: int) -> bool:
-    """One allreduce on the user's group: the ranks still pair."""
-    check = torch.tensor([float(rank), 1.0])
-    try:
-        dist.all_reduce(check)
-    except RuntimeError:
-        return False
-    world = dist.get_world_size()
-    return check.tolist() == [world * (world - 1) / 2, float(world)]
-
-
 def _by_hand(sharded: bool, rank: int):
     return _torch_step(sharded, rank, by_hand=True)
 
@@ -124,7 +115,7 @@ def case(framework: str, sharded_ranks: set, rank: int) -> dict:
         import megengine  # noqa: F401 - seconds on a busy machine: not part of the timing
 
         dist.barrier()
-    seen = {"first": _attempt(make, rank in sharded_ranks, rank), "in_step": _in_step(rank)}
+    seen = {"first": _attempt(make, rank in sharded_ranks, rank), "in_step": in_step(rank)}
     try:  # training goes on once every rank chose alike
         seen["params"] = make(False, rank)()
     except Exception as error:  # noqa: BLE001 - the case's data

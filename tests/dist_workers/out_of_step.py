@@ -90,21 +90,23 @@ def _train(step, rank: int, skipper: int, skipped=(1,)) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _in_step(rank: int) -> bool:
-    """One allreduce on the user's group after the loop: the ranks still pair."""
+def in_step(rank: int) -> bool:
+    """One allreduce on the user's group (after the loop, or after an error): the ranks still
+    pair."""
     check = torch.tensor([float(rank), 1.0])
     try:
         dist.all_reduce(check)
     except RuntimeError:
         return False
-    return check.tolist() == [1.0, 2.0]
+    world = dist.get_world_size()
+    return check.tolist() == [world * (world - 1) / 2, float(world)]
 
 
 def skip(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
     """Rank ``skipper`` skips a batch; then every rank makes one allreduce of its own (an
     evaluation's), then starts training again with a new manager in the same group."""
     side = _megengine_side if path == "megengine" else _torch_side
-    seen = {"loop": _train(side(path), rank, skipper), "in_step": _in_step(rank)}
+    seen = {"loop": _train(side(path), rank, skipper), "in_step": in_step(rank)}
     seen["again"] = _train(side(path), rank, skipper=-1)
     return seen
 
@@ -120,7 +122,7 @@ def idle(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
     """Rank ``skipper`` has no batch at all (an empty shard): the other's first step, which
     also broadcasts the parameters, is the one nobody else starts."""
     seen = {"loop": _train(_torch_side(path), rank, skipper, skipped=range(STEPS))}
-    seen["in_step"] = _in_step(rank)
+    seen["in_step"] = in_step(rank)
     return seen
 
 
