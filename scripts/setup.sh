@@ -15,6 +15,14 @@
 #              GRADMGR_LATEST_PYTHON the interpreter for .venv-latest (default python3);
 #              GRADMGR_SYSTEM=no: never change the machine (stop, or warn, instead);
 #              GRADMGR_SYSTEM=yes: change it without the pause given on a terminal.
+# Bash, not uv or nox (uv 0.13.9, nox 2026.10.20; measured 2026-11-28, issue 37): `uv python
+# install 3.10` downloads CPython from GitHub, unreachable on the project's machine, so finding
+# or installing a CPython 3.8-3.10 stays here. `uv venv -p PYTHON` + `uv pip install` built
+# .venv-latest (29 s) and resolve .venv's set (torch 2.8.0, megengine 1.13.0: a dry run), but
+# uv reads no pip.conf (find-links, extra indexes: pass them) and needs --index-strategy
+# unsafe-best-match with more than one index; Chromium and the pinned-wheel fallback stay here
+# either way. nox runs sessions in venvs (it would replace Makefile targets, none of this);
+# asked for python 3.10 with the uv backend it tried the same download and skipped the session.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
