@@ -125,6 +125,54 @@ def bf16_masters(out: dict, rank: int) -> None:
                    "dtypes": sorted({str(p.dtype) for p in ours.parameters()})}
 
 
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values lie between ``a`` and ``b``, elementwise."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -32768 - bits, bits)  # sign and magnitude, in order
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def bf16_plain(out: dict, rank: int) -> None:
+    """bf16 parameters stepped as they are (no master copies), one bucket whose chunk border
+    cuts the 64x64 weight: AdamW for 3 steps, and optimizers whose ``weight_decay`` adds the
+    parameter to the gradient (``grad.add(param, alpha=)``) for one step, against DDP with the
+    same optimizer. Per optimizer: the largest distance in bf16 ulps, how many differ, and the
+    largest difference over the largest change a parameter made (DDP's)."""
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                             nn.Linear(64, 3)).to(torch.bfloat16)
+
+    runs = {"AdamW": (torch.optim.AdamW, {}, 3),
+            "RMSprop": (torch.optim.RMSprop, {"weight_decay": 0.01}, 1),
+            "Adam": (torch.optim.Adam, {"weight_decay": 0.01}, 1)}
+    for name, (kind, options, steps) in runs.items():
+        ours, theirs = mlp(), mlp()
+        gm, ddp = data_parallel(ours, shard=True), DDP(theirs)
+        start = params_of(theirs)
+        opt = ShardedOptimizer(gm, kind, lr=LR, **options)
+        ref = kind(theirs.parameters(), lr=LR, **options)
+        for step in range(steps):
+            x = batch(step, 0, rank, torch.bfloat16)
+            with gm:
+                gm.backward(loss_of(ours, x))
+            loss_of(ddp, x).backward()
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+        apart = [ulps(a.detach(), b.detach()) for a, b in zip(ours.parameters(),
+                                                               theirs.parameters())]
+        moved = max(float((a - b).abs().max()) for a, b in zip(params_of(theirs), start))
+        gap = max(float((a - b).abs().max()) for a, b in zip(params_of(ours), params_of(theirs)))
+        out[f"bf16_plain_{name}"] = {"ulps": max(int(d.max()) for d in apart),
+                                     "differ": sum(int((d > 0).sum()) for d in apart),
+                                     "of_step": gap / moved}
+        del opt, gm
+
+
 def wide(dtype: torch.dtype) -> nn.Module:
     """Layers of 2 and 4 MiB, the 4 MiB weight not contiguous: at the default bucket size
     both buckets are cut into few large segments, which the optimizer gathers by broadcasts
@@ -285,6 +333,7 @@ def main(rank: int, world: int, outdir: str) -> None:
         checkpoint(out, rank, outdir)
         train(out, "clipped", rank, max_norm=0.05)
         bf16_masters(out, rank)
+        bf16_plain(out, rank)
         failing_rank(out, rank)
         wide_layers(out, rank, torch.float32)
         wide_layers(out, rank, torch.bfloat16)
