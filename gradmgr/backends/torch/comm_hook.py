@@ -92,7 +92,8 @@ class TorchCommHook:
     def for_reducer(self, flags: torch.Tensor, group: Any) -> Callable:
         """The hook to register on a C++ ``Reducer`` whose parameters include ``flags``: a
         bucket without them goes to the hook as it is (DDP's very bucket); the one with them
-        goes without them, and their allreduce goes out first."""
+        goes without them, and their allreduce goes out once every hook future of the step is
+        done (see :class:`_ReducerHook`)."""
         return _ReducerHook(self, flags, group)
 
 
@@ -238,11 +239,20 @@ def _flags_after(steps: List[_Settled], buffer: torch.Tensor, start: int, stop: 
     (``steps``, the flags' bucket's last) is done, the flags (``buffer[start:stop]``) are
     allreduced, their last element, the failure marker, set where one failed; then it gives
     ``buffer`` with the hook's result put back, or fails with the step's first error."""
-    result = _future(buffer)
+    done, failed = _future(buffer), []
 
     def fail(error: BaseException) -> None:
         record(error)
-        result.set_exception(error)
+        failed.append(error)
+        done.set_result(buffer)
+
+    def outcome(_: Any) -> torch.Tensor:
+        # Raised in a callback, the error fails the future in C++ (the reducer then raises);
+        # set_exception would make it the future's value, kept (its traceback, the frames
+        # of the step, with them) as long as the reducer keeps the future.
+        if failed:
+            raise failed[0]
+        return buffer
 
     def finish(flags: Any, error: Optional[BaseException]) -> None:
         try:
@@ -252,7 +262,7 @@ def _flags_after(steps: List[_Settled], buffer: torch.Tensor, start: int, stop: 
         except BaseException as failure:  # noqa: BLE001 - the reducer must not wait forever
             error = failure
         if error is None:
-            result.set_result(buffer)
+            done.set_result(buffer)
         else:
             fail(error)
 
@@ -268,6 +278,7 @@ def _flags_after(steps: List[_Settled], buffer: torch.Tensor, start: int, stop: 
         except BaseException as failure:  # noqa: BLE001 - as above
             fail(failure)
 
+    result = done.then(outcome)
     torch.futures.collect_all([s.future for s in steps]).then(send)
     return result
 
