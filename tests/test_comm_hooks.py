@@ -46,7 +46,7 @@ TRAIN = [f"{h}_{p}_{b}" for h in EXACT for p in PATHS for b in ("one", "two")]
 TRAIN += [f"int8_{p}_one" for p in PATHS]  # its scale is per bucket: one, as DDP's
 POWERSGD = [f"powersgd_{p}_one" for p in PATHS]
 PROBE = [f"{kind}_{p}" for kind in ("probe", "accumulate", "raising", "mismatch", "racing",
-                                    "powersgd_mlp", "one_rank") for p in PATHS]
+                                    "powersgd_mlp", "one_rank", "one_rank_two") for p in PATHS]
 
 
 @pytest.fixture(scope="module")
@@ -149,19 +149,18 @@ def test_hook_that_fails(ranks, path):
                 np.testing.assert_array_equal(gm, ddp, err_msg=f"rank {rank} {prefix} {i}")
 
 
-@pytest.mark.parametrize("path", [
-    "python",
-    pytest.param("native", marks=pytest.mark.xfail(
-        strict=True, reason="issue 38: on torch's reducer the other rank is not told yet")),
-])
-def test_hook_that_fails_on_one_rank(ranks, path):
+ONE_RANK = [f"{kind}_{p}" for kind in ("one_rank", "one_rank_two") for p in PATHS]
+
+
+@pytest.mark.parametrize("scenario", ONE_RANK)
+def test_hook_that_fails_on_one_rank(ranks, scenario):
     """Issue 38: a hook's ``.then()`` callback that raises on rank 0 only, then a hook that
     raises on rank 0 only after launching its allreduce: rank 0 raises the hook's error, rank
     1 RankFailedError, at the same steps; the ranks stay paired and the other steps equal
-    DDP's."""
-    outs = list(ranks.scenario(f"one_rank_{path}"))
-    for rank, out in enumerate(outs):
-        errors = list(out[f"one_rank_{path}_errors"])
+    DDP's. With one bucket and with two (the hook fails on the first, where the reducer's
+    path has no used-flags: they go out with the second once every hook future is done)."""
+    for rank, out in enumerate(ranks.scenario(scenario)):
+        errors = list(out[f"{scenario}_errors"])
         assert [e.split(":")[0] for e in errors] == ["1", "2"], (rank, errors)
         if rank == 0:
             assert "ValueError: the callback failed" in errors[0], errors
@@ -169,21 +168,21 @@ def test_hook_that_fails_on_one_rank(ranks, path):
         else:
             assert all(e.split(": ")[1] == "RankFailedError" for e in errors), errors
         for step in (0, 3, 4):
-            prefix = f"one_rank_{path}_s{step}"
+            prefix = f"{scenario}_s{step}"
             for i, (gm, ddp) in enumerate(zip(_params(out, prefix, "gm"),
                                               _params(out, prefix, "ddp"))):
                 np.testing.assert_array_equal(gm, ddp, err_msg=f"rank {rank} {prefix} {i}")
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_a_failed_hook_is_called_once_and_leaves_grad_as_before_the_step(ranks, path):
-    """Issue 38, the same scenario: the hook is called once per bucket and step (one bucket
-    here), also at a step where it raises; after each error ``.grad`` is what it was before
+@pytest.mark.parametrize("scenario", ONE_RANK)
+def test_a_failed_hook_is_called_once_and_leaves_grad_as_before_the_step(ranks, scenario):
+    """Issue 38, the same scenarios: the hook is called once per bucket and step, also at a
+    step where it raises; after each error, on every rank, ``.grad`` is what it was before
     the step (None), on both paths (the reducer's used to keep the local, unreduced sums)."""
-    for rank, out in enumerate(ranks.scenario(f"one_rank_{path}")):
-        assert list(out[f"one_rank_{path}_calls"]) == [1] * 5, (rank, path)
-        assert list(out[f"one_rank_{path}_cleared"]) == [True] * (2 if rank == 0 or
-                                                                  path == "python" else 0)
+    buckets = 2 if "_two_" in scenario else 1
+    for rank, out in enumerate(ranks.scenario(scenario)):
+        assert list(out[f"{scenario}_calls"]) == [buckets] * 5, (rank, scenario)
+        assert list(out[f"{scenario}_cleared"]) == [True, True], (rank, scenario)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -282,51 +282,55 @@ def raising(out: dict, rank: int, world: int, path: str) -> None:
     out[f"raising_{path}_errors"] = np.array(errors)
 
 
-def one_rank(out: dict, rank: int, world: int, path: str) -> None:
-    """Issue 38: a hook whose future's ``.then()`` callback raises on rank 0 only (its second
-    call), then one that raises on rank 0 only after launching its allreduce (its third): on
-    rank 0 the backward raises the hook's error, on rank 1 RankFailedError; the ranks stay
-    paired and the next steps equal DDP's. Each step's hook calls are counted (a hook that
-    raises is called once)."""
-    calls = []
+def one_rank(out: dict, rank: int, world: int, path: str, buckets: str = "one") -> None:
+    """Issue 38: a hook whose future's ``.then()`` callback raises on rank 0 only (at step 1),
+    then one that raises on rank 0 only after launching its allreduce (at step 2), on the
+    bucket of index 0 (with ``buckets="two"``, not the one that holds the used-flags on the
+    reducer's path): on rank 0 the backward raises the hook's error, on rank 1
+    RankFailedError; the ranks stay paired and the next steps equal DDP's. Each step's hook
+    calls are counted (a hook that raises is called once per bucket)."""
+    calls, now = [], [0]
 
     def hook(state, bucket):
         calls.append(1)
         future = default_hooks.allreduce_hook(state, bucket)
-        if rank == 0 and len(calls) == 2:
+        if rank == 0 and bucket.index() == 0 and now[0] == 1:
             def fail(_):
                 raise ValueError("the callback failed")
             return future.then(fail)
-        if rank == 0 and len(calls) == 3:
+        if rank == 0 and bucket.index() == 0 and now[0] == 2:
             raise ValueError("the hook failed")
         return future
 
     # no unused layer: the bucket goes out during the backward (where a hook that raised used
     # to be called again, for the failed step's collectives)
+    name = f"one_rank_{path}" if buckets == "one" else f"one_rank_{buckets}_{path}"
+    cap = TWO_BUCKETS_BYTES if buckets == "two" else None
     net, net_ddp = HookNet(False), HookNet(False)
-    gm = data_parallel(net, comm_hook=hook, native=path == "native")
-    ddp = DDP(net_ddp)
+    gm = data_parallel(net, comm_hook=hook, native=path == "native", bucket_bytes=cap)
+    ddp = DDP(net_ddp, **ddp_options(False, cap))
     errors, counts, cleared = [], [], []
     for step in range(5):
         x, y = local_batch(step, rank, world)
-        before = len(calls)
+        before, now[0] = len(calls), step
         try:
             with gm:
                 gm.backward(net(x, y))
-            save(out, f"one_rank_{path}_s{step}_gm", [p.grad.numpy().copy() for p in
-                                                      net.parameters() if p.grad is not None])
+            save(out, f"{name}_s{step}_gm", [p.grad.numpy().copy() for p in
+                                             net.parameters() if p.grad is not None])
         except Exception as error:  # noqa: BLE001 - what the step raised, kept as text
             errors.append(f"{step}: {type(error).__name__}: {error}"[:300])
             cleared.append(all(p.grad is None for p in net.parameters()))
         counts.append(len(calls) - before)
+        now[0] = -1  # DDP's steps: the hook is not registered there; kept out all the same
         ddp(x, y).backward()  # on every rank at every step: DDP's collectives stay paired
-        save(out, f"one_rank_{path}_s{step}_ddp", [p.grad.numpy().copy() for p in
-                                                   net_ddp.parameters() if p.grad is not None])
+        save(out, f"{name}_s{step}_ddp", [p.grad.numpy().copy() for p in
+                                          net_ddp.parameters() if p.grad is not None])
         for m in (net, net_ddp):
             m.zero_grad(set_to_none=True)
-    out[f"one_rank_{path}_cleared"] = np.array(cleared)
-    out[f"one_rank_{path}_errors"] = np.array(errors)
-    out[f"one_rank_{path}_calls"] = np.array(counts)
+    out[f"{name}_cleared"] = np.array(cleared)
+    out[f"{name}_errors"] = np.array(errors)
+    out[f"{name}_calls"] = np.array(counts)
 
 
 def racing(out: dict, rank: int, world: int, path: str) -> None:
@@ -379,6 +383,8 @@ def scenarios() -> dict:
                           ("powersgd_mlp", powersgd_mlp), ("one_rank", one_rank)):
             table[f"{kind}_{path}"] = (lambda out, rank, world, p=path, run=run:
                                       run(out, rank, world, p))
+        table[f"one_rank_two_{path}"] = (lambda out, rank, world, p=path:
+                                         one_rank(out, rank, world, p, "two"))
     return table
 
 

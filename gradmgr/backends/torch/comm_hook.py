@@ -7,8 +7,9 @@ start of the bucket that holds them. A hook that compresses, quantizes or feeds 
 (PowerSGD adds last step's error to the whole buffer) would change them, and a flag read
 wrongly makes an unused tensor's ``.grad`` zeros, or a step look failed. So the hook is given
 the bucket without them (:class:`HookBucket`, with the ``GradBucket`` methods torch's hooks
-call), and the flags are summed by one plain allreduce of their own, launched just before the
-hook on every rank (the same order everywhere).
+call), and the flags are summed by one plain allreduce of their own, launched once the hook's
+future is done (on torch's reducer: every hook future of the step), with the failure marker
+set where a hook failed, so that every other rank learns of it.
 
 As with DDP, the hook receives the local gradients undivided and returns the reduced buffer:
 torch's hooks divide by the world size themselves.
@@ -91,7 +92,8 @@ class TorchCommHook:
     def for_reducer(self, flags: torch.Tensor, group: Any) -> Callable:
         """The hook to register on a C++ ``Reducer`` whose parameters include ``flags``: a
         bucket without them goes to the hook as it is (DDP's very bucket); the one with them
-        goes without them, and their allreduce goes out first."""
+        goes without them, and their allreduce goes out once every hook future of the step is
+        done (see :class:`_ReducerHook`)."""
         return _ReducerHook(self, flags, group)
 
 
@@ -136,53 +138,149 @@ class HookWork:
 
 class _ReducerHook:
     """``hook(state, bucket)`` as the C++ reducer calls it (see :meth:`TorchCommHook.
-    for_reducer`)."""
+    for_reducer`).
 
-    __slots__ = ("_hook", "_flags", "_group", "_error", "__qualname__", "__name__")
+    The reducer launches its buckets in index order, the flags' last; their allreduce waits
+    for every hook future of the step and carries the failure marker where one failed here,
+    so that every other rank raises :class:`RankFailedError` (a ``.then()`` callback that
+    fails on one rank only, too). Until then no bucket's future fails: the reducer waits for
+    them in order at the end of the backward, and an earlier bucket's error would end this
+    rank's backward with the flags' allreduce still to go out (from a callback thread, next
+    to the next step's collectives: unpaired). The flags' bucket's future raises the step's
+    first error once the flags are reduced."""
+
+    __slots__ = ("_hook", "_flags", "_group", "_error", "_pending", "__qualname__",
+                 "__name__")
 
     def __init__(self, hook: TorchCommHook, flags: torch.Tensor, group: Any) -> None:
         self._hook, self._flags, self._group = hook, flags, group
-        self._error: Optional[BaseException] = None  # what the merge raised, this step
+        self._error: Optional[BaseException] = None  # what the step raised
+        self._pending: List[_Settled] = []  # this step's earlier buckets
         self.__qualname__ = self.__name__ = hook.describe()
 
     def take_error(self) -> Optional[BaseException]:
-        """What the bucket's merge raised (the hook's error, or a result of the wrong shape):
-        torch raises it wrapped in a RuntimeError ("Got the following error when running the
-        callback"), and the backward should raise it as it is, as on gradmgr's buckets."""
+        """What the step's hook raised (or a result of the wrong shape): torch raises it
+        wrapped in a RuntimeError ("Got the following error when running the callback"),
+        and the backward should raise it as it is, as on gradmgr's buckets."""
         error, self._error = self._error, None
         return error
+
+    def begin(self) -> None:
+        """A synced step begins: what a backward that failed midway left is dropped."""
+        self._pending, self._error = [], None
 
     def __call__(self, state: Any, bucket: Any) -> Any:
         _refuse_racing(self._hook, bucket.index(), bucket.is_last())
         parameters = bucket.parameters()
         position = _position(parameters, self._flags)
-        if position is None:
-            return _call(self._hook, bucket)  # DDP's very bucket
-        buffer, gradients = bucket.buffer(), bucket.gradients()
+        buffer = bucket.buffer()
+        if position is None:  # DDP's very bucket
+            settled = _Settled(self._hook, bucket, buffer)
+            self._pending.append(settled)
+            return settled.future
+        gradients = bucket.gradients()
         flags = gradients[position]
         start = flags.storage_offset() - buffer.storage_offset()
         stop = start + flags.numel()
-        flags_future = dist.all_reduce(buffer[start:stop], group=self._group,
-                                       async_op=True).get_future()
         data = _without(buffer, start, stop)
         others = [i for i in range(len(gradients)) if i != position]
         views = [_moved(data, gradients[i], buffer, start, stop) for i in others]
         rest = [parameters[i] for i in others]
         hooked = HookBucket(bucket.index(), data, views, lambda: rest, bucket.is_last())
-        hook_future = _call(self._hook, hooked)
+        steps = self._pending + [_Settled(self._hook, hooked, data)]
+        self._pending = []
+        return _flags_after(steps, buffer, start, stop, self._group, self._record)
 
-        def merge(both: Any) -> torch.Tensor:
+    def _record(self, error: BaseException) -> None:
+        self._error = error
+
+
+class _Settled:
+    """The hook called on one bucket; :attr:`future` never fails: it gives the reduced
+    buffer, or, where the hook failed (the step is dropped then), ``buffer`` as it is, the
+    error in :attr:`error`. The hook is called once, also when it raises."""
+
+    __slots__ = ("value", "error", "future")
+
+    def __init__(self, hook: TorchCommHook, bucket: Any, buffer: torch.Tensor) -> None:
+        self.value: torch.Tensor = buffer
+        self.error: Optional[BaseException] = None
+        try:
+            future = _call(hook, bucket)
+        except Exception as error:  # noqa: BLE001 - raised after the flags (_flags_after)
+            self.error = error
+            self.future = _future(buffer)
+            self.future.set_result(buffer)
+            return
+
+        def settle(done: Any) -> torch.Tensor:
             try:
-                for future in both.value():
-                    future.value()  # raises what the hook, or the flags' allreduce, raised
-                result = _value(hook_future.value())
-                _put_back(buffer, start, stop, result)
-            except Exception as error:
-                self._error = error
-                raise
-            return buffer
+                value = _value(done.value())
+                _check_shape(value, buffer.numel())
+            except Exception as error:  # noqa: BLE001 - as above
+                self.error = error
+                return buffer
+            self.value = value
+            return value
 
-        return torch.futures.collect_all([flags_future, hook_future]).then(merge)
+        self.future = future.then(settle)
+
+
+def _future(like: torch.Tensor) -> Any:
+    """A future whose value may be ``like``'s kind of tensor (a CUDA one names its device)."""
+    if like.device.type == "cpu":
+        return torch.futures.Future()
+    return torch.futures.Future(devices=[like.device])
+
+
+def _flags_after(steps: List[_Settled], buffer: torch.Tensor, start: int, stop: int,
+                 group: Any, record: Callable[[BaseException], None]) -> Any:
+    """The future the reducer gets for the flags' bucket: once every hook future of the step
+    (``steps``, the flags' bucket's last) is done, the flags (``buffer[start:stop]``) are
+    allreduced, their last element, the failure marker, set where one failed; then it gives
+    ``buffer`` with the hook's result put back, or fails with the step's first error."""
+    done, failed = _future(buffer), []
+
+    def fail(error: BaseException) -> None:
+        record(error)
+        failed.append(error)
+        done.set_result(buffer)
+
+    def outcome(_: Any) -> torch.Tensor:
+        # Raised in a callback, the error fails the future in C++ (the reducer then raises);
+        # set_exception would make it the future's value, kept (its traceback, the frames
+        # of the step, with them) as long as the reducer keeps the future.
+        if failed:
+            raise failed[0]
+        return buffer
+
+    def finish(flags: Any, error: Optional[BaseException]) -> None:
+        try:
+            flags.value()  # raises what the flags' allreduce raised
+            if error is None:
+                _put_back(buffer, start, stop, steps[-1].value)
+        except BaseException as failure:  # noqa: BLE001 - the reducer must not wait forever
+            error = failure
+        if error is None:
+            done.set_result(buffer)
+        else:
+            fail(error)
+
+    def send(_: Any) -> None:
+        try:
+            error = next((s.error for s in steps if s.error is not None), None)
+            flags = buffer[start:stop]
+            if error is not None:
+                with torch.no_grad():
+                    flags[-1].fill_(1)  # the failure marker (see TorchReducer.finish)
+            work = dist.all_reduce(flags, group=group, async_op=True)
+            work.get_future().then(lambda done: finish(done, error))
+        except BaseException as failure:  # noqa: BLE001 - as above
+            fail(failure)
+
+    result = done.then(outcome)
+    torch.futures.collect_all([s.future for s in steps]).then(send)
+    return result
 
 
 def _refuse_racing(hook: TorchCommHook, index: int, last: bool) -> None:

@@ -143,6 +143,8 @@ class TorchReducer:
         elif sync:
             self._step = _snapshot(self._tensors)
         if sync:
+            if self._hook is not None:
+                self._hook.begin()
             self._reducer.prepare_for_backward([])
 
     def _open_window(self) -> tuple:
