@@ -136,8 +136,8 @@ class MegEngineViaTorchTransport:
     def rank(self) -> int:
         return self._torch.rank()
 
-    def arrive(self, key: str) -> Any:
-        return self._torch.arrive(key)
+    def arrive(self, key: str, waiting: Optional[str] = None) -> Any:
+        return self._torch.arrive(key, waiting)
 
     def control(self) -> MegEngineViaTorchTransport:
         """The plan checks' transport: torch's, in a gloo group of their own."""
