@@ -236,7 +236,7 @@ class _OnlyNeeded:
         node = self._node()
         if node is not None:
             node.needs_input_grad = tuple(
-                wanted and child is not None and _will_execute(child)
+                wanted and child is not None and _needed(child)
                 for wanted, (child, _) in zip(self._recorded, node.next_functions))
 
     def restore(self) -> None:
@@ -246,6 +246,16 @@ class _OnlyNeeded:
 
 
 _will_execute = torch._C._will_engine_execute_node
+
+
+def _needed(child: Any) -> bool:
+    """Whether the engine will run ``child``; True where torch cannot say (a leaf's node
+    while the engine runs ``autograd.grad``, as gradmgr's own runs do): the Function then
+    computes that side as recorded, and the engine drops what it does not need."""
+    try:
+        return _will_execute(child)
+    except RuntimeError:
+        return True
 
 
 def _own_root(output: Any) -> GradientEdge:
