@@ -35,14 +35,12 @@ class Launched(Protocol):
 class Reduction:
     """One launched bucket; unpacks the reduced buffer on first use."""
 
-    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "_last", "_parts", "_flags",
+    __slots__ = ("_ops", "_handle", "_bucket", "_compressed", "_parts", "_flags",
                  "_lock")
 
-    def __init__(self, ops: TensorOps, handle: Handle, bucket: Any, compressed: bool,
-                 last: bool) -> None:
+    def __init__(self, ops: TensorOps, handle: Handle, bucket: Any, compressed: bool) -> None:
         self._ops, self._handle, self._bucket = ops, handle, bucket
         self._compressed = compressed
-        self._last = last  # the step's last bucket: it tells whether a rank failed
         self._parts: Optional[List[Any]] = None
         self._flags: Any = None
         self._lock = threading.Lock()
@@ -133,7 +131,7 @@ class Wire:
         if self.compression is not None:
             flat = ops.compress(flat, self.compression)
         handle = self.transport.allreduce_async(flat)
-        return Reduction(ops, handle, bucket, self.compression is not None, last)
+        return Reduction(ops, handle, bucket, self.compression is not None)
 
 
 class HookWire(Wire):
@@ -158,7 +156,7 @@ class HookWire(Wire):
             return [plan.tensor(m) for m in bucket.members]
 
         handle = self.hook.launch(flat, bucket, last, self.transport, parameters)
-        return Reduction(self.ops, handle, bucket, False, last)
+        return Reduction(self.ops, handle, bucket, False)
 
 
 class Step:

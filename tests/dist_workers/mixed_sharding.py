@@ -14,7 +14,6 @@ after every case.
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import time
@@ -32,17 +31,9 @@ from gradmgr.distributed import (
     make_reduce_scatter_cb,
 )
 
-from .out_of_step import in_step
+from .out_of_step import group, in_step
 
 TIMEOUT_S = 20.0  # the process groups': gloo's own error would come after it
-
-
-def _group(outdir: str, name: str, rank: int, world: int) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, name)}",
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
 def _torch_step(sharded: bool, rank: int, by_hand: bool = False):
@@ -127,8 +118,9 @@ def main(rank: int, world: int, outdir: str) -> None:
     results = {}
     for n, name in enumerate(os.environ["MIXED_CASES"].split(",")):
         framework, ranks = name.split(":")
-        _group(outdir, f"store{n}", rank, world)
+        group(outdir, f"store{n}", rank, world, timeout_s=TIMEOUT_S)
         results[name] = case(framework, {int(r) for r in ranks.split("+")}, rank)
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
-    _group(outdir, "store-end", rank, world)  # dist_workers.run's barrier and teardown
+    # a group for dist_workers.run's barrier and teardown
+    group(outdir, "store-end", rank, world, timeout_s=TIMEOUT_S)

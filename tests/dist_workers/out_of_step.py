@@ -25,12 +25,13 @@ TIMEOUT_S = 6.0  # the process groups': a rank gives up after half of it
 STEPS = 3
 
 
-def _group(outdir: str, name: str, rank: int, world: int) -> None:
+def group(outdir: str, name: str, rank: int, world: int, timeout_s: float = TIMEOUT_S) -> None:
+    """A fresh gloo group per case, with a short timeout (so a short patience)."""
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, name)}",
                             rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _torch_side(path: str, out: dict = None):
@@ -146,8 +147,8 @@ def main(rank: int, world: int, outdir: str) -> None:
     results = {}
     for n, case in enumerate(os.environ["OUT_OF_STEP_CASES"].split(",")):
         scenario, path, skipper = case.split(":")
-        _group(outdir, f"store{n}", rank, world)
+        group(outdir, f"store{n}", rank, world)
         results[case] = globals()[scenario](outdir, rank, world, path, int(skipper))
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
-    _group(outdir, "store-end", rank, world)  # dist_workers.run's barrier and teardown
+    group(outdir, "store-end", rank, world)  # dist_workers.run's barrier and teardown
