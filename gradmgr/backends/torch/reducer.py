@@ -27,9 +27,8 @@ from typing import Any, Collection, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from gradmgr.distributed.contract import NativePath
+from gradmgr.distributed.contract import RANK_FAILED, NativePath
 from gradmgr.distributed.errors import RankFailedError, SparseGradientError, sparse_message
-from gradmgr.distributed.steps import RANK_FAILED
 
 from .engine import EngineAccumulates
 from .transport import TorchTransport
