@@ -31,9 +31,9 @@ class ForeignBackwards:
         """A backward reached watched leaf ``key`` (``ref``: its weak reference, None if no
         longer watched) outside the tape's own backward; kept unless it is another manager's
         (nested, or run inside a callback), whose hooks deliver on their own."""
-        if get_backwarding_grad_manager() is not None or key in self._before:
+        if ref is None or key in self._before or get_backwarding_grad_manager() is not None:
             return
-        tensor = None if ref is None else ref()
+        tensor = ref()
         if tensor is not None:
             grad = tensor.grad
             self._before[key] = (ref, grad, None if grad is None else grad._version)
