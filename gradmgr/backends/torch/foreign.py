@@ -29,8 +29,8 @@ class ForeignBackwards:
 
     def note(self, key: int, ref: Optional[weakref.ref]) -> None:
         """A backward reached watched leaf ``key`` (``ref``: its weak reference, None if no
-        longer watched) outside the tape's own backward; kept unless it is another manager's
-        (nested, or run inside a callback), whose hooks deliver on their own."""
+        longer watched) outside the tape's own backward; kept unless that backward is another
+        manager's (nested, or run inside a callback)."""
         if ref is None or key in self._before or get_backwarding_grad_manager() is not None:
             return
         tensor = ref()
