@@ -18,6 +18,7 @@ model's backend supplies its adapter (:mod:`gradmgr.parity.contract`).
 
 from . import _extra  # noqa: F401  (first: says which extra is missing)
 from .drift import DriftReport, train_drift
+from .dump import dump, load
 from .errors import MappingError, ModelTypeError, ParityError
 from .mapping import MappingReport, transfer_weights
 from .report import StepReport
@@ -33,6 +34,8 @@ __all__ = [
     "StepReport",
     "assert_parity",
     "compare_step",
+    "dump",
+    "load",
     "train_drift",
     "transfer_weights",
 ]
