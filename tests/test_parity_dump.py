@@ -54,7 +54,7 @@ def test_a_dump_replays_the_step_its_model_ran_bit_for_bit(tmp_path):
     header = recorded.header
     assert (header["format"], header["version"], header["framework"]) == (
         "gradmgr.parity.dump", VERSION, "torch")
-    assert header["framework_version"] == torch.__version__
+    assert header["framework_version"].split("+")[0] == torch.__version__.split("+")[0]
     assert header["device"] == "cpu" and header["loss"] == "custom"
 
 
