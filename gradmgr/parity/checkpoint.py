@@ -35,7 +35,8 @@ def save_map(src: Any, dst: Any, path: str, name_map: Optional[Mapping[str, str]
     """Build the weight map from ``src`` to ``dst`` as :func:`transfer_weights` does (the
     same arguments; nothing is copied) and write it to ``path`` as JSON; returns what was
     written. :class:`MappingError` (its message the report) if a tensor is left unmapped or
-    ambiguous: a map file is never written on a guess.
+    ambiguous: a map file is never written on a guess. Layers configured differently (an
+    ``eps``) do not stop it: a checkpoint holds tensors only (``compare_step`` reports them).
 
     Example:
         >>> import os, tempfile, torch
