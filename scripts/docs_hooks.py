@@ -56,6 +56,8 @@ PAGES = {
             ("Porting between frameworks", [
                 "gradmgr.parity.transfer_weights", "gradmgr.parity.compare_step",
                 "gradmgr.parity.assert_parity", "gradmgr.parity.train_drift",
+                "gradmgr.parity.dump", "gradmgr.parity.load",
+                "gradmgr.parity.save_map", "gradmgr.parity.convert_checkpoint",
                 "gradmgr.parity.MappingReport", "gradmgr.parity.StepReport",
                 "gradmgr.parity.DriftReport",
                 "gradmgr.parity.ParityError", "gradmgr.parity.MappingError",

@@ -17,7 +17,9 @@ model's backend supplies its adapter (:mod:`gradmgr.parity.contract`).
 """
 
 from . import _extra  # noqa: F401  (first: says which extra is missing)
+from .checkpoint import convert_checkpoint, save_map
 from .drift import DriftReport, train_drift
+from .dump import dump, load
 from .errors import MappingError, ModelTypeError, ParityError
 from .mapping import MappingReport, transfer_weights
 from .report import StepReport
@@ -33,6 +35,10 @@ __all__ = [
     "StepReport",
     "assert_parity",
     "compare_step",
+    "convert_checkpoint",
+    "dump",
+    "load",
+    "save_map",
     "train_drift",
     "transfer_weights",
 ]

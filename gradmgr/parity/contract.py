@@ -113,7 +113,12 @@ class ModelAdapter(Protocol):
 
 
 def adapter_for(model: Any) -> ModelAdapter:
-    """The adapter of ``model``'s framework, or :class:`ModelTypeError` naming what it is."""
+    """The adapter of ``model``'s framework, or :class:`ModelTypeError` naming what it is.
+    An object that is its own view (a recorded step, :mod:`.dump`) says so with a
+    ``parity_adapter()`` method."""
+    own = getattr(model, "parity_adapter", None)
+    if callable(own):
+        return own()
     try:
         first = next(iter(model.parameters()), None)
     except (AttributeError, TypeError):

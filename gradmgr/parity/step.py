@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import numpy as np
 
 from .contract import Layer, ModelAdapter, adapter_for, family, squeezed
+from .dump import recorded_loss
 from .errors import ParityError
 from .kinks import Kink, find_kink, near_kink, toggle
 from .mapping import TIED, MappingReport, Transform, build_map, config_findings, convert
@@ -57,11 +58,9 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         >>> report.ok, report.first_forward.layer
         (False, '2')
     """
-    if (loss_a is None) != (loss_b is None):
-        given, missing = ("loss_a", "loss_b") if loss_b is None else ("loss_b", "loss_a")
-        raise ParityError(f"{given} given without {missing}: each model needs its own "
-                          f"framework's loss (or neither, for the output's mean)")
     ad_a, ad_b = adapter_for(a), adapter_for(b)
+    _check_losses((recorded_loss(ad_a), recorded_loss(ad_b)), (loss_a, loss_b))
+    pin = pin and recorded_loss(ad_b) is None  # a dump's step cannot run again, pinned
     arrays = as_batch(batch)
     before_a, before_b = snapshot(ad_a), snapshot(ad_b)
     weights_a, weights_b = _weights(ad_a), _weights(ad_b)
@@ -103,6 +102,26 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     bad = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"]
     report.first_grad = max(bad, key=lambda e: e.index) if bad else None
     return report
+
+
+def _check_losses(recorded: Tuple[Optional[str], Optional[str]],
+                  losses: Tuple[Optional[Loss], Optional[Loss]]) -> None:
+    """Both sides' losses the output's mean, or both their own: a dump's (dump.py) is
+    recorded with it, ``"mean"`` or ``"custom"``."""
+    names = ("loss_a", "loss_b")
+    for side, (kept, loss) in enumerate(zip(recorded, losses)):
+        if kept is not None and loss is not None:
+            raise ParityError(f"{names[side]} given for a parity dump: its loss was recorded "
+                              f"with it ({kept}); pass the live model's loss only")
+    custom = [kept == "custom" if kept is not None else loss is not None
+              for kept, loss in zip(recorded, losses)]
+    if custom[0] != custom[1]:
+        given, missing = names if custom[0] else names[::-1]
+        if recorded[names.index(given)] is not None:
+            raise ParityError(f"the parity dump was recorded with its own loss: give "
+                              f"{missing} (the same loss in the live model's framework)")
+        raise ParityError(f"{given} given without {missing}: each model needs its own "
+                          f"framework's loss (or neither, for the output's mean)")
 
 
 def _weights(adapter: ModelAdapter) -> Dict[str, np.ndarray]:
@@ -386,6 +405,8 @@ def _flip_bound(unseen: List[Unseen], mapping: MappingReport,
     if sum(len(u.elements) for u in unseen) > MAX_TOGGLES or any(
             u.flip.kind != "relu" for u in unseen):
         return None
+    if any(recorded_loss(sides.adapters[u.side]) is not None for u in unseen):
+        return None  # a dump's side cannot run again with an element toggled
     to_a, from_a = {p.dst: p for p in mapping.pairs}, {p.src: p for p in mapping.pairs}
     bound = {p.src: np.zeros(p.dst_shape) for p in mapping.pairs}
     for side in (0, 1):

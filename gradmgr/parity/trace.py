@@ -75,6 +75,9 @@ def _as_array(index: int, item: Any) -> np.ndarray:
 def forward_order(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int) -> List[str]:
     """The leaf layers in the order one forward calls them first; buffers (BatchNorm's
     running statistics) are put back as they were."""
+    recorded = getattr(adapter, "recorded_order", None)  # a dump (dump.py) replays
+    if recorded is not None:
+        return recorded()
     calls = _watch(adapter, batch, inputs, loss=None, pins={}, backward=False)[0]
     return _first_calls(calls)
 
@@ -83,7 +86,10 @@ def run_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
              loss: Optional[Loss], pins: Dict[int, tuple]) -> Trace:
     """One forward and backward; ``pins`` maps a call's index to its pin (kinks.py):
     ``("mask", keep[, where])``: the output is ``x * keep`` (only where ``where`` is set, if
-    given); ``("offset", delta)``: the input is ``x + delta``."""
+    given, ``("offset", delta)``: the input is ``x + delta``. A dump (dump.py) replays."""
+    replay = getattr(adapter, "replay", None)
+    if replay is not None:
+        return replay(batch, inputs, loss, pins)
     calls, value, grads = _watch(adapter, batch, inputs, loss, pins, backward=True)
     dtype = calls[0].output.dtype if calls and calls[0].output is not None else np.float32
     return Trace(calls, value, grads, dtype, _first_calls(calls))

@@ -102,3 +102,21 @@ class MegEngineParity(NamedModules):
     def step(self, optimizer: Any) -> None:
         optimizer.step()
         optimizer.clear_grad()
+
+
+def load_state(path: str) -> Dict[str, np.ndarray]:
+    """A ``megengine.save``'d state dict as numpy arrays (gradmgr.parity.checkpoint)."""
+    state = mge.load(path, map_location="cpu0")
+    if not isinstance(state, dict) or not all(isinstance(v, (np.ndarray, mge.Tensor))
+                                              for v in state.values()):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of arrays "
+                         f"(megengine.save(module.state_dict(), path)); save the state dict "
+                         f"alone")
+    return {str(k): np.array(v.numpy() if isinstance(v, mge.Tensor) else v)
+            for k, v in state.items()}
+
+
+def save_state(values: Dict[str, np.ndarray], path: str) -> None:
+    """``values`` as a state dict of numpy arrays (what ``Module.state_dict`` returns),
+    written by ``megengine.save``."""
+    mge.save({k: np.ascontiguousarray(v) for k, v in values.items()}, path)

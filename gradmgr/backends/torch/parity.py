@@ -102,3 +102,19 @@ class TorchParity(NamedModules):
     def step(self, optimizer: Any) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def load_state(path: str) -> Dict[str, np.ndarray]:
+    """A ``torch.save``'d state dict as numpy arrays (gradmgr.parity.checkpoint); only
+    tensors are read (``weights_only``: no code in the file runs)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of tensors "
+                         f"(torch.save(model.state_dict(), path)); save the state dict alone")
+    return {str(k): v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def save_state(values: Dict[str, np.ndarray], path: str) -> None:
+    """``values`` as a state dict of tensors, written by ``torch.save``."""
+    torch.save({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in values.items()}, path)

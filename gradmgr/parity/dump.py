@@ -1,0 +1,247 @@
+"""One side's step kept in a file (:func:`dump`) and read back as a model the tool compares
+(:func:`load`): the reference runs where its framework installs (MegEngine needs Python
+3.10 or older), the port where its own does, or on another device or framework version.
+
+The file is a numpy ``.npz`` (no pickle) whose ``header`` member is UTF-8 JSON:
+``format`` (:data:`FORMAT`), ``version`` (:data:`VERSION`), ``framework`` and
+``framework_version``, ``device``, ``gradmgr``, ``python``, then what :func:`compare_step`
+reads of a side: the layers (kind, configuration), the tensors (role, shape, trainable), their
+values before the step, the batch, every watched call (its output; its input for a piecewise
+layer), the loss and the gradients. Each array is a member ``a<n>`` the header names.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from importlib import metadata
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .contract import Layer, Slot, adapter_for
+from .errors import ParityError
+from .trace import Call, Loss, Trace, as_batch, run_step
+
+FORMAT = "gradmgr.parity.dump"
+VERSION = 1
+"""The dump format this gradmgr writes and the only one it reads (docs/porting.md)."""
+
+_DISTRIBUTIONS = {"torch": "torch", "megengine": "MegEngine"}
+
+
+def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
+         inputs: int = 1) -> Dump:
+    """Run one step of ``model`` on ``batch`` (as :func:`compare_step` runs a side) and write
+    it to ``path`` (an ``.npz``); returns what :func:`load` would read back.
+
+    Args:
+        model: a PyTorch or MegEngine module (left as one training step leaves it).
+        batch: a numpy array or a tuple of them, as :func:`compare_step` takes.
+        path: the file to write.
+        loss: ``loss(output, *targets) -> scalar tensor``; default the output's mean.
+        inputs: how many leading batch items the model takes.
+
+    Example:
+        >>> import os, tempfile, numpy as np, torch
+        >>> from gradmgr.parity import dump, load
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.npz")
+        >>> _ = dump(torch.nn.Linear(4, 2), np.ones((3, 4), np.float32), path)
+        >>> load(path).header["framework"], load(path).header["version"]
+        ('torch', 1)
+    """
+    adapter = adapter_for(model)
+    arrays = as_batch(batch)
+    values = {s.name: adapter.read(s.name) for s in adapter.slots()}
+    layers, slots = adapter.layers(), adapter.slots()
+    trace = run_step(adapter, arrays, inputs, loss, {})
+    store: List[np.ndarray] = []
+
+    def key(array: Optional[np.ndarray]) -> Optional[str]:
+        if array is None:
+            return None
+        store.append(np.ascontiguousarray(array))
+        return f"a{len(store) - 1}"
+
+    header = {
+        "format": FORMAT, "version": VERSION, "framework": adapter.framework,
+        "framework_version": _version(_DISTRIBUTIONS.get(adapter.framework,
+                                                         adapter.framework)),
+        "device": str(getattr(adapter, "device", "unknown")), "gradmgr": _version("gradmgr"),
+        "python": platform.python_version(), "inputs": inputs,
+        "loss": "mean" if loss is None else "custom", "loss_value": trace.loss,
+        "dtype": np.dtype(trace.dtype).str, "order": trace.order,
+        "layers": [{"name": y.name, "kind": y.kind, "config": _plain(y.config)}
+                   for y in layers],
+        "slots": [{"name": s.name, "layer": s.layer, "role": s.role, "shape": list(s.shape),
+                   "trainable": s.trainable} for s in slots],
+        "aliases": dict(getattr(adapter, "aliases", {})),
+        "batch": [key(a) for a in arrays],
+        "values": {name: key(v) for name, v in values.items()},
+        "grads": {name: key(g) for name, g in trace.grads.items()},
+        "calls": [{"layer": c.layer, "in_shape": list(c.in_shape), "done": c.done,
+                   "output": key(c.output), "input": key(c.input)} for c in trace.calls],
+    }
+    members = {f"a{i}": a for i, a in enumerate(store)}
+    members["header"] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
+    with open(path, "wb") as file:
+        np.savez(file, **members)  # type: ignore[arg-type]  # (numpy's stubs: one kwarg type)
+    return load(path)
+
+
+def load(path: str) -> Dump:
+    """A file :func:`dump` wrote, as a model :func:`compare_step` and
+    :func:`transfer_weights` take (as the reference ``a``, or the port ``b``), or
+    :class:`ParityError` if it is no dump or a version this gradmgr cannot read.
+
+    Example:
+        >>> import os, tempfile, numpy as np
+        >>> from gradmgr.parity import ParityError, load
+        >>> path = os.path.join(tempfile.mkdtemp(), "other.npz")
+        >>> np.savez(path, x=np.zeros(2))
+        >>> try:
+        ...     load(path)
+        ... except ParityError as error:
+        ...     print(str(error).split(":")[0])
+        not a gradmgr parity dump
+    """
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as error:
+        raise ParityError(f"cannot read {path} as a gradmgr parity dump (an .npz written by "
+                          f"gradmgr.parity.dump): {error}") from error
+    if "header" not in arrays:
+        raise ParityError(f"not a gradmgr parity dump: {path} has no header member (write "
+                          f"one with gradmgr.parity.dump)")
+    header = json.loads(arrays.pop("header").tobytes().decode("utf-8"))
+    if header.get("format") != FORMAT:
+        raise ParityError(f"not a gradmgr parity dump: {path}'s header names format "
+                          f"{header.get('format')!r}, not {FORMAT!r}")
+    if header.get("version") != VERSION:
+        raise ParityError(
+            f"{path} is a parity dump of format version {header.get('version')!r} (written "
+            f"by gradmgr {header.get('gradmgr')}); this gradmgr ({_version('gradmgr')}) reads "
+            f"version {VERSION} only: compare it with the gradmgr that wrote it, or dump the "
+            f"run again with this one")
+    return Dump(header, arrays)
+
+
+class Dump:
+    """A recorded step of one model, read back (:func:`load`): the tool's view of a model
+    (:class:`~gradmgr.parity.contract.ModelAdapter`) that replays instead of running.
+    ``header`` is the file's header, ``batch`` the batch it was recorded on."""
+
+    def __init__(self, header: Dict[str, Any], arrays: Dict[str, np.ndarray]) -> None:
+        self.header, self._arrays = header, arrays
+        self.framework = header["framework"]
+        self.model = self
+        self.device = header["device"]
+        self.aliases = dict(header["aliases"])
+        self.batch: Tuple[np.ndarray, ...] = tuple(arrays[k] for k in header["batch"])
+        self._layers = [Layer(y["name"], y["kind"], _tuples(y["config"]))
+                        for y in header["layers"]]
+        self._slots = [Slot(s["name"], s["layer"], s["role"], tuple(s["shape"]),
+                            s["trainable"]) for s in header["slots"]]
+
+    def __repr__(self) -> str:
+        h = self.header
+        return (f"<parity dump: {h['framework']} {h['framework_version']} on {h['device']}, "
+                f"{len(h['calls'])} calls, gradmgr {h['gradmgr']}>")
+
+    def parity_adapter(self) -> Dump:
+        """Itself: a dump is its own adapter (gradmgr.parity.contract.adapter_for)."""
+        return self
+
+    def _array(self, key: Optional[str]) -> Optional[np.ndarray]:
+        return None if key is None else self._arrays[key].copy()
+
+    def layers(self) -> List[Layer]:
+        return list(self._layers)
+
+    def slots(self) -> List[Slot]:
+        return list(self._slots)
+
+    def read(self, name: str) -> np.ndarray:
+        value = self._array(self.header["values"][self.aliases.get(name, name)])
+        assert value is not None  # (every slot's value is written)
+        return value
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        # restoring the values it was recorded with is fine; anything else would be a guess
+        if not np.array_equal(np.asarray(value), self.read(name).reshape(np.shape(value))):
+            raise ParityError(f"a parity dump is read-only: cannot write {name} into it; "
+                              f"transfer the weights from the dump into the live model")
+
+    def grad(self, name: str) -> Optional[np.ndarray]:
+        return self._array(self.header["grads"].get(self.aliases.get(name, name)))
+
+    def clear_grads(self) -> None:
+        pass
+
+    def recorded_order(self) -> List[str]:
+        """The layers in the order the recorded forward first called them."""
+        return list(self.header["order"])
+
+    def replay(self, batch: Sequence[np.ndarray], inputs: int, loss: Optional[Loss],
+               pins: Dict[int, Any]) -> Trace:
+        """The recorded step, as :func:`~gradmgr.parity.trace.run_step` returns a live one;
+        :class:`ParityError` if asked for another batch or another run."""
+        if loss is not None:
+            raise ParityError("a parity dump's loss was recorded with it: pass no loss for "
+                              "the dump's side")
+        if pins:
+            raise ParityError("a parity dump cannot run again with a pinned branch")
+        same = (len(batch) == len(self.batch) and inputs == self.header["inputs"]
+                and all(np.array_equal(x, y) for x, y in zip(batch, self.batch)))
+        if not same:
+            raise ParityError("the batch is not the one the dump was recorded on: pass "
+                              "dump.batch (and the inputs= it was dumped with, "
+                              f"{self.header['inputs']})")
+        by_name = {y.name: y for y in self._layers}
+        calls = [Call(c["layer"], by_name[c["layer"]].kind, by_name[c["layer"]].config,
+                      tuple(c["in_shape"]), self._array(c["output"]), self._array(c["input"]),
+                      c["done"]) for c in self.header["calls"]]
+        grads = {name: self._array(key) for name, key in self.header["grads"].items()}
+        return Trace(calls, float(self.header["loss_value"]), grads,
+                     np.dtype(self.header["dtype"]), list(self.header["order"]))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("parameters", "tensor", "numpy", "is_tensor", "hook", "clone", "offset",
+                    "mask", "mean", "step"):
+            raise ParityError(f"a parity dump holds one recorded step and cannot run ({name}): "
+                              f"compare_step and transfer_weights take it, train_drift needs "
+                              f"live models")
+        raise AttributeError(name)
+
+
+def recorded_loss(adapter: Any) -> Optional[str]:
+    """``"mean"`` or ``"custom"``: the loss a dump was recorded with; None for a live model."""
+    return adapter.header["loss"] if isinstance(adapter, Dump) else None
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _plain(value: Any) -> Any:
+    """A configuration as JSON holds it (a tuple as a list; anything else as its repr)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _tuples(value: Any) -> Any:
+    """A configuration read back: lists as the tuples they were."""
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value

@@ -1,0 +1,168 @@
+"""The parity tool's offline side (gradmgr.parity.dump, docs/porting.md "Offline, across
+environments"): one side's step written to a file and compared in another process, another
+environment, against a live model. A replayed dump must give the verdicts the live model
+gives: the same values (bit for bit: the arrays are stored as computed), so a correct port is
+OK, a broken one DIFFERS at its layer, and a dump the tool cannot read is an error."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import parity_small_torch as T  # noqa: E402
+import torch  # noqa: E402
+
+from gradmgr.parity import (  # noqa: E402
+    ParityError,
+    compare_step,
+    dump,
+    load,
+    transfer_weights,
+)
+from gradmgr.parity.dump import VERSION  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RNG = np.random.RandomState(0)
+IMAGES = (RNG.randn(4, 3, 8, 8).astype(np.float32), np.array([1, 0, 3, 9]))
+ROWS = RNG.randn(6, 16).astype(np.float32)
+CROSS_ENV_S = 600  # two interpreters start (one imports MegEngine) on a loaded 2-core machine
+
+
+def _cnn(seed: int = 0, **kwargs) -> T.CNN:
+    torch.manual_seed(seed)
+    return T.CNN(**kwargs)
+
+
+def test_a_dump_replays_the_step_its_model_ran_bit_for_bit(tmp_path):
+    model = _cnn()
+    twin = _cnn()
+    recorded = dump(model, IMAGES, str(tmp_path / "run.npz"), loss=T.cross_entropy)
+    report = compare_step(twin, recorded, IMAGES, loss_a=T.cross_entropy)
+    assert report.ok, report.text()
+    # the same weights, the same kernels: every compared value equal, not only within tol
+    assert [e.max_abs for e in report.entries] == [0.0] * len(report.entries)
+    assert len([e for e in report.entries if e.what == "grad"]) == 9
+    for name, param in model.named_parameters():
+        np.testing.assert_array_equal(recorded.grad(name), param.grad.numpy())
+    header = recorded.header
+    assert (header["format"], header["version"], header["framework"]) == (
+        "gradmgr.parity.dump", VERSION, "torch")
+    assert header["framework_version"].split("+")[0] == torch.__version__.split("+")[0]
+    assert header["device"] == "cpu" and header["loss"] == "custom"
+
+
+def test_a_broken_port_is_named_at_its_layer_through_a_dump(tmp_path):
+    recorded = dump(_cnn(), IMAGES, str(tmp_path / "run.npz"), loss=T.cross_entropy)
+    port = _cnn(seed=1, bn_eps=1e-3)  # other random weights: transfer_weights replaces them
+    transfer_weights(recorded, port, probe=recorded.batch, strict=False)
+    report = compare_step(recorded, port, recorded.batch, loss_b=T.cross_entropy)
+    assert not report.ok and report.text().startswith("PARITY BROKEN")
+    assert report.first_forward.layer == "bn2" and report.first_forward.verdict == "DIFFERS"
+    assert [(f.layer_src, f.key) for f in report.findings] == [("bn2", "eps")]
+    # a backward-only bug: the forward agrees, bias gradients of the last layer doubled
+    port = _cnn(seed=1)
+    transfer_weights(recorded, port, probe=recorded.batch)
+    port.fc.bias.register_hook(lambda g: g * 2)
+    report = compare_step(recorded, port, recorded.batch, loss_b=T.cross_entropy)
+    bad = [e.name for e in report.entries if e.verdict != "ok"]
+    assert bad == ["fc.bias / fc.bias"] and report.first_forward is None
+    assert report.first_grad.layer == "fc" and not report.ok
+
+
+def test_a_dump_of_another_version_or_no_dump_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "run.npz")
+    dump(torch.nn.Linear(16, 2), ROWS, path)
+    with np.load(path) as npz:
+        members = {k: npz[k] for k in npz.files}
+    header = json.loads(members["header"].tobytes())
+    header["version"] = VERSION + 1
+    members["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(str(tmp_path / "future.npz"), **members)
+    with pytest.raises(ParityError, match=rf"format version {VERSION + 1} .*reads version "
+                                          rf"{VERSION} only"):
+        load(str(tmp_path / "future.npz"))
+    np.savez(str(tmp_path / "plain.npz"), x=np.zeros(3))
+    with pytest.raises(ParityError, match="not a gradmgr parity dump"):
+        load(str(tmp_path / "plain.npz"))
+    (tmp_path / "text.npz").write_text("hello")
+    with pytest.raises(ParityError, match="cannot read .* as a gradmgr parity dump"):
+        load(str(tmp_path / "text.npz"))
+
+
+def test_a_dump_is_compared_only_as_recorded(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    recorded = dump(model, ROWS, str(tmp_path / "run.npz"))
+    live = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    transfer_weights(recorded, live)
+    assert compare_step(recorded, live, ROWS).ok
+    with pytest.raises(ParityError, match="not the one the dump was recorded on"):
+        compare_step(recorded, live, ROWS + 1)
+    with pytest.raises(ParityError, match="a parity dump is read-only"):
+        transfer_weights(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(),
+                                             torch.nn.Linear(8, 2)), recorded)
+    with pytest.raises(ParityError, match="loss_a given for a parity dump"):
+        compare_step(recorded, live, ROWS, loss_a=lambda out: out.mean(),
+                     loss_b=lambda out: out.mean())
+    custom = dump(_cnn(), IMAGES, str(tmp_path / "cnn.npz"), loss=T.cross_entropy)
+    with pytest.raises(ParityError, match="recorded with its own loss: give loss_b"):
+        compare_step(custom, _cnn(), IMAGES)
+    from gradmgr.parity import train_drift
+    with pytest.raises(ParityError, match="cannot run"):
+        train_drift(recorded, live, None, None, [ROWS])
+
+
+def _python(env: str) -> str:
+    """The python of the project environment ``env`` (``.venv``, ``.venv-latest``): in this
+    checkout, or in the main checkout of a git worktree (its environments are shared)."""
+    roots = [ROOT]
+    common = subprocess.run(["git", "rev-parse", "--git-common-dir"], cwd=ROOT, text=True,
+                            capture_output=True)
+    if common.returncode == 0:
+        roots.append((ROOT / common.stdout.strip()).resolve().parent)
+    for root in roots:
+        python = root / env / "bin" / "python"
+        if python.exists():
+            return str(python)
+    pytest.fail(f"the cross-environment dump test needs both project environments; {env} "
+                f"is in none of {[str(r) for r in roots]}: run make setup (scripts/setup.sh "
+                f"all)")
+
+
+def _worker(env: str, mode: str, path: pathlib.Path) -> dict:
+    python = _python(env)
+    run = subprocess.run([python, str(ROOT / "tests" / "parity_dump_worker.py"), mode,
+                          str(path)], cwd=str(path.parent), text=True, capture_output=True,
+                         timeout=CROSS_ENV_S,
+                         env=dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}"))
+    lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, f"{env} {mode}:\n{run.stdout}\n{run.stderr}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_megengine_dumped_in_python_3_10_compares_against_torch_2_13_in_the_other_env(
+        tmp_path):
+    path = tmp_path / "megengine_cnn.npz"
+    dumped = _worker(".venv", "dump", path)
+    found = _worker(".venv-latest", "compare", path)
+    assert dumped["python"].startswith("3.10") and not found["python"].startswith("3.10")
+    header = found["header"]
+    assert (header["framework"], header["framework_version"]) == ("megengine", "1.13.0")
+    assert header["python"] == dumped["python"] and header["loss_value"] == dumped["loss"]
+    good = found["good"]
+    assert good["ok"], good["text"]
+    assert good["mapped"] == 13  # 9 trained tensors + 4 BatchNorm running statistics
+    assert len(good["verdicts"]) == 9 + 1 + 9  # the layers' outputs, the loss, the grads
+    assert set(good["verdicts"].values()) == {"ok"}
+    # two kernels' float32 rounding, each compared value: far below the 1e-3 of a real bug
+    assert good["max_rel"] < 1e-5, good["text"]
+    eps = found["eps"]
+    assert not eps["ok"] and eps["text"].startswith("PARITY BROKEN")
+    assert eps["first_forward"] == "bn2" and eps["verdicts"]["bn2 / bn2"] == "DIFFERS"
+    assert eps["findings"] == [["bn2", "eps"]]
