@@ -10,7 +10,6 @@ Importing gradmgr imports no framework; a backend is loaded on the first tensor 
 """
 
 from . import _log
-from ._state import get_backwarding_grad_manager
 from .backend import Backend, Capabilities, Tape
 from .errors import (
     AttachError,
@@ -23,7 +22,7 @@ from .errors import (
 )
 from .future import Future, is_future
 from .group import GradManagerGroup
-from .manager import AttachSpec, GradManager
+from .manager import AttachSpec, GradManager, get_backwarding_grad_manager
 from .registry import backend_for, get_backend, register_backend
 from .split import DeferredBackward, UnfinishedBackwardWarning
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
 
 if TYPE_CHECKING:
     from .backend import Backend
-    from .manager import GradManager
 
 record_counter = itertools.count()
 """Global start order of recordings: earlier-started managers record later backwards."""
@@ -32,27 +31,14 @@ class StartingGroup(NamedTuple):
 class ThreadState(threading.local):
     def __init__(self) -> None:
         self.recording: List[weakref.ref] = []  # weak references to the recording managers
-        self.backwarding: List[GradManager] = []
+        # GradManagers (this module sits below manager.py, so it does not name the type)
+        self.backwarding: List[Any] = []
         self.starting_group: Optional[StartingGroup] = None
 
 
 state = ThreadState()
 
 
-def recording_managers() -> List[GradManager]:
+def recording_managers() -> List[Any]:
     """The managers recording in this thread, in the order they started (live ones only)."""
     return [m for m in (ref() for ref in state.recording) if m is not None]
-
-
-def get_backwarding_grad_manager() -> Optional[GradManager]:
-    """The manager whose ``backward()`` is running in this thread, else None.
-
-    Inside a gradient callback it is the manager that called the callback; after the backward
-    it is whatever it was before (an outer manager's backward, or None).
-
-    Example:
-        >>> get_backwarding_grad_manager() is None
-        True
-    """
-    stack = state.backwarding
-    return stack[-1] if stack else None

@@ -112,3 +112,13 @@ class CallbackReturnedNoneWarning(GradMgrWarning):
         ...                         message=".*observe")
         >>> warnings.resetwarnings()
     """
+
+
+# What torch's Join asks every joinable first: a GradManager built by hand answers NOT_JOINABLE.
+JOIN_HOOK_NAMES = frozenset({"join_hook", "join_device", "join_process_group"})
+NOT_JOINABLE = (
+    "this GradManager is not a joinable of torch's Join (uneven inputs): only the manager "
+    "gradmgr.distributed.data_parallel(model) returns takes part in it, as a DDP model does "
+    "(a manager built by hand with make_allreduce_cb() has no join hook). Make it with "
+    "gm = data_parallel(model), or give every rank the same number of batches"
+)

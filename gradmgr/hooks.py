@@ -124,6 +124,11 @@ def after_backward_callbacks(hooks: StepHooks) -> tuple:
     return tuple(hooks._after_backward_callbacks)
 
 
+def run_error_callbacks(hooks: StepHooks, error: BaseException) -> None:
+    """Run ``hooks``' (a manager's) error callbacks for ``error``, what a backward raised."""
+    hooks._run_error_callbacks(error)
+
+
 def set_backward_delegate(hooks: Self, delegate: Optional[Callable[[], Any]]) -> Self:
     """Let ``delegate`` take over whole backwards of ``hooks`` (a manager; None: stop): the
     data-parallel callback uses it to hand a step to PyTorch's C++ reducer.

@@ -1,39 +1,30 @@
 """GradManager: MegEngine's gradient-manager semantics on any backend.
 
-A manager holds its attached tensors (:mod:`.attachments`), a tape from its backend that records
-between ``record()`` and ``release()`` (while the framework is still unknown, a provisional one:
-:mod:`.provisional`), and, while a backward runs, what the backward delivers
-(:mod:`.delivery`). Every form of backward (``backward``, the first part of ``backward_split``
-and ``DeferredBackward.finish``) runs in one scope, :class:`_Backwarding` (``backward`` enters
-it through the scope's functions; see there).
+A manager holds its attached tensors (:mod:`.attachments`), its recording (:mod:`.recording`:
+the framework, the tape that records between ``record()`` and ``release()``, the recording in
+progress) and, while a backward runs, what the backward delivers (:mod:`.delivery`). Every form
+of backward (``backward``, the first part of ``backward_split`` and ``DeferredBackward.finish``)
+runs in one scope (:mod:`.scope`).
 """
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from typing import Any, Callable, List, NoReturn, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from . import _state
-from .attachments import (
-    Attachments,
-    AttachSpec,
-    Callback,
-    Tensors,
-    check_callbacks,
-    check_tensors,
-)
-from .backend import Backend, Tape
-from .delivery import Delivery
-from .errors import GradMgrWarning, UnsupportedGraphError
+from .attachments import Attachments, AttachSpec, Callback, Tensors, check_callbacks, check_tensors
+from .backend import Backend
+from .errors import JOIN_HOOK_NAMES, NOT_JOINABLE
 from .group import GradManagerGroup
 from .hooks import StepHooks
 from .outputs import as_list, check_outputs
-from .provisional import ProvisionalTape
-from .registry import backend_for, imported_backends, resolve_backend
-from .split import DeferredBackward, FinishRefused, check_can_split, check_first
+from .recording import Recording, live
+from .registry import backend_for, resolve_backend
+from .scope import Scope
+from .split import DeferredBackward, FinishRefused, check_can_split, check_first, check_not_nested
 
-__all__ = ["AttachSpec", "Callback", "GradManager"]
+__all__ = ["AttachSpec", "Callback", "GradManager", "get_backwarding_grad_manager"]
 
 
 class GradManager(StepHooks):
@@ -65,36 +56,21 @@ class GradManager(StepHooks):
 
     def __init__(self, backend: Union[str, Backend, None] = None) -> None:
         super().__init__()  # the registrations (StepHooks)
-        self._backend: Optional[Backend] = resolve_backend(backend)
-        # The backend was only guessed (a recording or a backward with nothing attached took
-        # the only imported framework, or its group's): the first attached tensor decides.
-        self._guessed = False
         self._attached = Attachments()
-        self._tape: Optional[Tape] = None  # the backend's, for the manager's whole life
-        # The recording (record() to release()), in the manager itself rather than an object
-        # of its own, which would cost every step time (bench/bench_torch.py): the list of the
-        # recording thread's recording managers it joined (None: not recording; a backward may
-        # run in another thread), its group, and its started tape (the manager's, or a
-        # provisional one; None until the backend is known).
-        self._managers: Optional[List[weakref.ref]] = None
-        # What the thread's list holds while this manager records: a weak reference, so that
-        # a manager dropped while recording is freed (as MegEngine's is) and its recording
-        # ended by _Leftover instead of changing every later backward in the thread.
-        self._leftover = _Leftover()
-        self._ref = weakref.ref(self, self._leftover.collected)
-        self._recording_group: Optional[object] = None
-        self._recording_tape: Optional[Tape] = None
-        self._step = -1  # the latest recording's number
-        self._backward_ran = False  # in the latest recording
+        self._recording = Recording(resolve_backend(backend))
+        # What the thread's list of recording managers holds while this one records: a weak
+        # reference, so that a manager dropped while recording is freed (as MegEngine's is)
+        # and its recording ended instead of changing every later backward in the thread.
+        self._ref = weakref.ref(self, self._recording.collected)
+        self._scope = Scope(self, self._recording)  # every backward's
         self._leaving_on_error = False  # a `with` block is left by an exception
-        self._delivery: Optional[Delivery] = None  # while a backward of this manager runs
-        self._spare_delivery: Optional[Delivery] = None  # an empty one, for the next backward
 
     # ----------------------------------------------------------------- attaching
     @property
     def backend(self) -> Optional[Backend]:
         """The backend in use, or None until the first tensor is attached."""
-        return None if self._guessed else self._backend
+        recording = self._recording
+        return None if recording.guessed else recording.backend
 
     def attach(
         self,
@@ -126,9 +102,10 @@ class GradManager(StepHooks):
         """
         callback_list = check_callbacks(callbacks)
         tensor_list, backend = check_tensors(tensors, self.backend)
-        if self._guessed and backend is not None:
+        recording = self._recording
+        if recording.guessed and backend is not None:
             self._replace_guess(backend)
-        self._use_backend(backend)
+        recording.settle(backend)
         for cb in callback_list:
             bind = getattr(cb, "__gradmgr_bind__", None)
             if bind is not None:
@@ -136,12 +113,12 @@ class GradManager(StepHooks):
         for tensor in tensor_list:
             spec, new = self._attached.add(tensor, callback_list)
             if new:
-                spec.sink = self._sink_for(spec, id(tensor))
+                spec.sink = self._scope.sink_for(spec, id(tensor))
                 self._watch_new(spec, tensor)
-            elif self._taping() or self._own_tape().persistent_watch:
+            elif recording.taping or recording.own_tape().persistent_watch:
                 # Watched again: callbacks may now run during backward, and a backend may
                 # judge the tensor again (PyTorch: the user may have frozen it since).
-                self._own_tape().watch(tensor, spec.sink, bool(spec.callbacks))
+                recording.own_tape().watch(tensor, spec.sink, bool(spec.callbacks))
         return self
 
     def attached_tensors(self, with_callback: Optional[Callback] = None) -> List[Any]:
@@ -153,52 +130,15 @@ class GradManager(StepHooks):
         return self._attached.tensors(with_callback)
 
     def _watch_new(self, spec: AttachSpec, tensor: Any) -> None:
-        tape = self._own_tape()
+        recording = self._recording
+        tape = recording.own_tape()
         eager = bool(spec.callbacks)
-        if self._managers is not None and not self._taping():
-            self._warn_if_started_late()
-            self._start_tape()  # recording began before the backend was known
+        if recording.managers is not None and not recording.taping:
+            self._start_late()
             if not tape.persistent_watch:
-                return  # _start_tape watched it
-        if tape.persistent_watch or self._taping():
+                return  # start_tape watched it
+        if tape.persistent_watch or recording.taping:
             tape.watch(tensor, spec.sink, eager)
-
-    def _sink_for(self, spec: AttachSpec, key: int) -> Callable[[Any], Any]:
-        # Tapes keep sinks, and a tape's finalizer may keep what it holds until the tape dies:
-        # no strong reference to the manager, nor to its callbacks (one that holds the
-        # manager would keep it alive for ever).
-        manager, spec_ref = weakref.ref(self), weakref.ref(spec)
-
-        def sink(grad: Any) -> Any:
-            owner, spec = manager(), spec_ref()
-            tensor = None if spec is None else spec.tensor()
-            if owner is None or spec is None or tensor is None:
-                return None
-            if spec.callbacks:
-                grad = owner._run_chain(spec.callbacks, key, tensor, grad)
-            delivery = owner._delivery
-            if delivery is None:
-                _outside_backward()
-            delivery.gradients[key] = grad
-            return grad
-
-        return sink
-
-    def _run_chain(self, callbacks: List[Callback], key: int, tensor: Any, grad: Any) -> Any:
-        # The engine may call this from one of its worker threads: make the manager the
-        # backwarding one there too, so callbacks can find it.
-        stack = _state.state.backwarding
-        pushed = not stack or stack[-1] is not self
-        if pushed:
-            stack.append(self)
-        try:
-            delivery, backend = self._delivery, self._backend
-            if delivery is None or backend is None:
-                _outside_backward()
-            return delivery.run_chain(backend, callbacks, key, tensor, grad)
-        finally:
-            if pushed:
-                stack.pop()
 
     # ----------------------------------------------------------------- recording
     def record(self) -> None:
@@ -207,29 +147,20 @@ class GradManager(StepHooks):
         Raises:
             RuntimeError: already recording.
         """
-        state = _state.state
-        starting = state.starting_group  # set while a group starts its members
-        if self._managers is not None:
+        recording = self._recording
+        if recording.managers is not None:
             raise RuntimeError(
                 "already recording: call backward() or release() before record() again"
             )
-        self._step = next(_state.record_counter)
-        self._backward_ran = False
-        self._recording_group = None if starting is None else starting.group
-        managers = self._managers = self._leftover.managers = state.recording
-        managers.append(self._ref)
+        starting = _state.state.starting_group  # set while a group starts its members
+        recording.begin(self._ref, None if starting is None else starting.group)
         try:
             if self._record_callbacks:
                 self._run_record_callbacks()  # before the tape snapshots anything
-            tape = self._tape
-            if tape is not None and tape.persistent_watch and self._recording_tape is None:
-                tape.start()  # the usual recording: the tape watches every attached tensor
-                self._recording_tape = tape
-                return
-            if self._backend is None:
-                self._start_without_backend(None if starting is None else starting.backend)
-            if self._backend is not None:
-                self._start_tape()
+            if recording.backend is None:
+                recording.start_without_backend(None if starting is None else starting.backend)
+            if recording.backend is not None:
+                recording.start_tape(self._attached)
         except BaseException:
             self.release()
             raise
@@ -238,24 +169,10 @@ class GradManager(StepHooks):
         self.record()  # (a subclass's record() too, as MegEngine's __enter__ calls it)
         return self
 
-    def _start_without_backend(self, group_backend: Optional[Backend]) -> None:
-        """Nothing attached tells the framework yet. A group's member takes the group's (a
-        group cannot mix frameworks); otherwise the only one imported, or with several, a
-        provisional tape in each until a tensor settles it (for a group's members inside
-        each framework's group context, so whichever it turns out to be, its tape started
-        with the group's: on MegEngine, one started later would not join the native group)."""
-        candidates = [group_backend] if group_backend is not None else imported_backends()
-        if len(candidates) == 1:
-            self._backend, self._guessed = candidates[0], True
-        else:
-            provisional = ProvisionalTape(candidates)
-            provisional.start()
-            self._recording_tape = self._leftover.provisional = provisional
-
     @property
     def is_recording(self) -> bool:
         """Between ``record()`` and ``release()`` (or the end of ``backward()``)."""
-        return self._managers is not None
+        return self._recording.managers is not None
 
     @property
     def step(self) -> int:
@@ -266,73 +183,19 @@ class GradManager(StepHooks):
         use it to tell one step from the next. While a split backward finishes
         (:meth:`DeferredBackward.finish`), it is that backward's recording.
         """
-        delivery = self._delivery
-        return self._step if delivery is None else delivery.step
+        delivery = self._scope.delivery
+        return self._recording.step if delivery is None else delivery.step
 
     def _replace_guess(self, backend: Backend, still_guessed: bool = False) -> None:
-        """A tensor of ``backend`` is given to a manager whose backend was only guessed (or
-        is unknown): keep the guess if it is the tensor's framework; otherwise forget it (and
-        its tape, restarted in the tensor's framework if recording). An attached tensor
-        settles the backend; a ``y`` (``still_guessed``) is only the next guess."""
-        self._guessed = still_guessed
-        if backend is self._backend or self._backend is None:
-            return
-        recording = self._managers is not None
-        if recording and self._recording_tape is not None:
-            tape, self._recording_tape = self._recording_tape, None
-            tape.stop()
-        self._backend, self._tape = backend, None
-        if recording:
-            self._warn_if_started_late()
-            self._start_tape()
+        """See :meth:`Recording.replace_guess`; a recording goes on in ``backend``."""
+        if self._recording.replace_guess(backend, still_guessed):
+            self._start_late()
 
-    def _use_backend(self, backend: Optional[Backend]) -> None:
-        """The backend just became known (from a tensor): settle a provisional tape."""
-        if backend is None or backend is self._backend:
-            return
-        self._backend = backend
-        provisional = self._recording_tape
-        if self._managers is not None and isinstance(provisional, ProvisionalTape):
-            tape = provisional.settle(backend)
-            self._recording_tape = None
-            if tape is not None:
-                self._tape = self._recording_tape = self._leftover.tape = tape
-
-    def _own_tape(self) -> Tape:
-        if self._tape is None:
-            if self._backend is None:  # callers come with a tensor, or from _use_backend
-                raise RuntimeError("gradmgr: a tape was asked for before the manager's "
-                                   "framework is known (an internal error: please report it "
-                                   "with the output of `python -m gradmgr env`)")
-            self._tape = self._leftover.tape = self._backend.new_tape()
-        return self._tape
-
-    def _taping(self) -> bool:
-        return self._managers is not None and self._recording_tape is not None
-
-    def _start_tape(self) -> None:
-        if self._recording_tape is not None:
-            return
-        tape = self._own_tape()
-        tape.start()
-        self._recording_tape = tape
-        if not tape.persistent_watch:
-            tape.watch_all([(t, spec.sink, bool(spec.callbacks))
-                            for t, spec in self._attached.live()])
-
-    def _warn_if_started_late(self) -> None:
-        later = [m for m in _live(self._managers)
-                 if m is not self and m._step > self._step and m._taping()]
-        if later:
-            warnings.warn(
-                "gradmgr: this manager started recording before its framework was known "
-                "(nothing was attached before record(), and it recorded as part of a group or "
-                "its framework was imported only after record()), and a manager that started "
-                "later is already recording: it may not record that manager's backward. Pass "
-                "GradManager(backend=...) to fix the order.",
-                GradMgrWarning,
-                stacklevel=5,
-            )
+    def _start_late(self) -> None:
+        """Start the tape now, in a recording that began before the backend was known."""
+        mine = self._recording
+        mine.warn_if_started_late([m._recording for m in live(mine.managers) if m is not self])
+        mine.start_tape(self._attached)
 
     def release(self) -> None:
         """Stop recording and free what was kept for differentiation. Idempotent.
@@ -342,24 +205,20 @@ class GradManager(StepHooks):
                 ``loss.backward()`` wrote attached tensors' ``.grad`` in it, skipping their
                 callbacks (seen where a tensor has callbacks).
         """
-        managers, self._managers = self._managers, None
-        if managers is None:
+        recording = self._recording
+        if not recording.leave(self._ref):
             return
-        ref = self._ref
-        if managers and managers[-1] is ref:
-            managers.pop()
-        elif ref in managers:
-            managers.remove(ref)
-        tape, self._recording_tape = self._recording_tape, None
+        tape, recording.started = recording.started, None
         bypassed = None
         if tape is not None:
             tape.stop()
             bypassed = tape.bypassed
             if bypassed is not None:
                 tape.bypassed = None
+        backward_ran = recording.backward_ran
         if self._release_callbacks:
-            self._run_release_callbacks(self._backward_ran)
-        if bypassed is not None and not self._backward_ran and not self._leaving_on_error:
+            self._run_release_callbacks(backward_ran)
+        if bypassed is not None and not backward_ran and not self._leaving_on_error:
             raise RuntimeError(bypassed)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -367,7 +226,7 @@ class GradManager(StepHooks):
         if exc_type is None:
             self.release()
             return
-        tape = self._recording_tape
+        tape = self._recording.started
         explained = None if tape is None else tape.explain(exc)
         self._leaving_on_error = True  # the block's own error wins
         try:
@@ -391,77 +250,60 @@ class GradManager(StepHooks):
             RuntimeError: not recording.
             ValueError: ``y`` and ``dy`` differ in length or in a shape.
         """
-        managers = self._managers
+        recording = self._recording
+        managers = recording.managers
         if managers is None:
-            self._require_recording("backward(y)")
-        self._backward_ran = True
-        # The scope by its functions, not a _Backwarding and a `with` (the object would cost
-        # the usual step time: see _Backwarding).
-        stack, tracked = _open_scope(self, self._step), None
+            recording.refuse("backward(y)")
+        recording.backward_ran = True
+        scope = self._scope
+        stack, tracked = scope.open(recording.step), None
         try:
             ys, dys = self._outputs(y, dy)
-            backend = self._backend
-            # (the calls of _track and _end_backward only where they have work: each call
-            # costs the usual step time, as bench/ab_plain_step.py shows)
-            if backend is not None and backend.tracks_backwarding:
-                tracked = _track(self, backend)
+            tracked = scope.track(recording.backend)
             delegated = None if self._backward_delegate is None else self._backward_delegate()
-            tape = self._recording_tape
             if delegated is not None:
                 self._run_delegated(ys, dys, delegated)
             else:
+                tape = recording.started
                 if ys and tape is not None:
                     create_graph, retain_graph = (
                         (False, False) if len(managers) == 1 else self._nesting())
                     tape.backward(ys, dys, create_graph=create_graph, retain_graph=retain_graph,
                                   may_accumulate=not self._after_backward_callbacks)
-                if self._after_backward_callbacks or _delivering(self).gradients:
-                    self._end_backward()
+                self._end_backward()
         except BaseException as error:
-            _close_scope(self, stack, tracked, error)
+            scope.close(stack, tracked, error)
             raise
         else:
-            _close_scope(self, stack, tracked, None)
+            scope.close(stack, tracked, None)
         finally:
             self.release()
 
-    def _require_recording(self, call: str) -> NoReturn:
-        if self._managers is None and self._backward_ran:
-            raise RuntimeError(
-                f"not recording: the first backward() ended the recording, as every backward "
-                f"does (MegEngine's rule), so {call} has nothing to differentiate. For another "
-                f"backward, compute y again in a new recording (`with gm:` or record()); for "
-                f"several outputs at once, pass them together: backward([y1, y2])"
-            )
-        raise RuntimeError(
-            f"no computation history to differentiate: call record() (or use `with gm:`) "
-            f"before computing y, then {call} inside the recording"
-        )
-
     def _outputs(self, y: Any, dy: Any) -> tuple:
-        backend = self._backend
+        recording = self._recording
+        backend = recording.backend
         if dy is None and backend is not None and backend_for(y) is backend:
             return [y], [backend.ones_like(y)]  # the common call: backward(loss)
         ys, dys, backend = check_outputs(y, dy, self.backend)
         if backend is not None and not len(self._attached) and (
-                self._guessed or self._backend is None):
+                recording.guessed or recording.backend is None):
             self._replace_guess(backend, still_guessed=True)  # y's framework: not attached
-        self._use_backend(backend)
+        recording.settle(backend)
         return ys, dys
 
     def _end_backward(self) -> None:
         """After the engine: after-backward callbacks, then Futures and ``.grad``."""
         if self._after_backward_callbacks:
             self._run_after_backward_callbacks()
-        delivery = _delivering(self)
-        if delivery.gradients:
-            delivery.accumulate(_delivering_backend(self), self._attached)
+        if self._scope.gradients_came():
+            delivery, backend = self._scope.delivering()
+            delivery.accumulate(backend, self._attached)
 
     def _run_delegated(self, ys: List[Any], dys: List[Any], delegated: Any) -> None:
         """The engine accumulates into ``.grad``; ``delegated`` does the rest (see
         :func:`gradmgr.hooks.set_backward_delegate`)."""
         try:
-            tape = self._recording_tape
+            tape = self._recording.started
             if ys and tape is not None:
                 create_graph, retain_graph = self._nesting()
                 tape.backward_accumulating(ys, dys, create_graph=create_graph,
@@ -476,11 +318,12 @@ class GradManager(StepHooks):
         recording managers hold others too (alone, it is ``(False, False)``)."""
         # A manager whose own backward is running (this one runs inside its callback) can no
         # longer differentiate anything recorded now.
-        others = [m for m in _live(self._managers) if m is not self and m._delivery is None]
-        group = self._recording_group
+        mine = self._recording
+        others = [m._recording for m in live(mine.managers)
+                  if m is not self and m._scope.delivery is None]
         create_graph = any(
-            m._step < self._step and (group is None or m._recording_group is not group)
-            for m in others
+            r.step < mine.step and (mine.group is None or r.group is not mine.group)
+            for r in others
         )
         return create_graph, bool(others)
 
@@ -496,12 +339,12 @@ class GradManager(StepHooks):
             RuntimeError: no backward of this manager is running.
             ValueError: ``tensor`` is not attached.
         """
-        delivery = self._delivery
-        if delivery is None:
+        if self._scope.delivery is None:
             raise RuntimeError("add_gradient() is only valid while this manager is backwarding")
         if self._attached.spec_of(tensor) is None:
             raise ValueError("add_gradient(): the tensor is not attached to this manager")
-        delivery.check(_delivering_backend(self), id(tensor), tensor, grad, "add_gradient()")
+        delivery, backend = self._scope.delivering()
+        delivery.check(backend, id(tensor), tensor, grad, "add_gradient()")
         delivery.gradients[id(tensor)] = grad
 
     # ----------------------------------------------------------------- split backward
@@ -542,56 +385,64 @@ class GradManager(StepHooks):
             UnsupportedGraphError: the backend cannot split a backward
                 (``capabilities.split_backward``), or an outer manager records this backward.
         """
-        if self._managers is None:
-            self._require_recording("backward_split(y, first=...)")
-        self._backward_ran = True
-        step, rest = self._step, None
+        recording = self._recording
+        if recording.managers is None:
+            recording.refuse("backward_split(y, first=...)")
+        recording.backward_ran = True
+        step, rest, tracked, scope = recording.step, None, None, self._scope
+        stack = scope.open(step)
         try:
-            with _Backwarding(self, step) as scope:
-                ys, dys = self._outputs(y, dy)
-                first_list = check_first(first, self._attached, self._backend)
-                check_can_split(self._backend)
-                scope.track(self._backend)
-                tape = self._recording_tape
-                if ys and tape is not None:
-                    create_graph, retain_graph = self._nesting()
-                    if create_graph:
-                        raise UnsupportedGraphError(
-                            "a manager that started recording earlier records this backward "
-                            "(higher-order derivatives), and a split backward cannot be "
-                            "differentiated; use backward() there"
-                        )
-                    rest = tape.backward_split(ys, dys, first_list, retain_graph=retain_graph)
-                _delivering(self).accumulate(_delivering_backend(self), self._attached)
-        except BaseException:
+            ys, dys = self._outputs(y, dy)
+            first_list = check_first(first, self._attached, recording.backend)
+            check_can_split(recording.backend)
+            tracked = scope.track(recording.backend)
+            tape = recording.started
+            if ys and tape is not None:
+                create_graph, retain_graph = self._nesting()
+                check_not_nested(create_graph)
+                rest = tape.backward_split(ys, dys, first_list, retain_graph=retain_graph)
+            delivery, backend = scope.delivering()
+            delivery.accumulate(backend, self._attached)
+        except BaseException as error:
+            scope.close(stack, tracked, error)
             if rest is not None:
                 rest.release()
             raise
+        else:
+            scope.close(stack, tracked, None)
         finally:
             self.release()
         return DeferredBackward(self._finish_split, rest, step)
 
     def _finish_split(self, rest: Any, step: int, retain_graph: bool) -> None:
         """:meth:`DeferredBackward.finish`: the rest of a split backward, in its own scope."""
-        if self._delivery is not None:
+        scope = self._scope
+        if scope.delivery is not None:
             raise FinishRefused(
                 "cannot finish a split backward while a backward of the same manager runs; "
                 "finish it before or after"
             )
-        with _Backwarding(self, step) as scope:
-            scope.track(self._backend)
+        stack, tracked = scope.open(step), None
+        try:
+            tracked = scope.track(self._recording.backend)
             if rest is not None:
                 rest.run(may_accumulate=not self._after_backward_callbacks,
                          retain_graph=retain_graph)
             self._end_backward()
+        except BaseException as error:
+            scope.close(stack, tracked, error)
+            raise
+        else:
+            scope.close(stack, tracked, None)
 
     # ----------------------------------------------------------------- the rest
     def reachable(self, y: Any) -> List[Any]:
         """Attached tensors that ``backward(y)`` would give a gradient, in attach order."""
         ys = as_list(y)
-        if not ys or self._backend is None:
+        backend = self._recording.backend
+        if not ys or backend is None:
             return []
-        return self._backend.reachable(ys, self.attached_tensors())
+        return backend.reachable(ys, self.attached_tensors())
 
     def __or__(self, other: Any) -> GradManagerGroup:
         """``gm1 | gm2``: the managers as a group (see :class:`GradManagerGroup`)."""
@@ -603,24 +454,30 @@ class GradManager(StepHooks):
 
     def __getattr__(self, name: str) -> Any:
         # Called only for a name the manager lacks: torch's Join asks every joinable for these
-        # first, and a manager built by hand is none (see _NOT_JOINABLE).
-        if name in _JOINABLE:
-            raise TypeError(_NOT_JOINABLE)
+        # first, and a manager built by hand is none.
+        if name in JOIN_HOOK_NAMES:
+            raise TypeError(NOT_JOINABLE)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __repr__(self) -> str:
-        name = self._backend.name if self._backend else "no backend yet"
-        state = "recording" if self._managers is not None else "idle"
+        backend = self._recording.backend
+        name = backend.name if backend else "no backend yet"
+        state = "recording" if self.is_recording else "idle"
         return f"<GradManager {name}, {len(self._attached)} attached, {state}>"
 
 
-_JOINABLE = frozenset({"join_hook", "join_device", "join_process_group"})
-_NOT_JOINABLE = (
-    "this GradManager is not a joinable of torch's Join (uneven inputs): only the manager "
-    "gradmgr.distributed.data_parallel(model) returns takes part in it, as a DDP model does "
-    "(a manager built by hand with make_allreduce_cb() has no join hook). Make it with "
-    "gm = data_parallel(model), or give every rank the same number of batches"
-)
+def get_backwarding_grad_manager() -> Optional[GradManager]:
+    """The manager whose ``backward()`` is running in this thread, else None.
+
+    Inside a gradient callback it is the manager that called the callback; after the backward
+    it is whatever it was before (an outer manager's backward, or None).
+
+    Example:
+        >>> get_backwarding_grad_manager() is None
+        True
+    """
+    stack = _state.state.backwarding
+    return stack[-1] if stack else None
 
 
 # ------------------------------------------------------ for libraries built on a manager
@@ -636,122 +493,3 @@ def attach_epoch(gm: GradManager) -> int:
     caches derived from :meth:`GradManager.attached_tensors` (the data-parallel bucket
     plan)."""
     return gm._attached.epoch
-
-
-def _live(refs: Optional[List[weakref.ref]]) -> List[GradManager]:
-    """The live managers of a thread's list of recording ones (see GradManager._ref); none
-    for a manager that is not recording."""
-    return [] if refs is None else [m for m in (ref() for ref in refs) if m is not None]
-
-
-def _outside_backward() -> NoReturn:
-    raise RuntimeError("gradmgr: a gradient arrived while its manager is not backwarding, or "
-                       "before its framework is known (an internal error: please report it "
-                       "with the output of `python -m gradmgr env`)")
-
-
-def _delivering(manager: GradManager) -> Delivery:
-    """The delivery of ``manager``'s running backward."""
-    if manager._delivery is None:
-        _outside_backward()
-    return manager._delivery
-
-
-def _delivering_backend(manager: GradManager) -> Backend:
-    """The backend of ``manager``'s running backward (a gradient came: it is known)."""
-    if manager._backend is None:
-        _outside_backward()
-    return manager._backend
-
-
-class _Leftover:
-    """What a manager's recording leaves to end if the manager is collected while recording
-    (``def h(): gm.record()``): its place in the thread's list of recording managers and its
-    tapes. Holds no reference to the manager; the manager sets these as they change."""
-
-    __slots__ = ("managers", "tape", "provisional")
-
-    def __init__(self) -> None:
-        self.managers: Optional[List[weakref.ref]] = None  # the list of the latest record()
-        self.tape: Optional[Tape] = None  # the manager's own tape
-        self.provisional: Optional[Tape] = None  # its latest provisional one
-
-    def collected(self, ref: weakref.ref) -> None:
-        """The manager died: if it was recording, end the recording (a tape's stop() undoes
-        what it changed: PyTorch inputs' ``requires_grad``, grad mode, MegEngine's ``Grad``),
-        so that it no longer records (higher order) later backwards of its thread."""
-        managers = self.managers
-        if managers is None or ref not in managers:
-            return  # not recording
-        managers.remove(ref)
-        for tape in (self.provisional, self.tape):
-            if tape is not None:
-                tape.stop()
-
-
-class _Backwarding:
-    """The scope of every form of backward: the manager is the backwarding one in this thread
-    (callbacks look it up there), collects what the backward delivers, is announced to its
-    backend once known (``track``), and runs its error callbacks if the backward raises.
-
-    ``backward()`` calls the functions below itself instead: creating this object and
-    entering it costs a training step time (instantiating a class, setting attributes and a
-    ``with`` look names up on types, and the forward pushed those caches out), a visible part
-    of what the plain step may cost on a small model (bench/bench_torch.py's mlp-64;
-    bench/ab_plain_step.py compares two versions side by side)."""
-
-    __slots__ = ("_manager", "_step", "_stack", "_tracked")
-
-    def __init__(self, manager: GradManager, step: int) -> None:
-        self._manager, self._step = manager, step
-        self._stack: List[GradManager] = []  # (this thread's, set on entering)
-        self._tracked: Optional[tuple] = None
-
-    def __enter__(self) -> _Backwarding:
-        self._stack = _open_scope(self._manager, self._step)
-        return self
-
-    def track(self, backend: Optional[Backend]) -> None:
-        self._tracked = _track(self._manager, backend)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        _close_scope(self._manager, self._stack, self._tracked, exc)
-
-
-def _open_scope(manager: GradManager, step: int) -> List[GradManager]:
-    """Enter the scope; returns this thread's stack of backwarding managers, for leaving."""
-    stack = _state.state.backwarding
-    stack.append(manager)
-    delivery = manager._spare_delivery
-    if delivery is None:
-        delivery = Delivery(step)
-    else:  # the last backward's, left empty: a new object would cost the usual step time
-        # (bench/bench_torch.py)
-        manager._spare_delivery = None
-        delivery.step = step
-    manager._delivery = delivery
-    return stack
-
-
-def _track(manager: GradManager, backend: Optional[Backend]) -> Optional[tuple]:
-    """Announce the backward to ``backend`` (MegEngine's helpers look the manager up there);
-    returns what :func:`_close_scope` needs to take it back."""
-    if backend is not None and backend.tracks_backwarding:
-        return backend, backend.enter_backward(manager)
-    return None
-
-
-def _close_scope(manager: GradManager, stack: List[GradManager], tracked: Optional[tuple],
-                 error: Optional[BaseException]) -> None:
-    """Leave the scope; ``error``: what the backward raised (its error callbacks run)."""
-    try:
-        if error is not None:
-            manager._run_error_callbacks(error)
-    finally:
-        delivery, manager._delivery = manager._delivery, None
-        if delivery is not None and not delivery.gradients and not delivery.future_sources:
-            manager._spare_delivery = delivery  # nothing refers to it: the next scope's
-        if tracked is not None:
-            backend, token = tracked
-            backend.exit_backward(token)
-        stack.pop()

@@ -62,6 +62,16 @@ def check_can_split(backend: Optional[Backend]) -> None:
         )
 
 
+def check_not_nested(create_graph: bool) -> None:
+    """Refuse a split backward that an outer manager records (it would differentiate it)."""
+    if create_graph:
+        raise UnsupportedGraphError(
+            "a manager that started recording earlier records this backward "
+            "(higher-order derivatives), and a split backward cannot be "
+            "differentiated; use backward() there"
+        )
+
+
 _PENDING, _DONE, _FAILED = range(3)
 
 

@@ -132,7 +132,7 @@ def test_reuse_with_temporaries_leaks_nothing():
     assert all(r() is None for r in refs), "a temporary attached tensor is still alive"
     assert len(gm.attached_tensors()) == len(list(model.parameters()))
     assert _live_tensors() <= baseline, "live tensors grew over 1000 iterations"
-    tape = gm._tape
+    tape = gm._recording.tape
     assert len(tape.watched.entries) == len(list(model.parameters()))
     assert len(tape.watched.handles) == 0  # only the temporaries had callbacks, and they are gone
 

@@ -12,8 +12,8 @@ import os
 import weakref
 from typing import Any, Iterator, List, Literal, Optional, Union
 
-from .._state import get_backwarding_grad_manager
 from ..hooks import set_backward_delegate
+from ..manager import get_backwarding_grad_manager
 from .consistency import names_from
 from .contract import Transport
 from .shard_grads import StandIns

@@ -10,8 +10,9 @@ Example:
     >>> parity.compare_step(a, b, np.ones((3, 4), np.float32)).ok
     True
 
-The rows of the reports (``Pair``, ``Unmapped``, ``ConfigFinding`` in
-:mod:`gradmgr.parity.mapping`; ``Entry``, ``Flip`` in :mod:`gradmgr.parity.report`) are
+The rows of the reports (``Pair`` in :mod:`gradmgr.parity.mapping`; ``Unmapped``,
+``ConfigFinding``, ``Entry``, ``Flip`` in :mod:`gradmgr.parity.report`, which both reports
+use; ``gradmgr.parity.mapping`` still offers the first two) are
 dataclasses read through the reports' attributes. Importing it imports no framework: each
 model's backend supplies its adapter (:mod:`gradmgr.parity.contract`).
 """

@@ -19,6 +19,7 @@ import numpy as np
 
 from .contract import Layer, ModelAdapter, Slot, adapter_for, family, squeezed
 from .errors import MappingError
+from .report import ConfigFinding, Unmapped
 from .trace import as_batch, forward_order
 
 Transform = Union[str, Callable[[np.ndarray], np.ndarray]]
@@ -38,42 +39,6 @@ class Pair:
     dst_shape: Tuple[int, ...]
     how: str
     transform: Optional[Transform] = None
-
-
-@dataclass(frozen=True)
-class Unmapped:
-    """A tensor with no counterpart (``side`` is ``"src"`` or ``"dst"``), and why."""
-
-    side: str
-    name: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ConfigFinding:
-    """Two mapped layers configured differently (BatchNorm momentum compared in PyTorch's
-    convention): a porting bug unless meant."""
-
-    layer_src: str
-    layer_dst: str
-    key: str
-    src: Any
-    dst: Any
-
-    def __str__(self) -> str:
-        text = (f"{self.layer_src} / {self.layer_dst}: {self.key} is {_shown(self.src)} on "
-                f"one side, {_shown(self.dst)} on the other")
-        if self.key == "momentum":  # MegEngine's m arrives as 1 - m
-            text += " (in PyTorch's convention, the new batch's weight: MegEngine's is 1 - it)"
-        return text
-
-
-def _shown(value: Any) -> str:
-    """A config value as written: MegEngine's momentum 0.9 arrives as 1 - 0.9, shown as 0.1
-    (12 significant digits), not 0.09999999999999998."""
-    if isinstance(value, float):
-        return f"{value:.12g}"
-    return repr(value)
 
 
 @dataclass
@@ -104,9 +69,13 @@ class MappingReport:
 
     def text(self) -> str:
         """The report as a human reads it."""
-        from .report import mapping_text
-
-        return mapping_text(self)
+        lines = [f"weights {self.src} -> {self.dst}: {len(self.pairs)} mapped, "
+                 f"{len(self.unmapped)} unmapped, {len(self.findings)} config finding(s)"]
+        lines += [f"  unmapped ({u.side}) {u.name}: {u.reason}" for u in self.unmapped]
+        lines += [f"  config: {finding}" for finding in self.findings]
+        lines += [f"  {p.src} -> {p.dst}: {p.how}" for p in self.pairs]
+        lines += [f"  skipped {name}: {why}" for name, why in self.ignored]
+        return "\n".join(lines)
 
     __str__ = text
 

@@ -1,14 +1,49 @@
 """The results of a compared step, and the text a human reads: a table of every compared
 tensor (layer, kind, max abs, max rel, tolerance, verdict), the first divergence forward and
-backward, the kink flips, the tensors left unmapped and the configuration findings."""
+backward, the kink flips, the tensors left unmapped and the configuration findings. The rows
+both reports share (``Unmapped``, ``ConfigFinding``) live here, below :mod:`.mapping`, which
+imports them: no import circle."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import Any, List, Optional
 
-if TYPE_CHECKING:
-    from .mapping import ConfigFinding, MappingReport, Unmapped
+
+@dataclass(frozen=True)
+class Unmapped:
+    """A tensor with no counterpart (``side`` is ``"src"`` or ``"dst"``), and why."""
+
+    side: str
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ConfigFinding:
+    """Two mapped layers configured differently (BatchNorm momentum compared in PyTorch's
+    convention): a porting bug unless meant."""
+
+    layer_src: str
+    layer_dst: str
+    key: str
+    src: Any
+    dst: Any
+
+    def __str__(self) -> str:
+        text = (f"{self.layer_src} / {self.layer_dst}: {self.key} is {_shown(self.src)} on "
+                f"one side, {_shown(self.dst)} on the other")
+        if self.key == "momentum":  # MegEngine's m arrives as 1 - m
+            text += " (in PyTorch's convention, the new batch's weight: MegEngine's is 1 - it)"
+        return text
+
+
+def _shown(value: Any) -> str:
+    """A config value as written: MegEngine's momentum 0.9 arrives as 1 - 0.9, shown as 0.1
+    (12 significant digits), not 0.09999999999999998."""
+    if isinstance(value, float):
+        return f"{value:.12g}"
+    return repr(value)
 
 
 @dataclass
@@ -184,13 +219,3 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
         lines += [_row(e, width, kinds) for e in rows]
     return "\n".join(lines)
 
-
-def mapping_text(report: MappingReport) -> str:
-    """The text of a :class:`~gradmgr.parity.MappingReport`."""
-    lines = [f"weights {report.src} -> {report.dst}: {len(report.pairs)} mapped, "
-             f"{len(report.unmapped)} unmapped, {len(report.findings)} config finding(s)"]
-    lines += [f"  unmapped ({u.side}) {u.name}: {u.reason}" for u in report.unmapped]
-    lines += [f"  config: {finding}" for finding in report.findings]
-    lines += [f"  {p.src} -> {p.dst}: {p.how}" for p in report.pairs]
-    lines += [f"  skipped {name}: {why}" for name, why in report.ignored]
-    return "\n".join(lines)
