@@ -79,7 +79,10 @@ def compare(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, befor
 
     variants = {"plain": plain, "before": with_manager("before"), "after": with_manager("after")}
     variants["before"]()  # (makes the tape)
-    managers["before"]._tape.watched.__class__ = WatchedBefore
+    before_gm = managers["before"]
+    # the tape where the "before" tree keeps it (its Recording since issue 41, the manager before)
+    tape = before_gm._recording.tape if hasattr(before_gm, "_recording") else before_gm._tape
+    tape.watched.__class__ = WatchedBefore
     ratios = {"before": [], "after": []}
     for r in range(rounds):
         t = interleaved(variants, samples, grad_clearers(params))
