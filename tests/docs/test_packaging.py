@@ -142,15 +142,12 @@ print(json.dumps({"purelib": sysconfig.get_paths()["purelib"], "version": sys.ve
 """
 
 
-@pytest.fixture(scope="module")
-def installed_megengine(wheel: str, tmp_path_factory) -> str:
-    """The python of an empty venv made by MEGENGINE_PYTHON (3.10) with the wheel alone
-    installed (no deps: nothing to fetch, and pip sees no other gradmgr to replace), then
-    lent that interpreter's site-packages for torch, MegEngine, numpy and matplotlib by a
-    path line in a ``.pth`` file. Such a line only appends the folder to ``sys.path``: the
-    ``.pth`` files in it do not run, so the editable gradmgr installed there (its
-    ``__editable__`` finder, started by a ``.pth``) stays off, and the venv's own
-    site-packages, with the wheel, comes first."""
+@pytest.fixture(scope="session")
+def lender_python() -> dict:
+    """MEGENGINE_PYTHON's purelib, checked to have what the MegEngine blocks need; before the
+    wheel is built, so a missing interpreter fails at once. (No fixture here is named
+    ``megengine_*``: tests/conftest.py deselects the users of those where MegEngine is not
+    expected, as in .venv-latest, where this test runs.)"""
     if not os.access(MEGENGINE_PYTHON, os.X_OK):
         pytest.fail(f"no Python with MegEngine at {MEGENGINE_PYTHON}: run `make setup` (it "
                     f"makes .venv) or name one in GRADMGR_MEGENGINE_PYTHON", pytrace=False)
@@ -160,6 +157,18 @@ def installed_megengine(wheel: str, tmp_path_factory) -> str:
         pytest.fail(f"{MEGENGINE_PYTHON} (Python {lender['version']}) lacks "
                     f"{lender['missing']} or is newer than MegEngine's 3.10: it cannot run "
                     f"the MegEngine blocks; run `make setup`", pytrace=False)
+    return lender
+
+
+@pytest.fixture(scope="module")
+def installed_megengine(lender_python: dict, wheel: str, tmp_path_factory) -> str:
+    """The python of an empty venv made by MEGENGINE_PYTHON (3.10) with the wheel alone
+    installed (no deps: nothing to fetch, and pip sees no other gradmgr to replace), then
+    lent that interpreter's site-packages for torch, MegEngine, numpy and matplotlib by a
+    path line in a ``.pth`` file. Such a line only appends the folder to ``sys.path``: the
+    ``.pth`` files in it do not run, so the editable gradmgr installed there (its
+    ``__editable__`` finder, started by a ``.pth``) stays off, and the venv's own
+    site-packages, with the wheel, comes first."""
     venv = tmp_path_factory.mktemp("venv-megengine")
     run([MEGENGINE_PYTHON, "-m", "venv", "--without-pip", str(venv)], TIMEOUT_S)
     python = str(venv / "bin" / "python")
@@ -168,7 +177,7 @@ def installed_megengine(wheel: str, tmp_path_factory) -> str:
     purelib = json.loads(run([python, "-c", LENDER], TIMEOUT_S, cwd="/",
                              **INSTALLED_ONLY).stdout)["purelib"]
     with open(os.path.join(purelib, "lent-by-megengine-python.pth"), "w") as f:
-        f.write(lender["purelib"] + "\n")
+        f.write(lender_python["purelib"] + "\n")
     return python
 
 
