@@ -13,8 +13,6 @@ import time
 import numpy as np
 import pytest
 
-from gradmgr.distributed import free_port
-
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -22,6 +20,23 @@ def rank_env(**extra: str) -> dict:
     """The environment of a rank process: loopback gloo, one thread, ``tests/`` importable."""
     return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                 PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+@contextlib.contextmanager
+def rendezvous(world: int):
+    """A port the ranks meet at, and what their environment needs for it: a store this
+    process holds open until the block ends (what ``gradmgr.distributed.spawn_local`` and
+    torchrun's agent do), so no other program can take the port in between, as it could one
+    found free by binding and releasing it. Every rank is a client of the store
+    (``TORCHELASTIC_USE_AGENT_STORE``): ``init_process_group`` with ``tcp://`` or ``env://``,
+    or ``TCPStore(..., is_master=False)``."""
+    from gradmgr.backends.torch.rendezvous import hold
+
+    store, port, env = hold(world)
+    try:
+        yield port, env
+    finally:
+        del store
 
 
 def wait_all(procs: list, timeout: float) -> None:
@@ -43,9 +58,9 @@ def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: fl
           **env_extra: str) -> list:
     """Run ``dist_workers.<suite>`` on ``world`` ranks; return what each rank saved
     (``rank{r}.npz`` as a dict of arrays, or ``rank{r}.pkl`` unpickled)."""
-    env = rank_env(**env_extra)
-    port = free_port()
     with contextlib.ExitStack() as stack:
+        port, held = stack.enter_context(rendezvous(world))
+        env = rank_env(**held, **env_extra)
         logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
                 for r in range(world)]
         procs = [
@@ -103,9 +118,9 @@ def spawn_scenarios(worker: str, outdir, scenarios: list, world: int = 2,
     """Run the named ``scenarios`` of ``dist_workers.<worker>`` (its main:
     ``dist_workers.scenarios.run_named``) on ``world`` gloo ranks (gloo's timeout: 60 s, see
     dist_workers/run.py); never raises for a rank that failed: see :meth:`Ranks.scenario`."""
-    env = rank_env(HABITS_SCENARIOS=",".join(scenarios), **env)
-    port = free_port()
     with contextlib.ExitStack() as stack:
+        port, held = stack.enter_context(rendezvous(world))
+        env = rank_env(HABITS_SCENARIOS=",".join(scenarios), **held, **env)
         logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
                 for r in range(world)]
         procs = [subprocess.Popen(

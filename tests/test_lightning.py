@@ -18,9 +18,7 @@ pytestmark = pytest.mark.torch
 pytest.importorskip("torch")
 pytest.importorskip("lightning_fabric")
 
-from ranks import TESTS, rank_env, wait_all  # noqa: E402
-
-from gradmgr.distributed import free_port  # noqa: E402
+from ranks import TESTS, rank_env, rendezvous, wait_all  # noqa: E402
 
 MISUSES = {  # what each rank raises, and words its message must hold
     "unknown option": ("TypeError", "find_unused_parameters"),
@@ -37,16 +35,18 @@ SCENARIOS = ["sgd", "adam", "accumulate", "clip_norm", "clip_val", "frozen_unuse
 
 
 def _spawn(outdir, scenarios, timeout: float = 240) -> list:
-    """Fabric's own environment variables: it finds its rank in them and launches nothing."""
-    port = str(free_port())
+    """Fabric's own environment variables: it finds its rank in them and launches nothing.
+    Its ``init_process_group`` (``env://``) joins the store held here (tests/ranks.py)."""
     with contextlib.ExitStack() as stack:
+        port, held = stack.enter_context(rendezvous(2))
         logs = [stack.enter_context(open(os.path.join(outdir, f"log{r}.txt"), "w"))
                 for r in range(2)]
         procs = [subprocess.Popen(
             [sys.executable, "-m", "dist_workers.fabric_suite", str(r), str(outdir), *scenarios],
             cwd=TESTS, stdout=logs[r], stderr=subprocess.STDOUT,
             env=rank_env(LOCAL_RANK=str(r), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=port, FABRIC_CKPT_DIR=str(outdir))) for r in range(2)]
+                         MASTER_PORT=str(port), FABRIC_CKPT_DIR=str(outdir), **held))
+            for r in range(2)]
         wait_all(procs, timeout)
     if [p.returncode for p in procs] != [0, 0]:
         tails = [_read(os.path.join(outdir, f"log{r}.txt"), "r")[-3000:] for r in range(2)]

@@ -19,9 +19,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ranks import TESTS, rank_env  # noqa: E402
-
-from gradmgr.distributed import free_port  # noqa: E402
+from ranks import TESTS, rank_env, rendezvous  # noqa: E402
 
 SCRIPT = textwrap.dedent(
     """
@@ -63,15 +61,17 @@ def test_every_teardown_order_terminates_on_every_path(tmp_path) -> None:
     DDP's. A deadlock (torch 2.13's, in ``~ProcessGroupGloo``: see backends/torch/teardown.py)
     shows as ranks that print nothing more for 40 s (a round takes under a second; all of
     them about 20 s on 2 busy cores): they are killed and the test fails."""
-    port, world = free_port(), 2
+    world = 2
     logs = [tmp_path / f"log{r}.txt" for r in range(world)]
     procs = []
-    for r in range(world):
-        with open(logs[r], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dist_workers.teardown_orders", str(r), str(world),
-                 str(port)], cwd=TESTS, env=rank_env(), stdout=log, stderr=subprocess.STDOUT))
-    stalled = _wait_while_printing(procs, logs, stall=40.0, cap=90.0)
+    with rendezvous(world) as (port, held):
+        for r in range(world):
+            with open(logs[r], "w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "dist_workers.teardown_orders", str(r), str(world),
+                     str(port)], cwd=TESTS, env=rank_env(**held), stdout=log,
+                    stderr=subprocess.STDOUT))
+        stalled = _wait_while_printing(procs, logs, stall=40.0, cap=90.0)
     outputs = [log.read_text() for log in logs]
     report = "\n".join(f"--- rank {r} (exit {p.returncode}), last round "
                        f"{_last_round(outputs[r])!r}:\n{outputs[r][-2000:]}"

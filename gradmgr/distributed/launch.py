@@ -17,6 +17,12 @@ from ..registry import hold_rendezvous, prepare_ranks
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now.
 
+    Nothing holds it after this returns: another program may take it before rank 0 binds it
+    (a race). Fine for the one-process examples in these docstrings; to start ranks, let
+    something hold the rendezvous instead: :func:`spawn_local` (it uses this only where torch
+    is missing), ``torchrun --standalone``, or a ``TCPStore`` on port 0 held by the launching
+    process, which is what gradmgr's own multi-rank tests do (tests/ranks.py).
+
     Example:
         >>> 1024 < free_port() < 65536
         True

@@ -1,6 +1,7 @@
 """Rank program: many process groups in one process, each torn down in a user's order.
 
-``python -m dist_workers.teardown_orders RANK WORLD PORT``: over one TCPStore, a fresh gloo
+``python -m dist_workers.teardown_orders RANK WORLD PORT``: over one TCPStore (the test holds
+it on PORT, every rank a client: tests/ranks.py's ``rendezvous``), a fresh gloo
 group per round (``init_process_group`` on a ``PrefixStore``); each round makes a manager on
 one data-parallel path, takes one SGD step, checks every rank's weights against the step
 computed here from every rank's batch (exactly: both sides divide a sum of two float32 values
@@ -84,7 +85,7 @@ def main(argv: list) -> None:
     torch.set_num_threads(1)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # the first optimizer's frame
     # stays in a cycle on torch 2.13 (backends/torch/teardown.py): not one of the rounds'
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
     for path in PATHS:
         for order, rounds in ORDERS:
             for i in range(rounds):

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from typing import List, Sequence
 
-from gradmgr.distributed import free_port
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -20,14 +18,15 @@ def script_env(**extra: str) -> dict:
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, python: str = sys.executable) -> List[str]:
-    """The command that runs ``script`` as ``torchrun --nproc_per_node 2`` would, on a free
-    port, in the environment of ``python``. That venv's ``torchrun`` where there is one; else
-    its entry point run by module (``torch.distributed.run``, what the ``torchrun`` script
-    calls)."""
+    """The command that runs ``script`` as ``torchrun --standalone --nproc_per_node 2`` would,
+    in the environment of ``python``. That venv's ``torchrun`` where there is one; else its
+    entry point run by module (``torch.distributed.run``, what the ``torchrun`` script calls).
+    ``--standalone``: torchrun's agent holds its rendezvous store on a port the system picks
+    (``localhost:0``) and tells the ranks; a port found free beforehand could be taken by
+    another program before rank 0 bound it again."""
     exe = os.path.join(os.path.dirname(python), "torchrun")
     launcher = [exe] if os.path.exists(exe) else [python, "-m", "torch.distributed.run"]
-    return [*launcher, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), script, *args]
+    return [*launcher, "--standalone", "--nproc_per_node", str(nproc), script, *args]
 
 
 def run(cmd: Sequence[str], timeout: float, cwd: str = ROOT,

@@ -7,8 +7,12 @@ deliberate type errors in another (so the types are really seen, not ``Any``).
 
 torch is the release this environment has (pip finds the same wheel, from its cache or the
 index scripts/setup.sh used). Marked ``docs``: it runs in .venv-latest only (torch 2.13 for
-CPU; MegEngine has no wheel for its Python, so the MegEngine blocks do not run here; .venv's
-torch 2.8 is a CUDA build of several GB). Needs the package index, as CI has.
+CPU; .venv's torch 2.8 is a CUDA build of several GB). Needs the package index, as CI has.
+
+MegEngine has no wheel for Python 3.11, so the MegEngine blocks (docs/porting.md's among them)
+run from the same wheel in a second empty venv, made by .venv's Python 3.10
+(``MEGENGINE_PYTHON``), which borrows that interpreter's site-packages for its frameworks
+(``installed_megengine``). The wheel is built once per session, for both.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.docs, pytest.mark.timeout(3 * TIMEOU
 EXTRAS = "torch,lightning,parity"
 # The installed copy alone: no checkout on the path (PYTHONPATH names one in our runs).
 INSTALLED_ONLY = {"PYTHONPATH": "", "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1"}
+# The Python with MegEngine (3.10): scripts/setup.sh's .venv, or the one this variable names
+MEGENGINE_PYTHON = (os.environ.get("GRADMGR_MEGENGINE_PYTHON")
+                    or os.path.join(ROOT, ".venv", "bin", "python"))
 
 USER_SCRIPT = '''\
 """A user's training helpers, type-checked against the installed gradmgr."""
@@ -102,22 +109,87 @@ def packages_in_checkout() -> list:
                   if "__init__.py" in names)
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> str:
-    """The python of an empty venv that has the wheel with its extras installed."""
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> str:
+    """The wheel built from a clean clone of the committed tree, once for both venvs."""
     tmp = tmp_path_factory.mktemp("packaging")
-    clone, dist, venv = tmp / "clone", tmp / "dist", tmp / "venv"
+    clone, dist = tmp / "clone", tmp / "dist"
     run(["git", "clone", "--quiet", ROOT, str(clone)], TIMEOUT_S)
     run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist),
          str(clone)], TIMEOUT_S)
     wheels = glob.glob(str(dist / "gradmgr-*.whl"))
     assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: str, tmp_path_factory) -> str:
+    """The python of an empty venv that has the wheel with its extras installed."""
+    venv = tmp_path_factory.mktemp("venv")
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], TIMEOUT_S)
     python = str(venv / "bin" / "python")
     torch = f"torch=={importlib.metadata.version('torch')}"
     run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
-         f"{wheels[0]}[{EXTRAS}]", torch], TIMEOUT_S)
+         f"{wheel}[{EXTRAS}]", torch], TIMEOUT_S)
     return python
+
+
+LENDER = """
+import importlib.util, json, sys, sysconfig
+print(json.dumps({"purelib": sysconfig.get_paths()["purelib"], "version": sys.version_info[:2],
+                  "missing": [n for n in ("megengine", "torch", "numpy", "matplotlib")
+                              if importlib.util.find_spec(n) is None]}))
+"""
+
+
+@pytest.fixture(scope="session")
+def lender_python() -> dict:
+    """MEGENGINE_PYTHON's purelib, checked to have what the MegEngine blocks need; before the
+    wheel is built, so a missing interpreter fails at once. (No fixture here is named
+    ``megengine_*``: tests/conftest.py deselects the users of those where MegEngine is not
+    expected, as in .venv-latest, where this test runs.)"""
+    if not os.access(MEGENGINE_PYTHON, os.X_OK):
+        pytest.fail(f"no Python with MegEngine at {MEGENGINE_PYTHON}: run `make setup` (it "
+                    f"makes .venv) or name one in GRADMGR_MEGENGINE_PYTHON", pytrace=False)
+    lender = json.loads(run([MEGENGINE_PYTHON, "-c", LENDER], TIMEOUT_S, cwd="/",
+                            **INSTALLED_ONLY).stdout)
+    if lender["missing"] or lender["version"] >= [3, 11]:
+        pytest.fail(f"{MEGENGINE_PYTHON} (Python {lender['version']}) lacks "
+                    f"{lender['missing']} or is newer than MegEngine's 3.10: it cannot run "
+                    f"the MegEngine blocks; run `make setup`", pytrace=False)
+    return lender
+
+
+@pytest.fixture(scope="module")
+def installed_megengine(lender_python: dict, wheel: str, tmp_path_factory) -> str:
+    """The python of an empty venv made by MEGENGINE_PYTHON (3.10) with the wheel alone
+    installed (no deps: nothing to fetch, and pip sees no other gradmgr to replace), then
+    lent that interpreter's site-packages for torch, MegEngine, numpy and matplotlib by a
+    path line in a ``.pth`` file. Such a line only appends the folder to ``sys.path``: the
+    ``.pth`` files in it do not run, so the editable gradmgr installed there (its
+    ``__editable__`` finder, started by a ``.pth``) stays off, and the venv's own
+    site-packages, with the wheel, comes first."""
+    venv = tmp_path_factory.mktemp("venv-megengine")
+    run([MEGENGINE_PYTHON, "-m", "venv", "--without-pip", str(venv)], TIMEOUT_S)
+    python = str(venv / "bin" / "python")
+    run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps",
+         "--no-index", wheel], TIMEOUT_S)
+    purelib = json.loads(run([python, "-c", LENDER], TIMEOUT_S, cwd="/",
+                             **INSTALLED_ONLY).stdout)["purelib"]
+    with open(os.path.join(purelib, "lent-by-megengine-python.pth"), "w") as f:
+        f.write(lender_python["purelib"] + "\n")
+    return python
+
+
+WHERE_FROM = """
+import json, os, sys, gradmgr, gradmgr.backends.megengine as backend, gradmgr.parity
+print(json.dumps({"prefix": sys.prefix, "gradmgr": gradmgr.__file__, "backend": backend.__file__,
+                  "parity": gradmgr.parity.__file__, "editable finders": [
+                      repr(f) for f in sys.meta_path if "editable" in repr(f).lower()],
+                  "other gradmgr packages": [p for p in sys.path if os.path.isfile(
+                      os.path.join(p or ".", "gradmgr", "__init__.py"))
+                                             and not p.startswith(sys.prefix + os.sep)]}))
+"""
 
 
 def test_every_subpackage_imports_from_the_wheel(installed: str) -> None:
@@ -135,6 +207,21 @@ def test_every_subpackage_imports_from_the_wheel(installed: str) -> None:
                                    if b.framework != "megengine"])
 def test_doc_block_runs_installed(installed: str, block, tmp_path) -> None:
     run_block(block, tmp_path, python=installed, **INSTALLED_ONLY)
+
+
+def test_the_megengine_venv_imports_the_wheel_not_the_lenders_gradmgr(
+        installed_megengine: str) -> None:
+    info = json.loads(run([installed_megengine, "-c", WHERE_FROM], TIMEOUT_S, cwd="/",
+                          **INSTALLED_ONLY).stdout)
+    for name in ("gradmgr", "backend", "parity"):
+        assert info[name].startswith(info["prefix"] + os.sep), (name, info)
+    assert info["editable finders"] == [] and info["other gradmgr packages"] == [], info
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in RUN
+                                   if b.framework == "megengine"])
+def test_megengine_doc_block_runs_installed(installed_megengine: str, block, tmp_path) -> None:
+    run_block(block, tmp_path, python=installed_megengine, **INSTALLED_ONLY)
 
 
 def test_the_env_command_reports_the_installed_copy(installed: str) -> None:
