@@ -11,14 +11,23 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from gradmgr.backend import GradSink, Tape
-from gradmgr.errors import CallbackResultError, UnsupportedGraphError
+from gradmgr.errors import UnsupportedGraphError
 
 from . import prerecord, split
 from .engine import OWN_SEED, run_engine, run_engine_plain
 from .flags import FLAGS, GRAD_MODE
 from .foreign import ForeignBackwards
 from .grads import zeros_like_cheaply
-from .graph import current_sequence_nr, graph_root, node_alive, reentrant_checkpoints, walk
+from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
+from .refusals import (
+    INPUT_IN_PLACE,
+    LEAF_IN_PLACE,
+    REENTRANT_CHECKPOINT,
+    check_non_leaves,
+    differentiable,
+    refuse_reentrant_checkpoint,
+    run_callbacks,
+)
 from .watched import Entry, Watched, input_without_flag
 
 # Looked up once: every recording and backward asks them (a global is cheaper than torch.X)
@@ -60,7 +69,7 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     if sink is None or tape._only is not None and key not in tape._only:
         return None
     tape._fired.add(key)
-    if (_run_callbacks(sink, grad) is grad or not leaf
+    if (run_callbacks(sink, grad) is grad or not leaf
             or grad.numel() * grad.element_size() < STAND_IN_BYTES
             or grad.layout != torch.strided):
         return None
@@ -85,59 +94,8 @@ def _register_without_collecting(tensor: torch.Tensor, hook: Any) -> Any:
             gc.enable()
 
 
-_LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
-_INPUT_IN_PLACE = (
-    "gradmgr: PyTorch refused an in-place operation on a leaf tensor that requires grad, inside "
-    "the recording. This manager turned requires_grad on for {n} tensor(s) attached while it "
-    "was off (inputs whose gradient it computes; shapes {shapes}) while it records; if the "
-    "tensor changed in place is one of them, the flag is the manager's, not yours. Change the "
-    "input before record() (or before attaching it), or write the operation out of place "
-    "(x = x - 0.5) and compute with the result: the gradient then flows to the attached x"
-)
-
-
-def _run_callbacks(sink: GradSink, grad: torch.Tensor) -> Any:
-    """Feed a tensor's callback chain, refusing a chain that changed the gradient in place:
-    the engine may still need that tensor for other gradients, and another attached tensor
-    may have been given the same object (``a + b``), so theirs would change silently."""
-    version = grad._version
-    result = sink(grad)
-    if grad._version != version:
-        raise CallbackResultError(
-            f"a gradient callback modified the gradient it was given in place (shape "
-            f"{tuple(grad.shape)}; for example g *= 0.5 or g.mul_(...)): "
-            "PyTorch may still need that tensor to compute other gradients, and another "
-            "attached tensor may share it, so their gradients would change silently. Return "
-            "a new tensor instead (g = g * 0.5), or modify a copy (g = g.clone())"
-        )
-    return result
-
-
 def _root_node(output: Any) -> Any:
     return output.node if isinstance(output, GradientEdge) else graph_root(output)
-
-
-def _differentiable(y: Any) -> bool:
-    """An output a backward starts from: a tensor that requires grad, or a gradient edge (the
-    node of an output already dropped, as ``torch.autograd.graph.get_gradient_edge`` gives)."""
-    if not isinstance(y, GradientEdge):
-        return y.requires_grad
-    if not node_alive(y.node):
-        raise ValueError(
-            f"the GradientEdge given as y points to a custom autograd.Function's node "
-            f"({type(y.node).__name__}) that was freed with its output: this PyTorch "
-            f"({torch.__version__}) keeps such a node alive only as long as the output "
-            f"tensor. Keep the output until the backward, or pass the output itself"
-        )
-    return True
-
-
-def _refuse_reentrant_checkpoint(error: RuntimeError) -> None:
-    """Re-raise an engine error; PyTorch's own refusal of reentrant checkpointing as
-    UnsupportedGraphError, which says what to do."""
-    if "use_reentrant=True" in str(error):
-        raise UnsupportedGraphError(_REENTRANT_CHECKPOINT) from error
-    raise error
 
 
 def _claim(tape_ref: weakref.ref, grad_outputs: Any) -> None:
@@ -147,49 +105,6 @@ def _claim(tape_ref: weakref.ref, grad_outputs: Any) -> None:
     tape = tape_ref()
     if tape is not None and tape._running and tape._task is None:
         tape._task = _graph_task_id()
-
-
-_REENTRANT_CHECKPOINT = (
-    "gradmgr: this backward goes through torch.utils.checkpoint.checkpoint(..., "
-    "use_reentrant=True) (also what torch 2.x does when use_reentrant is not passed). "
-    "Reentrant checkpointing runs an inner backward of its own that ignores which tensors are "
-    "attached, and PyTorch refuses it whenever the engine is asked for specific inputs, as "
-    "gradmgr always does; its parameters would get no gradient or a wrong one. Pass "
-    "use_reentrant=False (PyTorch's recommended mode), which gradmgr differentiates exactly."
-)
-
-
-def check_non_leaves(inputs: Sequence[torch.Tensor], entries: Sequence[Entry]) -> None:
-    """Refuse attached non-leaves whose gradient PyTorch cannot give exactly:
-
-    - one that also has ``retain_grad()``: PyTorch would write its ``.grad`` and the manager
-      would add its gradient again, doubling it;
-    - a view changed in place since it was attached (itself, or the tensor it views: they
-      share a version counter). PyTorch then rebuilds the base's history around the in-place
-      operation, so the attached value's node misses every path through it: the gradient
-      would be None or a part of the true one.
-    """
-    for tensor, entry in zip(inputs, entries):
-        if entry.edge is None:
-            continue
-        if tensor.retains_grad:
-            raise UnsupportedGraphError(
-                f"gradmgr: an attached non-leaf tensor (shape {tuple(tensor.shape)}) also has "
-                "retain_grad(): PyTorch would write its .grad and the GradManager would add "
-                "the same gradient again, so .grad would hold it twice. Drop the "
-                "retain_grad() call (the manager writes that .grad, after the tensor's "
-                "attached callbacks), or do not attach the tensor"
-            )
-        if tensor._version != entry.version and tensor._is_view():
-            raise UnsupportedGraphError(
-                f"gradmgr: an attached tensor (shape {tuple(tensor.shape)}) is a view, and it "
-                "or the tensor it views was changed in place after attach() (for example "
-                "v.mul_(3), relu(inplace=True), or an assignment into the base). PyTorch then "
-                "differentiates the in-place operation through the base, bypassing the "
-                "attached value, so its gradient would be None or only part of it. Attach a "
-                "tensor that is not a view (clone() it and compute with the clone), or "
-                "write the in-place operation out of place (v = v * 3)"
-            )
 
 
 class TorchTape(Tape):
@@ -329,10 +244,10 @@ class TorchTape(Tape):
 
     def explain(self, error: BaseException) -> Optional[BaseException]:
         flagged = self._flagged
-        if not flagged or _LEAF_IN_PLACE not in str(error):
+        if not flagged or LEAF_IN_PLACE not in str(error):
             return None
         shapes = ", ".join(str(tuple(t.shape)) for t in flagged[:4])
-        return RuntimeError(_INPUT_IN_PLACE.format(n=len(flagged), shapes=shapes))
+        return RuntimeError(INPUT_IN_PLACE.format(n=len(flagged), shapes=shapes))
 
     def stop(self) -> None:
         # Every backward ends its recording: a seed the engine did not take (y needed no
@@ -370,13 +285,13 @@ class TorchTape(Tape):
                 and not prerecord.every_backward):
             # The usual step (no callbacks, nothing to check): what loss.backward() costs.
             y = ys[0]
-            if y.requires_grad if type(y) is _Tensor else _differentiable(y):
+            if y.requires_grad if type(y) is _Tensor else differentiable(y):
                 inputs = watched.trainable()[1]
                 if inputs:
                     try:
                         run_engine_plain(y, dys[0], retain_graph, inputs)
                     except RuntimeError as error:
-                        _refuse_reentrant_checkpoint(error)
+                        refuse_reentrant_checkpoint(error)
             return
         prepared = self._prepare_backward(ys, dys)
         if prepared is not None:
@@ -412,12 +327,12 @@ class TorchTape(Tape):
         """``(outputs, seeds, entries, inputs)`` of a backward (the outputs that require grad
         and the watched tensors that do), after the graph check; None: nothing to do."""
         if len(ys) == 1:
-            if not _differentiable(ys[0]):
+            if not differentiable(ys[0]):
                 return None
             outputs, seeds = ys, dys
         else:
-            outputs = [y for y in ys if _differentiable(y)]
-            seeds = [dy for y, dy in zip(ys, dys) if _differentiable(y)]
+            outputs = [y for y in ys if differentiable(y)]
+            seeds = [dy for y, dy in zip(ys, dys) if differentiable(y)]
             if not outputs:
                 return None
         entries, inputs = self.watched.trainable()
@@ -458,7 +373,7 @@ class TorchTape(Tape):
             grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs,
                                         engine_inputs)
         except RuntimeError as error:
-            _refuse_reentrant_checkpoint(error)
+            refuse_reentrant_checkpoint(error)
         finally:
             self._only = None
             for handle in handles:
@@ -472,7 +387,7 @@ class TorchTape(Tape):
                 if not entry.eager:
                     entry.sink(grad)
                 elif id(tensor) not in fired:  # its hook could not fire (added mid-backward)
-                    _run_callbacks(entry.sink, grad)
+                    run_callbacks(entry.sink, grad)
 
     def none_eager(self, tensors: Sequence[torch.Tensor]) -> bool:
         """No tensor of ``tensors`` is delivered by a hook (callbacks, or a non-leaf), so the
@@ -522,7 +437,7 @@ class TorchTape(Tape):
         "always" mode)."""
         parents = walk(graph_root(y) for y in outputs)
         if reentrant_checkpoints(parents):
-            raise UnsupportedGraphError(_REENTRANT_CHECKPOINT)
+            raise UnsupportedGraphError(REENTRANT_CHECKPOINT)
         if not self._wants_pre_record_check():
             self._checked = True
             return

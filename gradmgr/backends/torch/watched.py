@@ -50,7 +50,7 @@ class Entry:
         # tensor after attach() does not move it (contract point 8's snapshot); its tensor hook
         # (on the same node) delivers it, after the user's own hooks.
         self.edge = edge
-        # (watched while alive: ref() is the tensor) see tape.check_non_leaves
+        # (watched while alive: ref() is the tensor) see refusals.check_non_leaves
         self.version = None if edge is None else _alive(ref)._version
 
 
