@@ -72,8 +72,9 @@ def text_fingerprint(count: int, text: str) -> List[int]:
 
 MAKING_OPTIMIZER = -1
 """``PlanCheck``'s ``accumulated`` for the comparison of a ``ShardedOptimizer`` being made
-(:mod:`.optimizer_agreement`): a stage of its own, so that where it meets another rank's step
-check (that rank does not shard) both disagree, and every rank raises the same error."""
+(:mod:`.sharded.optimizer_agreement`): a stage of its own, so that where it meets another
+rank's step check (that rank does not shard) both disagree, and every rank raises the same
+error."""
 
 
 class PlanCheck:

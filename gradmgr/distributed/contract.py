@@ -187,7 +187,7 @@ class NativePath(Protocol):
 
 class PostBackwardPath(Protocol):
     """When a data-parallel step runs its backward with no per-tensor hook and gradmgr reduces
-    ``.grad`` after it (see :mod:`gradmgr.distributed.post_backward`): a backward traced into
+    ``.grad`` after it (see :mod:`gradmgr.distributed.reduce.post_backward`): a backward traced into
     a graph (PyTorch's compiled autograd), where each Python hook would break the graph."""
 
     def wanted(self) -> bool:
@@ -207,7 +207,7 @@ class JoinSupport(Protocol):
     """The framework's context for uneven inputs (on PyTorch, torch's
     ``torch.distributed.algorithms.Join``), which the manager ``data_parallel`` returns and a
     :class:`gradmgr.distributed.ShardedOptimizer` take part in (see
-    :mod:`gradmgr.distributed.joining`)."""
+    :mod:`gradmgr.distributed.join.joining`)."""
 
     def disabled_config(self) -> Any:
         """What a joinable holds outside the context (its ``_join_config``: ``enable``,

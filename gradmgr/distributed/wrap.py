@@ -9,12 +9,14 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..registry import backend_for
-from .allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
+from .broadcasting import broadcast
 from .consistency import PlanCheck, every_rank, names_from, plan_fingerprint
 from .contract import TensorOps
 from .errors import RankMismatchError, RanksOutOfStepError
-from .joining import DataParallelManager, Joining
-from .sync import broadcast, is_paused
+from .join.joinable import DataParallelManager
+from .join.joining import Joining
+from .reduce.allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
+from .reduce.no_sync import is_paused
 from .transport import TransportSpec, control_transport, resolve_transport
 
 
@@ -57,7 +59,7 @@ def data_parallel(
     ``comm_hook=hook, comm_state=state`` is DDP's ``register_comm_hook(state, hook)``.
     ``data_parallel(DDP(model))`` raises ``TypeError``: pass the model itself. The manager is
     a joinable of torch's ``Join`` context for uneven inputs (``with Join([gm]):``, or
-    ``gm.join()`` as DDP's ``model.join()``; see :mod:`gradmgr.distributed.joining`).
+    ``gm.join()`` as DDP's ``model.join()``; see :mod:`gradmgr.distributed.join.joining`).
 
     Example:
         Here a process group of one rank; under ``torchrun`` every rank runs the same lines

@@ -213,7 +213,7 @@ class TorchOps(TensorOps):
 
     def stand_in_grad(self, tensor: Any, member: Any) -> Any:
         """The ``.grad`` of a tensor whose reduced gradient the shards hold (see
-        :mod:`gradmgr.distributed.shard_grads`)."""
+        :mod:`gradmgr.distributed.sharded.shard_grads`)."""
         return stand_in_grad(tensor, member)
 
     def post_backward_path(self) -> Optional[PostBackwardPath]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from gradmgr.distributed.contract import NativePath
 from gradmgr.distributed.errors import RankFailedError, SparseGradientError, sparse_message
-from gradmgr.distributed.steps import RANK_FAILED
+from gradmgr.distributed.reduce.steps import RANK_FAILED
 
 from .engine import EngineAccumulates
 from .transport import TorchTransport

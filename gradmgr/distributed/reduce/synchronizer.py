@@ -14,17 +14,18 @@ import logging
 import threading
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
 
-from ..hooks import after_backward_callbacks
-from ..manager import attach_epoch, callback_chains
+from ...hooks import after_backward_callbacks
+from ...manager import attach_epoch, callback_chains
+from ..broadcasting import broadcast
+from ..consistency import NameOf, PlanCheck, plan_fingerprint
+from ..contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
+from ..errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
+from ..sharded.sharding import GradientShards, ShardReduction, ShardWire
+from ..transport import control_transport, resolve_transport
 from .bucket import BucketPlan
-from .consistency import NameOf, PlanCheck, plan_fingerprint
-from .contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
-from .errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
+from .no_sync import is_paused
 from .post_backward import PostBackwardStep
-from .sharding import GradientShards, ShardReduction, ShardWire
 from .steps import HookWire, PendingGradient, Step, Wire
-from .sync import broadcast, is_paused
-from .transport import control_transport, resolve_transport
 
 _log = logging.getLogger(__name__)
 
@@ -483,7 +484,7 @@ class Synchronizer:
     def keep_shards(self, step: Step) -> None:
         """The step's chunks join the shards (or RankFailedError), and the local gradients
         they summed are freed: ``.grad`` is None after a synced sharded step, or a stand-in
-        (see :mod:`.shard_grads`)."""
+        (see :mod:`..sharded.shard_grads`)."""
         shards = self.shards
         if shards is None:
             _unprepared("the gradient shards")

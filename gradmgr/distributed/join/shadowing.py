@@ -4,17 +4,17 @@ Once a rank has run out of batches inside the framework's Join context, it still
 every step the other ranks take, as DDP's join hook does: the same collectives, in the same
 order (the plan check, the gradient buckets or torch's reducer, the reduce-scatter), with
 nothing of its own in them (zero gradients, no tensor used). These functions do that for one
-:class:`~gradmgr.distributed.synchronizer.Synchronizer`.
+:class:`~gradmgr.distributed.reduce.synchronizer.Synchronizer`.
 """
 
 from __future__ import annotations
 
 from typing import Any, List
 
-from .bucket import BucketPlan
-from .errors import RankFailedError
-from .steps import Step
-from .sync import is_paused
+from ..errors import RankFailedError
+from ..reduce.bucket import BucketPlan
+from ..reduce.no_sync import is_paused
+from ..reduce.steps import Step
 
 
 def upcoming(synchronizer: Any, gm: Any) -> List[float]:

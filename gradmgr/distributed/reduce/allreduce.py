@@ -2,7 +2,7 @@
 
 This module holds the public face (the options, the callback that receives each gradient,
 ``no_sync`` and inspection); the work for each manager it serves is done by that manager's
-:class:`~gradmgr.distributed.synchronizer.Synchronizer`.
+:class:`~gradmgr.distributed.reduce.synchronizer.Synchronizer`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import os
 import weakref
 from typing import Any, Iterator, List, Literal, Optional, Union
 
-from .._state import get_backwarding_grad_manager
-from ..hooks import set_backward_delegate
-from .consistency import names_from
-from .contract import Transport
-from .shard_grads import StandIns
-from .sharding import GradientShards
+from ..._state import get_backwarding_grad_manager
+from ...hooks import set_backward_delegate
+from ..consistency import names_from
+from ..contract import Transport
+from ..sharded.shard_grads import StandIns
+from ..sharded.sharding import GradientShards
+from ..transport import TransportSpec, check_transport
 from .synchronizer import Synchronizer
-from .transport import TransportSpec, check_transport
 
 # The string options, typed so that a checker (mypy) catches reduce="avg" before a run does
 Reduce = Literal["mean", "sum"]
@@ -368,7 +368,7 @@ class ReduceScatterCallback(AllreduceCallback):
     the reduced gradients (about 1/world of them) and the full-size gradients are freed as
     soon as their bucket has gone out. After a synced backward ``.grad`` holds no values: None,
     or on PyTorch a stand-in through which ``torch.nn.utils.clip_grad_norm_`` clips the slices
-    (see :mod:`gradmgr.distributed.shard_grads`); the slices are what
+    (see :mod:`gradmgr.distributed.sharded.shard_grads`); the slices are what
     :class:`gradmgr.distributed.ShardedOptimizer` steps. ``no_sync`` steps accumulate
     into ``.grad`` locally, as with the allreduce callback; the next synced step
     reduce-scatters what ``.grad`` holds plus its own gradient.

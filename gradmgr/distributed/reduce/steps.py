@@ -8,10 +8,10 @@ import contextlib
 import threading
 from typing import Any, List, Optional, Protocol, Sequence, Set, Tuple
 
-from ..future import Future
+from ...future import Future
+from ..contract import CommHook, Handle, TensorOps, Transport
+from ..errors import RankFailedError
 from .bucket import BucketPlan
-from .contract import CommHook, Handle, TensorOps, Transport
-from .errors import RankFailedError
 
 RANK_FAILED = (
     "another rank's backward raised during this data-parallel step (its own error says why), "
