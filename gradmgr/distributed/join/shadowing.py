@@ -14,6 +14,7 @@ from typing import Any, List
 from ..errors import RankFailedError
 from ..reduce.bucket import BucketPlan
 from ..reduce.no_sync import is_paused
+from ..reduce.paths import check_step, open_step
 from ..reduce.steps import Step
 
 
@@ -30,17 +31,14 @@ def shadow(synchronizer: Any, gm: Any, theirs: List[float]) -> bool:
     :func:`upcoming`). Returns whether the step is synced."""
     sync, first, unsynced = bool(theirs[0]), bool(theirs[1]), int(theirs[2])
     with synchronizer.lock:
-        synchronizer.replan_if_needed(gm)
-        if synchronizer.shards is not None:
-            synchronizer.shards.recording()
-        synchronizer.unsynced = 0 if sync else unsynced + 1
-        plan = synchronizer.plan
-        if sync or first:
-            _check_plan(synchronizer, plan, sync, unsynced)
+        step = open_step(synchronizer, gm, sync, unsynced, own=False)
+        plan = step.plan
+        if sync or first:  # the others' plan check (builds torch's reducer where asked)
+            check_step(synchronizer, step, unsynced if sync else None, settle=True)
         synchronizer.started = True
         if not sync or not plan.buckets:
             return sync
-        if synchronizer.native:
+        if synchronizer.on_reducer:
             synchronizer.used.update(synchronizer.reducer.used_since_window())
             completed = synchronizer.reducer.shadow()
         else:
@@ -49,16 +47,6 @@ def shadow(synchronizer: Any, gm: Any, theirs: List[float]) -> bool:
         if completed:  # (a failed step is skipped: no optimizer step to shadow)
             synchronizer.shadowed += 1
         return True
-
-
-def _check_plan(synchronizer: Any, plan: BucketPlan, sync: bool, unsynced: int) -> None:
-    """The step's plan check, as the others' recordings start it (builds torch's reducer
-    where a rank asked for one)."""
-    step = Step(plan, sync)
-    native = synchronizer.native
-    if synchronizer.check_plan(step, native, native and synchronizer.reducer is None,
-                               unsynced if sync else None):
-        synchronizer.settle(step)
 
 
 def _shadow_buckets(synchronizer: Any, plan: BucketPlan) -> bool:

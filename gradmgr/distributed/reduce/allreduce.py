@@ -19,6 +19,7 @@ from ..contract import Transport
 from ..sharded.shard_grads import StandIns
 from ..sharded.sharding import GradientShards
 from ..transport import TransportSpec, check_transport
+from .paths import delegate
 from .synchronizer import Synchronizer
 
 # The string options, typed so that a checker (mypy) catches reduce="avg" before a run does
@@ -316,7 +317,7 @@ class AllreduceCallback:
         synchronizer = self._synchronizers.get(gm)
         if synchronizer is None or synchronizer.plan is None:
             return None
-        return "reducer" if synchronizer.native else "buckets"
+        return "reducer" if synchronizer.on_reducer else "buckets"
 
     def transport_of(self, gm: Any) -> Optional[Transport]:
         """The transport reducing ``gm``'s gradients, or None before the first recording."""
@@ -359,7 +360,7 @@ class _Hooks:
 
     def delegate(self) -> Any:
         synchronizer, gm = self._both()
-        return None if synchronizer is None or gm is None else synchronizer.native_step(gm)
+        return None if synchronizer is None or gm is None else delegate(synchronizer, gm)
 
 
 class ReduceScatterCallback(AllreduceCallback):
