@@ -39,9 +39,14 @@ def broadcast(tensors: Any, src: int = 0, *, group: Any = None,
         >>> dist.destroy_process_group()
     """
     items = _tensors_of(tensors)
-    if not items:
-        return
-    backend = backend_for(items[0])
+    if items:
+        broadcast_tensors(items, backend_for(items[0]), src, group, transport)
+
+
+def broadcast_tensors(items: List[Any], backend: Any, src: int, group: Any,
+                      transport: TransportSpec) -> None:
+    """:func:`broadcast` of a non-empty list of tensors whose backend (that of the first,
+    None: not a framework's tensors) the caller has looked up already."""
     if backend is None:
         raise TypeError(f"broadcast() expects tensors or a module, got {type(items[0]).__name__}")
     ops = backend.tensor_ops()
@@ -66,4 +71,4 @@ def broadcast(tensors: Any, src: int = 0, *, group: Any = None,
         ops.assign(members, flat)
 
 
-__all__: List[str] = ["broadcast"]
+__all__: List[str] = ["broadcast", "broadcast_tensors"]
