@@ -121,7 +121,7 @@ class BucketBuffer(Protocol):
         ``failed``)."""
 
 
-class NativeReducer(Protocol):
+class Reducer(Protocol):
     """A framework's own reducer running whole backwards (torch's C++ ``Reducer``)."""
 
     tensors: List[Any]
@@ -169,7 +169,7 @@ class CommHook(Protocol):
         ``parameters()``: the bucket's tensors in slot order."""
 
 
-class NativePath(Protocol):
+class ReducerPath(Protocol):
     """How a backend's own reducer can take whole backwards over from the Python buckets."""
 
     def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
@@ -180,7 +180,7 @@ class NativePath(Protocol):
         """What may change between recordings without a new plan (checked at each one)."""
 
     def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int,
-              comm_hook: Optional[CommHook] = None) -> NativeReducer:
+              comm_hook: Optional[CommHook] = None) -> Reducer:
         """A reducer over the plan's tensors (collective: every rank builds one together),
         reducing each bucket with ``comm_hook`` where given."""
 
@@ -509,7 +509,7 @@ class TensorOps:
             tensor.grad = grad
         return old
 
-    def native_path(self, transport: Any) -> Optional[NativePath]:
+    def reducer_path(self, transport: Any) -> Optional[ReducerPath]:
         """The framework's own reducer over ``transport``, or None (the default: gradmgr's
         buckets do the work)."""
         return None
@@ -528,5 +528,5 @@ class TensorOps:
         return None
 
 
-__all__ = ["BucketBuffer", "CommHook", "Handle", "JoinSupport", "NativePath", "NativeReducer",
+__all__ = ["BucketBuffer", "CommHook", "Handle", "JoinSupport", "ReducerPath", "Reducer",
            "PostBackwardPath", "ShardingTransport", "TensorOps", "Transport"]

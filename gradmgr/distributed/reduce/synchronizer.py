@@ -17,7 +17,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
 from ...manager import attach_epoch
 from ..broadcasting import broadcast
 from ..consistency import NameOf, PlanCheck
-from ..contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
+from ..contract import CommHook, PostBackwardPath, Reducer, ReducerPath, TensorOps, Transport
 from ..errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
 from ..sharded.sharding import GradientShards, ShardReduction, ShardWire
 from ..transport import control_transport, resolve_transport
@@ -75,13 +75,13 @@ class Synchronizer:
         # has started its own (GradManager.backward_split).
         self.steps: Dict[int, Step] = {}
         self.used: Set[int] = set()  # ids with a local gradient since the last synced step
-        self.reducer_path: Optional[NativePath] = None  # the backend's reducer, if any
+        self.reducer_path: Optional[ReducerPath] = None  # the backend's reducer, if any
         # Steps whose backward wants no per-tensor hook (compiled autograd) are reduced after
         # it (see post_backward.py) where the plan allows (post_ok, like reducer_possible).
         self.post_path: Optional[PostBackwardPath] = self.ops.post_backward_path()
         self.post_ok = False
         self.on_reducer = False  # plain backwards go to it (see paths.reducer_possible)
-        self.reducer: Optional[NativeReducer] = None
+        self.reducer: Optional[Reducer] = None
         self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (paths.choose_path)
         self.bucket_fingerprint: Optional[List[int]] = None  # the same on the buckets
         self.started = False  # the first recording's check and broadcast are done
@@ -226,7 +226,7 @@ class Synchronizer:
                 self.wire = kind(ops, self.transport, options.reduce == "mean",
                                  options.compression)
             wants_reducer = options.native and self.shards is None
-            self.reducer_path = ops.native_path(self.transport) if wants_reducer else None
+            self.reducer_path = ops.reducer_path(self.transport) if wants_reducer else None
         on_reducer = reducer_possible(self, gm, tensors)
         self.post_ok = delegable(self, gm, tensors, self.post_path)
         new_plan = self.plan is None or not self.plan.matches(tensors, ops)
@@ -280,7 +280,7 @@ class Synchronizer:
             _unprepared("a wire")
         return self.wire
 
-    def the_reducer(self) -> NativeReducer:
+    def the_reducer(self) -> Reducer:
         if self.reducer is None:
             _unprepared("the backend's reducer")
         return self.reducer
@@ -302,7 +302,7 @@ class Synchronizer:
             self.used.update(self.reducer.used_since_window())
         self.reducer = None  # its hooks go with it
 
-    def reducer_for(self, step: Step) -> NativeReducer:
+    def reducer_for(self, step: Step) -> Reducer:
         """Settle a synced step bound for the reducer, building the reducer if no plan check
         agreed on it (where it raises, the step is dropped by the caller); the reducer."""
         self.settle(step)
