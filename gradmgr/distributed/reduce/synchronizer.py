@@ -2,10 +2,11 @@
 
 At every recording it plans (again, if the trainable attached tensors changed), compares the
 plan across ranks and starts the step; during the backward each gradient goes into its bucket
-(:mod:`.steps`), or the backend's own reducer takes the whole backward over; after it, the
-remaining buckets go out. A backward that raises, or a recording released without a backward
-(a rank that skips a bad batch), still takes part in the step's collectives, with the failure
-marker set, so the ranks stay paired and the others raise :class:`RankFailedError`.
+(:mod:`.steps`), or the backend's own reducer takes the whole backward over (which path a
+step takes, and opening a step, are :mod:`.paths`'); after it, the remaining buckets go out.
+A backward that raises, or a recording released without a backward (a rank that skips a bad
+batch), still takes part in the step's collectives, with the failure marker set, so the ranks
+stay paired and the others raise :class:`RankFailedError`.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class Synchronizer:
 
     def _start_step(self, gm: Any, at_record: bool) -> Step:
         options = self.options
-        fingerprint = self.fingerprint
+        planned_for = self.fingerprint  # replaced where this step plans again
         first = not self.started
         sync = options.syncing and not is_paused(gm)
         accumulated = self.unsynced if sync else None
@@ -132,7 +133,7 @@ class Synchronizer:
             wanted = sync or first
         else:  # "plan": only where this rank re-planned, trusting all ranks to do so alike
             wanted = options.verify == "plan" and (
-                first or step_path(self, step)[1] or self.fingerprint is not fingerprint)
+                first or step_path(self, step)[1] or self.fingerprint is not planned_for)
         if wanted:  # (launched here; read at once only where nothing else comes to read it)
             check_step(self, step, accumulated, settle=first or not at_record)
         if first and at_record:
