@@ -32,6 +32,21 @@ _VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
 _COMPRESSION = (None, "fp16", "bf16")
 
 
+# The environment's switch for the reducer path: the name, and the older one still read.
+REDUCER_VARIABLES = ("GRADMGR_REDUCER", "GRADMGR_NATIVE_REDUCER")
+
+
+def reducer_from_environment() -> bool:
+    """Whether the environment lets plain backwards go to the framework's own reducer: on,
+    unless ``GRADMGR_REDUCER`` (or ``GRADMGR_NATIVE_REDUCER``, its older name) is ``0``."""
+    set_to = {name: os.environ[name] for name in REDUCER_VARIABLES if name in os.environ}
+    if len({value != "0" for value in set_to.values()}) > 1:
+        both = " and ".join(f"{name}={value}" for name, value in set_to.items())
+        raise ValueError(f"the environment sets both {both}, which disagree (the second is "
+                         f"the first's older name): unset {REDUCER_VARIABLES[1]}")
+    return all(value != "0" for value in set_to.values())
+
+
 class AllreduceCallback:
     """Averages (or sums) gradients over all processes, data-parallel style, like PyTorch's
     ``DistributedDataParallel``.
@@ -135,7 +150,8 @@ class AllreduceCallback:
             attached tensor's chain this callback alone (or empty), no other after-backward
             callback, and what the backend asks (PyTorch: leaves, dense, no
             post-accumulate-grad hook). Same results, DDP's cost; it holds the planned tensors
-            while bound. None: on unless the environment sets ``GRADMGR_NATIVE_REDUCER=0``.
+            while bound. None: on unless the environment sets ``GRADMGR_REDUCER=0`` (or its
+            older spelling, ``GRADMGR_NATIVE_REDUCER=0``).
         comm_hook: a DDP communication hook, ``hook(state, bucket) -> Future`` as
             ``DistributedDataParallel.register_comm_hook`` takes it (torch's own:
             ``fp16_compress_hook``, ``powerSGD_hook``, ...; PyTorch only): each bucket goes
@@ -182,8 +198,7 @@ class AllreduceCallback:
         self.broadcast = broadcast
         self.src = src
         self.verify: Optional[str] = _VERIFY[verify]
-        self.native = (os.environ.get("GRADMGR_NATIVE_REDUCER", "1") != "0"
-                       if native is None else native)
+        self.native = reducer_from_environment() if native is None else native
         self.transport_spec = transport
         self.comm_hook, self.comm_state = comm_hook, comm_state
         self._names = names_from(names)
