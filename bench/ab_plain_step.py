@@ -1,12 +1,13 @@
-"""Before/after of wt/plancheck's plain-step cuts, side by side in one process.
+"""The plain step of two versions of ``GradManager``, side by side in one process.
 
 Ratios to ``loss.backward()`` of ``with gm: gm.backward(loss)``: "before" is ``GradManager``
 from another checkout's ``gradmgr/manager.py`` (loaded as a second module over this tree's
-other modules), with the list comprehension ``Watched.trainable`` had before; "after" is this
-tree's. Each round interleaves the three variants in shuffled order (as bench_torch.py); the
-range is over the rounds.
+other modules), with the list comprehension ``Watched.trainable`` had before issue 27's
+plain-step cuts; "after" is this tree's. Each round interleaves the three variants in shuffled
+order (as bench_torch.py); the range is over the rounds. ``--before`` is a checkout of the
+commit to compare with (for instance one made by ``git worktree add ../before COMMIT``).
 
-    python bench/ab_plain_step.py [--rounds 5] [--before /work/main]
+    python bench/ab_plain_step.py --before ../before [--rounds 5]
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def compare(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, befor
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--before", default="/work/main", help="the checkout to compare with")
+    parser.add_argument("--before", required=True,
+                        help="a checkout of the commit to compare with")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(machine_info(["torch"]) + f", before: {args.before}")

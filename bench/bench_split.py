@@ -123,7 +123,7 @@ def _engine_floor(model: nn.Module, x0: torch.Tensor, dy: torch.Tensor) -> Calla
 
     from gradmgr.backends.torch import split as split_impl
     from gradmgr.backends.torch.engine import run_engine
-    from gradmgr.backends.torch.graph import split_plan
+    from gradmgr.backends.torch.split_plan import split_plan
 
     weights = list(model.parameters())
 

@@ -72,7 +72,7 @@ class GradManager(StepHooks):
         self._attached = Attachments()
         self._tape: Optional[Tape] = None  # the backend's, for the manager's whole life
         # The recording (record() to release()), in the manager itself rather than an object
-        # of its own, which would cost every step about 1.5 us on CPython 3.10: the list of the
+        # of its own, which would cost every step time (bench/bench_torch.py): the list of the
         # recording thread's recording managers it joined (None: not recording; a backward may
         # run in another thread), its group, and its started tape (the manager's, or a
         # provisional one; None until the backend is known).
@@ -396,13 +396,13 @@ class GradManager(StepHooks):
             self._require_recording("backward(y)")
         self._backward_ran = True
         # The scope by its functions, not a _Backwarding and a `with` (the object would cost
-        # the usual step about 2 us: see _Backwarding).
+        # the usual step time: see _Backwarding).
         stack, tracked = _open_scope(self, self._step), None
         try:
             ys, dys = self._outputs(y, dy)
             backend = self._backend
             # (the calls of _track and _end_backward only where they have work: each call
-            # costs the usual step about 0.5 us)
+            # costs the usual step time, as bench/ab_plain_step.py shows)
             if backend is not None and backend.tracks_backwarding:
                 tracked = _track(self, backend)
             delegated = None if self._backward_delegate is None else self._backward_delegate()
@@ -694,10 +694,11 @@ class _Backwarding:
     (callbacks look it up there), collects what the backward delivers, is announced to its
     backend once known (``track``), and runs its error callbacks if the backward raises.
 
-    ``backward()`` calls the functions below itself instead: on CPython 3.10, creating this
-    object and entering it cost about 2 us inside a training step (instantiating a class,
-    setting attributes and a ``with`` look names up on types, and the forward pushed those
-    caches out), most of what the plain step may cost on a small model."""
+    ``backward()`` calls the functions below itself instead: creating this object and
+    entering it costs a training step time (instantiating a class, setting attributes and a
+    ``with`` look names up on types, and the forward pushed those caches out), a visible part
+    of what the plain step may cost on a small model (bench/bench_torch.py's mlp-64;
+    bench/ab_plain_step.py compares two versions side by side)."""
 
     __slots__ = ("_manager", "_step", "_stack", "_tracked")
 
@@ -724,7 +725,8 @@ def _open_scope(manager: GradManager, step: int) -> List[GradManager]:
     delivery = manager._spare_delivery
     if delivery is None:
         delivery = Delivery(step)
-    else:  # the last backward's, left empty: a new object would cost the usual step ~1.5 us
+    else:  # the last backward's, left empty: a new object would cost the usual step time
+        # (bench/bench_torch.py)
         manager._spare_delivery = None
         delivery.step = step
     manager._delivery = delivery

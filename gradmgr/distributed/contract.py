@@ -15,6 +15,15 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Protocol, Se
 
 _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
+RANK_FAILED = (
+    "another rank's backward raised during this data-parallel step (its own error says why), "
+    "so the step's reduced gradients are incomplete; no rank uses them, and .grad keeps what "
+    "it held before the step. Skip the step on every rank (catch this error where that rank "
+    "catches its own), or stop all ranks"
+)
+"""What every path raises (``RankFailedError``) on a bucket that came back with some rank's
+failure marker set (:meth:`BucketBuffer.finish`, :meth:`Reducer.finish`)."""
+
 
 class Handle(Protocol):
     """A collective in flight (:class:`Done`: one that already finished).

@@ -23,9 +23,10 @@ operations done before ``record()`` (or before a mid-recording ``attach``). The 
 this from node sequence numbers and warns (:mod:`.prerecord`).
 
 The modules: :mod:`.backend` (:class:`TorchBackend`, what the core talks to), :mod:`.tape`
-(:class:`TorchTape`), :mod:`.engine` (entering the engine), :mod:`.graph` (graph walks),
-:mod:`.flags` (requires_grad and grad-mode bookkeeping), :mod:`.prerecord` (the pre-record
-check), :mod:`.grads` (writing ``.grad``), :mod:`.split` (split backward); for data parallelism
+(:class:`TorchTape`), :mod:`.foreign` (``loss.backward()`` inside a recording), :mod:`.engine`
+(entering the engine), :mod:`.graph` (graph walks), :mod:`.flags` (requires_grad and
+grad-mode bookkeeping), :mod:`.prerecord` (the pre-record check), :mod:`.grads` (writing
+``.grad``), :mod:`.split` (split backward) and :mod:`.split_plan` (its plan); for data parallelism
 :mod:`.ops` (bucket buffers), :mod:`.transport` (torch.distributed) and :mod:`.reducer` (torch's
 C++ ``Reducer``, DDP's).
 """

@@ -11,7 +11,8 @@ from .grads import storage_users, unshare_seeds
 
 # The seed gradmgr made last (dy left out: ones), until the engine takes it: no user holds it,
 # so a .grad on its storage is what the engine leaves after loss.backward() too, and needs no
-# check. Told by identity, which costs a step 1 us less than an attribute set on the tensor
+# check. Told by identity, which costs a step less than an attribute set on the tensor
+# (bench/bench_torch.py times the plain step; bench/ab_plain_step.py compares two versions)
 # (another thread's seed made in between only sends this one through the check). The tape
 # forgets one the engine did not take when its recording stops, which every backward ends
 # with (y needed no gradient, an error before the engine), so that no seed outlives its

@@ -109,7 +109,8 @@ class ForwardWatch:
         self._seen = _watch_registrations()
         self._armed: list = []  # the parameter hooks' handles
         # One forward hook, run after the forward (still inside a DDP wrapper's): a pre-hook
-        # as well would cost every forward about 3 us more (torch 2.8, measured).
+        # as well would cost every forward a Python call more (bench/bench_zero.py's
+        # `gradmgr` variant times data_parallel's whole step against DDP's).
         self._handle = module.register_forward_hook(self._after)
         _copy_plain(module)
 

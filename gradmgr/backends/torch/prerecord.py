@@ -44,9 +44,9 @@ def set_pre_record_check(mode: str) -> None:
     flows from operations of the recording through older ones, where MegEngine's result
     would differ. ``"first"`` (default) checks each manager's first backward, which
     catches the usual cause (a value computed from parameters once, outside the loop) at no
-    cost to later steps; ``"always"`` checks every backward (a Python walk over the graph:
-    about 1 us per node); ``"off"`` never warns. (Each manager's first backward is walked once
-    in every mode, to refuse reentrant activation checkpointing.)
+    cost to later steps; ``"always"`` checks every backward (a Python walk over the whole
+    graph, every step; no bench times it); ``"off"`` never warns. (Each manager's first
+    backward is walked once in every mode, to refuse reentrant activation checkpointing.)
 
     Example:
         >>> set_pre_record_check("first")

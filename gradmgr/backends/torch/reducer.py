@@ -1,13 +1,13 @@
 """The allreduce callback's fast path on PyTorch: torch's own C++ ``Reducer`` (what DDP runs),
 through torch.distributed's private hooks into it (``_autograd_hook``, ``_rebuild_buckets``).
 
-A Python callback per tensor costs microseconds per tensor, which DDP does not pay: its reducer
-hooks the gradient accumulators in C++. When nothing else needs the per-tensor callbacks (see
-``AllreduceCallback``'s ``native``), gradmgr drives that same reducer instead: the engine
-accumulates into ``.grad`` as a plain ``loss.backward()`` does, the reducer's hooks copy each
-gradient into its bucket (divided by the world size) and launch each full bucket, and at the
-end of the backward ``.grad`` becomes a view into the reduced bucket
-(``gradient_as_bucket_view``), exactly as with DDP.
+A Python callback per tensor costs time per tensor, which DDP does not pay (bench/bench_ddp.py's
+``native=False`` variant against DDP): its reducer hooks the gradient accumulators in C++. When
+nothing else needs the per-tensor callbacks (see ``AllreduceCallback``'s ``native``), gradmgr
+drives that same reducer instead: the engine accumulates into ``.grad`` as a plain
+``loss.backward()`` does, the reducer's hooks copy each gradient into its bucket (divided by
+the world size) and launch each full bucket, and at the end of the backward ``.grad`` becomes a
+view into the reduced bucket (``gradient_as_bucket_view``), exactly as with DDP.
 
 DDP detects unused parameters only with ``find_unused_parameters=True``, which costs a graph
 walk, a collective and a per-parameter check every step. Here the reducer runs without it, and
@@ -27,9 +27,8 @@ from typing import Any, Collection, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from gradmgr.distributed.contract import ReducerPath
+from gradmgr.distributed.contract import RANK_FAILED, ReducerPath
 from gradmgr.distributed.errors import RankFailedError, SparseGradientError, sparse_message
-from gradmgr.distributed.reduce.steps import RANK_FAILED
 
 from .engine import EngineAccumulates
 from .transport import TorchTransport
@@ -256,7 +255,8 @@ class TorchReducer:
 
 
 def _backward_of_one_leaf(leaf: torch.Tensor, grad: torch.Tensor) -> None:
-    """``torch.autograd.backward(leaf, grad)`` without its argument checks (17 us a step)."""
+    """``torch.autograd.backward(leaf, grad)`` without its argument checks (what they cost a
+    step: bench/bench_torch.py's ``bare`` variant against ``plain``)."""
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run is None:
         torch.autograd.backward(leaf, grad)

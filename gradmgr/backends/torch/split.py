@@ -2,7 +2,7 @@
 
 The first part runs the engine for the chosen tensors only (a pipeline stage's input
 activations: what the previous stage waits for) while a pre-hook on every boundary node (see
-:class:`.graph.SplitPlan`) records the gradients it computes with. The rest runs the engine
+:class:`.split_plan.SplitPlan`) records the gradients it computes with. The rest runs the engine
 again from those nodes for the remaining tensors (the weights), one run per independent group,
 and the same pre-hooks hand the recorded gradients back; a boundary node's outputs toward
 first-part nodes are not computed there (the engine does not need them), or are zeros in a
@@ -30,7 +30,7 @@ from gradmgr.errors import GradMgrWarning, UnsupportedGraphError
 
 from .flags import FLAGS
 from .grads import zeros_like_cheaply
-from .graph import split_plan
+from .split_plan import split_plan
 
 _CAPTURE, _KEEP, _REPLAY, _DONE = range(4)
 

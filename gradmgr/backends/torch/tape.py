@@ -10,13 +10,13 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
-from gradmgr import get_backwarding_grad_manager
 from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import CallbackResultError, UnsupportedGraphError
 
 from . import prerecord, split
 from .engine import OWN_SEED, run_engine, run_engine_plain
 from .flags import FLAGS, GRAD_MODE
+from .foreign import ForeignBackwards
 from .grads import zeros_like_cheaply
 from .graph import current_sequence_nr, graph_root, node_alive, reentrant_checkpoints, walk
 from .watched import Entry, Watched, input_without_flag
@@ -43,15 +43,16 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     least ``STAND_IN_BYTES`` is replaced for the engine by a zero-size stand-in, so that the
     engine does not hold it until it returns (it would keep it as the result for ``inputs=``,
     which the tape ignores for this tensor). Smaller ones are left with the engine: handing a
-    tensor back costs the engine about 6 us, more than holding a small gradient is worth.
-    So are sparse ones: the engine refuses a hook that changes a gradient's layout.
+    tensor back costs the engine more time than holding a small gradient is worth
+    (``bench/bench_ddp.py``'s ``native=False`` variant on 1,000 tensors measures it). So are
+    sparse ones: the engine refuses a hook that changes a gradient's layout.
     """
     tape = tape_ref()
     if tape is None:
         return None
     if not tape._running or _graph_task_id() != tape._task:
         if tape._recording and not tape._running and leaf:
-            _note_foreign(tape, key)
+            tape.note_foreign(key)
         return None
     if grad is None:  # a custom Function's backward gave this input no gradient: as if unused
         return None
@@ -82,45 +83,6 @@ def _register_without_collecting(tensor: torch.Tensor, hook: Any) -> Any:
     finally:
         if collecting:
             gc.enable()
-
-
-def _note_foreign(tape: TorchTape, key: int) -> None:
-    """A backward that is not a manager's (``loss.backward()`` typed by habit, or
-    ``torch.autograd.grad``) reached watched leaf ``key`` while this tape records: keep what
-    its ``.grad`` holds before that backward accumulates, so that :meth:`TorchTape.stop` can
-    tell whether it wrote ``.grad`` (without the callbacks) in a recording that then ends
-    without ``gm.backward()``."""
-    if get_backwarding_grad_manager() is not None:
-        return  # another manager's backward (nested, or run inside a callback)
-    foreign = tape._foreign
-    if foreign is None:
-        foreign = tape._foreign = {}
-    if key not in foreign:
-        entry = tape.watched.entries.get(key)
-        tensor = None if entry is None else entry.ref()
-        if entry is not None and tensor is not None:
-            grad = tensor.grad
-            foreign[key] = (entry.ref, grad, None if grad is None else grad._version)
-
-
-def _grad_written(foreign: dict) -> int:
-    """How many of the noted leaves' ``.grad`` changed since the note."""
-    changed = 0
-    for ref, grad, version in foreign.values():
-        tensor = ref()
-        if tensor is not None and (tensor.grad is not grad or grad is not None
-                                   and grad._version != version):
-            changed += 1
-    return changed
-
-
-_BYPASSED = (
-    "loss.backward() (or torch.autograd.backward) ran inside a recording (`with gm:`) and the "
-    "recording ended without gm.backward(): PyTorch wrote the .grad of {n} attached "
-    "tensor(s) itself and the manager's callbacks never ran on them, so .grad holds the "
-    "gradients without what the callbacks do (MegEngine tensors have no .backward() at all). "
-    "Call gm.backward(loss) inside `with gm:` instead"
-)
 
 
 _LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
@@ -257,8 +219,8 @@ class TorchTape(Tape):
         self._record_seq = 0
         self._record_threads: Optional[int] = None  # see prerecord.thread_mark
         # Watched leaves a backward that was not a manager's reached while recording (see
-        # _note_foreign), by key: (ref, .grad then, its version). None: none.
-        self._foreign: Optional[dict] = None
+        # note_foreign). None: none.
+        self._foreign: Optional[ForeignBackwards] = None
         self._checked = False  # the graph was checked (each manager's first backward)
         self._warned = False
         weakref.finalize(self, self.watched.remove_hooks)
@@ -293,6 +255,16 @@ class TorchTape(Tape):
             self._ensure_hook(tensor, key)
         else:
             watched.eager.pop(key, None)
+
+    def note_foreign(self, key: int) -> None:
+        """A backward that is not a manager's reached watched leaf ``key`` while this tape
+        records: keep what its ``.grad`` holds before that backward accumulates, so that
+        :meth:`stop` can tell whether it wrote ``.grad`` (without the callbacks) in a
+        recording that then ends without ``gm.backward()``."""
+        if self._foreign is None:
+            self._foreign = ForeignBackwards()
+        entry = self.watched.entries.get(key)
+        self._foreign.note(key, None if entry is None else entry.ref)
 
     def _ensure_hook(self, tensor: torch.Tensor, key: int) -> None:
         watched = self.watched
@@ -370,9 +342,9 @@ class TorchTape(Tape):
             return
         if self._foreign is not None:
             foreign, self._foreign = self._foreign, None
-            written = _grad_written(foreign)
-            if written:
-                self.bypassed = _BYPASSED.format(n=written)
+            message = foreign.message()
+            if message is not None:
+                self.bypassed = message
         self._recording = False
         self._running = False
         if self._grad_mode_thread:

@@ -154,7 +154,3 @@ class ChunkOfSum:
             self._chunk = self._flat[self._rank * n:(self._rank + 1) * n].clone()
             self._flat = self._work = None
         return self._chunk
-
-
-def dist_initialised() -> bool:
-    return dist.is_available() and dist.is_initialized()

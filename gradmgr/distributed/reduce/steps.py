@@ -9,16 +9,9 @@ import threading
 from typing import Any, List, Optional, Protocol, Sequence, Set, Tuple
 
 from ...future import Future
-from ..contract import CommHook, Handle, TensorOps, Transport
+from ..contract import RANK_FAILED, CommHook, Handle, TensorOps, Transport
 from ..errors import RankFailedError
 from .bucket import BucketPlan
-
-RANK_FAILED = (
-    "another rank's backward raised during this data-parallel step (its own error says why), "
-    "so the step's reduced gradients are incomplete; no rank uses them, and .grad keeps what "
-    "it held before the step. Skip the step on every rank (catch this error where that rank "
-    "catches its own), or stop all ranks"
-)
 
 
 class Launched(Protocol):

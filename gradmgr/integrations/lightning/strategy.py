@@ -1,8 +1,8 @@
 """Lightning Fabric's strategy for gradmgr: ``Fabric(strategy=GradmgrStrategy())`` trains as
 Fabric's ``DDPStrategy`` does, with ``data_parallel(module)`` in place of the DDP wrapper.
 
-Reached through :mod:`gradmgr.integrations.lightning`, which imports this module (and with it
-Lightning Fabric) only when ``GradmgrStrategy`` is first asked for.
+Reached through its package :mod:`gradmgr.integrations.lightning`, which imports this module (and
+with it Lightning Fabric and PyTorch) only when ``GradmgrStrategy`` is first asked for.
 
 Fabric runs ``out = model(x)`` and ``fabric.backward(loss)`` with nothing around the two, where
 gradmgr wants both inside one recording: the module :meth:`GradmgrStrategy.setup_module`

@@ -3,10 +3,10 @@
     from gradmgr.integrations.lightning import GradmgrStrategy
     fabric = Fabric(accelerator="cpu", devices=2, strategy=GradmgrStrategy())
 
-Importing this module imports neither Lightning nor PyTorch: the strategy lives with the
-PyTorch backend (``gradmgr.backends.torch.lightning``) and is imported, with Lightning Fabric,
-when ``GradmgrStrategy`` or ``GradmgrModule`` is first asked for. Where Lightning Fabric is not
-installed, that raises ``ImportError`` saying what to install.
+Importing this package imports neither Lightning nor PyTorch: the strategy lives in its module
+:mod:`.strategy`, imported, with Lightning Fabric and PyTorch, when ``GradmgrStrategy`` or
+``GradmgrModule`` is first asked for. Where Lightning Fabric is not installed, that raises
+``ImportError`` saying what to install.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import importlib
 from typing import TYPE_CHECKING, Any, List
 
 if TYPE_CHECKING:  # for type checkers only: importing it would import Lightning
-    from gradmgr.backends.torch.lightning import GradmgrModule, GradmgrStrategy
+    from .strategy import GradmgrModule, GradmgrStrategy
 
-_IMPLEMENTATION = "gradmgr.backends.torch.lightning"
+_IMPLEMENTATION = f"{__name__}.strategy"
 __all__: List[str] = ["GradmgrModule", "GradmgrStrategy"]
 
 
