@@ -109,3 +109,24 @@ def test_a_layer_changed_after_wrapping_raises_then_a_new_manager_trains(
     for mine, theirs in zip(_grads(model), _grads(twin)):
         assert torch.equal(mine, theirs)
     del fresh
+
+
+def test_data_parallel_looks_the_models_backend_up_once(gloo_one_rank, monkeypatch):
+    """Issue 41: data_parallel(model) asked the registry for the model's backend four times
+    (the wrapper check, the ranks' comparison, the broadcast, the tensor operations)."""
+    from gradmgr.distributed import wrap
+
+    asked = []
+    real = wrap.backend_for
+    monkeypatch.setattr(wrap, "backend_for", lambda tensor: asked.append(tensor) or real(tensor))
+    model = _model()
+    gm = data_parallel(model)
+    assert len(asked) == 1
+    x = torch.randn(6, 4)
+    with gm:
+        gm.backward(model(x).square().mean())
+    twin = _model()  # one rank: the mean over the ranks is this rank's gradient, bit for bit
+    twin(x).square().mean().backward()
+    for mine, plain in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(mine.grad, plain.grad, rtol=0, atol=0)
+    del gm

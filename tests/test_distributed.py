@@ -671,3 +671,40 @@ def test_a_transport_without_rank_or_broadcast_says_how_to_sync():
     with gm2:
         gm2.backward((w * 3).sum())
     close(w.grad.numpy(), np.full(3, 3.0, "float32"))  # (3 + 3) / 2
+
+
+@pytest.mark.parametrize("env, path", [
+    ({}, "reducer"),
+    ({"GRADMGR_REDUCER": "0"}, "buckets"),
+    ({"GRADMGR_NATIVE_REDUCER": "0"}, "buckets"),  # the older spelling, still read
+    ({"GRADMGR_REDUCER": "1", "GRADMGR_NATIVE_REDUCER": "1"}, "reducer"),
+])
+def test_either_spelling_of_the_reducer_switch_picks_the_path(gloo_one_rank, monkeypatch, env,
+                                                              path):
+    """Issue 41: the environment's switch is named for the reducer now, GRADMGR_REDUCER;
+    GRADMGR_NATIVE_REDUCER, the name the docs gave before, keeps working."""
+    for name in ("GRADMGR_REDUCER", "GRADMGR_NATIVE_REDUCER"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    torch.manual_seed(0)
+    model, plain = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    plain.load_state_dict(model.state_dict())
+    cb = make_allreduce_cb()
+    gm = GradManager()
+    gm.attach(list(model.parameters()), callbacks=[cb])
+    x = torch.randn(4, 3)
+    with gm:
+        gm.backward(model(x).square().sum())
+    assert cb.path(gm) == path
+    plain(x).square().sum().backward()  # one rank: the mean is this rank's gradient
+    for mine, theirs in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)
+    del gm
+
+
+def test_the_two_spellings_of_the_reducer_switch_must_agree(monkeypatch):
+    monkeypatch.setenv("GRADMGR_REDUCER", "0")
+    monkeypatch.setenv("GRADMGR_NATIVE_REDUCER", "1")
+    with pytest.raises(ValueError, match="GRADMGR_REDUCER=0 and GRADMGR_NATIVE_REDUCER=1"):
+        make_allreduce_cb()

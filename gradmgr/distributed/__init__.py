@@ -9,18 +9,19 @@ Example:
     >>> # gm = GradManager().attach(model.parameters(), callbacks=[cb])
 """
 
-from .allreduce import (
+from .broadcasting import broadcast
+from .contract import Handle, TensorOps, Transport
+from .errors import RankFailedError, RankMismatchError, RanksOutOfStepError, SparseGradientError
+from .launch import free_port, run_ranks, spawn_local
+from .reduce.allreduce import (
     AllreduceCallback,
     ReduceScatterCallback,
     make_allreduce_cb,
     make_reduce_scatter_cb,
 )
-from .bucket import Bucket, BucketPlan
-from .contract import Handle, TensorOps, Transport
-from .errors import RankFailedError, RankMismatchError, RanksOutOfStepError, SparseGradientError
-from .launch import free_port, run_ranks, spawn_local
-from .sharded_optimizer import ShardedOptimizer
-from .sync import broadcast, no_sync
+from .reduce.bucket import Bucket, BucketPlan
+from .reduce.no_sync import no_sync
+from .sharded.sharded_optimizer import ShardedOptimizer
 from .wrap import data_parallel
 
 __all__ = [

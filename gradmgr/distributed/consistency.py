@@ -72,8 +72,9 @@ def text_fingerprint(count: int, text: str) -> List[int]:
 
 MAKING_OPTIMIZER = -1
 """``PlanCheck``'s ``accumulated`` for the comparison of a ``ShardedOptimizer`` being made
-(:mod:`.optimizer_agreement`): a stage of its own, so that where it meets another rank's step
-check (that rank does not shard) both disagree, and every rank raises the same error."""
+(:mod:`.sharded.optimizer_agreement`): a stage of its own, so that where it meets another
+rank's step check (that rank does not shard) both disagree, and every rank raises the same
+error."""
 
 
 class PlanCheck:
@@ -250,7 +251,7 @@ def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], wh
                 f"would reduce them differently (rank {rank}: {mode}; the other ranks' errors "
                 f"show theirs). Every rank must create the allreduce callback with the same "
                 f"reduce=, compression=, bucket_bytes=, native= and comm_hook= options (or set "
-                f"GRADMGR_NATIVE_REDUCER alike), attach the same callbacks to the same tensors "
+                f"GRADMGR_REDUCER alike), attach the same callbacks to the same tensors "
                 f"and register the same after-backward callbacks: the C++ Reducer serves a "
                 f"step only where nothing else needs the per-tensor callbacks")
     shown = tensors[position] if position < len(tensors) else None

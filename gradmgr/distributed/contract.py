@@ -4,14 +4,18 @@
 bucketing needs) and :meth:`gradmgr.Backend.transport` a :class:`Transport` (the collectives).
 The core (planning, buckets, the cross-rank check, the callback's state machine) talks to a
 framework only through these, so a new engine, or a test double, plugs in by implementing them.
-This module imports nothing: the backends implement it, the core uses it; :class:`Done` is the
-one piece both use as it is.
+The collectives' half (:class:`Transport`, :class:`Handle`, :class:`Done`) is in
+:mod:`gradmgr.distributed.collectives` and importable from here too. Neither module imports
+anything of gradmgr: the backends implement them, the core uses them; :class:`Done` is the one
+piece both use as it is.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Callable, Collection, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from .collectives import Done, Handle, ShardingTransport, Transport
 
 _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -22,99 +26,7 @@ RANK_FAILED = (
     "catches its own), or stop all ranks"
 )
 """What every path raises (``RankFailedError``) on a bucket that came back with some rank's
-failure marker set (:meth:`BucketBuffer.finish`, :meth:`NativeReducer.finish`)."""
-
-
-class Handle(Protocol):
-    """A collective in flight (:class:`Done`: one that already finished).
-
-    Example:
-        >>> handle = Done([1.0, 2.0])   # what allreduce_async(flat) hands back
-        >>> handle.wait()
-        [1.0, 2.0]
-    """
-
-    def wait(self) -> Any:
-        """Block until the collective is done; return the reduced buffer."""
-
-
-class Done:
-    """A finished collective's result, holding nothing else (not the collective, nor its
-    input buffer): for transports whose collectives are done when they return, and for
-    handles kept after their wait.
-
-    Example:
-        >>> Done([1.0, 2.0]).wait()
-        [1.0, 2.0]
-    """
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def wait(self) -> Any:
-        return self._value
-
-
-class Transport(Protocol):
-    """Starts collectives over flat buffers and hands back something to wait on::
-
-        handle = transport.allreduce_async(flat)   # starts the sum over ranks, returns at once
-        reduced = handle.wait()                    # same type, dtype and device as ``flat``
-
-    Optional methods: ``rank() -> int`` (names ranks in errors about ranks that disagree, and
-    carries the plan check exactly through lossy wires), ``broadcast(flat, src) -> flat``
-    (the initial sync; without it a sum with zeros from the other ranks is used, which turns
-    -0.0 into 0.0) and ``control() -> Transport``: the transport of the plan checks, the
-    small collective that starts every synced step (without it, this one). One of its own
-    (torch's: a gloo group of its own) meets only the other ranks' checks, never a collective
-    of the user's program, and can give up on ranks that never come
-    (:class:`~gradmgr.distributed.RanksOutOfStepError`); with ``on_host = True`` its buffers
-    are built on the host (:meth:`TensorOps.vector`), and an ``open()`` of its is called by
-    ``data_parallel()``, while every rank is there.
-
-    Example:
-        >>> import torch.distributed as dist
-        >>> class Sum:                        # torch.distributed's allreduce, as a transport
-        ...     def world_size(self): return dist.get_world_size()
-        ...     def rank(self): return dist.get_rank()
-        ...     def allreduce_async(self, flat):
-        ...         work = dist.all_reduce(flat, async_op=True)
-        ...         class Handle:
-        ...             def wait(self): work.wait(); return flat
-        ...         return Handle()
-        >>> # cb = make_allreduce_cb("mean", transport=Sum())
-    """
-
-    def world_size(self) -> int:
-        """Number of processes taking part (the divisor of a mean)."""
-
-    def allreduce_async(self, flat: Any) -> Handle:
-        """Start summing ``flat`` over all processes; ``flat`` may be reduced in place."""
-
-
-class ShardingTransport(Transport, Protocol):
-    """What sharded data parallelism needs on top (the backends' own transports have it).
-
-    Optional: ``broadcast_async(tensor, src) -> Handle``, which starts overwriting ``tensor``
-    on every rank with rank ``src``'s. With it (and :meth:`TensorOps.param_slice`) the
-    sharded optimizer gathers the updated parameters straight into them, every slice from
-    its owner, with no gather buffer.
-    """
-
-    def rank(self) -> int:
-        """This process's rank in the group."""
-
-    def reduce_scatter_async(self, flat: Any) -> Handle:
-        """Start summing ``flat`` (a length divisible by the world size) over all processes;
-        ``wait()`` returns this rank's chunk of the sum: ``flat[rank * n:(rank + 1) * n]``
-        summed, ``n = len(flat) // world``. ``flat`` (a bucket's buffer) may be overwritten; a
-        chunk in memory of its own lets the next bucket reuse it."""
-
-    def all_gather_async(self, chunk: Any) -> Handle:
-        """Start gathering every rank's ``chunk`` (the same length on all); ``wait()`` returns
-        them concatenated in rank order."""
+failure marker set (:meth:`BucketBuffer.finish`, :meth:`Reducer.finish`)."""
 
 
 class BucketBuffer(Protocol):
@@ -130,7 +42,7 @@ class BucketBuffer(Protocol):
         ``failed``)."""
 
 
-class NativeReducer(Protocol):
+class Reducer(Protocol):
     """A framework's own reducer running whole backwards (torch's C++ ``Reducer``)."""
 
     tensors: List[Any]
@@ -178,7 +90,7 @@ class CommHook(Protocol):
         ``parameters()``: the bucket's tensors in slot order."""
 
 
-class NativePath(Protocol):
+class ReducerPath(Protocol):
     """How a backend's own reducer can take whole backwards over from the Python buckets."""
 
     def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
@@ -189,14 +101,14 @@ class NativePath(Protocol):
         """What may change between recordings without a new plan (checked at each one)."""
 
     def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int,
-              comm_hook: Optional[CommHook] = None) -> NativeReducer:
+              comm_hook: Optional[CommHook] = None) -> Reducer:
         """A reducer over the plan's tensors (collective: every rank builds one together),
         reducing each bucket with ``comm_hook`` where given."""
 
 
 class PostBackwardPath(Protocol):
     """When a data-parallel step runs its backward with no per-tensor hook and gradmgr reduces
-    ``.grad`` after it (see :mod:`gradmgr.distributed.post_backward`): a backward traced into
+    ``.grad`` after it (see :mod:`gradmgr.distributed.reduce.post_backward`): a backward traced into
     a graph (PyTorch's compiled autograd), where each Python hook would break the graph."""
 
     def wanted(self) -> bool:
@@ -216,7 +128,7 @@ class JoinSupport(Protocol):
     """The framework's context for uneven inputs (on PyTorch, torch's
     ``torch.distributed.algorithms.Join``), which the manager ``data_parallel`` returns and a
     :class:`gradmgr.distributed.ShardedOptimizer` take part in (see
-    :mod:`gradmgr.distributed.joining`)."""
+    :mod:`gradmgr.distributed.join.joining`)."""
 
     def disabled_config(self) -> Any:
         """What a joinable holds outside the context (its ``_join_config``: ``enable``,
@@ -518,7 +430,7 @@ class TensorOps:
             tensor.grad = grad
         return old
 
-    def native_path(self, transport: Any) -> Optional[NativePath]:
+    def reducer_path(self, transport: Any) -> Optional[ReducerPath]:
         """The framework's own reducer over ``transport``, or None (the default: gradmgr's
         buckets do the work)."""
         return None
@@ -537,5 +449,5 @@ class TensorOps:
         return None
 
 
-__all__ = ["BucketBuffer", "CommHook", "Handle", "JoinSupport", "NativePath", "NativeReducer",
+__all__ = ["BucketBuffer", "CommHook", "Done", "Handle", "JoinSupport", "ReducerPath", "Reducer",
            "PostBackwardPath", "ShardingTransport", "TensorOps", "Transport"]

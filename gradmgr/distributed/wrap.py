@@ -9,12 +9,14 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..registry import backend_for
-from .allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
+from .broadcasting import broadcast, broadcast_tensors
 from .consistency import PlanCheck, every_rank, names_from, plan_fingerprint
 from .contract import TensorOps
 from .errors import RankMismatchError, RanksOutOfStepError
-from .joining import DataParallelManager, Joining
-from .sync import broadcast, is_paused
+from .join.joinable import DataParallelManager
+from .join.joining import Joining
+from .reduce.allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
+from .reduce.no_sync import is_paused
 from .transport import TransportSpec, control_transport, resolve_transport
 
 
@@ -57,7 +59,7 @@ def data_parallel(
     ``comm_hook=hook, comm_state=state`` is DDP's ``register_comm_hook(state, hook)``.
     ``data_parallel(DDP(model))`` raises ``TypeError``: pass the model itself. The manager is
     a joinable of torch's ``Join`` context for uneven inputs (``with Join([gm]):``, or
-    ``gm.join()`` as DDP's ``model.join()``; see :mod:`gradmgr.distributed.joining`).
+    ``gm.join()`` as DDP's ``model.join()``; see :mod:`gradmgr.distributed.join.joining`).
 
     Example:
         Here a process group of one rank; under ``torchrun`` every rank runs the same lines
@@ -77,19 +79,22 @@ def data_parallel(
         >>> del gm  # before the group goes, as with DDP
         >>> dist.destroy_process_group()
     """
-    _refuse_wrapper(module)
+    params, buffers = list(module.parameters()), list(module.buffers())
+    tensors = params + buffers
+    backend = backend_for(tensors[0]) if tensors else None  # (the only look-up)
+    _refuse_wrapper(module, backend if params else None)
     _refuse_second_manager(module)
     kind = ReduceScatterCallback if shard else AllreduceCallback
     cb = kind(reduce, group, bucket_bytes, compression, transport, broadcast=False, src=src,
               verify=verify, native=False if shard else native, names=module,
               comm_hook=comm_hook, comm_state=comm_state)
-    params, buffers = list(module.parameters()), list(module.buffers())
     if verify:
-        _refuse_modules_that_differ(module, params + buffers, group, transport, shard)
-    broadcast(params + (buffers if broadcast_buffers else []), src, group=group,
-              transport=transport)
+        _refuse_modules_that_differ(module, tensors, backend, group, transport, shard)
+    shared = params + (buffers if broadcast_buffers else [])
+    if shared:
+        broadcast_tensors(shared, backend, src, group, transport)
     gm = DataParallelManager()
-    ops = _tensor_ops(params)
+    ops = _tensor_ops(params, backend)
     step = _Step(gm, module, broadcast_buffers, src, group, transport)
     gm.register_record_callback(step.check_module)  # before any collective of the step
     support = ops.join_support() if ops is not None else None
@@ -109,11 +114,11 @@ def data_parallel(
     return gm
 
 
-def _tensor_ops(params: List[Any]) -> Optional[TensorOps]:
-    """The tensor operations of the parameters' framework (None: no parameters)."""
+def _tensor_ops(params: List[Any], backend: Any) -> Optional[TensorOps]:
+    """The tensor operations of the parameters' framework (``backend``: the first
+    parameter's; None: no parameters)."""
     if not params:
         return None
-    backend = backend_for(params[0])
     if backend is None:
         raise TypeError(f"data_parallel: the module's parameters are "
                         f"{type(params[0]).__qualname__}, not tensors of a framework with a "
@@ -121,10 +126,9 @@ def _tensor_ops(params: List[Any]) -> Optional[TensorOps]:
     return backend.tensor_ops()
 
 
-def _refuse_wrapper(module: Any) -> None:
-    """``data_parallel(DDP(model))``: two reducers, every gradient reduced twice."""
-    params = list(module.parameters())
-    backend = backend_for(params[0]) if params else None
+def _refuse_wrapper(module: Any, backend: Any) -> None:
+    """``data_parallel(DDP(model))``: two reducers, every gradient reduced twice
+    (``backend``: the first parameter's)."""
     if backend is not None:
         problem = backend.tensor_ops().wrapper_problem(module)
         if problem is not None:
@@ -171,14 +175,13 @@ def _remember(module: Any, gm: DataParallelManager) -> None:
         _MANAGERS[key] = (weakref.ref(module), weakref.ref(gm, forget))
 
 
-def _refuse_modules_that_differ(module: Any, tensors: List[Any], group: Any,
+def _refuse_modules_that_differ(module: Any, tensors: List[Any], backend: Any, group: Any,
                                 transport: TransportSpec, shard: bool) -> None:
     """One collective compares every rank's parameters and buffers, and ``shard``; where they
     differ, a few more find the first difference and every rank raises RankMismatchError
-    naming it."""
+    naming it (``backend``: the first tensor's)."""
     if not tensors:
         return
-    backend = backend_for(tensors[0])
     if backend is None:
         raise TypeError(f"data_parallel() expects a module of tensors, got "
                         f"{type(tensors[0]).__name__} parameters")

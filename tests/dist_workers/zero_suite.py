@@ -226,7 +226,7 @@ def one_bucket_buffer(out: dict, rank: int) -> None:
     allocates (the bucket in flight hands its buffer to the next, so one serves them all),
     and the parameters against DDP's after 2 steps."""
     from gradmgr.backends.torch import ops as torch_ops
-    from gradmgr.distributed import sharding
+    from gradmgr.distributed.sharded import sharding
 
     def layers() -> nn.Module:
         torch.manual_seed(2)

@@ -110,7 +110,7 @@ def _bcast_list_(tensors: Any, group: Any = None) -> None:
 
 def _make_allreduce_cb(reduce_method: str, group: Any = None, backend: Any = None) -> Any:
     from gradmgr.distributed import make_allreduce_cb
-    from gradmgr.distributed.allreduce import Reduce
+    from gradmgr.distributed.reduce.allreduce import Reduce
 
     _world_only(group)
     # MegEngine's names in any case; make_allreduce_cb refuses others, naming the choices

@@ -1,6 +1,6 @@
 """Uneven inputs on PyTorch: torch's own ``torch.distributed.algorithms.Join`` context, which
 the manager ``data_parallel`` returns takes part in as a DDP model does (the core's side is
-:mod:`gradmgr.distributed.joining`; this module is what it needs of torch)."""
+:mod:`gradmgr.distributed.join.joining`; this module is what it needs of torch)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from gradmgr.distributed.contract import NativePath, PostBackwardPath, TensorOps
+from gradmgr.distributed.contract import PostBackwardPath, ReducerPath, TensorOps
 
 from .grads import storage_unshared
 from .shard_grad import ShardedGradient, stand_in_grad
@@ -213,7 +213,7 @@ class TorchOps(TensorOps):
 
     def stand_in_grad(self, tensor: Any, member: Any) -> Any:
         """The ``.grad`` of a tensor whose reduced gradient the shards hold (see
-        :mod:`gradmgr.distributed.shard_grads`)."""
+        :mod:`gradmgr.distributed.sharded.shard_grads`)."""
         return stand_in_grad(tensor, member)
 
     def post_backward_path(self) -> Optional[PostBackwardPath]:
@@ -221,10 +221,10 @@ class TorchOps(TensorOps):
 
         return COMPILED_AUTOGRAD_PATH
 
-    def native_path(self, transport: Any) -> Optional[NativePath]:
-        from .reducer import native_path  # torch.distributed's private reducer API
+    def reducer_path(self, transport: Any) -> Optional[ReducerPath]:
+        from .reducer import reducer_path  # torch.distributed's private reducer API
 
-        return native_path(transport)
+        return reducer_path(transport)
 
     def comm_hook(self, hook: Any, state: Any) -> Any:
         from .comm_hook import TorchCommHook  # imports torch.distributed

@@ -27,7 +27,7 @@ from typing import Any, Collection, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from gradmgr.distributed.contract import RANK_FAILED, NativePath
+from gradmgr.distributed.contract import RANK_FAILED, ReducerPath
 from gradmgr.distributed.errors import RankFailedError, SparseGradientError, sparse_message
 
 from .engine import EngineAccumulates
@@ -42,17 +42,17 @@ def available() -> bool:
                                             "_push_all_rebuilt_params", "prepare_for_backward"))
 
 
-def native_path(transport: Any) -> Optional[NativePath]:
+def reducer_path(transport: Any) -> Optional[ReducerPath]:
     """The reducer path over ``transport`` where it is torch.distributed's own transport (the
     reducer talks to the process group itself) and this torch has what it needs."""
     if type(transport) is not TorchTransport or not available():
         return None
-    return TorchNativePath(transport.group)
+    return TorchReducerPath(transport.group)
 
 
-class TorchNativePath(EngineAccumulates):
+class TorchReducerPath(EngineAccumulates):
     """When torch's reducer can take a step over (see :class:`gradmgr.distributed.contract.
-    NativePath`): where the engine can accumulate into ``.grad`` itself
+    ReducerPath`): where the engine can accumulate into ``.grad`` itself
     (:class:`.engine.EngineAccumulates`)."""
 
     def __init__(self, group: Any) -> None:

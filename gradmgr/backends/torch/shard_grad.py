@@ -1,6 +1,6 @@
 """A parameter's ``.grad`` after a synced sharded backward: a stand-in that holds no memory,
 through which ``torch.nn.utils.clip_grad_norm_`` clips the gradient slices the ranks hold
-(see :mod:`gradmgr.distributed.shard_grads`), and which refuses, with an error saying where
+(see :mod:`gradmgr.distributed.sharded.shard_grads`), and which refuses, with an error saying where
 the gradient is, anything else.
 
 Torch's clipping asks each gradient for its 2-norm (``torch.linalg.vector_norm``, or

@@ -26,7 +26,7 @@ from lightning_fabric.strategies.ddp import DDPStrategy
 from lightning_fabric.strategies.strategy import _BackwardSyncControl
 
 from gradmgr.distributed import ShardedOptimizer, broadcast, data_parallel, no_sync
-from gradmgr.distributed.sync import is_paused
+from gradmgr.distributed.reduce.no_sync import is_paused
 
 _OPTIONS = frozenset(inspect.signature(data_parallel).parameters) - {"module"}
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from .errors import SparseGradientError, sparse_message
+from ..errors import SparseGradientError, sparse_message
 from .steps import PendingGradient, Step
 
 
 class PostBackwardStep:
     """One backward on this path: :meth:`begin` before the engine runs, then :meth:`finish`
     after it or :meth:`abort` if it raised (the manager's backward delegate protocol).
-    ``synchronizer``: the :class:`~gradmgr.distributed.synchronizer.Synchronizer` whose step
+    ``synchronizer``: the :class:`~gradmgr.distributed.reduce.synchronizer.Synchronizer` whose step
     this is (its wire, its ``used`` set, its lock, and :meth:`close` for a synced step)."""
 
     __slots__ = ("_synchronizer", "_step", "_tensors", "_saved", "_closed")

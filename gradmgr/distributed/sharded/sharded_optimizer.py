@@ -21,10 +21,10 @@ import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ..manager import GradManager, callback_chains
-from .allreduce import ReduceScatterCallback
-from .bucket import BucketPlan
-from .errors import RankMismatchError
+from ...manager import GradManager, callback_chains
+from ..errors import RankMismatchError
+from ..reduce.allreduce import ReduceScatterCallback
+from ..reduce.bucket import BucketPlan
 from .gather import ParameterGather
 from .optimizer_agreement import check_agreement, describe
 from .optimizer_state import (

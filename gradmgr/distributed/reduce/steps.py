@@ -8,10 +8,10 @@ import contextlib
 import threading
 from typing import Any, List, Optional, Protocol, Sequence, Set, Tuple
 
-from ..future import Future
+from ...future import Future
+from ..contract import RANK_FAILED, CommHook, Handle, TensorOps, Transport
+from ..errors import RankFailedError
 from .bucket import BucketPlan
-from .contract import RANK_FAILED, CommHook, Handle, TensorOps, Transport
-from .errors import RankFailedError
 
 
 class Launched(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .contract import TensorOps
+from ..contract import TensorOps
 
 LARGE_BYTES = 2**18
 """Members of at least this size are copied into the bucket's buffer as soon as their gradient

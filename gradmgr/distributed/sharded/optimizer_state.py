@@ -7,7 +7,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from .bucket import BucketPlan
+from ..reduce.bucket import BucketPlan
 from .sharding import Segment, chunk_numel
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
-from .consistency import MAKING_OPTIMIZER, PlanCheck, every_rank, text_fingerprint
-from .errors import RankMismatchError
+from ..consistency import MAKING_OPTIMIZER, PlanCheck, every_rank, text_fingerprint
+from ..errors import RankMismatchError
 
 Entry = Tuple[str, str]  # (what, its value as text)
 

@@ -2,7 +2,7 @@
 
 This module holds the public face (the options, the callback that receives each gradient,
 ``no_sync`` and inspection); the work for each manager it serves is done by that manager's
-:class:`~gradmgr.distributed.synchronizer.Synchronizer`.
+:class:`~gradmgr.distributed.reduce.synchronizer.Synchronizer`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import os
 import weakref
 from typing import Any, Iterator, List, Literal, Optional, Union
 
-from ..hooks import set_backward_delegate
-from ..manager import get_backwarding_grad_manager
-from .consistency import names_from
-from .contract import Transport
-from .shard_grads import StandIns
-from .sharding import GradientShards
+from ...hooks import set_backward_delegate
+from ...manager import get_backwarding_grad_manager
+from ..consistency import names_from
+from ..contract import Transport
+from ..sharded.shard_grads import StandIns
+from ..sharded.sharding import GradientShards
+from ..transport import TransportSpec, check_transport
+from .paths import delegate
 from .synchronizer import Synchronizer
-from .transport import TransportSpec, check_transport
 
 # The string options, typed so that a checker (mypy) catches reduce="avg" before a run does
 Reduce = Literal["mean", "sum"]
@@ -29,6 +30,21 @@ Verify = Union[bool, Literal["step", "plan"]]
 _REDUCE = ("mean", "sum")
 _VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
 _COMPRESSION = (None, "fp16", "bf16")
+
+
+# The environment's switch for the reducer path: the name, and the older one still read.
+REDUCER_VARIABLES = ("GRADMGR_REDUCER", "GRADMGR_NATIVE_REDUCER")
+
+
+def reducer_from_environment() -> bool:
+    """Whether the environment lets plain backwards go to the framework's own reducer: on,
+    unless ``GRADMGR_REDUCER`` (or ``GRADMGR_NATIVE_REDUCER``, its older name) is ``0``."""
+    set_to = {name: os.environ[name] for name in REDUCER_VARIABLES if name in os.environ}
+    if len({value != "0" for value in set_to.values()}) > 1:
+        both = " and ".join(f"{name}={value}" for name, value in set_to.items())
+        raise ValueError(f"the environment sets both {both}, which disagree (the second is "
+                         f"the first's older name): unset {REDUCER_VARIABLES[1]}")
+    return all(value != "0" for value in set_to.values())
 
 
 class AllreduceCallback:
@@ -134,7 +150,8 @@ class AllreduceCallback:
             attached tensor's chain this callback alone (or empty), no other after-backward
             callback, and what the backend asks (PyTorch: leaves, dense, no
             post-accumulate-grad hook). Same results, DDP's cost; it holds the planned tensors
-            while bound. None: on unless the environment sets ``GRADMGR_NATIVE_REDUCER=0``.
+            while bound. None: on unless the environment sets ``GRADMGR_REDUCER=0`` (or its
+            older spelling, ``GRADMGR_NATIVE_REDUCER=0``).
         comm_hook: a DDP communication hook, ``hook(state, bucket) -> Future`` as
             ``DistributedDataParallel.register_comm_hook`` takes it (torch's own:
             ``fp16_compress_hook``, ``powerSGD_hook``, ...; PyTorch only): each bucket goes
@@ -181,8 +198,7 @@ class AllreduceCallback:
         self.broadcast = broadcast
         self.src = src
         self.verify: Optional[str] = _VERIFY[verify]
-        self.native = (os.environ.get("GRADMGR_NATIVE_REDUCER", "1") != "0"
-                       if native is None else native)
+        self.native = reducer_from_environment() if native is None else native
         self.transport_spec = transport
         self.comm_hook, self.comm_state = comm_hook, comm_state
         self._names = names_from(names)
@@ -316,7 +332,7 @@ class AllreduceCallback:
         synchronizer = self._synchronizers.get(gm)
         if synchronizer is None or synchronizer.plan is None:
             return None
-        return "reducer" if synchronizer.native else "buckets"
+        return "reducer" if synchronizer.on_reducer else "buckets"
 
     def transport_of(self, gm: Any) -> Optional[Transport]:
         """The transport reducing ``gm``'s gradients, or None before the first recording."""
@@ -359,7 +375,7 @@ class _Hooks:
 
     def delegate(self) -> Any:
         synchronizer, gm = self._both()
-        return None if synchronizer is None or gm is None else synchronizer.native_step(gm)
+        return None if synchronizer is None or gm is None else delegate(synchronizer, gm)
 
 
 class ReduceScatterCallback(AllreduceCallback):
@@ -368,7 +384,7 @@ class ReduceScatterCallback(AllreduceCallback):
     the reduced gradients (about 1/world of them) and the full-size gradients are freed as
     soon as their bucket has gone out. After a synced backward ``.grad`` holds no values: None,
     or on PyTorch a stand-in through which ``torch.nn.utils.clip_grad_norm_`` clips the slices
-    (see :mod:`gradmgr.distributed.shard_grads`); the slices are what
+    (see :mod:`gradmgr.distributed.sharded.shard_grads`); the slices are what
     :class:`gradmgr.distributed.ShardedOptimizer` steps. ``no_sync`` steps accumulate
     into ``.grad`` locally, as with the allreduce callback; the next synced step
     reduce-scatters what ``.grad`` holds plus its own gradient.

@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any, List, NamedTuple, Optional, Sequence
 
-from .bucket import BucketPlan
-from .contract import Done, Handle, TensorOps, Transport
-from .errors import RankFailedError
-from .steps import RANK_FAILED, Wire
+from ..contract import RANK_FAILED, Done, Handle, TensorOps, Transport
+from ..errors import RankFailedError
+from ..reduce.bucket import BucketPlan
+from ..reduce.steps import Wire
 
 
 class BufferPool:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from .bucket import LARGE_BYTES, BucketPlan
-from .contract import TensorOps
+from ..contract import TensorOps
+from ..reduce.bucket import LARGE_BYTES, BucketPlan
 from .sharding import Segment, chunk_numel, own_segments
 
 BROADCAST_BYTES = LARGE_BYTES

@@ -4,17 +4,18 @@ Once a rank has run out of batches inside the framework's Join context, it still
 every step the other ranks take, as DDP's join hook does: the same collectives, in the same
 order (the plan check, the gradient buckets or torch's reducer, the reduce-scatter), with
 nothing of its own in them (zero gradients, no tensor used). These functions do that for one
-:class:`~gradmgr.distributed.synchronizer.Synchronizer`.
+:class:`~gradmgr.distributed.reduce.synchronizer.Synchronizer`.
 """
 
 from __future__ import annotations
 
 from typing import Any, List
 
-from .bucket import BucketPlan
-from .errors import RankFailedError
-from .steps import Step
-from .sync import is_paused
+from ..errors import RankFailedError
+from ..reduce.bucket import BucketPlan
+from ..reduce.no_sync import is_paused
+from ..reduce.paths import check_step, open_step
+from ..reduce.steps import Step
 
 
 def upcoming(synchronizer: Any, gm: Any) -> List[float]:
@@ -30,17 +31,14 @@ def shadow(synchronizer: Any, gm: Any, theirs: List[float]) -> bool:
     :func:`upcoming`). Returns whether the step is synced."""
     sync, first, unsynced = bool(theirs[0]), bool(theirs[1]), int(theirs[2])
     with synchronizer.lock:
-        synchronizer.replan_if_needed(gm)
-        if synchronizer.shards is not None:
-            synchronizer.shards.recording()
-        synchronizer.unsynced = 0 if sync else unsynced + 1
-        plan = synchronizer.plan
-        if sync or first:
-            _check_plan(synchronizer, plan, sync, unsynced)
+        step = open_step(synchronizer, gm, sync, unsynced, own=False)
+        plan = step.plan
+        if sync or first:  # the others' plan check (builds torch's reducer where asked)
+            check_step(synchronizer, step, unsynced if sync else None, settle=True)
         synchronizer.started = True
         if not sync or not plan.buckets:
             return sync
-        if synchronizer.native:
+        if synchronizer.on_reducer:
             synchronizer.used.update(synchronizer.reducer.used_since_window())
             completed = synchronizer.reducer.shadow()
         else:
@@ -49,16 +47,6 @@ def shadow(synchronizer: Any, gm: Any, theirs: List[float]) -> bool:
         if completed:  # (a failed step is skipped: no optimizer step to shadow)
             synchronizer.shadowed += 1
         return True
-
-
-def _check_plan(synchronizer: Any, plan: BucketPlan, sync: bool, unsynced: int) -> None:
-    """The step's plan check, as the others' recordings start it (builds torch's reducer
-    where a rank asked for one)."""
-    step = Step(plan, sync)
-    native = synchronizer.native
-    if synchronizer.check_plan(step, native, native and synchronizer.reducer is None,
-                               unsynced if sync else None):
-        synchronizer.settle(step)
 
 
 def _shadow_buckets(synchronizer: Any, plan: BucketPlan) -> bool:

@@ -2,10 +2,11 @@
 
 At every recording it plans (again, if the trainable attached tensors changed), compares the
 plan across ranks and starts the step; during the backward each gradient goes into its bucket
-(:mod:`.steps`), or the backend's own reducer takes the whole backward over; after it, the
-remaining buckets go out. A backward that raises, or a recording released without a backward
-(a rank that skips a bad batch), still takes part in the step's collectives, with the failure
-marker set, so the ranks stay paired and the others raise :class:`RankFailedError`.
+(:mod:`.steps`), or the backend's own reducer takes the whole backward over (which path a
+step takes, and opening a step, are :mod:`.paths`'); after it, the remaining buckets go out.
+A backward that raises, or a recording released without a backward (a rank that skips a bad
+batch), still takes part in the step's collectives, with the failure marker set, so the ranks
+stay paired and the others raise :class:`RankFailedError`.
 """
 
 from __future__ import annotations
@@ -14,19 +15,29 @@ import logging
 import threading
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
 
-from ..hooks import after_backward_callbacks
-from ..manager import attach_epoch, callback_chains
+from ...manager import attach_epoch
+from ..broadcasting import broadcast
+from ..consistency import NameOf, PlanCheck
+from ..contract import CommHook, PostBackwardPath, Reducer, ReducerPath, TensorOps, Transport
+from ..errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
+from ..sharded.sharding import GradientShards, ShardReduction, ShardWire
+from ..transport import control_transport, resolve_transport
 from .bucket import BucketPlan
-from .consistency import NameOf, PlanCheck, plan_fingerprint
-from .contract import CommHook, NativePath, NativeReducer, PostBackwardPath, TensorOps, Transport
-from .errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
-from .post_backward import PostBackwardStep
-from .sharding import GradientShards, ShardReduction, ShardWire
+from .no_sync import is_paused
+from .paths import (
+    check_step,
+    choose_path,
+    delegable,
+    fingerprint,
+    open_step,
+    reducer_possible,
+    step_path,
+    still_delegable,
+)
 from .steps import HookWire, PendingGradient, Step, Wire
-from .sync import broadcast, is_paused
-from .transport import control_transport, resolve_transport
 
-_log = logging.getLogger(__name__)
+# The name users filter on (docs/data-parallel.md), from before distributed/ had rooms.
+_log = logging.getLogger("gradmgr.distributed.synchronizer")
 
 FIRST_BUCKET_BYTES = 2**20  # as DDP: start communicating early, then use bigger buckets
 _MAX_OPEN_STEPS = 1024  # steps begun but not flushed (split backwards pending)
@@ -38,16 +49,6 @@ _HABIT = (
     "gm.backward(loss) inside `with gm:` instead; this step's collectives were completed "
     "without reducing anything, and .grad holds this rank's local gradients"
 )
-
-_LATE_COMPILED = (
-    "data parallel: this backward runs under compiled autograd, but compiled autograd was off "
-    "when its recording began (`with gm:`), so the step was planned for torch's C++ reducer, "
-    "which compiled autograd refuses. Turn compiled autograd on before `with gm:` (set "
-    "torch._dynamo.config.compiled_autograd = True before torch.compile of the whole step "
-    "function, or enter its context around the recording): the step is then reduced after "
-    "its backward, with no hook in the compiled graph"
-)
-
 
 class Synchronizer:
     """The allreduce callback's work for one manager (the callback keeps one per manager and
@@ -75,14 +76,14 @@ class Synchronizer:
         # has started its own (GradManager.backward_split).
         self.steps: Dict[int, Step] = {}
         self.used: Set[int] = set()  # ids with a local gradient since the last synced step
-        self.native_path: Optional[NativePath] = None  # the backend's reducer, if any
+        self.reducer_path: Optional[ReducerPath] = None  # the backend's reducer, if any
         # Steps whose backward wants no per-tensor hook (compiled autograd) are reduced after
-        # it (see post_backward.py) where the plan allows (post_ok, like _native_possible).
+        # it (see post_backward.py) where the plan allows (post_ok, like reducer_possible).
         self.post_path: Optional[PostBackwardPath] = self.ops.post_backward_path()
         self.post_ok = False
-        self.native = False  # plain backwards go to it (see _native_possible)
-        self.reducer: Optional[NativeReducer] = None
-        self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (see _set_native)
+        self.on_reducer = False  # plain backwards go to it (see paths.reducer_possible)
+        self.reducer: Optional[Reducer] = None
+        self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (paths.choose_path)
         self.bucket_fingerprint: Optional[List[int]] = None  # the same on the buckets
         self.started = False  # the first recording's check and broadcast are done
         self.unsynced = 0  # recordings inside no_sync since the last synced one (PlanCheck)
@@ -108,33 +109,22 @@ class Synchronizer:
 
     def _start_step(self, gm: Any, at_record: bool) -> Step:
         options = self.options
-        fingerprint = self.fingerprint
+        planned_for = self.fingerprint  # replaced where this step plans again
         first = not self.started
-        plan = self.replan_if_needed(gm)
-        if self.shards is not None:
-            self.shards.recording()
         sync = options.syncing and not is_paused(gm)
-        if sync:
-            accumulated, self.unsynced = self.unsynced, 0
-        else:
-            accumulated, self.unsynced = None, self.unsynced + 1
+        accumulated = self.unsynced if sync else None
+        step = open_step(self, gm, sync, self.unsynced, own=True)
         steps = self.steps
         if len(steps) >= _MAX_OPEN_STEPS:
             del steps[min(steps)]
-        step = steps[gm.step] = Step(plan, sync)
-        # (post_ok first: the usual step asks nothing more; post_ok says there is a path)
-        post_path = self.post_path
-        step.after = (self.post_ok and post_path is not None and post_path.wanted()
-                      and self._still_delegable(gm, self._planned(), post_path))
+        steps[gm.step] = step
         if step.after and self.reducer is not None:
             # Its hooks on the tensors' accumulators would run in the backward (torch's
             # reducer then raises under compiled autograd); the next reducer step builds one.
-            self._drop_reducer()
+            self.drop_reducer()
         if sync and at_record:
-            step.grads_at_record = self.ops.grad_snapshot(self._planned())
+            step.grads_at_record = self.ops.grad_snapshot(self.planned())
             step.finished_before = self.finished
-        native = self.native and not step.after  # this step's path, in the plan check
-        request = native and self.reducer is None
         if options.verify == "step":
             # Every synced step, not only where this rank re-planned: a rank that alone
             # attached, froze or unfroze a tensor would otherwise take a collective that the
@@ -143,14 +133,12 @@ class Synchronizer:
             wanted = sync or first
         else:  # "plan": only where this rank re-planned, trusting all ranks to do so alike
             wanted = options.verify == "plan" and (
-                first or request or self.fingerprint is not fingerprint)
-        # (launched here; read at once only where nothing else comes to read it first)
-        if wanted and self.check_plan(step, native, request, accumulated) and (
-                first or not at_record):
-            self.settle(step)
+                first or step_path(self, step)[1] or self.fingerprint is not planned_for)
+        if wanted:  # (launched here; read at once only where nothing else comes to read it)
+            check_step(self, step, accumulated, settle=first or not at_record)
         if first and at_record:
-            if options.broadcast and plan.buckets:
-                broadcast(plan.tensors(), options.src, transport=self._transport())
+            if options.broadcast and step.plan.buckets:
+                broadcast(step.plan.tensors(), options.src, transport=self._transport())
             self.started = True
         return step
 
@@ -159,21 +147,21 @@ class Synchronizer:
         if self.plan is None or self._plan_outdated(gm):
             self._plan(gm)
         reducer = self.reducer
-        if self.native and reducer is not None:
-            if not self._native_still_possible(gm, reducer.tensors):
-                self._set_native(False)
+        if self.on_reducer and reducer is not None:
+            if not still_delegable(self, gm, reducer.tensors, self.reducer_path):
+                choose_path(self, False)
             elif reducer.broken:
                 # A backward raised midway, or building the reducer raised (a broken process
                 # group): build it again, so that this step raises the transport's error again.
-                self._set_native(True)
-        return self._the_plan()
+                choose_path(self, True)
+        return self.the_plan()
 
     def _plan_outdated(self, gm: Any) -> bool:
         """Whether the trainable attached tensors changed since planning: attached, frozen,
         unfrozen, died, or (``model.double()`` after planning) of another dtype now."""
-        ops, planned = self.ops, self._planned()
+        ops, planned = self.ops, self.planned()
         return (self.epoch != attach_epoch(gm) or not ops.all_trainable(planned)
-                or ops.dtypes(planned) != self._the_plan().dtypes
+                or ops.dtypes(planned) != self.the_plan().dtypes
                 or ops.any_trainable(self.excluded))
 
     def plan_now(self, gm: Any) -> BucketPlan:
@@ -182,21 +170,22 @@ class Synchronizer:
         with self.lock:
             return self.replan_if_needed(gm)
 
-    def _planned(self) -> List[Any]:
-        # The reducer holds the planned tensors (in plan order): no weak references to follow.
-        return self._the_plan().tensors() if self.reducer is None else self.reducer.tensors
+    def planned(self) -> List[Any]:
+        """The planned tensors (the reducer holds them, in plan order: no weak references to
+        follow)."""
+        return self.the_plan().tensors() if self.reducer is None else self.reducer.tensors
 
-    def check_plan(self, step: Step, native: bool, request: bool,
+    def check_plan(self, step: Step, on_reducer: bool, request: bool,
                    accumulated: Optional[int]) -> bool:
         """Launch ``step``'s plan check (see :class:`PlanCheck`) for a step on the reducer
-        (``native``) or the buckets, where there are ranks to compare with and a tensor to
+        (``on_reducer``) or the buckets, where there are ranks to compare with and a tensor to
         put it on (its device): planned, else attached but frozen. It runs on the checks'
         own transport (``control()``), where it meets only the other ranks' checks."""
         plan = step.plan
         like = plan.tensor(0) if plan.buckets else next(iter(self.excluded), None)
         if like is None or self._transport().world_size() < 2:
             return False
-        step.check = PlanCheck(self.checks, self.ops, self._fingerprint(native), like,
+        step.check = PlanCheck(self.checks, self.ops, fingerprint(self, on_reducer), like,
                                request=request, accumulated=accumulated)
         return True
 
@@ -216,10 +205,10 @@ class Synchronizer:
                 step.mismatch = check.error(step.plan.tensors(), self._step_mode(step),
                                             "with the allreduce callback, trainable",
                                             self.name_of)
-            elif check.requested and self.native and step.sync:
+            elif check.requested and self.on_reducer and step.sync:
                 # A rank needs a new reducer: all build one, at a step every rank settles (a
                 # no_sync step with no gradient on some rank might never settle its check).
-                self._build_reducer()
+                self.build_reducer()
         if step.mismatch is not None:
             raise step.mismatch
 
@@ -237,10 +226,10 @@ class Synchronizer:
                 kind = Wire if self.shards is None else ShardWire
                 self.wire = kind(ops, self.transport, options.reduce == "mean",
                                  options.compression)
-            native = options.native and self.shards is None
-            self.native_path = ops.native_path(self.transport) if native else None
-        native = self._native_possible(gm, tensors)
-        self.post_ok = self._delegable(gm, tensors, self.post_path)
+            wants_reducer = options.native and self.shards is None
+            self.reducer_path = ops.reducer_path(self.transport) if wants_reducer else None
+        on_reducer = reducer_possible(self, gm, tensors)
+        self.post_ok = delegable(self, gm, tensors, self.post_path)
         new_plan = self.plan is None or not self.plan.matches(tensors, ops)
         if new_plan:
             first_bytes = min(options.bucket_bytes, FIRST_BUCKET_BYTES)
@@ -251,17 +240,17 @@ class Synchronizer:
             self.used &= {id(t) for t in tensors}
             if self.shards is not None:
                 self.shards.planned(self.plan)
-        if new_plan or native != self.native:
-            self._set_native(native)  # drops the old plan's reducer
+        if new_plan or on_reducer != self.on_reducer:
+            choose_path(self, on_reducer)  # drops the old plan's reducer
         self.excluded = [t for t in attached if not ops.trainable(t)]
         self.epoch = attach_epoch(gm)
 
-    def _mode(self, native: bool) -> str:
+    def mode(self, on_reducer: bool) -> str:
         """How this rank reduces, compared across ranks with the planned tensors: ranks that
         differ here would sum mismatched buffers (gradients silently wrong, or a crash in
         the transport when the sizes differ)."""
         options = self.options
-        path = ("the framework's own reducer" if native else "gradmgr's buckets"
+        path = ("the framework's own reducer" if on_reducer else "gradmgr's buckets"
                 if self.shards is None else "gradmgr's buckets, reduce-scattered")
         hook = "" if self.comm_hook is None else f", comm_hook={self.comm_hook.describe()}"
         return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
@@ -271,45 +260,13 @@ class Synchronizer:
         """How this rank reduces ``step``, for an error: a step reduced after its backward says
         why (ranks that differ in it differ in whether compiled autograd is on)."""
         if not step.after:
-            return self._mode(self.native)
-        return self._mode(False).replace(
+            return self.mode(self.on_reducer)
+        return self.mode(False).replace(
             "gradmgr's buckets", "gradmgr's buckets after the backward (compiled autograd is on)",
             1)
 
-    # ------------------------------------------------------------------ the reducer's path
-    def _native_possible(self, gm: Any, tensors: List[Any]) -> bool:
-        """Whether plain backwards can go to the backend's own reducer, which reduces exactly
-        what the buckets would: ``"mean"`` without compression, and whole backwards can be
-        delegated to it (:meth:`_delegable`)."""
-        options = self.options
-        return (options.reduce == "mean" and options.compression is None
-                and self._delegable(gm, tensors, self.native_path))
-
-    def _delegable(self, gm: Any, tensors: List[Any], path: Any) -> bool:
-        """Whether whole backwards can go to ``path`` (the engine accumulating into ``.grad``):
-        nothing else needing the per-tensor callbacks (every attached tensor's chain the
-        callback alone, or empty; no other after-backward callback), and what the backend's
-        path asks of the tensors."""
-        if path is None or not tensors:
-            return False
-        options = self.options
-        chains = callback_chains(gm)
-        if any(callbacks and callbacks != (options,) for _, callbacks in chains):
-            return False
-        return (after_backward_callbacks(gm) == (self.flush_hook,)
-                and path.accepts([t for t, _ in chains], tensors))
-
-    def _native_still_possible(self, gm: Any, tensors: List[Any]) -> bool:
-        return self._still_delegable(gm, tensors, self.native_path)
-
-    def _still_delegable(self, gm: Any, tensors: List[Any], path: Any) -> bool:
-        """What can change between recordings without a new plan: the manager's after-backward
-        callbacks, and what the backend's path checks at every recording."""
-        return (after_backward_callbacks(gm) == (self.flush_hook,)
-                and path.still_accepts(tensors))
-
     # What the first recording sets up (see _plan), for the steps after it
-    def _the_plan(self) -> BucketPlan:
+    def the_plan(self) -> BucketPlan:
         if self.plan is None:
             _unprepared("a bucket plan")
         return self.plan
@@ -324,96 +281,35 @@ class Synchronizer:
             _unprepared("a wire")
         return self.wire
 
-    def _the_reducer(self) -> NativeReducer:
+    def the_reducer(self) -> Reducer:
         if self.reducer is None:
             _unprepared("the backend's reducer")
         return self.reducer
 
-    def _set_native(self, native: bool) -> None:
-        """Choose the path; a reducer for it is built at the next synced step (see
-        :meth:`_build_reducer`)."""
-        self._drop_reducer()
-        self.native = native
-        mode = self._mode(native)
-        _log.info("the steps' path: %s", mode)
-        self.fingerprint = plan_fingerprint(self.ops, self._the_plan().tensors(), mode)
-        self.bucket_fingerprint = None if native else self.fingerprint
-
-    def _fingerprint(self, native: bool) -> List[int]:
-        """The plan's fingerprint for a step on the reducer (``native``) or the buckets (the
-        per-tensor path and the post-backward one reduce alike: ranks may mix them)."""
-        if native:
-            return self.fingerprint
-        if self.bucket_fingerprint is None:
-            self.bucket_fingerprint = plan_fingerprint(self.ops, self._the_plan().tensors(),
-                                                       self._mode(False))
-        return self.bucket_fingerprint
-
-    def _build_reducer(self) -> None:
+    # ------------------------------------------------------------------ the reducer's path
+    def build_reducer(self) -> None:
         """Building one broadcasts, so all ranks do it at the same synced step: when any rank
         asks in the step's plan check, or, with no check, where this rank needs one."""
-        self._drop_reducer()
+        self.drop_reducer()
         bucket_bytes = self.options.bucket_bytes
-        if self.native_path is None:
+        if self.reducer_path is None:
             _unprepared("the backend's reducer path")
-        self.reducer = self.native_path.build(self._the_plan(), bucket_bytes,
+        self.reducer = self.reducer_path.build(self.the_plan(), bucket_bytes,
                                               min(bucket_bytes, FIRST_BUCKET_BYTES),
                                               self.comm_hook)
 
-    def _drop_reducer(self) -> None:
+    def drop_reducer(self) -> None:
         if self.reducer is not None:  # a no_sync window may be open: keep what it saw used
             self.used.update(self.reducer.used_since_window())
         self.reducer = None  # its hooks go with it
 
-    def _reducer_for(self, step: Step) -> NativeReducer:
+    def reducer_for(self, step: Step) -> Reducer:
         """Settle a synced step bound for the reducer, building the reducer if no plan check
         agreed on it (where it raises, the step is dropped by the caller); the reducer."""
         self.settle(step)
         if self.reducer is None:
-            self._build_reducer()
-        return self._the_reducer()
-
-    def native_step(self, gm: Any) -> Any:
-        """The backward delegate: this step is reduced after the backward where its recording
-        chose that (:mod:`.post_backward`), else goes to the reducer when the plan says so;
-        neither where something was attached since the recording started."""
-        with self.lock:
-            if self.epoch != attach_epoch(gm):
-                return None
-            step = self.steps.get(gm.step)
-            if step is None:
-                return None
-            if step.after:
-                return self._post_backward_step(gm, step)
-            if not self.native:
-                return None
-            if self.post_path is not None and self.post_path.wanted():
-                del self.steps[gm.step]  # (no collective: every rank raises this alike)
-                raise RuntimeError(_LATE_COMPILED)
-            if step.sync:
-                reducer = self._reducer_for(step)
-            elif self.reducer is None:
-                return None  # not built yet: the per-tensor path accumulates locally
-            else:
-                reducer = self.reducer
-            del self.steps[gm.step]
-            try:
-                reducer.begin(step.sync)
-            except BaseException:
-                reducer.abort()
-                raise
-            return NativeStep(self, step.sync)
-
-    def _post_backward_step(self, gm: Any, step: Step) -> Optional[PostBackwardStep]:
-        tensors = self._planned()
-        if any(t is None for t in tensors):
-            return None  # a planned tensor died: the per-tensor path says so
-        if step.sync:
-            self.settle(step)
-        del self.steps[gm.step]
-        deferred = PostBackwardStep(self, step, tensors)
-        deferred.begin()
-        return deferred
+            self.build_reducer()
+        return self.the_reducer()
 
     # ------------------------------------------------------------------ during the backward
     def on_gradient(self, gm: Any, tensor: Any, grad: Any) -> Any:
@@ -483,7 +379,7 @@ class Synchronizer:
     def keep_shards(self, step: Step) -> None:
         """The step's chunks join the shards (or RankFailedError), and the local gradients
         they summed are freed: ``.grad`` is None after a synced sharded step, or a stand-in
-        (see :mod:`.shard_grads`)."""
+        (see :mod:`..sharded.shard_grads`)."""
         shards = self.shards
         if shards is None:
             _unprepared("the gradient shards")
@@ -527,9 +423,9 @@ class Synchronizer:
             # Before the failed step: torch's reducer replaces a kept .grad that is a view
             # into its bucket by a copy, which is no change of the user's.
             changed = (step.finished_before == self.finished  # .grad written by gradmgr
-                       and self.ops.grads_changed(self._planned(), step.grads_at_record))
-            if self.native and not step.after:
-                self._reducer_for(step).fail_step(self.used)
+                       and self.ops.grads_changed(self.planned(), step.grads_at_record))
+            if self.on_reducer and not step.after:
+                self.reducer_for(step).fail_step(self.used)
             else:
                 step.launch_failed(self._wire())
                 if self.shards is not None:
@@ -537,25 +433,6 @@ class Synchronizer:
         step.drain()
         if changed:
             raise RuntimeError(_HABIT)
-
-
-class NativeStep:
-    """A backward handed to the reducer (see ``gradmgr.hooks.set_backward_delegate``)."""
-
-    __slots__ = ("_sync", "_synchronizer")
-
-    def __init__(self, synchronizer: Synchronizer, sync: bool) -> None:
-        self._synchronizer, self._sync = synchronizer, sync
-
-    def finish(self) -> None:
-        synchronizer = self._synchronizer
-        synchronizer._the_reducer().finish(self._sync, synchronizer.used)
-        if self._sync:
-            synchronizer.used.clear()
-            synchronizer.finished += 1
-
-    def abort(self) -> None:
-        self._synchronizer._the_reducer().abort()
 
 
 def _unprepared(what: str) -> NoReturn:
