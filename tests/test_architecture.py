@@ -43,8 +43,8 @@ def test_the_readme_layout_names_every_top_level_entry():
 # gradmgr/distributed/ has a room (a package) per job; only these modules lie at its top:
 # what every room shares (the adapter contract, errors, transports, the plan check, the
 # parameters' broadcast) and the entry points (the launcher, data_parallel).
-DISTRIBUTED_TOP = {"__init__.py", "contract.py", "collectives.py", "errors.py", "transport.py", "consistency.py",
-                   "broadcasting.py", "launch.py", "wrap.py"}
+DISTRIBUTED_TOP = {"__init__.py", "contract.py", "collectives.py", "errors.py", "transport.py",
+                   "consistency.py", "broadcasting.py", "launch.py", "wrap.py"}
 DISTRIBUTED_ROOMS = {"reduce", "sharded", "join"}
 
 MAX_LINES = 500
