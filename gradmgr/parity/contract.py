@@ -50,7 +50,9 @@ class Slot:
     trainable: bool
 
 
-Pre = Callable[[str, Tuple[Any, ...]], Optional[Tuple[Any, ...]]]
+# pre(name, inputs[, layer]): a functional call (F.relu) gives its own Layer (a backend that
+# watches functions: gradmgr/backends/torch/parity_functions.py)
+Pre = Callable[..., Optional[Tuple[Any, ...]]]
 Post = Callable[[str, Any], Any]
 
 

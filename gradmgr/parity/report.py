@@ -114,6 +114,10 @@ class StepReport:
     first_forward: Optional[Entry] = None
     first_grad: Optional[Entry] = None
     weights: List[str] = field(default_factory=list)  # mapped parameters unequal before it
+    # where a backward-only difference lies when every forward agrees: the watched places
+    # (modules and functional calls, "a / b") fed by first_grad's layer, up to the next layer
+    # with tensors
+    suspects: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -208,8 +212,10 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
     if report.first_grad is not None and report.first_forward is None:
         lines.append("every forward agrees but a gradient differs beyond what a kink flip can "
                      "move it: a backward-only difference (a hand-written backward, a detach) "
-                     f"at or after layer {report.first_grad.layer}'s output, in a layer or "
-                     "function the tool does not watch")
+                     f"at or after layer {report.first_grad.layer}'s output, "
+                     + (f"in the backward of {', '.join(report.suspects)} or of a function the "
+                        f"tool does not watch" if report.suspects else
+                        "in a layer or function the tool does not watch"))
     rows = [e for e in report.entries if all_rows or not e.ok]
     if rows:
         width = max([40] + [len(e.name) for e in rows])

@@ -101,7 +101,23 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         _explain(behind, max(unpinned, default=-1), unseen, mapping, sides, report)
     bad = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"]
     report.first_grad = max(bad, key=lambda e: e.index) if bad else None
+    if report.first_grad is not None and report.first_forward is None:
+        report.suspects = _suspects(ta, tb, aligned, report.first_grad.layer, mapping)
     return report
+
+
+def _suspects(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], layer: str,
+              mapping: MappingReport) -> List[str]:
+    """The paired calls after ``layer``'s last call, up to the next call of a layer with
+    tensors: where a backward-only difference behind ``layer``'s gradient can lie."""
+    owners = {la for la, _ in mapping.layers}
+    last = max((i for i, c in enumerate(ta.calls) if c.layer == layer), default=None)
+    if last is None:
+        return []
+    end = next((i for i in range(last + 1, len(ta.calls)) if ta.calls[i].layer in owners),
+               len(ta.calls))
+    return list(dict.fromkeys(f"{ta.calls[i].layer} / {tb.calls[j].layer} ({ta.calls[i].kind})"
+                              for i, j in aligned if last < i < end))
 
 
 def _check_losses(recorded: Tuple[Optional[str], Optional[str]],
@@ -172,7 +188,8 @@ def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
                                           [family(cb[j].kind) for j in seg_b], autojunk=False)
         for tag, a0, a1, b0, b1 in matcher.get_opcodes():
             if tag == "equal":
-                pairs |= set(zip(seg_a[a0:a1], seg_b[b0:b1]))
+                pairs |= _unambiguous(ca, cb, seg_a, seg_b,
+                                      set(zip(seg_a[a0:a1], seg_b[b0:b1])))
             elif tag == "replace":
                 found = _substitutions(ca, cb, seg_a[a0:a1], seg_b[b0:b1])
                 pairs |= found
@@ -182,6 +199,18 @@ def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
     report.unmatched += [f"a {ca[i].layer} ({ca[i].kind}), call {i}" for i in left_a]
     report.unmatched += [f"b {cb[j].layer} ({cb[j].kind}), call {j}" for j in left_b]
     return sorted(pairs), sorted(pairs - swapped)
+
+
+def _unambiguous(ca: List[Call], cb: List[Call], seg_a: List[int], seg_b: List[int],
+                 found: Set[Tuple[int, int]]) -> Set[Tuple[int, int]]:
+    """``found`` without the pairs of a functional call (F.relu) of a kind the segment calls
+    a different number of times on each side: which of them is whose counterpart is a guess,
+    so they stay unpaired (each a place on one side only: its flips unverified)."""
+    def count(calls: List[Call], seg: List[int], kind: str) -> int:
+        return sum(family(calls[k].kind) == kind for k in seg)
+    return {(i, j) for i, j in found
+            if not (ca[i].functional or cb[j].functional)
+            or count(ca, seg_a, family(ca[i].kind)) == count(cb, seg_b, family(cb[j].kind))}
 
 
 def _substitutions(ca: List[Call], cb: List[Call], seg_a: List[int],

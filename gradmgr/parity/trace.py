@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..manager import GradManager
-from .contract import PIECEWISE, ModelAdapter
+from .contract import PIECEWISE, Layer, ModelAdapter
 from .errors import ParityError
 
 Loss = Callable[..., Any]
@@ -26,6 +26,7 @@ class Call:
     output: Optional[np.ndarray]
     input: Optional[np.ndarray] = None  # kept for piecewise layers only (kinks.py)
     done: int = -1  # the order in which calls return (a module's after its children's)
+    functional: bool = False  # a function the model called (F.relu), not a module
 
 
 @dataclass
@@ -116,13 +117,16 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
     saved: Dict[int, Any] = {}
     kept = None if backward else snapshot(adapter)
 
-    def pre(name: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-        layer, x = layers[name], args[0] if args else None
+    def pre(name: str, args: Tuple[Any, ...],
+            function: Optional[Layer] = None) -> Optional[Tuple[Any, ...]]:
+        # a functional call (F.relu) comes with its own Layer: it is no module of the model
+        layer, x = function or layers[name], args[0] if args else None
         index = len(calls)
         shape = tuple(x.shape) if x is not None and adapter.is_tensor(x) else ()
         piecewise = layer.kind in PIECEWISE and adapter.is_tensor(x)
         calls.append(Call(name, layer.kind, layer.config, shape, None,
-                          adapter.numpy(x) if piecewise else None))
+                          adapter.numpy(x) if piecewise else None,
+                          functional=function is not None))
         running.setdefault(name, []).append(index)
         if index in pins and pins[index][0] == "offset":
             return (adapter.offset(x, pins[index][1]),) + tuple(args[1:])

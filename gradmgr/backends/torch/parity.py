@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import numpy as np
 import torch
 
+from gradmgr.parity.contract import Post, Pre
 from gradmgr.parity.modules import NamedModules, as_tuple, nearest_kind
+
+from .parity_functions import watch_functions
 
 
 def _config(module: torch.nn.Module) -> Dict[str, Any]:
@@ -66,6 +69,23 @@ class TorchParity(NamedModules):
 
     def config(self, module: Any) -> Dict[str, Any]:
         return _config(module)
+
+    def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
+        """The leaf modules' hooks, and the functional calls that branch
+        (:mod:`.parity_functions`)."""
+        remove_modules = super().hook(pre, post)
+        try:
+            remove_functions = watch_functions(self.model, self.leaves, pre, post)
+        except BaseException:
+            remove_modules()
+            raise
+
+        def remove() -> None:
+            try:
+                remove_functions()
+            finally:
+                remove_modules()
+        return remove
 
     def write(self, name: str, value: np.ndarray) -> None:
         target = self.slot(name)
