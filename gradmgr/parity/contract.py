@@ -96,7 +96,8 @@ class ModelAdapter(Protocol):
     def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
         """Call ``pre(layer, inputs)`` before and ``post(layer, output)`` after every leaf
         module's forward (each may return a replacement: inputs, output); returns the
-        remover."""
+        remover. A backend that watches functional calls too (torch) calls
+        ``pre(place, inputs, Layer)`` and ``post(place, output)`` around each."""
 
     def clone(self, tensor: Any) -> Any:
         """A differentiable copy (what an in-place layer may overwrite, kept intact)."""
