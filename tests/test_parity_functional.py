@@ -117,6 +117,33 @@ class FlatFunctions(Functions):
         return self.fc2(self.relu(self.fc1(x) - self.shift))
 
 
+def straight_through_relu(h: torch.Tensor) -> torch.Tensor:
+    """A port's ReLU written straight-through: the forward a ReLU's, the backward the
+    identity (no mask): a backward-only bug in a functional call."""
+    return h + (h.clamp(min=0) - h).detach()
+
+
+def test_a_backward_only_bug_at_a_functional_call_differs_at_that_call():
+    """The gradient the call sends to its input is compared: the straight-through ReLU's
+    clamp gets none (zero) where the reference's ReLU passes the masked one."""
+    a, b = _pair(Functions(relu=straight_through_relu))
+    report = compare_step(a, b, X)
+    assert report.first_forward is None and report.flips == [], report.text()
+    assert report.first_grad.name == "act / clamp(): input", report.text()
+    # measured: max abs 0.034 (relative 1: nothing reaches b's clamp); tolerance ~2e-7
+    assert report.first_grad.max_rel == 1.0 and report.first_grad.tol < 1e-5
+    assert {e.name for e in report.failures()} == {
+        "act / clamp(): input", "fc1.weight / fc1.weight", "fc1.bias / fc1.bias"}
+    assert report.suspects == ["act / clamp() (relu)"]
+    assert "in the backward of act / clamp() (relu): the gradient at its input differs" \
+        in report.text()
+    # the correct port: the gradients at both calls' inputs agree exactly
+    a, b = _pair(Functions())
+    report = compare_step(a, b, X)
+    inputs = {e.name: e.max_abs for e in report.entries if e.name.endswith(": input")}
+    assert inputs == {"act / relu(): input": 0.0, "pool / max_pool2d(): input": 0.0}
+
+
 def test_a_flip_at_a_functional_relu_is_pinned_and_the_port_verified():
     """fc1's unit 3 gives +1e-8 on side a, -1e-8 on side b: a flip, within rounding of the
     kink. With the port's ReLU a function, the flip used to leave fc1's gradients
@@ -135,7 +162,8 @@ def test_a_flip_at_a_functional_relu_is_pinned_and_the_port_verified():
         ("act", "relu()", len(X), True, True)], report.text()
     assert report.ok and report.unverified == [], report.text()
     unpinned = compare_step(a, b, X, pin=False)  # the flip moves fc1's gradients: measured
-    assert not unpinned.ok and {e.layer for e in unpinned.unverified} == {"fc1"}
+    assert not unpinned.ok and {e.name for e in unpinned.unverified} == {
+        "fc1.weight / fc1.weight", "fc1.bias / fc1.bias", "act / relu(): input"}
 
 
 def test_a_functional_pairing_the_tool_would_guess_is_left_unpaired():

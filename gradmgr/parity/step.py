@@ -93,6 +93,7 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     report.flips += [u.flip for u in unseen]
     unpinned = [i for (i, j), k in kinks.items() if k.flipped and not (pin and k.pinnable)]
     _grads(ad_a, ta, tb, mapping, depth, tol_factor, report)
+    _place_grads(ta, tb, same_kind, depth, tol_factor, report)
     behind = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"
               and 0 <= e.index <= max(unpinned + [u.at for u in unseen], default=-1)]
     if behind:
@@ -102,8 +103,28 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     bad = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"]
     report.first_grad = max(bad, key=lambda e: e.index) if bad else None
     if report.first_grad is not None and report.first_forward is None:
-        report.suspects = _suspects(ta, tb, aligned, report.first_grad.layer, mapping)
+        report.suspects = ([f"{report.first_grad.name.removesuffix(': input')} "
+                            f"({report.first_grad.kind})"]
+                           if report.first_grad.pair is None else
+                           _suspects(ta, tb, aligned, report.first_grad.layer, mapping))
     return report
+
+
+def _place_grads(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
+                 factor: float, report: StepReport) -> None:
+    """The gradient each paired piecewise call sends to its input, where both sides tapped
+    it (trace.py): a backward-only bug in the call itself (a ReLU without its mask) differs
+    here first."""
+    total = max(depth, default=0.0)
+    for i, j in aligned:
+        ca, cb = ta.calls[i], tb.calls[j]
+        if ca.grad_in is None or cb.grad_in is None:
+            continue
+        diff, rel, tol, note = _compare(ca.grad_in, cb.grad_in, ta.dtype, total, factor,
+                                        c=C_GRAD)
+        report.entries.append(Entry(
+            "grad", f"{ca.layer} / {cb.layer}: input", ca.layer, ca.kind, diff, rel, tol,
+            "ok" if diff <= tol and not note else "DIFFERS", note, index=i))
 
 
 def _suspects(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], layer: str,
@@ -403,7 +424,7 @@ def _explain(behind: List[Entry], unpinned: int, unseen: List[Unseen],
     bound = _flip_bound(unseen, mapping, sides) if any(
         e.index > unpinned for e in behind) else None
     for e in behind:
-        if e.index <= unpinned or bound is None or e.pair.src not in bound:
+        if e.index <= unpinned or bound is None or e.pair is None or e.pair.src not in bound:
             e.verdict = "unverified"
             e.note = ("behind a kink flip that cannot be pinned" if e.index <= unpinned else
                       f"behind more than {MAX_TOGGLES} elements near a kink watched on one "

@@ -73,7 +73,22 @@ class TorchParity(NamedModules):
     def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
         """The leaf modules' hooks, and the functional calls that branch
         (:mod:`.parity_functions`)."""
-        remove_modules = super().hook(pre, post)
+        given: Dict[str, list] = {}  # an in-place module's input, where pre replaced it
+
+        def pre_module(name: str, args: Any) -> Any:
+            new = pre(name, args)
+            if new is not None and getattr(self.leaves[name], "inplace", False):
+                given.setdefault(name, []).append(args[0])
+            return new
+
+        def post_module(name: str, out: Any) -> Any:
+            pinned = post(name, out)
+            if not given.get(name):
+                return pinned
+            # the model may read the tensor it gave an in-place ReLU, not what it returned
+            return given[name].pop().copy_(out if pinned is None else pinned)
+
+        remove_modules = super().hook(pre_module, post_module)
         try:
             remove_functions = watch_functions(self.model, self.leaves, pre, post)
         except BaseException:
@@ -86,6 +101,15 @@ class TorchParity(NamedModules):
             finally:
                 remove_modules()
         return remove
+
+    def tap(self, x: Any, keep: Callable[[Any], None]) -> Any:
+        """A copy of ``x`` whose gradient goes to ``keep``: only what the call given it sends
+        back (a hook on ``x`` would see every use of ``x``)."""
+        copy = x.clone()
+        if not copy.requires_grad:  # (or inside a custom Function's forward: grad is off)
+            return None
+        copy.register_hook(lambda grad: keep(grad))
+        return copy
 
     def write(self, name: str, value: np.ndarray) -> None:
         target = self.slot(name)

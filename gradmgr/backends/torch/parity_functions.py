@@ -86,12 +86,10 @@ class _Watch(TorchFunctionMode):
             args = tuple(new)
         out = func(*args, **kwargs)
         pinned = self.post(place, out)
-        if pinned is None:
-            return out
-        if _in_place(name, kwargs):  # the model may read its tensor, not the result
-            given[0].copy_(pinned)
-            return given[0]
-        return pinned
+        result = out if pinned is None else pinned
+        if new is not None and _in_place(name, kwargs):  # the model may read its tensor
+            return given[0].copy_(result)
+        return result
 
     def _watching(self, args: Tuple[Any, ...]) -> bool:
         """Inside the model's forward, outside every leaf module, on a tensor."""
