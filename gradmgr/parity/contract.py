@@ -97,7 +97,9 @@ class ModelAdapter(Protocol):
         """Call ``pre(layer, inputs)`` before and ``post(layer, output)`` after every leaf
         module's forward (each may return a replacement: inputs, output); returns the
         remover. A backend that watches functional calls too (torch) calls
-        ``pre(place, inputs, Layer)`` and ``post(place, output)`` around each."""
+        ``pre(place, inputs, Layer)`` and ``post(place, output)`` around each. An adapter
+        may also have ``tap(x, keep) -> copy of x or None``: ``keep(grad)`` gets the
+        gradient the call given the copy sends back (gradmgr/parity/trace.py)."""
 
     def clone(self, tensor: Any) -> Any:
         """A differentiable copy (what an in-place layer may overwrite, kept intact)."""
