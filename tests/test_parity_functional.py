@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from gradmgr.parity import ParityError, compare_step, transfer_weights  # noqa: E402
+from gradmgr.parity import ParityError, compare_step, dump, load, transfer_weights  # noqa: E402,E501
 
 WIDTH = 16
 X = np.random.RandomState(0).randn(8, 6).astype(np.float32)
@@ -224,3 +224,15 @@ def test_megengine_modules_pair_with_torch_functions():
         assert {"act / " + ("relu()" if ok else "clamp()"), "pool / max_pool2d()"} <= names
         if not ok:
             assert report.first_grad.layer == "fc1" and report.unverified == []
+
+
+def test_a_dump_keeps_its_functional_calls(tmp_path):
+    """A dumped side's functional calls are no layers of its model: the file keeps their kind
+    and configuration, and the comparison pairs them as a live run does."""
+    a, b = _pair(Functions())
+    recorded = dump(b, X, str(tmp_path / "port.npz"))
+    report = compare_step(a, load(str(tmp_path / "port.npz")), X)
+    assert report.ok, report.text()
+    assert [e.name for e in report.entries if e.what == "forward"] == [
+        "fc1 / fc1", "act / relu()", "pool / max_pool2d()", "fc2 / fc2"]
+    assert recorded.recorded_order() == ["fc1", "relu()", "max_pool2d()", "fc2"]
