@@ -91,7 +91,8 @@ def test_the_tools_gradients_are_plain_backwards_gradients():
     b = copy.deepcopy(a)
     reference = copy.deepcopy(a)
     report = compare_step(a, b, X)
-    assert report.ok and len(report.entries) == 3 + 1 + 4
+    # 3 forwards, the loss, 4 parameters' gradients, the gradient at the ReLU's input
+    assert report.ok and len(report.entries) == 3 + 1 + 4 + 1
     reference(torch.as_tensor(X)).mean().backward()
     for p, q in zip(a.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
@@ -113,7 +114,8 @@ def test_a_flip_at_an_inplace_relu_is_pinned_without_the_inplace_op_spoiling_the
     x = X.copy()
     x[0] = 1.0
     unpinned = compare_step(a, b, x, pin=False)
-    assert {e.name for e in unpinned.unverified} == {"0.weight / 0.weight", "0.bias / 0.bias"}
+    assert {e.name for e in unpinned.unverified} == {"0.weight / 0.weight", "0.bias / 0.bias",
+                                                     "1 / 1: input"}
     report = compare_step(a, b, x)
     assert [(f.layer_a, f.count, f.pinned) for f in report.flips] == [("1", 1, True)]
     assert report.ok, report.text()
@@ -138,7 +140,7 @@ def test_a_max_pool_near_tie_is_a_flip_pinned_by_lifting_a_s_pick():
     x[0, 1, 0, 1] = 1.0  # element q: channel 1 only; a picks q, b picks p
     x[0, :, 2:, :] = np.random.RandomState(0).rand(2, 2, 4)
     unpinned = compare_step(a, b, x, pin=False)
-    assert {e.name for e in unpinned.unverified} == {"0.weight / 0.weight"}
+    assert {e.name for e in unpinned.unverified} == {"0.weight / 0.weight", "1 / 1: input"}
     report = compare_step(a, b, x)
     assert [(f.layer_a, f.kind, f.count, f.pinned) for f in report.flips] == [
         ("1", "maxpool2d", 1, True)]
@@ -156,6 +158,15 @@ class FunctionalRelu(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class UnwatchedRelu(FunctionalRelu):
+    """The port writes its ReLU as ``h * (h > 0)``: no call the tool watches as a ReLU, so
+    the tool sees one side's ReLU only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h * (h > 0))
+
+
 class ModuleRelu(FunctionalRelu):
     def __init__(self) -> None:
         super().__init__()
@@ -171,12 +182,19 @@ def test_a_flip_at_a_relu_seen_on_one_side_only_leaves_gradients_unverified_neve
     with torch.no_grad():  # unit 0 of sample 0 exactly at the kink on a
         a.fc1.weight[0] = 0.25
         a.fc1.bias[0] = -1.0
-    b = FunctionalRelu()
+    b = UnwatchedRelu()
     transfer_weights(a, b, probe=X)
     with torch.no_grad():  # one ulp above it on b
         b.fc1.bias[0] = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
     x = X.copy()
     x[0] = 1.0
+    # torch.relu is watched (a TorchFunctionMode): the flip is seen, pinned and verified
+    watched = FunctionalRelu()
+    watched.load_state_dict(b.state_dict())
+    report = compare_step(a, watched, x)
+    assert [(f.layer_a, f.layer_b, f.count, f.pinned) for f in report.flips] == [
+        ("act", "relu()", 1, True)], report.text()
+    assert report.ok and report.unverified == [], report.text()
     report = compare_step(a, b, x)
     assert report.failures() == [] and not report.ok
     assert {e.name for e in report.unverified} == {"fc1.weight / fc1.weight",
@@ -223,8 +241,11 @@ def test_layers_called_in_another_order_and_functional_relus_still_map_and_align
     assert ("down.0", "down.0") in mapping.layers and ("conv1", "conv1") in mapping.layers
     report = assert_parity(a, b, x)
     forward = {e.layer for e in report.entries if e.what == "forward"}
-    assert forward == {"conv1", "bn1", "conv2", "bn2", "down.0", "down.1", "fc"}
-    assert sorted(u.split(",")[0] for u in report.unmatched) == ["a relu (relu)"] * 2
+    # b's F.relu calls are watched (a TorchFunctionMode) and pair with a's ReLU module
+    assert forward == {"conv1", "bn1", "conv2", "bn2", "down.0", "down.1", "fc", "relu"}
+    assert report.unmatched == [], report.text()
+    assert {e.name for e in report.entries if e.layer == "relu"} == {
+        "relu / relu()", "relu / relu(): input"}
 
 
 class WithPosition(nn.Module):
@@ -591,17 +612,35 @@ def test_issue36_a_maskless_relu_behind_one_sided_relus_is_a_difference():
     with torch.no_grad():  # unit 0 of sample 0 exactly at the kink: a possible flip
         a.fc1.weight[0] = 0.25
         a.fc1.bias[0] = -1.0
-    b = FunctionalRelu()
+    b = UnwatchedRelu()
     transfer_weights(a, b, probe=X)
     x = X.copy()
     x[0] = 1.0
     good = compare_step(a, b, x)
     assert good.failures() == [] and good.flips[0].seen is False, good.text()
-    b.forward = lambda x: b.fc2(MaskLessReLU.apply(b.fc1(x)))
+    b.forward = lambda x: b.fc2(_UnwatchedMaskLess.apply(b.fc1(x)))
     report = compare_step(a, b, x)
     assert report.first_forward is None and report.first_grad.layer == "fc1"
     assert report.unverified == [] and "beyond what the possible kink flips" in \
         report.first_grad.note
+    # its forward's clamp(min=0) is watched: paired with act, nothing one-sided
+    b.forward = lambda x: b.fc2(MaskLessReLU.apply(b.fc1(x)))
+    report = compare_step(a, b, x)
+    assert report.first_grad.layer == "fc1" and report.flips == [], report.text()
+    assert report.suspects == ["act / clamp() (relu)"], report.text()
+
+
+class _UnwatchedMaskLess(torch.autograd.Function):
+    """A hand-written ReLU without its mask in backward, its forward no call the tool
+    watches as a ReLU."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x * (x > 0)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad
 
 
 class _Tied(nn.Module):

@@ -50,7 +50,9 @@ class Slot:
     trainable: bool
 
 
-Pre = Callable[[str, Tuple[Any, ...]], Optional[Tuple[Any, ...]]]
+# pre(name, inputs[, layer]): a functional call (F.relu) gives its own Layer (a backend that
+# watches functions: gradmgr/backends/torch/parity_functions.py)
+Pre = Callable[..., Optional[Tuple[Any, ...]]]
 Post = Callable[[str, Any], Any]
 
 
@@ -94,7 +96,10 @@ class ModelAdapter(Protocol):
     def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
         """Call ``pre(layer, inputs)`` before and ``post(layer, output)`` after every leaf
         module's forward (each may return a replacement: inputs, output); returns the
-        remover."""
+        remover. A backend that watches functional calls too (torch) calls
+        ``pre(place, inputs, Layer)`` and ``post(place, output)`` around each. An adapter
+        may also have ``tap(x, keep) -> copy of x or None``: ``keep(grad)`` gets the
+        gradient the call given the copy sends back (gradmgr/parity/trace.py)."""
 
     def clone(self, tensor: Any) -> Any:
         """A differentiable copy (what an in-place layer may overwrite, kept intact)."""

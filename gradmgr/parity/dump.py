@@ -7,7 +7,8 @@ The file is a numpy ``.npz`` (no pickle) whose ``header`` member is UTF-8 JSON:
 ``framework_version``, ``device``, ``gradmgr``, ``python``, then what :func:`compare_step`
 reads of a side: the layers (kind, configuration), the tensors (role, shape, trainable), their
 values before the step, the batch, every watched call (its output; its input for a piecewise
-layer), the loss and the gradients. Each array is a member ``a<n>`` the header names.
+layer; a functional call, ``F.relu``, its ``kind`` and ``config`` too), the loss and the
+gradients. Each array is a member ``a<n>`` the header names.
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
         "batch": [key(a) for a in arrays],
         "values": {name: key(v) for name, v in values.items()},
         "grads": {name: key(g) for name, g in trace.grads.items()},
-        "calls": [{"layer": c.layer, "in_shape": list(c.in_shape), "done": c.done,
-                   "output": key(c.output), "input": key(c.input)} for c in trace.calls],
+        "calls": [dict({"layer": c.layer, "in_shape": list(c.in_shape), "done": c.done,
+                        "output": key(c.output), "input": key(c.input)},
+                       # a functional call (F.relu) is no layer: it keeps its kind with it
+                       **({"kind": c.kind, "config": _plain(c.config)} if c.functional
+                          else {})) for c in trace.calls],
     }
     members = {f"a{i}": a for i, a in enumerate(store)}
     members["header"] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
@@ -199,9 +203,12 @@ class Dump:
                               "dump.batch (and the inputs= it was dumped with, "
                               f"{self.header['inputs']})")
         by_name = {y.name: y for y in self._layers}
+        own = {c["layer"]: Layer(c["layer"], c["kind"], _tuples(c["config"]))
+               for c in self.header["calls"] if "kind" in c}
+        by_name.update(own)
         calls = [Call(c["layer"], by_name[c["layer"]].kind, by_name[c["layer"]].config,
                       tuple(c["in_shape"]), self._array(c["output"]), self._array(c["input"]),
-                      c["done"]) for c in self.header["calls"]]
+                      c["done"], functional=c["layer"] in own) for c in self.header["calls"]]
         grads = {name: self._array(key) for name, key in self.header["grads"].items()}
         return Trace(calls, float(self.header["loss_value"]), grads,
                      np.dtype(self.header["dtype"]), list(self.header["order"]))

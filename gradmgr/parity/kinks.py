@@ -13,8 +13,9 @@ within tolerance of each other on both sides and the sides pick different ones, 
 flipped; it is pinned by adding to side b's input a constant that lifts side a's pick just
 above side b's (a constant moves no gradient), unless that would change the pick of an
 overlapping window too. A flip in a LeakyReLU is not pinned, nor is one at a ReLU whose
-counterpart on the other side is no module (a functional ``F.relu``: only one side's input is
-seen, and every element within tolerance of the kink may have flipped). A flip that is not
+counterpart on the other side is not watched (a MegEngine ``F.relu``: only one side's input
+is seen, and every element within tolerance of the kink may have flipped; PyTorch's functional
+calls are watched, gradmgr/backends/torch/parity_functions.py). A flip that is not
 pinned leaves the gradients of its layer and every earlier one unverified on that batch where
 they differ.
 """

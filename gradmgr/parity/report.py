@@ -114,6 +114,10 @@ class StepReport:
     first_forward: Optional[Entry] = None
     first_grad: Optional[Entry] = None
     weights: List[str] = field(default_factory=list)  # mapped parameters unequal before it
+    # where a backward-only difference lies when every forward agrees: the watched places
+    # (modules and functional calls, "a / b") fed by first_grad's layer, up to the next layer
+    # with tensors
+    suspects: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -206,10 +210,7 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
     elif report.unmatched:
         lines.append(f"no counterpart: {len(report.unmatched)} call(s) (text() lists them)")
     if report.first_grad is not None and report.first_forward is None:
-        lines.append("every forward agrees but a gradient differs beyond what a kink flip can "
-                     "move it: a backward-only difference (a hand-written backward, a detach) "
-                     f"at or after layer {report.first_grad.layer}'s output, in a layer or "
-                     "function the tool does not watch")
+        lines.append(_backward_only(report))
     rows = [e for e in report.entries if all_rows or not e.ok]
     if rows:
         width = max([40] + [len(e.name) for e in rows])
@@ -219,3 +220,19 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
         lines += [_row(e, width, kinds) for e in rows]
     return "\n".join(lines)
 
+
+
+def _backward_only(report: StepReport) -> str:
+    """Where a backward-only difference lies: at a watched call whose input's gradient
+    differs while every later one agrees, or at or after a layer whose gradients differ."""
+    e = report.first_grad
+    head = ("every forward agrees but a gradient differs beyond what a kink flip can move it: "
+            "a backward-only difference (a hand-written backward, a detach) ")
+    if e.pair is None:  # a watched call's input (step._place_grads)
+        return head + (f"in the backward of {report.suspects[0]}: the gradient at its input "
+                       f"differs and at every later watched call's input agrees (or in a "
+                       f"function the tool does not watch between it and the next)")
+    return head + (f"at or after layer {e.layer}'s output, "
+                   + (f"in the backward of {', '.join(report.suspects)} or of a function the "
+                      f"tool does not watch" if report.suspects else
+                      "in a layer or function the tool does not watch"))

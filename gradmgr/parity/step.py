@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from .align import align_calls
 from .contract import Layer, ModelAdapter, adapter_for, family, squeezed
 from .dump import recorded_loss
 from .errors import ParityError
@@ -77,7 +77,7 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
     report.weights = _weights_differ(mapping, weights_a, weights_b)
     report.findings += [f for f in mapping.findings if f.key == TIED]  # (layers': _forward)
-    aligned, same_kind = _align(ta.calls, tb.calls, mapping.layers, report)
+    aligned, same_kind = align_calls(ta.calls, tb.calls, mapping.layers, report)
     depth = _depths(ta.calls)
     kinks = _forward(ta, tb, aligned, depth, tol_factor, report)
     report.entries.append(_loss_entry(ta, tb, depth, tol_factor))
@@ -93,6 +93,7 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     report.flips += [u.flip for u in unseen]
     unpinned = [i for (i, j), k in kinks.items() if k.flipped and not (pin and k.pinnable)]
     _grads(ad_a, ta, tb, mapping, depth, tol_factor, report)
+    _place_grads(ta, tb, same_kind, depth, tol_factor, report)
     behind = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"
               and 0 <= e.index <= max(unpinned + [u.at for u in unseen], default=-1)]
     if behind:
@@ -101,7 +102,43 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         _explain(behind, max(unpinned, default=-1), unseen, mapping, sides, report)
     bad = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"]
     report.first_grad = max(bad, key=lambda e: e.index) if bad else None
+    if report.first_grad is not None and report.first_forward is None:
+        report.suspects = ([f"{report.first_grad.name.removesuffix(': input')} "
+                            f"({report.first_grad.kind})"]
+                           if report.first_grad.pair is None else
+                           _suspects(ta, tb, aligned, report.first_grad.layer, mapping))
     return report
+
+
+def _place_grads(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
+                 factor: float, report: StepReport) -> None:
+    """The gradient each paired piecewise call sends to its input, where both sides tapped
+    it (trace.py): a backward-only bug in the call itself (a ReLU without its mask) differs
+    here first."""
+    total = max(depth, default=0.0)
+    for i, j in aligned:
+        ca, cb = ta.calls[i], tb.calls[j]
+        if ca.grad_in is None or cb.grad_in is None:
+            continue
+        diff, rel, tol, note = _compare(ca.grad_in, cb.grad_in, ta.dtype, total, factor,
+                                        c=C_GRAD)
+        report.entries.append(Entry(
+            "grad", f"{ca.layer} / {cb.layer}: input", ca.layer, ca.kind, diff, rel, tol,
+            "ok" if diff <= tol and not note else "DIFFERS", note, index=i))
+
+
+def _suspects(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], layer: str,
+              mapping: MappingReport) -> List[str]:
+    """The paired calls after ``layer``'s last call, up to the next call of a layer with
+    tensors: where a backward-only difference behind ``layer``'s gradient can lie."""
+    owners = {la for la, _ in mapping.layers}
+    last = max((i for i, c in enumerate(ta.calls) if c.layer == layer), default=None)
+    if last is None:
+        return []
+    end = next((i for i in range(last + 1, len(ta.calls)) if ta.calls[i].layer in owners),
+               len(ta.calls))
+    return list(dict.fromkeys(f"{ta.calls[i].layer} / {tb.calls[j].layer} ({ta.calls[i].kind})"
+                              for i, j in aligned if last < i < end))
 
 
 def _check_losses(recorded: Tuple[Optional[str], Optional[str]],
@@ -141,66 +178,6 @@ def _weights_differ(mapping: MappingReport, wa: Dict[str, np.ndarray],
                         if d.kind == "f" else 64)
             if not np.array_equal(x.astype(dtype), y.reshape(x.shape).astype(dtype)):
                 found.append(f"{p.src} / {p.dst}")
-    return found
-
-
-def _align(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
-           report: StepReport) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
-    """Pair the two forwards' calls: the k-th call of a mapped layer with the k-th call of its
-    counterpart; between those anchors, the calls of layers without tensors (activations,
-    pooling) by kind, as ``diff`` pairs lines, and as many calls of other kinds at the same
-    place on both sides (an average pool where the original has a max pool) as a
-    substitution, compared like any pair. The rest are listed as without counterpart.
-    Returns every pair, and those of the same kind."""
-    anchors: List[Tuple[int, int]] = []
-    for la, lb in layers:
-        anchors += zip([i for i, c in enumerate(ca) if c.layer == la],
-                       [j for j, c in enumerate(cb) if c.layer == lb])
-    anchors.sort()
-    chain, last = [], -1  # the anchors in the same order on both sides bound the segments
-    for i, j in anchors:
-        if j > last:
-            chain.append((i, j))
-            last = j
-    used_a, used_b = {i for i, _ in anchors}, {j for _, j in anchors}
-    pairs, swapped = set(anchors), set()
-    bounds = [(-1, -1)] + chain + [(len(ca), len(cb))]
-    for (i0, j0), (i1, j1) in zip(bounds, bounds[1:]):
-        seg_a = [i for i in range(i0 + 1, i1) if i not in used_a]
-        seg_b = [j for j in range(j0 + 1, j1) if j not in used_b]
-        matcher = difflib.SequenceMatcher(None, [family(ca[i].kind) for i in seg_a],
-                                          [family(cb[j].kind) for j in seg_b], autojunk=False)
-        for tag, a0, a1, b0, b1 in matcher.get_opcodes():
-            if tag == "equal":
-                pairs |= set(zip(seg_a[a0:a1], seg_b[b0:b1]))
-            elif tag == "replace":
-                found = _substitutions(ca, cb, seg_a[a0:a1], seg_b[b0:b1])
-                pairs |= found
-                swapped |= found
-    left_a = sorted(set(range(len(ca))) - {i for i, _ in pairs})
-    left_b = sorted(set(range(len(cb))) - {j for _, j in pairs})
-    report.unmatched += [f"a {ca[i].layer} ({ca[i].kind}), call {i}" for i in left_a]
-    report.unmatched += [f"b {cb[j].layer} ({cb[j].kind}), call {j}" for j in left_b]
-    return sorted(pairs), sorted(pairs - swapped)
-
-
-def _substitutions(ca: List[Call], cb: List[Call], seg_a: List[int],
-                   seg_b: List[int]) -> Set[Tuple[int, int]]:
-    """Calls of other kinds at the same place on both sides that reshape their input alike
-    (an average pool where the original has a max pool, past a ReLU the other side calls as
-    a function), paired in order. Only reshaping calls: an elementwise one (an ``Identity``
-    downsample, a ReLU) has the shape of anything near it, and pairing it on that alone would
-    blame a correct port."""
-    def shapes(call: Call) -> Optional[tuple]:
-        out = None if call.output is None else tuple(call.output.shape)
-        return (tuple(call.in_shape), out) if out and out != tuple(call.in_shape) else None
-    found, start = set(), 0
-    for i in seg_a:
-        j = next((k for k in range(start, len(seg_b)) if shapes(ca[i]) is not None
-                  and shapes(cb[seg_b[k]]) == shapes(ca[i])), None)
-        if j is not None:
-            found.add((i, seg_b[j]))
-            start = j + 1
     return found
 
 
@@ -374,7 +351,7 @@ def _explain(behind: List[Entry], unpinned: int, unseen: List[Unseen],
     bound = _flip_bound(unseen, mapping, sides) if any(
         e.index > unpinned for e in behind) else None
     for e in behind:
-        if e.index <= unpinned or bound is None or e.pair.src not in bound:
+        if e.index <= unpinned or bound is None or e.pair is None or e.pair.src not in bound:
             e.verdict = "unverified"
             e.note = ("behind a kink flip that cannot be pinned" if e.index <= unpinned else
                       f"behind more than {MAX_TOGGLES} elements near a kink watched on one "

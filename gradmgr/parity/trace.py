@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..manager import GradManager
-from .contract import PIECEWISE, ModelAdapter
+from .contract import PIECEWISE, Layer, ModelAdapter
 from .errors import ParityError
 
 Loss = Callable[..., Any]
@@ -26,6 +26,10 @@ class Call:
     output: Optional[np.ndarray]
     input: Optional[np.ndarray] = None  # kept for piecewise layers only (kinks.py)
     done: int = -1  # the order in which calls return (a module's after its children's)
+    functional: bool = False  # a function the model called (F.relu), not a module
+    # the gradient the call's backward sends to its input (piecewise calls, where the adapter
+    # can tap it: ModelAdapter.tap): what a backward-only bug in the call itself changes
+    grad_in: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -116,20 +120,25 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
     saved: Dict[int, Any] = {}
     kept = None if backward else snapshot(adapter)
 
-    def pre(name: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-        layer, x = layers[name], args[0] if args else None
+    def pre(name: str, args: Tuple[Any, ...],
+            function: Optional[Layer] = None) -> Optional[Tuple[Any, ...]]:
+        # a functional call (F.relu) comes with its own Layer: it is no module of the model
+        layer, x = function or layers[name], args[0] if args else None
         index = len(calls)
         shape = tuple(x.shape) if x is not None and adapter.is_tensor(x) else ()
         piecewise = layer.kind in PIECEWISE and adapter.is_tensor(x)
         calls.append(Call(name, layer.kind, layer.config, shape, None,
-                          adapter.numpy(x) if piecewise else None))
+                          adapter.numpy(x) if piecewise else None,
+                          functional=function is not None))
         running.setdefault(name, []).append(index)
+        tapped = _tap(adapter, x, calls[index]) if piecewise and backward else None
+        x = x if tapped is None else tapped
         if index in pins and pins[index][0] == "offset":
             return (adapter.offset(x, pins[index][1]),) + tuple(args[1:])
         if index in pins:  # an in-place ReLU must not overwrite the input the pin needs
             saved[index] = x
             return (adapter.clone(x),) + tuple(args[1:])
-        return None
+        return None if tapped is None else (x,) + tuple(args[1:])
 
     def post(name: str, out: Any) -> Any:
         index = running[name].pop()
@@ -150,6 +159,21 @@ def _watch(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         remove()
         if kept is not None:
             restore(adapter, kept)
+
+
+def _tap(adapter: ModelAdapter, x: Any, call: Call) -> Optional[Any]:
+    """``x`` as the adapter passes it on with ``call.grad_in`` set in the backward, or None
+    where the adapter cannot tap a gradient (MegEngine) or ``x`` takes none."""
+    tap = getattr(adapter, "tap", None)
+    if tap is None:
+        return None
+
+    def keep(grad: Any) -> None:
+        call.grad_in = adapter.numpy(grad)
+    tapped = tap(x, keep)
+    if tapped is not None and call.input is not None:  # no gradient reaching it is a zero
+        call.grad_in = np.zeros_like(call.input)
+    return tapped
 
 
 def _pinned(adapter: ModelAdapter, out: Any, x: Any, pin: tuple) -> Any:

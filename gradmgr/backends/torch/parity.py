@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import numpy as np
 import torch
 
+from gradmgr.parity.contract import Post, Pre
 from gradmgr.parity.modules import NamedModules, as_tuple, nearest_kind
+
+from .parity_functions import watch_functions
 
 
 def _config(module: torch.nn.Module) -> Dict[str, Any]:
@@ -66,6 +69,47 @@ class TorchParity(NamedModules):
 
     def config(self, module: Any) -> Dict[str, Any]:
         return _config(module)
+
+    def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
+        """The leaf modules' hooks, and the functional calls that branch
+        (:mod:`.parity_functions`)."""
+        given: Dict[str, list] = {}  # an in-place module's input, where pre replaced it
+
+        def pre_module(name: str, args: Any) -> Any:
+            new = pre(name, args)
+            if new is not None and getattr(self.leaves[name], "inplace", False):
+                given.setdefault(name, []).append(args[0])
+            return new
+
+        def post_module(name: str, out: Any) -> Any:
+            pinned = post(name, out)
+            if not given.get(name):
+                return pinned
+            # the model may read the tensor it gave an in-place ReLU, not what it returned
+            return given[name].pop().copy_(out if pinned is None else pinned)
+
+        remove_modules = super().hook(pre_module, post_module)
+        try:
+            remove_functions = watch_functions(self.model, self.leaves, pre, post)
+        except BaseException:
+            remove_modules()
+            raise
+
+        def remove() -> None:
+            try:
+                remove_functions()
+            finally:
+                remove_modules()
+        return remove
+
+    def tap(self, x: Any, keep: Callable[[Any], None]) -> Any:
+        """A copy of ``x`` whose gradient goes to ``keep``: only what the call given it sends
+        back (a hook on ``x`` would see every use of ``x``)."""
+        copy = x.clone()
+        if not copy.requires_grad:  # (or inside a custom Function's forward: grad is off)
+            return None
+        copy.register_hook(lambda grad: keep(grad))
+        return copy
 
     def write(self, name: str, value: np.ndarray) -> None:
         target = self.slot(name)
