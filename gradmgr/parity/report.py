@@ -226,6 +226,8 @@ def _backward_only(report: StepReport) -> str:
     """Where a backward-only difference lies: at a watched call whose input's gradient
     differs while every later one agrees, or at or after a layer whose gradients differ."""
     e = report.first_grad
+    if e is None:
+        raise ValueError("_backward_only needs a report whose first_grad is set")
     head = ("every forward agrees but a gradient differs beyond what a kink flip can move it: "
             "a backward-only difference (a hand-written backward, a detach) ")
     if e.pair is None:  # a watched call's input (step._place_grads)

@@ -51,7 +51,7 @@ def _pool_config(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any
     given.update({k: v for k, v in kwargs.items() if k in names})
     kernel = as_tuple(given.get("kernel_size"), 2)
     stride = given.get("stride") or kernel  # (None or () mean the kernel size)
-    config = {"kernel_size": kernel, "stride": as_tuple(stride, 2),
+    config: Dict[str, Any] = {"kernel_size": kernel, "stride": as_tuple(stride, 2),
               "padding": as_tuple(given.get("padding", 0), 2)}
     if as_tuple(given.get("dilation", 1), 2) != (1, 1) or given.get("ceil_mode"):
         config["dilation"] = as_tuple(given.get("dilation", 1), 2)
