@@ -9,7 +9,8 @@ On MegEngine 1.13 (CPU) about one backward in a hundred is garbage (values of 1e
 NaN), for the native manager as for gradmgr's, which drives the same engine. ``SyncBatchNorm``
 over gradmgr's gloo ranks computes such statistics (``tests/test_edges.py`` met one in CI).
 docs/megengine.md has the measured numbers; ``python bench/probe_megengine_cpu_reduce.py [RUNS]``
-measures here.
+measures here; ``--sync`` runs MegEngine synchronously (``megengine.config.async_level = 0``),
+where none has been seen.
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ def main(argv: list) -> int:
 
     from gradmgr import GradManager
 
+    sync = "--sync" in argv
+    argv = [a for a in argv if a != "--sync"]
     runs = int(argv[0]) if argv else 600
+    if sync:
+        megengine.config.async_level = 0
     rng = np.random.RandomState(0)
     data = {"x": rng.randn(2, 3, 2, 2).astype("float32"),
             "c": rng.randn(2, 3, 2, 2).astype("float32"), "w": rng.randn(3).astype("float32")}
-    print(f"MegEngine {megengine.__version__} (CPU), {runs} backward passes per manager")
+    print(f"MegEngine {megengine.__version__} (CPU), async_level "
+          f"{megengine.config.async_level}, {runs} backward passes per manager")
     for name, manager in (("native GradManager", NativeGradManager),
                           ("gradmgr GradManager", GradManager)):
         print(f"{name:20s} runs differing from the most common result: "
