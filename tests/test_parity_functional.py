@@ -11,24 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
+from parity_ports_torch import MaskLessReLU  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gradmgr.parity import ParityError, compare_step, dump, load, transfer_weights  # noqa: E402,E501
 
 WIDTH = 16
 X = np.random.RandomState(0).randn(8, 6).astype(np.float32)
-
-
-class MaskLessReLU(torch.autograd.Function):
-    """A hand-written ReLU whose backward forgets the mask (a backward-only bug)."""
-
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        return x.clamp(min=0)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        return grad
 
 
 class Modules(nn.Module):
@@ -197,6 +186,7 @@ def test_the_function_mode_is_left_on_no_error():
     assert all(not m._forward_hooks for m in b.modules())
 
 
+@pytest.mark.megengine
 def test_megengine_modules_pair_with_torch_functions():
     """MegEngine's F.* has no function mode: the torch side's functional calls pair with a
     MegEngine model's modules."""
