@@ -47,8 +47,7 @@ def _all_reduce_grad(name_lookup, data: dict) -> np.ndarray:
 
 
 SYNC_BN_RUNS = 3
-"""SyncBatchNorm's step is run this many times: MegEngine 1.13's own CPU backward now and then
-gives garbage for such statistics, natively too (bench/probe_megengine_cpu_reduce.py)."""
+"""SyncBatchNorm's step is run this many times, each bit-identical to the first."""
 
 
 def _sync_bn(data: dict) -> dict:
@@ -70,6 +69,10 @@ def _sync_bn(data: dict) -> dict:
 
 def rank_main(rank: int, world: int, port: int, outdir: str) -> None:
     import torch.distributed as tdist
+
+    # Synchronous, as tests/conftest.py runs MegEngine and for the same reason: its asynchronous
+    # CPU execution now and then hands a backward garbage (docs/megengine.md)
+    megengine.config.async_level = 0
 
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=world, timeout=datetime.timedelta(seconds=60))
