@@ -1,4 +1,4 @@
-"""The ``parity`` extra (numpy, matplotlib): where one is missing, gradmgr.parity and
+"""The ``parity`` extra (numpy, matplotlib, tqdm): where one is missing, gradmgr.parity and
 DriftReport.plot say which, and the install line, instead of a bare ``No module named``.
 A module is made missing as Python does for a name set to None in ``sys.modules``."""
 

@@ -1,4 +1,4 @@
-"""The ``parity`` extra (``pip install "gradmgr[parity]"``: numpy, matplotlib): what
+"""The ``parity`` extra (``pip install "gradmgr[parity]"``: numpy, matplotlib, tqdm): what
 gradmgr.parity needs beyond gradmgr, checked where it is first needed so that a missing one
 is named with the install line, not as a bare ``No module named ...``.
 
@@ -23,7 +23,7 @@ def require(module: str, user: str) -> ModuleType:
             raise  # the module is there but broken: its own error says more than ours
         raise ImportError(
             f"{user} needs {module.partition('.')[0]}, which is not installed in this "
-            f"environment: {INSTALL} (numpy and matplotlib)") from error
+            f"environment: {INSTALL} (numpy, matplotlib and tqdm)") from error
 
 
 require("numpy", "gradmgr.parity")

@@ -3,9 +3,11 @@ and the distance between their parameters after every step (:func:`train_drift`)
 
 from __future__ import annotations
 
+import importlib
+import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -23,7 +25,9 @@ class DriftReport:
     """Per step: each side's loss, the largest absolute difference between mapped parameters
     and their relative L2 distance ``||a - b|| / ||a||`` over all of them; the same two for
     the mapped buffers (BatchNorm's running statistics), which a wrong momentum moves while
-    the parameters still agree.
+    the parameters still agree. With a ``baseline`` (:func:`train_drift`), ``baseline_max_abs``
+    and ``baseline_rel_l2``: how far a copy of ``a`` trained on the same batches with their rows
+    reversed drifts from ``a``, which is the drift rounding alone gives this model.
 
     Example:
         >>> import numpy as np, torch
@@ -45,6 +49,8 @@ class DriftReport:
     rel_l2: List[float] = field(default_factory=list)
     buffer_max_abs: List[float] = field(default_factory=list)
     buffer_rel_l2: List[float] = field(default_factory=list)
+    baseline_max_abs: List[float] = field(default_factory=list)
+    baseline_rel_l2: List[float] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -53,13 +59,19 @@ class DriftReport:
 
     def text(self) -> str:
         """One line per step."""
+        base = bool(self.baseline_rel_l2)
         lines = [f"drift {self.a} (a) against {self.b} (b), {self.steps} steps",
                  f"{'step':>5} {'loss a':>12} {'loss b':>12} {'max abs':>10} {'rel L2':>10} "
-                 f"{'buf max abs':>12} {'buf rel L2':>11}"]
+                 f"{'buf max abs':>12} {'buf rel L2':>11}" + (f" {'rounding rel L2':>15}"
+                                                               if base else "")]
         rows = zip(self.loss_a, self.loss_b, self.max_abs, self.rel_l2, self.buffer_max_abs,
-                   self.buffer_rel_l2)
+                   self.buffer_rel_l2, self.baseline_rel_l2 or [0.0] * self.steps)
         lines += [f"{i:>5} {la:>12.6g} {lb:>12.6g} {m:>10.3g} {r:>10.3g} {bm:>12.3g} "
-                  f"{br:>11.3g}" for i, (la, lb, m, r, bm, br) in enumerate(rows)]
+                  f"{br:>11.3g}" + (f" {z:>15.3g}" if base else "")
+                  for i, (la, lb, m, r, bm, br, z) in enumerate(rows)]
+        if base:
+            lines.append("rounding: a copy of a trained on the same batches with their rows "
+                         "reversed, against a (the drift rounding alone gives this model)")
         return "\n".join(lines)
 
     __str__ = text
@@ -82,6 +94,9 @@ class DriftReport:
             right.plot(self.rel_l2, label="||a - b|| / ||a||")
             if any(self.buffer_rel_l2):
                 right.plot(self.buffer_rel_l2, ls=":", label="buffers ||a - b|| / ||a||")
+            if self.baseline_rel_l2:
+                right.plot(self.baseline_rel_l2, color="gray", ls="-.",
+                           label="rounding (a against itself, rows reversed)")
             right.set_yscale("log", nonpositive="mask")
             right.set(title="parameter drift (zeros not drawn)", xlabel="step")
             for ax in (left, right):
@@ -97,7 +112,9 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
                 loss_a: Optional[Loss] = None, loss_b: Optional[Loss] = None,
                 steps: Optional[int] = None, inputs: int = 1,
                 name_map: Optional[Mapping[str, str]] = None,
-                transforms: Optional[Mapping[str, Transform]] = None) -> DriftReport:
+                transforms: Optional[Mapping[str, Transform]] = None,
+                baseline: Optional[Tuple[Any, Any]] = None,
+                progress: Optional[bool] = None) -> DriftReport:
     """Train ``a`` and ``b`` side by side for ``steps`` steps, each under a gradmgr
     ``GradManager`` with its own framework's optimizer (``opt_a``, ``opt_b``: give them the
     same settings), and measure after each step how far apart the parameters are.
@@ -116,6 +133,14 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         inputs: how many leading batch items the models take.
         name_map: ``{a_name: b_name}``, as :func:`transfer_weights` takes.
         transforms: declared layout changes, as :func:`transfer_weights` takes.
+        baseline: ``(copy, optimizer)``: a second model of ``a``'s framework holding ``a``'s
+            weights, and its optimizer with ``opt_a``'s settings. It trains on every batch
+            with the batch's rows reversed, which sums every reduction over the batch (the
+            loss's mean, the gradients, BatchNorm's statistics) in another order; its
+            distance from ``a`` is how far rounding alone moves this model, the yardstick for
+            the port's drift (``DriftReport.baseline_rel_l2``).
+        progress: a progress bar on stderr (tqdm); default: when stderr is a terminal and
+            tqdm is installed.
 
     Example:
         >>> import numpy as np, torch
@@ -144,8 +169,13 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
     trainable = {s.name for s in ad_a.slots() if s.trainable}
     trained = [p for p in mapping.pairs if p.src in trainable]
     buffers = [p for p in mapping.pairs if p.src not in trainable]
+    twin = _baseline(baseline, ad_a)
+    if twin is not None:  # refuse a batch it cannot reverse before any model steps
+        _reversed_rows(as_batch(batches(0) if callable(batches) else batches[0]))
+    same = [Pair(s.name, s.name, s.shape, s.shape, "copy") for s in ad_a.slots()
+            if s.trainable]
     report = DriftReport(ad_a.framework, ad_b.framework)
-    for step in range(count):
+    for step in _steps(count, progress):
         batch = as_batch(batches(step) if callable(batches) else batches[step])
         report.loss_a.append(train_step(ad_a, batch, inputs, loss_a))
         report.loss_b.append(train_step(ad_b, batch, inputs, loss_b))
@@ -156,7 +186,64 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
             worst, relative = _distance(ad_a, ad_b, pairs)
             largest.append(worst)
             rel.append(relative)
+        if twin is not None:
+            train_step(twin[0], _reversed_rows(batch), inputs, loss_a)
+            twin[0].step(twin[1])
+            worst, relative = _distance(ad_a, twin[0], same)
+            report.baseline_max_abs.append(worst)
+            report.baseline_rel_l2.append(relative)
     return report
+
+
+def _baseline(baseline: Optional[Tuple[Any, Any]],
+              ad_a: ModelAdapter) -> Optional[Tuple[ModelAdapter, Any]]:
+    """The baseline's adapter and optimizer, refused unless it is ``a``'s framework and holds
+    ``a``'s values exactly (a baseline that starts apart measures that, not rounding)."""
+    if baseline is None:
+        return None
+    if not isinstance(baseline, (tuple, list)) or len(baseline) != 2:
+        raise ParityError("baseline= takes (model, optimizer): a copy of a holding a's "
+                          "weights, and its optimizer with opt_a's settings")
+    model, optimizer = baseline
+    twin = adapter_for(model)
+    if twin.framework != ad_a.framework or model is ad_a.model:
+        raise ParityError(
+            f"the baseline must be a second {ad_a.framework} model, a copy of a (got "
+            f"{'a itself' if model is ad_a.model else twin.framework}): copy.deepcopy(a)")
+    _holds(optimizer, twin, "baseline")
+    theirs = {s.name: s for s in twin.slots()}
+    for slot in ad_a.slots():
+        other = theirs.get(slot.name)
+        if other is None or not np.array_equal(ad_a.read(slot.name), twin.read(slot.name)):
+            raise ParityError(
+                f"the baseline does not hold a's {slot.name} exactly: it must start as a copy "
+                f"of a (copy.deepcopy(a), or transfer_weights(a, copy))")
+    return twin, optimizer
+
+
+def _reversed_rows(batch: Sequence[np.ndarray]) -> Tuple[np.ndarray, ...]:
+    """The batch with its rows in reverse order: the same samples, summed in another order."""
+    rows = {item.shape[0] if item.ndim else None for item in batch}
+    if len(rows) != 1 or None in rows:
+        raise ParityError(
+            f"baseline= reverses the rows of every batch item, so every item needs the same "
+            f"leading (batch) dimension; these have {[item.shape for item in batch]}")
+    return tuple(np.ascontiguousarray(item[::-1]) for item in batch)
+
+
+def _steps(count: int, progress: Optional[bool]) -> Iterable[int]:
+    """``range(count)``, under a tqdm bar on stderr when ``progress`` asks for one (None:
+    when stderr is a terminal and tqdm is installed)."""
+    if progress is False or (progress is None and not sys.stderr.isatty()):
+        return range(count)
+    if progress is None:
+        try:
+            tqdm = importlib.import_module("tqdm")
+        except ImportError:
+            return range(count)
+    else:
+        tqdm = require("tqdm", "train_drift(progress=True)")
+    return tqdm.tqdm(range(count), desc="train_drift", unit="step", file=sys.stderr)
 
 
 def _distance(ad_a: ModelAdapter, ad_b: ModelAdapter, pairs: Sequence[Pair]) -> tuple:
