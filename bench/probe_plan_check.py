@@ -8,6 +8,9 @@ ranks) behind a barrier, medians of ``--steps``:
    idle (sleeping) or computing (matrix products about as long as mlp-256's forward) between
    launch and wait; "none" is the same without the collective. Where the compute variant
    costs more than the idle one, gloo's threads wait for a core held by the compute.
+   "store" is a presence check that spawns no gloo work (issue 39 item 4's question): one
+   ``add`` on the rendezvous store at launch; at the wait, the last rank to arrive sets a key
+   that the others wait for.
 2. mlp-256 (as in bench_ddp.py) trained by gradmgr's default (``verify="step"``), by
    ``verify="plan"`` and by DDP: per step, the wall time of ``record()`` (where the check is
    launched), forward, backward (where it is read), optimizer, and the process's CPU time.
@@ -28,7 +31,7 @@ import random
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -79,9 +82,9 @@ def collective(steps: int) -> Times:
         for _ in range(8):
             torch.mm(a, w)
 
-    def run(launch: bool, work: callable) -> Dict[str, float]:
+    def run(launch: Any, work: callable) -> Dict[str, float]:
         cpu, start = time.process_time(), time.perf_counter()
-        handle = dist.all_reduce(torch.zeros(CHECK_FLOATS), async_op=True) if launch else None
+        handle = launch() if launch else None
         work()
         waited = time.perf_counter()
         if handle is not None:
@@ -89,12 +92,40 @@ def collective(steps: int) -> Times:
         end = time.perf_counter()
         return {"total": end - start, "wait": end - waited, "cpu": time.process_time() - cpu}
 
+    def gloo() -> Any:
+        return dist.all_reduce(torch.zeros(CHECK_FLOATS), async_op=True)
+
+    store, world, keys = dist.distributed_c10d._get_default_store(), dist.get_world_size(), {}
+
+    def arrive() -> Any:  # a rank counts itself in at the store; the last one tells the others
+        n = keys["n"] = keys.get("n", 0) + 1
+        return _Arrival(store, f"probe-arrival/{n}", world)
+
+    idle = lambda: time.sleep(0.001)  # noqa: E731
     return interleaved({
-        "idle": lambda: run(True, lambda: time.sleep(0.001)),
-        "computing": lambda: run(True, compute),
-        "none, idle": lambda: run(False, lambda: time.sleep(0.001)),
-        "none, computing": lambda: run(False, compute),
+        "idle": lambda: run(gloo, idle),
+        "computing": lambda: run(gloo, compute),
+        "store, idle": lambda: run(arrive, idle),
+        "store, computing": lambda: run(arrive, compute),
+        "none, idle": lambda: run(None, idle),
+        "none, computing": lambda: run(None, compute),
     }, steps)
+
+
+class _Arrival:
+    """A presence check through the rendezvous store instead of a gloo collective (issue 39
+    item 4's question: what a per-step check costs that spawns no gloo work): one ``add`` at
+    launch; at the wait, the last rank to arrive sets a key the others wait for."""
+
+    def __init__(self, store: Any, key: str, world: int) -> None:
+        self._store, self._key = store, key
+        self._last = store.add(key, 1) == world
+
+    def wait(self) -> None:
+        if self._last:
+            self._store.set(self._key + "/all", "1")
+        else:
+            self._store.wait([self._key + "/all"])
 
 
 def steps_of(steps: int, rank: int) -> Times:
