@@ -32,6 +32,12 @@ class BrokenPort:
     layer: str  # the module a parity check must blame
     what: str  # the bug, in words
     build: Callable[..., Any]  # keyword options go to the model's constructor
+    # every forward agrees and a gradient departs: the check names ``layer`` among the
+    # suspects whose backward it cannot see into, not as the first forward divergence
+    backward_only: bool = False
+    # the layer written wrongly where it is not ``layer`` (a port's module whose counterpart
+    # is a function): the check must name it in the first divergence's line
+    named: str = ""
 
 
 def torch_encoder_transposed(**config: Any) -> Any:
@@ -109,6 +115,117 @@ def torch_resnet_copied_momentum(**options: Any) -> Any:
     return model
 
 
+def torch_resnet_avg_stem(**options: Any) -> Any:
+    """The stem's 3 x 3 max pool written as an average pool of the same size, stride and
+    padding (a substituted layer: same shapes, another function)."""
+    from torch import nn
+
+    from . import torch_resnet
+
+    model = torch_resnet.resnet18(**options)
+    model.maxpool = nn.AvgPool2d(kernel_size=3, stride=2, padding=1)
+    return model
+
+
+def torch_resnet_maskless_relu(**options: Any) -> Any:
+    """``layer3.0``'s ReLU as a hand-written memory-saving autograd Function whose backward
+    forgets the mask (passes every gradient through): the forward is exact, only the
+    gradients of everything before it are wrong."""
+    import torch
+    from torch import nn
+
+    from . import torch_resnet
+
+    class PassThroughReLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clamp(min=0)
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            return grad
+
+    class SavingReLU(nn.ReLU):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return PassThroughReLU.apply(x)
+
+    model = torch_resnet.resnet18(**options)
+    model.layer3[0].relu = SavingReLU()
+    return model
+
+
+def torch_encoder_relu_for_gelu(**config: Any) -> Any:
+    """The first layer's feed-forward activation written as ``nn.ReLU`` where BERT has GELU
+    (a substituted layer: same shapes, another function). The MegEngine original calls
+    ``F.gelu``, a function the tool does not watch on MegEngine, so the first module whose
+    output departs is ``layers.0.ffn_out``; the check names the ReLU as the call its input
+    came through with no counterpart."""
+    from torch import nn
+
+    from . import torch_encoder
+
+    model = torch_encoder.EncoderClassifier(torch_encoder.EncoderConfig(**config))
+    model.layers[0].act = nn.ReLU()
+    return model
+
+
+def torch_encoder_gelu_backward(**config: Any) -> Any:
+    """The second layer's GELU as a hand-written autograd Function whose backward keeps only
+    ``Phi(x)`` of the derivative ``Phi(x) + x * phi(x)``: the forward is exact, the gradients
+    before it are wrong."""
+    import math
+
+    import torch
+    from torch import nn
+
+    from . import torch_encoder
+
+    class HalfGELU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            ctx.save_for_backward(x)
+            return torch.nn.functional.gelu(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            (x,) = ctx.saved_tensors
+            return grad * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+    class FusedGELU(nn.GELU):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return HalfGELU.apply(x)
+
+    model = torch_encoder.EncoderClassifier(torch_encoder.EncoderConfig(**config))
+    model.layers[1].act = FusedGELU()
+    return model
+
+
+def mge_encoder_attention_scale(**config: Any) -> Any:
+    """The first layer's attention scores divided by ``sqrt(hidden)`` instead of
+    ``sqrt(head_dim)`` (a constant copied from a single-head version): the softmax is flatter,
+    and the first module whose output shows it is the attention's dropout (p=0), which takes
+    the softmax's output."""
+    import math
+
+    import megengine.functional as F
+
+    from . import mge_encoder
+
+    class WideScaleAttention(mge_encoder.SelfAttention):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            q, k, v = (self._split(self.query(x)), self._split(self.key(x)),
+                       self._split(self.value(x)))
+            hidden = self.heads * self.head_dim
+            scores = F.matmul(q, k.transpose(0, 1, 3, 2)) / math.sqrt(hidden)
+            probs = self.dropout(F.softmax(scores, axis=-1))
+            context = F.matmul(probs, v).transpose(0, 2, 1, 3).reshape(x.shape)
+            return self.out(context)
+
+    cfg = mge_encoder.EncoderConfig(**config)
+    model = mge_encoder.EncoderClassifier(cfg)
+    model.layers[0].attention = WideScaleAttention(cfg)
+    return model
+
 PORTS: Dict[str, BrokenPort] = {
     "transposed_weight": BrokenPort(
         "torch", "encoder", "layers.0.attention.out",
@@ -123,5 +240,23 @@ PORTS: Dict[str, BrokenPort] = {
     "wrong_eps": BrokenPort(
         "megengine", "resnet18", "layer2.0.bn1",
         "BatchNorm eps 1e-3 instead of 1e-5", mge_resnet_wrong_eps),
+    "avg_for_max_pool": BrokenPort(
+        "torch", "resnet18", "maxpool",
+        "the stem's max pool written as an average pool", torch_resnet_avg_stem),
+    "maskless_relu": BrokenPort(
+        "torch", "resnet18", "layer3.0.relu",
+        "a hand-written ReLU whose backward forgets the mask", torch_resnet_maskless_relu,
+        backward_only=True),
+    "relu_for_gelu": BrokenPort(
+        "torch", "encoder", "layers.0.ffn_out",
+        "ReLU where BERT has GELU", torch_encoder_relu_for_gelu, named="layers.0.act"),
+    "gelu_backward": BrokenPort(
+        "torch", "encoder", "layers.1.act",
+        "a hand-written GELU whose backward drops x * phi(x)", torch_encoder_gelu_backward,
+        backward_only=True),
+    "attention_scale": BrokenPort(
+        "megengine", "encoder", "layers.0.attention.dropout",
+        "attention scores over sqrt(hidden) instead of sqrt(head_dim)",
+        mge_encoder_attention_scale),
 }
 """The broken ports by bug."""

@@ -129,16 +129,33 @@ def _place_grads(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: Li
 
 def _suspects(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], layer: str,
               mapping: MappingReport) -> List[str]:
-    """The paired calls after ``layer``'s last call, up to the next call of a layer with
-    tensors: where a backward-only difference behind ``layer``'s gradient can lie."""
-    owners = {la for la, _ in mapping.layers}
-    last = max((i for i, c in enumerate(ta.calls) if c.layer == layer), default=None)
-    if last is None:
+    """The calls after ``layer``'s last call, up to the next call of a layer with tensors:
+    where a backward-only difference behind ``layer``'s gradient can lie. Paired calls first,
+    then those of one side only (a port's module whose counterpart is a function the tool
+    does not watch)."""
+    counterpart = dict(mapping.layers).get(layer)
+    span_a = _span(ta.calls, layer, {la for la, _ in mapping.layers})
+    span_b = _span(tb.calls, counterpart, {lb for _, lb in mapping.layers})
+    if span_a is None:
         return []
-    end = next((i for i in range(last + 1, len(ta.calls)) if ta.calls[i].layer in owners),
-               len(ta.calls))
-    return list(dict.fromkeys(f"{ta.calls[i].layer} / {tb.calls[j].layer} ({ta.calls[i].kind})"
-                              for i, j in aligned if last < i < end))
+    paired = [f"{ta.calls[i].layer} / {tb.calls[j].layer} ({ta.calls[i].kind})"
+              for i, j in aligned if span_a[0] < i < span_a[1]]
+    alone = [f"{ta.calls[i].layer} ({ta.calls[i].kind}, side a only)"
+             for i in range(span_a[0] + 1, span_a[1]) if i not in {p for p, _ in aligned}]
+    if span_b is not None:
+        alone += [f"{tb.calls[j].layer} ({tb.calls[j].kind}, side b only)"
+                  for j in range(span_b[0] + 1, span_b[1]) if j not in {q for _, q in aligned}]
+    return list(dict.fromkeys(paired + alone))
+
+
+def _span(calls: List[Any], layer: Optional[str], owners: set) -> Optional[Tuple[int, int]]:
+    """The index of ``layer``'s last call and of the next call of a layer with tensors."""
+    last = max((i for i, c in enumerate(calls) if c.layer == layer), default=None)
+    if last is None:
+        return None
+    end = next((i for i in range(last + 1, len(calls)) if calls[i].layer in owners),
+               len(calls))
+    return last, end
 
 
 def _check_losses(recorded: Tuple[Optional[str], Optional[str]],
@@ -204,6 +221,16 @@ def _compare(x: np.ndarray, y: np.ndarray, dtype: Any, reduction: float,
     return diff, diff / scale if scale else 0.0, tol, ""
 
 
+def _dropout_note(ca: Any, cb: Any) -> str:
+    """Why a dropout's outputs differ: the masks each framework draws, or, where neither side
+    draws one (p=0, or eval mode), its input, from code before it the tool does not watch."""
+    if any(c.config.get("training", True) and c.config.get("p", 1.0) > 0 for c in (ca, cb)):
+        return "each framework draws its own dropout mask: use eval() or p=0 to compare"
+    return ("this dropout draws no mask (p=0 or eval mode) and passes its input on: the "
+            "difference comes from the code before it that the tool does not watch (a "
+            "function inside the module that calls it)")
+
+
 def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
              factor: float, report: StepReport) -> Dict[Tuple[int, int], Kink]:
     kinks, seen = {}, set()
@@ -229,14 +256,32 @@ def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[f
             note = (f"a {ca.kind} on side a, a {cb.kind} on side b: a substituted layer"
                     + (f" ({note})" if note else ""))
         if ca.kind.startswith("dropout") and diff > tol and not note:
-            note = "each framework draws its own dropout mask: use eval() or p=0 to compare"
+            note = _dropout_note(ca, cb)
         kind = ca.kind if ca.kind == cb.kind else f"{ca.kind} / {cb.kind}"
         entry = Entry("forward", f"{ca.layer} / {cb.layer}", ca.layer, kind, diff, rel, tol,
                       "ok" if diff <= tol and not note else "DIFFERS", note, index=i)
         report.entries.append(entry)
         if not entry.ok and report.first_forward is None:
             report.first_forward = entry
+            entry.note = _one_sided_before(ta, tb, aligned, i, j) or entry.note
     return kinks
+
+
+def _one_sided_before(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], i: int,
+                      j: int) -> str:
+    """Where the first departing call's input passed through calls of one side only (a ReLU
+    module written as a function on the other side, a layer substituted by one the other side
+    computes inside a function): they are where the difference may start, so say so."""
+    def between(calls: List[Any], paired: set, end: int) -> List[str]:
+        start = max((k for k in paired if k < end), default=-1)
+        return [f"{calls[k].layer} ({calls[k].kind})" for k in range(start + 1, end)
+                if k not in paired]
+    alone = [f"{name} on side a" for name in between(ta.calls, {p for p, _ in aligned}, i)]
+    alone += [f"{name} on side b" for name in between(tb.calls, {q for _, q in aligned}, j)]
+    if not alone:
+        return ""
+    return (f"its input came through {', '.join(alone)}, with no counterpart on the other side "
+            f"(a function there, or a substituted layer): the difference may start there")
 
 
 @dataclass
