@@ -107,8 +107,10 @@ def backends() -> Dict[str, str]:
 
 
 def _distribution(module: str) -> str:
-    """The distribution that installs the top-level module ``module`` (PaddlePaddle's is not
-    named after its module), or ``module`` itself where none is found."""
+    """The distribution that installs the top-level module ``module``: ``module`` itself where
+    one has its name, else the one that installs it (PaddlePaddle's), else ``module``."""
+    if _installed(module):
+        return module
     try:
         found = metadata.packages_distributions().get(module)  # Python 3.10 on
     except AttributeError:

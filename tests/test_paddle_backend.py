@@ -164,3 +164,36 @@ def test_a_thread_is_refused_clearly():
     thread.start()
     thread.join(timeout=60)
     assert len(errors) == 1 and "main thread" in errors[0]
+
+
+def test_operations_on_an_input_before_record_are_ignored():
+    """An attached input's flag is lifted only at record(), so what was computed from it
+    before is a constant (MegEngine's S9), unlike a parameter's (docs/paddle.md)."""
+    x = paddle.to_tensor([2.0])
+    u = x * 3.0  # before record(): Paddle records nothing for an input
+    gm = GradManager().attach(x)
+    with gm:
+        gm.backward((u * x).sum())
+    np.testing.assert_array_equal(x.grad.numpy(), [6.0])  # u, not u + 3x
+
+
+def test_data_parallel_and_the_porting_tool_say_they_are_not_there_yet():
+    from gradmgr import UnsupportedBackendError, get_backend
+
+    backend = get_backend("paddle")
+    with pytest.raises(UnsupportedBackendError, match="'paddle' backend has no data-parallel"):
+        backend.tensor_ops()
+    with pytest.raises(UnsupportedBackendError, match="'paddle' backend has no parity"):
+        backend.parity_adapter(_mlp(0))
+
+
+def test_the_conventions_docs_paddle_md_states():
+    """Linear's weight [in, out], BatchNorm's momentum 0.9, and .grad a view that
+    ``x.grad = None`` empties (so the contract suite keeps ``x.grad.clone()``)."""
+    assert tuple(paddle.nn.Linear(3, 2).weight.shape) == (3, 2)
+    assert paddle.nn.BatchNorm1D(2)._momentum == 0.9
+    x = paddle.to_tensor([2.0], stop_gradient=False)
+    (x * x).sum().backward()
+    view, kept = x.grad, x.grad.clone()
+    x.grad = None
+    assert view.numpy().size == 0 and kept.numpy().tolist() == [4.0]
