@@ -197,3 +197,17 @@ def test_the_conventions_docs_paddle_md_states():
     view, kept = x.grad, x.grad.clone()
     x.grad = None
     assert view.numpy().size == 0 and kept.numpy().tolist() == [4.0]
+
+
+def test_an_attached_input_dropped_while_recording_leaves_no_lifted_flag():
+    gm = GradManager()
+    with gm:
+        x = paddle.to_tensor([1.0])
+        gm.attach(x)
+        assert flags.lifted_count() == 1
+        del x
+        import gc
+
+        gc.collect()
+        assert flags.lifted_count() == 0
+        gm.backward()

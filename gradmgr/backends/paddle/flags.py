@@ -11,7 +11,7 @@ import threading
 import weakref
 from typing import Any, Dict, List
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # the weakref callback may run during a collection inside lift()
 _lifted: Dict[int, List[Any]] = {}  # id -> [weakref to the tensor, how many recordings lift it]
 
 
@@ -25,9 +25,20 @@ def lift(tensor: Any) -> bool:
             return True
         if not tensor.stop_gradient:
             return False  # a parameter, or lifted by nobody: nothing to restore
-        _lifted[id(tensor)] = [weakref.ref(tensor), 1]
+        _lifted[id(tensor)] = [weakref.ref(tensor, _forget(id(tensor))), 1]
         tensor.stop_gradient = False
         return True
+
+
+def _forget(key: int) -> Any:
+    """A tensor dropped while a recording held its flag lifted: its entry goes with it."""
+    def forget(ref: Any) -> None:
+        with _lock:
+            entry = _lifted.get(key)
+            if entry is not None and entry[0] is ref:
+                del _lifted[key]
+
+    return forget
 
 
 def restore(tensor: Any) -> None:
