@@ -427,7 +427,7 @@ def test_s10_group_members_do_not_see_each_other(fw):
 def _import_every_framework() -> None:
     """Where both frameworks are installed, a manager with nothing attached cannot tell its
     framework at record() until both are imported (as in a test run that imports both)."""
-    for name in ("torch", "megengine"):
+    for name in ("torch", "megengine", "paddle"):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
 

@@ -211,3 +211,25 @@ def test_an_attached_input_dropped_while_recording_leaves_no_lifted_flag():
         gc.collect()
         assert flags.lifted_count() == 0
         gm.backward()
+
+
+def test_split_backward_equals_one_backward_bit_for_bit():
+    """A pipeline stage: the input's gradient first, the parameters' at finish(); each equals
+    what one paddle.grad over all of them gives, bit for bit, and finish() writes only those."""
+    model = _mlp(2)
+    x, labels = _batch(5)
+    x.stop_gradient = False
+    loss = paddle.nn.functional.cross_entropy(model(x), labels)
+    expected = paddle.grad([loss], [x, *model.parameters()])
+    x.stop_gradient = True
+    seen = []
+    gm = GradManager().attach(model.parameters(), callbacks=lambda t, g: (seen.append(t), g)[1])
+    with gm:
+        gm.attach(x)
+        rest = gm.backward_split(paddle.nn.functional.cross_entropy(model(x), labels), first=[x])
+    assert np.array_equal(x.grad.numpy(), expected[0].numpy())
+    assert all(p.grad is None for p in model.parameters()) and seen == []
+    rest.finish()
+    for p, e in zip(model.parameters(), expected[1:]):
+        assert np.array_equal(p.grad.numpy(), e.numpy()), p.name
+    assert len(seen) == 4 and x.stop_gradient is True

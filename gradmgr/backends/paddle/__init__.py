@@ -7,7 +7,7 @@ semantics raises a clear error (docs/paddle.md lists each).
 
 The modules: :mod:`.backend` (:class:`PaddleBackend`, what the core talks to), :mod:`.tape`
 (:class:`PaddleTape`), :mod:`.flags` (the ``stop_gradient`` flags a recording lifts), :mod:`.order`
-(the order in which the engine finishes the gradients).
+(the order in which the engine finishes the gradients), :mod:`.split` (split backward).
 
 Example:
     >>> import paddle

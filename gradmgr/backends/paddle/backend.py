@@ -26,7 +26,7 @@ class PaddleBackend(Backend):
         requires_grad_flag=True,  # stop_gradient, lifted while recording (flags.py)
         threads=False,
         backward_in_callback=True,  # callbacks run after the engine (order.py)
-        split_backward=False,
+        split_backward=True,  # the shared part of the graph runs twice (split.py)
     )
 
     def is_tensor(self, obj: Any) -> bool:

@@ -11,13 +11,12 @@ import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
-import paddle
-
 from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import UnsupportedGraphError
 
 from . import flags
 from .order import ready_order
+from .split import Rest, engine_run
 
 _MAIN_THREAD_ID = threading.main_thread().ident
 
@@ -91,9 +90,32 @@ class PaddleTape(Tape):
             return  # constants only, or nothing attached alive: no gradient reaches anything
         outs = [y for y, _ in pairs]
         order = ready_order(outs, tensors)  # before the engine frees the graph
-        grads = paddle.grad(outs, tensors, grad_outputs=[dy for _, dy in pairs],
-                            retain_graph=retain_graph, create_graph=False, allow_unused=True)
+        grads = engine_run(outs, [dy for _, dy in pairs], tensors, retain_graph)
         self._deliver(entries, grads, order)
+
+    def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
+                       retain_graph: bool) -> Any:
+        if not self._recording:
+            raise RuntimeError("PaddleTape.backward_split() called while the tape is not started")
+        pairs = [(y, dy) for y, dy in zip(ys, dys) if not y.stop_gradient]
+        live = [(e, e.tensor()) for e in self._watched.values()]
+        live = [(e, t) for e, t in live if t is not None]
+        if not pairs or not live:
+            return None
+        outs, seeds = [y for y, _ in pairs], [dy for _, dy in pairs]
+        wanted = {id(t) for t in first}
+        now = [(e, t) for e, t in live if id(t) in wanted]
+        later = [(e, t) for e, t in live if id(t) not in wanted]
+        if now:
+            tensors = [t for _, t in now]
+            order = ready_order(outs, tensors)
+            grads = engine_run(outs, seeds, tensors, retain_graph=bool(later) or retain_graph)
+            self._deliver([e for e, _ in now], grads, order)
+        if not later:
+            return None
+        tensors = [t for _, t in later]
+        return Rest(outs, seeds, [e for e, _ in later], tensors, ready_order(outs, tensors),
+                    self._deliver, retain_graph)
 
     @staticmethod
     def _deliver(entries: List[_Watched], grads: Sequence[Optional[Any]],
