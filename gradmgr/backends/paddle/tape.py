@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import UnsupportedGraphError
@@ -84,8 +84,8 @@ class PaddleTape(Tape):
         if create_graph:
             raise UnsupportedGraphError(HIGHER_ORDER_MESSAGE)
         pairs = [(y, dy) for y, dy in zip(ys, dys) if not y.stop_gradient]
-        entries = [e for e in self._watched.values() if e.tensor() is not None]
-        tensors = [e.tensor() for e in entries]
+        live = self._live()
+        entries, tensors = [e for e, _ in live], [t for _, t in live]
         if not pairs or not tensors:
             return  # constants only, or nothing attached alive: no gradient reaches anything
         outs = [y for y, _ in pairs]
@@ -98,8 +98,7 @@ class PaddleTape(Tape):
         if not self._recording:
             raise RuntimeError("PaddleTape.backward_split() called while the tape is not started")
         pairs = [(y, dy) for y, dy in zip(ys, dys) if not y.stop_gradient]
-        live = [(e, e.tensor()) for e in self._watched.values()]
-        live = [(e, t) for e, t in live if t is not None]
+        live = self._live()
         if not pairs or not live:
             return None
         outs, seeds = [y for y, _ in pairs], [dy for _, dy in pairs]
@@ -116,6 +115,11 @@ class PaddleTape(Tape):
         tensors = [t for _, t in later]
         return Rest(outs, seeds, [e for e, _ in later], tensors, ready_order(outs, tensors),
                     self._deliver, retain_graph)
+
+    def _live(self) -> List[Tuple[_Watched, Any]]:
+        """Each watched tensor still alive, with its entry (held strongly from here on)."""
+        pairs = [(entry, entry.tensor()) for entry in self._watched.values()]
+        return [(entry, tensor) for entry, tensor in pairs if tensor is not None]
 
     @staticmethod
     def _deliver(entries: List[_Watched], grads: Sequence[Optional[Any]],
