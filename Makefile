@@ -15,7 +15,7 @@ help:
 	@echo "make lint          ruff check . and mypy (the library)"
 	@echo "make bench         set up .venv, then run bench/run_all.py"
 	@echo "make clean         remove caches and generated output (keeps the environments)"
-	@echo "make distclean     clean, and remove both environments and pip's cache"
+	@echo "make distclean     clean, and remove the environments and pip's cache"
 
 setup:
 	bash scripts/setup.sh all
@@ -49,12 +49,12 @@ bench: setup-demo
 	.venv/bin/python bench/run_all.py
 
 clean:
-	find . -path ./.venv -prune -o -path ./.venv-latest -prune -o -path ./.cache -prune -o \
+	find . -path ./.venv -prune -o -path ./.venv-latest -prune -o -path ./.venv-paddle -prune -o -path ./.cache -prune -o \
 		-name __pycache__ -type d -exec rm -rf {} +
 	rm -rf .pytest_cache .ruff_cache .mypy_cache build dist demo_out site
 
 distclean: clean
-	rm -rf .venv .venv-latest .cache
+	rm -rf .venv .venv-latest .venv-paddle .cache
 	@if [ -f .setup-system-changes ]; then \
 		echo "make setup changed these outside the checkout (distclean leaves them; README.md says how to undo them):"; \
 		sed 's/^/  /' .setup-system-changes; fi

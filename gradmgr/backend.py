@@ -53,6 +53,11 @@ class Capabilities:
     exact_pre_record_semantics: bool = False
     """Operations done before ``record()`` never contribute gradient (contract point 9). When
     False the backend detects the case and warns instead."""
+    detects_pre_record: bool = True
+    """Where ``exact_pre_record_semantics`` is False: the backend detects such operations and
+    warns. False: its engine cannot tell them apart (Paddle keeps no order of its graph's
+    nodes), so they contribute gradient, as in the engine's own backward, with no warning;
+    the backend's documentation says so."""
     requires_grad_flag: bool = False
     """Tensors carry a ``requires_grad`` flag that attach/release manage."""
     threads: bool = False

@@ -26,6 +26,7 @@ from .registry import get_backend, known_backends
 TESTED: Dict[str, Tuple[str, ...]] = {
     "torch": ("2.8", "2.13"),
     "megengine": ("1.13",),
+    "paddlepaddle": ("3.3",),
     "lightning-fabric": ("2.6",),
 }
 """The release series the project's test environments run (CONTRIBUTING.md, Set-up)."""
@@ -94,7 +95,7 @@ def backends() -> Dict[str, str]:
     then what the backend reports of its environment."""
     report = {}
     for name in known_backends():
-        report[f"{name} version"] = version_line(name)
+        report[f"{name} version"] = version_line(_distribution(name))
         try:
             backend = get_backend(name)
         except BackendNotFoundError as error:
@@ -103,6 +104,18 @@ def backends() -> Dict[str, str]:
         report[f"{name} backend"] = "imports"
         report.update(backend.environment())
     return report
+
+
+def _distribution(module: str) -> str:
+    """The distribution that installs the top-level module ``module``: ``module`` itself where
+    one has its name, else the one that installs it (PaddlePaddle's), else ``module``."""
+    if _installed(module):
+        return module
+    try:
+        found = metadata.packages_distributions().get(module)  # Python 3.10 on
+    except AttributeError:
+        return module
+    return found[0] if found else module
 
 
 def sections() -> List[Tuple[str, Dict[str, str]]]:

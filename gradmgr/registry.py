@@ -25,9 +25,10 @@ ENTRY_POINT_GROUP = "gradmgr.backends"
 _specs: Dict[str, Union[str, Type[Backend]]] = {
     "torch": "gradmgr.backends.torch:TorchBackend",
     "megengine": "gradmgr.backends.megengine:MegEngineBackend",
+    "paddle": "gradmgr.backends.paddle:PaddleBackend",
 }
 # top-level module name of a tensor type -> backend name
-_owners: Dict[str, str] = {"torch": "torch", "megengine": "megengine"}
+_owners: Dict[str, str] = {"torch": "torch", "megengine": "megengine", "paddle": "paddle"}
 _instances: Dict[str, Backend] = {}
 _by_type: Dict[type, Optional[Backend]] = {}
 _entry_points_loaded = False
@@ -121,6 +122,7 @@ def _megengine_hint() -> str:
 _INSTALL_HINTS: Dict[str, Union[str, Callable[[], str]]] = {
     "torch": "install PyTorch (pip install 'gradmgr[torch]')",
     "megengine": _megengine_hint,
+    "paddle": "install PaddlePaddle (pip install 'gradmgr[paddle]')",
 }
 
 

@@ -2,6 +2,7 @@
 # Runs lint (ruff), the type check (mypy on gradmgr/) and the whole test suite in both
 # environments made by scripts/setup.sh:
 #   .venv         torch 2.8 + megengine 1.13: every test
+#   .venv-paddle  PaddlePaddle 3.3.1 (.venv's packages lent): the Paddle suite (PADDLE_TESTS)
 #   .venv-latest  torch 2.13: core and torch tests, and the docs site's; MegEngine tests are
 #                 deselected there (and the docs site's in .venv, which has no docs tools)
 # In each environment a test skipped for a reason not starting with "CUDA" counts as a failure
@@ -13,6 +14,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
+# The Paddle suite (.venv-paddle): its contract leg, its backend's tests and its doc blocks.
+PADDLE_TESTS=(tests/test_contract.py tests/test_edges.py tests/test_paddle_backend.py
+              tests/differential/test_paddle_differential.py tests/test_env_command.py
+              tests/test_docstrings.py tests/docs/test_doc_blocks.py -k paddle)
 FAST_TESTS=(tests/test_core.py tests/test_edges.py tests/test_dp_contract.py
             tests/test_logging.py -m "not slow")
 
@@ -43,7 +48,7 @@ run_env() {  # run_env VENV FRAMEWORKS DOCS(0|1) [PYTEST-ARGS...]
   "$venv/bin/python" - <<'PY' 2>/dev/null
 import importlib, sys
 print("python   ", sys.version.split()[0], sys.executable)
-for name in ("torch", "megengine", "mkdocs"):
+for name in ("torch", "megengine", "paddle", "mkdocs"):
     try:
         print(f"{name:<9}", importlib.import_module(name).__version__)
     except ImportError:
@@ -64,6 +69,7 @@ if [ "${1:-}" = "--fast" ]; then
   run_env .venv-latest torch 0 "${FAST_TESTS[@]}" "$@"
 else
   run_env .venv torch,megengine 0 tests "$@"
+  run_env .venv-paddle paddle 0 "${PADDLE_TESTS[@]}" "$@"
   run_env .venv-latest torch 1 tests "$@"
 fi
 

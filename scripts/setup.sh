@@ -2,9 +2,10 @@
 # Sets up gradmgr's development environments; safe to run again (it then only checks).
 #   scripts/setup.sh demo     .venv only: what `make demo` (and `make bench`) runs in
 #   scripts/setup.sh latest   .venv-latest only (`make docs`, `make lint`)
-#   scripts/setup.sh [all]    both, and Chromium for the docs' browser test (`make test`, CI)
+#   scripts/setup.sh [all]    all three, and Chromium for the docs' browser test (`make test`, CI)
 #   scripts/setup.sh system   only the changes outside the checkout, asked for (`make setup-system`)
 #   .venv         CPython 3.8-3.10 with torch 2.8.0 + megengine 1.13.0 (MegEngine has no newer wheels)
+#   .venv-paddle  .venv's Python and packages (lent) plus PaddlePaddle 3.3.1 (setup_paddle)
 #   .venv-latest  the machine's python3 with the newest cheap PyTorch (torch 2.13.0, CPU build)
 #                 and the docs tools (mkdocs)
 # Everything it writes is inside the checkout (the environments, pip's cache in .cache/pip),
@@ -304,6 +305,34 @@ setup_legacy() {  # .venv: torch 2.8 + MegEngine, what the demo, the benchmarks 
     "$LEGACY_TORCH" -e ".[megengine,lightning,parity,test,demo]"
 }
 
+setup_paddle() {  # .venv-paddle: PaddlePaddle beside .venv's torch and MegEngine (issue 40)
+  # Its own environment, lent .venv's packages by a .pth line, rather than Paddle in .venv:
+  # `make demo` keeps not downloading Paddle's 195 MB wheel, and Paddle's wheel, which pulls
+  # numpy 2 (MegEngine then fails to import), cannot change what .venv's tests run on; numpy
+  # stays .venv's 1.x (the `paddle` extra pins it below 2). Measured 2026-11-28: 39 s of pip
+  # (8 packages added: paddlepaddle 3.3.1, protobuf, safetensors, opt_einsum, httpx and its
+  # three), and torch, MegEngine and Paddle import together in one process.
+  local dir=.venv-paddle stamp
+  stamp="$(stamp_of) paddle"
+  if [ -f "$dir/.gradmgr-stamp" ] && [ "$(cat "$dir/.gradmgr-stamp")" = "$stamp" ] \
+     && "$dir/bin/python" -c "import paddle, megengine, torch, gradmgr" >/dev/null 2>&1; then
+    say "$dir is up to date"; return
+  fi
+  make_venv "$dir" "$LEGACY_PY"
+  "$dir/bin/python" - "$ROOT/.venv/bin/python" <<'PY'
+import subprocess, sys, sysconfig
+lent = subprocess.run([sys.argv[1], "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                      capture_output=True, text=True, check=True).stdout.strip()
+with open(sysconfig.get_paths()["purelib"] + "/gradmgr-lend-venv.pth", "w") as f:
+    f.write(lent + "\n")  # a path line only: .venv's own .pth files (its editable gradmgr) stay off
+PY
+  say "installing into $dir: -e .[paddle] (torch, MegEngine and the rest lent by .venv)"
+  pip_install_or_die "$dir/bin/python" -e ".[paddle]"
+  "$dir/bin/python" -c "import paddle, megengine, torch, gradmgr"
+  echo "$stamp" >"$dir/.gradmgr-stamp"
+  say "$dir ready"
+}
+
 setup_latest() {  # .venv-latest: the newest torch, the docs tools and ruff
   setup_env .venv-latest "${GRADMGR_LATEST_PYTHON:-python3}" "torch, gradmgr, mkdocs, mkdocstrings, lightning_fabric" \
     "$LATEST_TORCH" -e ".[lightning,parity,test,docs]"
@@ -311,7 +340,7 @@ setup_latest() {  # .venv-latest: the newest torch, the docs tools and ruff
 
 summary() {  # one line per environment there is
   local v
-  for v in .venv .venv-latest; do
+  for v in .venv .venv-paddle .venv-latest; do
     [ -x "$v/bin/python" ] || continue
     say "$v: $("$v/bin/python" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)' 2>/dev/null | tail -1)"
   done
@@ -322,7 +351,7 @@ main() {  # main [demo|latest|all|system]
   case "$what" in
     demo) setup_legacy ;;
     latest) setup_latest ;;
-    all) setup_legacy; setup_latest; ensure_chromium ;;
+    all) setup_legacy; setup_paddle; setup_latest; ensure_chromium ;;
     system)  # asked for: make both system changes now, where they are missing
       export GRADMGR_SYSTEM=${GRADMGR_SYSTEM:-yes}
       local py; py=$(ensure_legacy_python)

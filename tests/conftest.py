@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from frameworks import make_framework  # noqa: E402
 
-BACKENDS = ["torch", "megengine"]
+BACKENDS = ["torch", "megengine", "paddle"]
 
 
 def pytest_configure(config):
@@ -52,6 +52,12 @@ def mge_fw():
 
 
 @pytest.fixture
+def paddle_fw():
+    _require("paddle")
+    return make_framework("paddle")
+
+
+@pytest.fixture
 def gloo_one_rank():
     """torch.distributed's default group: one gloo rank in this process, destroyed after."""
     _require("torch")
@@ -76,18 +82,21 @@ def cuda_available() -> bool:
 
 # ------------------------------------------------------------------ run policy (run_tests.sh)
 # GRADMGR_FRAMEWORKS=torch,megengine names the frameworks this environment must have (default:
-#   all of BACKENDS). Tests of any other framework are deselected at collection, never skipped:
+#   torch and megengine, and paddle where it is installed: an optional extra). Tests of any
+#   other framework are deselected at collection, never skipped:
 #   params named in FRAMEWORK_PARAMS whose value is that framework's name (`fw[megengine]`),
 #   tests marked `@pytest.mark.megengine` (or torch), tests using a fixture whose name starts
 #   with a prefix in FRAMEWORK_FIXTURES (mge_fw, megengine_ranks), and the files named for it
 #   in FRAMEWORK_FILES (not even imported: they import the framework at module level).
 # GRADMGR_STRICT_SKIPS=1 turns every skip whose reason does not start with "CUDA" into a
 #   failure, so a missing or broken expected framework cannot pass as "skipped".
-FRAMEWORK_FIXTURES = {"torch": ("torch_",), "megengine": ("megengine_", "mge_")}
+FRAMEWORK_FIXTURES = {"torch": ("torch_",), "megengine": ("megengine_", "mge_"),
+                      "paddle": ("paddle_",)}
 FRAMEWORK_PARAMS = ("fw", "framework", "backend")
 FRAMEWORK_FILES = {
     "test_torch_*.py": {"torch"},
     "test_megengine_*.py": {"megengine"},
+    "test_paddle_*.py": {"paddle"},
     "test_parity*.py": {"torch", "megengine"},
 }
 
@@ -97,7 +106,12 @@ def _expected_frameworks() -> set:
     unknown = names - set(BACKENDS)
     if unknown:
         raise pytest.UsageError(f"GRADMGR_FRAMEWORKS names unknown frameworks {sorted(unknown)}")
-    return names or set(BACKENDS)
+    if names:
+        return names
+    import importlib.util
+
+    optional = {"paddle"}
+    return {n for n in BACKENDS if n not in optional or importlib.util.find_spec(n) is not None}
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -47,6 +47,11 @@ class Framework:
     def set_grad(self, t: Any, value: Optional[Any]) -> None:
         t.grad = value
 
+    def take_grad(self, t: Any) -> Any:
+        """``t.grad`` as a tensor that stays what it is when ``t.grad`` is reset later (Paddle's
+        ``.grad`` is a view of the tensor's gradient, emptied by ``t.grad = None``)."""
+        return t.grad
+
     def detach(self, t: Any) -> Any:
         raise NotImplementedError
 
@@ -267,4 +272,8 @@ def make_framework(name: str, device: str = "cpu") -> Framework:
         from fw_megengine import MegEngineFramework
 
         return MegEngineFramework(device)
+    if name == "paddle":
+        from fw_paddle import PaddleFramework
+
+        return PaddleFramework(device)
     raise ValueError(name)

@@ -15,7 +15,8 @@ import gradmgr
 import gradmgr.backends
 import gradmgr.distributed
 
-FRAMEWORK_MODULES = {"gradmgr.backends.torch": "torch", "gradmgr.backends.megengine": "megengine"}
+FRAMEWORK_MODULES = {"gradmgr.backends.torch": "torch", "gradmgr.backends.megengine": "megengine",
+                     "gradmgr.backends.paddle": "paddle"}
 
 
 def modules() -> list:

@@ -37,13 +37,14 @@ def test_env_names_gradmgr_and_python(report):
     assert report["python"].startswith(f"CPython {sys.version.split()[0]} ({sys.executable})")
 
 
-@pytest.mark.parametrize("framework", ["torch", "megengine"])
-def test_env_reports_each_framework_as_it_is(report, framework):
+@pytest.mark.parametrize("framework, dist", [("torch", "torch"), ("megengine", "megengine"),
+                                             ("paddle", "paddlepaddle")])
+def test_env_reports_each_framework_as_it_is(report, framework, dist):
     if importlib.util.find_spec(framework) is None:
         assert report[f"{framework} version"] == "not installed"
         assert report[f"{framework} backend"].startswith(f"does not import: the {framework!r}")
         return
-    version = importlib.metadata.version(framework)
+    version = importlib.metadata.version(dist)  # Paddle's distribution is not its module's name
     assert report[f"{framework} version"].startswith(f"{version} (tested; the tests run ")
     assert report[f"{framework} backend"] == "imports"
 

@@ -16,7 +16,8 @@ import pytest
 REPORT = """
 import json, sys
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in
-                ("torch", "megengine", "lightning_fabric", "lightning", "pytorch_lightning"))
+                ("torch", "megengine", "paddle", "lightning_fabric", "lightning",
+                 "pytorch_lightning"))
 print(json.dumps({"loaded": loaded, **globals().get("extra", {})}))
 """
 
@@ -109,7 +110,7 @@ ADAPTERS = CORE / "backends"  # inside the package, but not the core: where fram
 # A trainer's integration is no core either: it runs on its framework (imported lazily, see
 # test_import_gradmgr_integrations_loads_no_framework_nor_lightning)
 INTEGRATIONS = CORE / "integrations"
-FRAMEWORK_IMPORT = re.compile(r"^\s*(import|from)\s+(torch|megengine)\b", re.MULTILINE)
+FRAMEWORK_IMPORT = re.compile(r"^\s*(import|from)\s+(torch|megengine|paddle)\b", re.MULTILINE)
 
 
 def test_the_core_has_no_framework_import_statement():

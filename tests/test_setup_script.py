@@ -291,6 +291,23 @@ def test_test_setup_builds_both_and_announces_chromium_before_installing_it(mach
     assert (machine.checkout / ".setup-system-changes").read_text() == "apt package chromium\n"
 
 
+def test_test_setup_gives_paddle_its_own_environment_after_venv(machine):
+    """`make test` builds .venv-paddle from the same Python 3.10 after .venv, lends it .venv's
+    packages (a .pth line written by its Python) and installs only the project with the paddle
+    extra there; `make demo` never does (test above)."""
+    machine.python("python3.10", "3.10.12")
+    out = machine.run("all")
+    assert out.returncode == 0, out.stderr
+    made = [c for c in machine.calls(str(machine.bin)) if " -m venv " in c]
+    assert made[:2] == [f"{machine.bin}/python3.10 -m venv .venv",
+                        f"{machine.bin}/python3.10 -m venv .venv-paddle"], made
+    paddle_pip = [c for c in machine.calls("pip install") if ".[paddle]" in c]
+    assert len(paddle_pip) == 1 and "torch" not in paddle_pip[0], paddle_pip
+    lends = [c for c in machine.calls(".venv-paddle/bin/python - ")]
+    assert lends == [f".venv-paddle/bin/python - {machine.checkout}/.venv/bin/python"], lends
+    assert ".venv-paddle ready" in out.stdout
+
+
 def test_test_setup_with_chromium_present_installs_nothing(machine):
     machine.python("python3.10", "3.10.12")
     machine._executable("chromium", "#!/usr/bin/env bash\n")

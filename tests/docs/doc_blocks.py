@@ -54,7 +54,10 @@ class Block:
 
     @property
     def framework(self) -> str:
-        """The framework the block needs: ``megengine``, ``torch``, or ``core``."""
+        """The framework the block needs: ``paddle``, ``megengine``, ``torch``, or ``core``
+        (Paddle's blocks run in .venv-paddle, which also has the other two)."""
+        if re.search(r"^\s*(import|from) paddle\b", self.text, re.MULTILINE):
+            return "paddle"
         if re.search(r"^\s*(import|from) megengine\b", self.text, re.MULTILINE):
             return "megengine"
         if re.search(r"^\s*(import|from) torch\b", self.text, re.MULTILINE):

@@ -1,0 +1,45 @@
+"""Split backward on Paddle: ``paddle.grad`` over the ``first`` tensors now, keeping the graph,
+and over the others when the rest runs.
+
+``paddle.grad`` cannot hand the rest what the first part computed, so the rest runs the graph
+from the outputs again: the part both share is computed twice (docs/paddle.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import paddle
+
+Deliver = Callable[[List[Any], Sequence[Optional[Any]], List[int]], None]
+
+
+def engine_run(outs: List[Any], seeds: List[Any], tensors: List[Any],
+               retain_graph: bool) -> Sequence[Optional[Any]]:
+    """The gradients of ``tensors`` (None where unreached) from ``outs`` seeded with ``seeds``."""
+    return paddle.grad(outs, tensors, grad_outputs=seeds, retain_graph=retain_graph,
+                       create_graph=False, allow_unused=True)
+
+
+class Rest:
+    """The second part of a split backward, run once by :meth:`run`. It holds the tensors it
+    differentiates and the outputs until then (the recording has ended)."""
+
+    def __init__(self, outs: List[Any], seeds: List[Any], entries: List[Any], tensors: List[Any],
+                 order: List[int], deliver: Deliver, retain_graph: bool) -> None:
+        self._outs, self._seeds, self._entries = outs, seeds, entries
+        self._tensors, self._order, self._deliver = tensors, order, deliver
+        self._retain = retain_graph
+
+    def run(self, may_accumulate: bool, retain_graph: bool = False) -> None:
+        """Run the rest (every gradient goes through its sink: ``may_accumulate`` is unused);
+        ``retain_graph``: keep the graph for another backward."""
+        grads = engine_run(self._outs, self._seeds, self._tensors,
+                           retain_graph or self._retain)
+        entries, order, deliver = self._entries, self._order, self._deliver
+        self.release()
+        deliver(entries, grads, order)
+
+    def release(self) -> None:
+        """Let go of the outputs, the seeds and the tensors."""
+        self._outs, self._seeds, self._entries, self._tensors = [], [], [], []

@@ -1,0 +1,138 @@
+"""PaddleTape: one manager's recording on Paddle's dygraph engine.
+
+Paddle records every operation on a tensor with ``stop_gradient=False`` whether a manager
+records or not, so the tape keeps only the attached tensors (weakly) and the flags it lifted;
+its backward is one ``paddle.grad`` call over the live attached tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from gradmgr.backend import GradSink, Tape
+from gradmgr.errors import UnsupportedGraphError
+
+from . import flags
+from .order import ready_order
+from .split import Rest, engine_run
+
+_MAIN_THREAD_ID = threading.main_thread().ident
+
+HIGHER_ORDER_MESSAGE = (
+    "a manager that started recording earlier records this backward (higher-order "
+    "derivatives), which gradmgr does not support on Paddle yet: Paddle copies what is "
+    "assigned to .grad, so a gradient kept in .grad cannot be differentiated again. "
+    "Use paddle.grad(..., create_graph=True) for higher-order derivatives"
+)
+
+
+def check_main_thread(action: str) -> None:
+    """Refuse Paddle recordings outside the main thread (not tested with gradmgr yet)."""
+    if threading.get_ident() != _MAIN_THREAD_ID:
+        raise RuntimeError(
+            f"cannot {action} in thread {threading.current_thread().name!r}: gradmgr's Paddle "
+            f"backend works only in the main thread; run Paddle GradManagers in the main "
+            f"thread or in separate processes"
+        )
+
+
+class _Watched:
+    """One attached tensor of the recording: held weakly, its current sink, and whether the
+    recording lifted its ``stop_gradient`` flag."""
+
+    __slots__ = ("tensor", "sink", "lifted")
+
+    def __init__(self, tensor: Any, sink: GradSink) -> None:
+        self.tensor = weakref.ref(tensor)
+        self.sink = sink
+        self.lifted = flags.lift(tensor)
+
+
+class PaddleTape(Tape):
+    """The attached tensors of one recording, differentiated by ``paddle.grad``."""
+
+    def __init__(self) -> None:
+        self._watched: Dict[int, _Watched] = {}
+        self._recording = False
+
+    def start(self) -> None:
+        check_main_thread("start recording a Paddle GradManager")
+        self._recording = True
+        self._watched = {}
+
+    def watch(self, tensor: Any, sink: GradSink, eager: bool) -> None:
+        # ``eager`` cannot be honoured: paddle.grad runs no hooks on leaves, so every sink is
+        # called after the engine, in the order it finished the gradients (order.py).
+        if not self._recording:
+            raise RuntimeError("PaddleTape.watch() called while the tape is not started")
+        entry = self._watched.get(id(tensor))
+        if entry is not None and entry.tensor() is tensor:
+            entry.sink = sink
+            return
+        if entry is not None and entry.lifted:  # a dead tensor's id was reused
+            entry.lifted = False
+        self._watched[id(tensor)] = _Watched(tensor, sink)
+
+    def backward(
+        self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
+        may_accumulate: bool = False,
+    ) -> None:
+        if not self._recording:
+            raise RuntimeError("PaddleTape.backward() called while the tape is not started")
+        if create_graph:
+            raise UnsupportedGraphError(HIGHER_ORDER_MESSAGE)
+        pairs = [(y, dy) for y, dy in zip(ys, dys) if not y.stop_gradient]
+        live = self._live()
+        entries, tensors = [e for e, _ in live], [t for _, t in live]
+        if not pairs or not tensors:
+            return  # constants only, or nothing attached alive: no gradient reaches anything
+        outs = [y for y, _ in pairs]
+        order = ready_order(outs, tensors)  # before the engine frees the graph
+        grads = engine_run(outs, [dy for _, dy in pairs], tensors, retain_graph)
+        self._deliver(entries, grads, order)
+
+    def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
+                       retain_graph: bool) -> Any:
+        if not self._recording:
+            raise RuntimeError("PaddleTape.backward_split() called while the tape is not started")
+        pairs = [(y, dy) for y, dy in zip(ys, dys) if not y.stop_gradient]
+        live = self._live()
+        if not pairs or not live:
+            return None
+        outs, seeds = [y for y, _ in pairs], [dy for _, dy in pairs]
+        wanted = {id(t) for t in first}
+        now = [(e, t) for e, t in live if id(t) in wanted]
+        later = [(e, t) for e, t in live if id(t) not in wanted]
+        if now:
+            tensors = [t for _, t in now]
+            order = ready_order(outs, tensors)
+            grads = engine_run(outs, seeds, tensors, retain_graph=bool(later) or retain_graph)
+            self._deliver([e for e, _ in now], grads, order)
+        if not later:
+            return None
+        tensors = [t for _, t in later]
+        return Rest(outs, seeds, [e for e, _ in later], tensors, ready_order(outs, tensors),
+                    self._deliver, retain_graph)
+
+    def _live(self) -> List[Tuple[_Watched, Any]]:
+        """Each watched tensor still alive, with its entry (held strongly from here on)."""
+        pairs = [(entry, entry.tensor()) for entry in self._watched.values()]
+        return [(entry, tensor) for entry, tensor in pairs if tensor is not None]
+
+    @staticmethod
+    def _deliver(entries: List[_Watched], grads: Sequence[Optional[Any]],
+                 order: List[int]) -> None:
+        for index in order:
+            grad = grads[index]
+            if grad is not None:
+                entries[index].sink(grad)
+
+    def stop(self) -> None:
+        self._recording = False
+        watched, self._watched = self._watched, {}
+        for entry in watched.values():
+            tensor = entry.tensor()
+            if entry.lifted and tensor is not None:
+                flags.restore(tensor)

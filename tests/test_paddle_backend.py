@@ -1,0 +1,235 @@
+"""The Paddle backend beyond the contract (test_contract.py runs S1-S13 on it): gradients
+against Paddle's own engine on the same program, bit for bit (the same kernels run), the
+``stop_gradient`` flags a recording lifts, the order of the callbacks, and the gaps' errors.
+Runs only where PaddlePaddle is installed (conftest.py: FRAMEWORK_FILES)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import paddle
+import pytest
+
+from gradmgr import GradManager, UnsupportedGraphError, backend_for, get_backwarding_grad_manager
+from gradmgr.backends.paddle import flags
+
+
+def _mlp(seed: int) -> paddle.nn.Layer:
+    paddle.seed(seed)
+    return paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.ReLU(), paddle.nn.Linear(16, 4))
+
+
+def _batch(seed: int):
+    rng = np.random.default_rng(seed)
+    x = paddle.to_tensor(rng.standard_normal((6, 8)).astype("float32"))
+    labels = paddle.to_tensor(rng.integers(0, 4, 6).astype("int64"))
+    return x, labels
+
+
+def _copy(model: paddle.nn.Layer) -> paddle.nn.Layer:
+    twin = _mlp(0)
+    twin.set_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    return twin
+
+
+def test_parameters_and_tensors_are_paddles():
+    model = _mlp(0)
+    assert backend_for(model[0].weight).name == "paddle"  # EagerParamBase
+    assert backend_for(paddle.ones([2])).name == "paddle"
+    assert tuple(model[0].weight.shape) == (8, 16)  # Linear's weight is [in, out] in Paddle
+
+
+def test_training_equals_native_backward_bit_for_bit():
+    """Three SGD steps of an MLP: gradmgr's .grad and the parameters after each step equal
+    those of loss.backward() and the same optimizer, exactly (both run the same kernels)."""
+    ours, native = _mlp(0), None
+    native = _copy(ours)
+    opt_ours = paddle.optimizer.SGD(learning_rate=0.1, parameters=ours.parameters())
+    opt_native = paddle.optimizer.SGD(learning_rate=0.1, parameters=native.parameters())
+    gm = GradManager().attach(ours.parameters())
+    for step in range(3):
+        x, labels = _batch(step)
+        with gm:
+            gm.backward(paddle.nn.functional.cross_entropy(ours(x), labels))
+        paddle.nn.functional.cross_entropy(native(x), labels).backward()
+        for p, q in zip(ours.parameters(), native.parameters()):
+            assert np.array_equal(p.grad.numpy(), q.grad.numpy()), (step, p.name)
+        opt_ours.step(), opt_native.step()
+        opt_ours.clear_grad(), opt_native.clear_grad()
+    for p, q in zip(ours.parameters(), native.parameters()):
+        assert np.array_equal(p.numpy(), q.numpy())
+
+
+def test_gradients_equal_paddle_grad_on_the_same_program_with_dy():
+    rng = np.random.default_rng(3)
+    w = paddle.to_tensor(rng.standard_normal((4, 3)).astype("float32"), stop_gradient=False)
+    x = paddle.to_tensor(rng.standard_normal((5, 4)).astype("float32"))
+    dy = paddle.to_tensor(rng.standard_normal((5, 3)).astype("float32"))
+    expected, = paddle.grad([paddle.tanh(x @ w)], [w], grad_outputs=[dy])
+    gm = GradManager().attach(w)
+    with gm:
+        gm.backward(paddle.tanh(x @ w), dy)
+    assert np.array_equal(w.grad.numpy(), expected.numpy())
+
+
+def test_an_attached_input_gets_a_gradient_and_its_flag_back():
+    """An input (stop_gradient=True) gets its gradient, as with requires_grad=False on
+    PyTorch; its flag is back after the recording, also when the backward raised."""
+    x = paddle.to_tensor([1.0, 2.0])
+    w = paddle.to_tensor([3.0, 4.0], stop_gradient=False)
+    gm = GradManager().attach([x, w])
+    with gm:
+        assert x.stop_gradient is False
+        gm.backward((x * w).sum())
+    assert x.stop_gradient is True and w.stop_gradient is False
+    np.testing.assert_array_equal(x.grad.numpy(), [3.0, 4.0])
+
+    def boom(t, g):
+        raise KeyError("boom")
+
+    gm.attach(w, callbacks=boom)
+    with pytest.raises(KeyError), gm:
+        gm.backward((x * w).sum())
+    assert x.stop_gradient is True and flags.lifted_count() == 0
+
+
+def test_a_flag_two_managers_lifted_comes_back_with_the_last():
+    x = paddle.to_tensor([1.0, 2.0])
+    gm1, gm2 = GradManager().attach(x), GradManager().attach(x)
+    gm1.record()
+    gm2.record()
+    gm2.release()
+    assert x.stop_gradient is False  # gm1 still records it
+    gm1.backward((x * x).sum())
+    assert x.stop_gradient is True and flags.lifted_count() == 0
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, 4.0])
+
+
+def test_callbacks_run_in_the_order_the_engine_finishes_the_gradients():
+    """Last layer first, as the engine computes them (paddle.grad runs no leaf hooks, so they
+    run after the engine, in its order)."""
+    model = _mlp(1)
+    order = []
+    gm = GradManager()
+    for name, p in model.named_parameters():
+        gm.attach(p, callbacks=lambda t, g, name=name: (order.append(name), g)[1])
+    x, labels = _batch(0)
+    with gm:
+        gm.backward(paddle.nn.functional.cross_entropy(model(x), labels))
+    assert order[:2] == ["2.weight", "2.bias"] or order[:2] == ["2.bias", "2.weight"]
+    assert sorted(order[2:]) == ["0.bias", "0.weight"]
+
+
+def test_a_nonleaf_grad_owns_its_storage():
+    x = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
+    kept = []
+    gm = GradManager().attach(x)
+    with gm:
+        h = x * 2.0
+        gm.attach(h, callbacks=lambda t, g: (kept.append(g), g)[1])
+        gm.backward((h * h).sum())
+    np.testing.assert_array_equal(h.grad.numpy(), [4.0, 8.0])
+    kept[0][0] = 100.0  # the callback's tensor, changed afterwards
+    np.testing.assert_array_equal(h.grad.numpy(), [4.0, 8.0])
+
+
+def test_a_constant_output_gives_no_gradient():
+    w = paddle.to_tensor([1.0], stop_gradient=False)
+    gm = GradManager().attach(w)
+    with gm:
+        gm.backward(paddle.to_tensor([5.0]))
+    assert w.grad is None
+
+
+def test_higher_order_is_refused_clearly_and_leaves_no_state():
+    x = paddle.to_tensor([1.5], stop_gradient=False)
+    outer, inner = GradManager().attach(x), GradManager().attach(x)
+    with outer, inner, pytest.raises(UnsupportedGraphError, match="paddle.grad"):
+        inner.backward((x * x * x).sum())
+    assert get_backwarding_grad_manager() is None and x.grad is None
+    assert flags.lifted_count() == 0
+
+
+def test_a_thread_is_refused_clearly():
+    errors = []
+
+    def work():
+        try:
+            GradManager().attach(paddle.to_tensor([1.0], stop_gradient=False))
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=60)
+    assert len(errors) == 1 and "main thread" in errors[0]
+
+
+def test_operations_on_an_input_before_record_are_ignored():
+    """An attached input's flag is lifted only at record(), so what was computed from it
+    before is a constant (MegEngine's S9), unlike a parameter's (docs/paddle.md)."""
+    x = paddle.to_tensor([2.0])
+    u = x * 3.0  # before record(): Paddle records nothing for an input
+    gm = GradManager().attach(x)
+    with gm:
+        gm.backward((u * x).sum())
+    np.testing.assert_array_equal(x.grad.numpy(), [6.0])  # u, not u + 3x
+
+
+def test_data_parallel_and_the_porting_tool_say_they_are_not_there_yet():
+    from gradmgr import UnsupportedBackendError, get_backend
+
+    backend = get_backend("paddle")
+    with pytest.raises(UnsupportedBackendError, match="'paddle' backend has no data-parallel"):
+        backend.tensor_ops()
+    with pytest.raises(UnsupportedBackendError, match="'paddle' backend has no parity"):
+        backend.parity_adapter(_mlp(0))
+
+
+def test_the_conventions_docs_paddle_md_states():
+    """Linear's weight [in, out], BatchNorm's momentum 0.9, and .grad a view that
+    ``x.grad = None`` empties (so the contract suite keeps ``x.grad.clone()``)."""
+    assert tuple(paddle.nn.Linear(3, 2).weight.shape) == (3, 2)
+    assert paddle.nn.BatchNorm1D(2)._momentum == 0.9
+    x = paddle.to_tensor([2.0], stop_gradient=False)
+    (x * x).sum().backward()
+    view, kept = x.grad, x.grad.clone()
+    x.grad = None
+    assert view.numpy().size == 0 and kept.numpy().tolist() == [4.0]
+
+
+def test_an_attached_input_dropped_while_recording_leaves_no_lifted_flag():
+    gm = GradManager()
+    with gm:
+        x = paddle.to_tensor([1.0])
+        gm.attach(x)
+        assert flags.lifted_count() == 1
+        del x
+        import gc
+
+        gc.collect()
+        assert flags.lifted_count() == 0
+        gm.backward()
+
+
+def test_split_backward_equals_one_backward_bit_for_bit():
+    """A pipeline stage: the input's gradient first, the parameters' at finish(); each equals
+    what one paddle.grad over all of them gives, bit for bit, and finish() writes only those."""
+    model = _mlp(2)
+    x, labels = _batch(5)
+    x.stop_gradient = False
+    loss = paddle.nn.functional.cross_entropy(model(x), labels)
+    expected = paddle.grad([loss], [x, *model.parameters()])
+    x.stop_gradient = True
+    seen = []
+    gm = GradManager().attach(model.parameters(), callbacks=lambda t, g: (seen.append(t), g)[1])
+    with gm:
+        gm.attach(x)
+        rest = gm.backward_split(paddle.nn.functional.cross_entropy(model(x), labels), first=[x])
+    assert np.array_equal(x.grad.numpy(), expected[0].numpy())
+    assert all(p.grad is None for p in model.parameters()) and seen == []
+    rest.finish()
+    for p, e in zip(model.parameters(), expected[1:]):
+        assert np.array_equal(p.grad.numpy(), e.numpy()), p.name
+    assert len(seen) == 4 and x.stop_gradient is True
