@@ -33,6 +33,7 @@ BENCHMARKS: List[Tuple[str, Tuple[str, ...]]] = [
     ("bench_split.py", ("torch",)),
     ("bench_zero.py", ("torch",)),
     ("bench_compile.py", ("torch",)),
+    ("bench_parity.py", ("torch", "megengine")),
     ("bench_scaling.py", ("torch",)),
     ("cost_model.py", ()),
 ]
