@@ -387,6 +387,31 @@ def test_resnet_constructed_flip_is_reported_and_pinned(direction):
     assert unpinned.failures() == [], unpinned.text()
 
 
+def test_a_constructed_flip_with_the_reference_dumped_is_pinned_on_the_live_side(tmp_path):
+    """The same flip as above, with the MegEngine reference read back from a dump (as from
+    another environment): the dump's branch is fixed, so the live torch side is pinned to it,
+    and every gradient is verified; without the pin they are not the dump's. With the dump as
+    side b nothing can be pinned: the gradients behind the flip are unverified."""
+    src, dst, _ = ported("resnet18", "mge->torch")
+    batch = batch_of("resnet18", 1)
+    nudge_to_kink(src, dst, batch[0], bn="layer4.0.bn1")
+    parity.dump(src, batch, str(tmp_path / "ref.npz"), loss=mge_loss)
+    reference = parity.load(str(tmp_path / "ref.npz"))
+    report = parity.compare_step(reference, dst, batch, loss_b=torch_loss)
+    _assert_no_bug(report)
+    assert report.ok, report.text()
+    here = [f for f in report.flips if f.layer_b == "layer4.0.relu"]
+    assert here and here[0].count >= 1 and here[0].pinned, report.text()
+    unpinned = parity.compare_step(reference, dst, batch, loss_b=torch_loss, pin=False)
+    assert [e for e in unpinned.entries if e.what == "grad" and e.verdict != "ok"], (
+        unpinned.text())
+    # the dump as side b: its branch cannot be moved, so the gradients behind the flip are
+    # NOT VERIFIED, never OK and never a bug
+    report = parity.compare_step(dst, reference, batch, loss_a=torch_loss)
+    assert report.failures() == [] and report.unverified and not report.ok, report.text()
+    assert "NOT VERIFIED" in report.text()
+
+
 def test_a_flip_at_a_functional_relu_is_unverified_never_a_bug():
     """MegEngine/Models' own style: the MegEngine side's ReLUs are ``F.relu`` calls, which no
     hook sees. The flip built at layer4.0's first ReLU can then be neither confirmed nor pinned:
