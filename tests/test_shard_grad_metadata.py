@@ -81,7 +81,8 @@ def test_value_reads_still_raise_saying_what_to_do(outs):
 def test_norms_zero_grad_and_set_to_none_work_as_before(outs):
     """torch's get_total_norm (torch 2.6 and later) and clip_grad_norm_ over the stand-ins are
     DDP's norm; opt.zero_grad(), model.zero_grad() and ``p.grad = None`` leave .grad None; the
-    parameters after the steps are DDP's bit for bit."""
+    parameters after the steps are DDP's bit for bit, the second step's gradients halved in
+    place, through ``to_local()`` here and ``.grad`` under DDP (to_local() is a view)."""
     for out in outs:
         for step in out["steps"]:
             ours, ddp = step["clip"]

@@ -131,6 +131,12 @@ def main(rank: int, world: int, outdir: str) -> None:
             "local": [result(lambda g=g: (g.local_range(), g.to_local().clone()))
                       for g in grads],
             "ddp_flat": [p.grad.detach().flatten().clone() for p in theirs.parameters()],
+        })
+        if step == 1:  # a write into to_local() is the gradient's: the step uses it
+            for g, p in zip(grads, theirs.parameters()):
+                result(lambda g=g: g.to_local().mul_(0.5))
+                p.grad.mul_(0.5)
+        out["steps"][-1].update({
             "total_norm": (float(nn.utils.get_total_norm(grads))
                            if hasattr(nn.utils, "get_total_norm") else None,
                            float(nn.utils.clip_grad_norm_(theirs.parameters(), 1e9))),
