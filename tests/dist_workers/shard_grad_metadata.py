@@ -36,6 +36,8 @@ READS = {
     "requires_grad": lambda g: g.requires_grad,
     "is_floating_point()": lambda g: g.is_floating_point(),
     "is_complex()": lambda g: g.is_complex(),
+    "is_signed()": lambda g: g.is_signed(),
+    "ndimension()": lambda g: g.ndimension(),
     "is_cuda": lambda g: g.is_cuda,
     "get_device()": lambda g: g.get_device(),
     "type()": lambda g: g.type(),
