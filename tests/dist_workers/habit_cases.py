@@ -70,6 +70,9 @@ HABITS = [
           '`StepLR(opt, 1)` over the optimizer'),
     Habit("clip_torch",
           "torch's `clip_grad_norm_(model.parameters(), ...)` (item 5)"),
+    Habit("grad_metadata",
+          "memory accounting and logging: `.grad`'s `numel() * element_size()`, shape, "
+          "dtype, strides after the backward"),
     Habit("grad_scaler",
           '`torch.amp.GradScaler("cpu")`: `scale`, `unscale_`, clip, `step`, `update`'),
     Habit("cuda_grad_scaler",

@@ -53,6 +53,25 @@ def clip_torch(kind, rank, world):
     return out
 
 
+def grad_metadata(kind, rank, world):
+    """Issue 39 item 5: memory accounting and logging read each ``.grad``'s metadata after
+    the backward (``numel() * element_size()`` summed, shape, dtype, strides), as DDP and FSDP2
+    scripts do (a sharded step's ``.grad`` is a stand-in: it answers the whole gradient's)."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        out[f"loss {step}"] = np.float32(side.step(*batch(rank, step)))
+        grads = [p.grad for p in side.model.parameters() if p.grad is not None]
+        out[f"grad bytes {step}"] = np.int64(sum(g.numel() * g.element_size() for g in grads))
+        out[f"grad metadata {step}"] = np.array(repr([
+            (tuple(g.shape), str(g.dtype), g.stride(), g.is_floating_point(), g.nbytes)
+            for g in grads]))
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side))
+    return out
+
+
 def optimizer_state(opt) -> dict:
     """An optimizer's ``state_dict()`` as arrays (groups and per-parameter state)."""
     saved = opt.state_dict()

@@ -10,25 +10,40 @@ norm of the whole gradient and multiplies this rank's slices by the same factor,
 is DDP's + ``clip_grad_norm_``'s. ``torch.amp.GradScaler.unscale_``'s kernel
 (``torch._amp_foreach_non_finite_check_and_unscale_``) unscales the slices and finds a
 non-finite value in any rank's slices, on every rank. ``Tensor.zero_``
-(``model.zero_grad(set_to_none=False)``) zeroes the slices. Reading an attribute (``.shape``,
-``.device``, ``.dtype``) works; every other operation, from Python or from C++ (autograd, an
-optimizer's kernels), raises.
+(``model.zero_grad(set_to_none=False)``) zeroes the slices.
+
+Metadata is the whole gradient's, as DDP's ``.grad`` and FSDP2's DTensor ``.grad`` (whose
+metadata is the global tensor's) answer it: shape, dtype, device, layout, strides (the
+parameter's, as DDP lays out its gradients), ``numel()``, ``element_size()``, ``nbytes``
+(what the whole gradient would take: memory-accounting code sums these as under DDP; this
+rank holds ``to_local().nbytes`` of it). ``to_local()`` is this rank's slice, as DTensor's
+``to_local()``; it is not a DTensor, since a rank's slice is a flat range of the gradient
+where the bucket's chunk falls, not a placement DTensor has. Every other operation, from
+Python or from C++ (autograd, an optimizer's kernels), raises.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
 _REFUSED = (
     "{what} on the .grad of a parameter that data_parallel(model, shard=True) reduced: after "
     "a synced backward each rank holds only its slice of the reduced gradient, in the "
-    "ShardedOptimizer, and .grad is a stand-in that holds no values. "
+    "ShardedOptimizer, and .grad is a stand-in that answers the whole gradient's metadata "
+    "(shape, dtype, device, numel(), element_size(), nbytes) but holds no values. "
+    "p.grad.to_local() is this rank's slice (a 1-D view of the flattened gradient's elements "
+    "p.grad.local_range()); "
     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (2-norm, on every rank) "
     "works on it, or opt.clip_grad_norm_(max_norm); opt.step() steps the slices and "
     "opt.zero_grad() drops them, and the stand-ins. Inside no_sync(gm), .grad holds this "
     "rank's own whole gradient"
+)
+
+_GONE = (
+    "to_local() on a stand-in .grad whose gradient slices are gone (opt.zero_grad() dropped "
+    "them): read p.grad.to_local() after a synced backward, before opt.zero_grad()"
 )
 
 
@@ -39,14 +54,38 @@ class ShardedGradient(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, member: Any) -> ShardedGradient:
-        grad = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
-                                                   device=like.device)
+        # The parameter's strides: DDP's .grad has them (its gradient layout contract).
+        grad = torch.Tensor._make_wrapper_subclass(cls, like.shape, like.stride(),
+                                                   dtype=like.dtype, device=like.device)
         grad._member = member
         return grad
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]  # (1)
         return (f"ShardedGradient(shape={list(self.shape)}, dtype={self.dtype}: this rank's "
-                f"slice of it is in the ShardedOptimizer)")
+                f"slice of it is in the ShardedOptimizer, p.grad.to_local())")
+
+    def __format__(self, spec: str) -> str:
+        if spec:  # a number's format: there are no values to format
+            raise RuntimeError(_REFUSED.format(what=f"format(p.grad, {spec!r})"))
+        return repr(self)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's slice of the reduced gradient, as DTensor's ``to_local()``: a 1-D view
+        of the elements :meth:`local_range` of the flattened gradient (empty where this rank
+        holds none of it). A view, as DTensor's: writing it changes what ``opt.step()``
+        steps. Write it before torch's ``clip_grad_norm_``, not between two of them in one
+        step: the second would reuse the norms the first asked (``opt.clip_grad_norm_``
+        always sums the slices afresh)."""
+        part = self._member.local()
+        if part is None:
+            raise RuntimeError(_GONE)
+        return part
+
+    def local_range(self) -> Tuple[int, int]:
+        """``(start, stop)``: :meth:`to_local` holds the elements ``start`` to ``stop`` of the
+        flattened gradient (``p.grad.to_local()`` is DDP's ``p.grad.flatten()[start:stop]``);
+        ``start == stop`` where this rank holds none of it."""
+        return self._member.span()
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -143,7 +182,16 @@ def _unscale_(grads: Any, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> N
                 found_inf.fill_(1.0)
 
 
+def _type(grad: Any, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """``p.grad.type()``, the type's name (metadata); a conversion (``type(dtype)``) refused."""
+    if dtype is not None or args or kwargs:
+        raise RuntimeError(_REFUSED.format(what="Tensor.type(dtype), a conversion,"))
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.type(grad)
+
+
 _HANDLERS: Dict[Any, Callable[..., Any]] = {
+    torch.Tensor.type: _type,
     torch._amp_foreach_non_finite_check_and_unscale_: _unscale_,
     torch.linalg.vector_norm: _norm_of,
     torch._foreach_norm: _foreach_norm,
@@ -151,6 +199,10 @@ _HANDLERS: Dict[Any, Callable[..., Any]] = {
     torch._foreach_mul_: _foreach_mul_,
     torch.Tensor.zero_: _zero_,
 }
-# Metadata that needs no values (model.zero_grad(set_to_none=False) asks requires_grad_(False)).
+# Metadata that needs no values, the whole gradient's (model.zero_grad(set_to_none=False) asks
+# requires_grad_(False)); attributes (.shape, .dtype, .nbytes...) pass as __get__.
 _PASSED = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.requires_grad_,
-           torch.Tensor.__repr__}
+           torch.Tensor.__repr__, torch.Tensor.element_size, torch.Tensor.is_floating_point,
+           torch.Tensor.is_complex, torch.Tensor.is_signed, torch.Tensor.get_device,
+           torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.__len__,
+           torch.Tensor.ndimension, torch.Tensor.nelement}

@@ -41,6 +41,17 @@ class MemberGrad:
         backend scales or zeroes in place (then :meth:`changed`)."""
         return self._stand_ins.parts(self.position)
 
+    def span(self) -> tuple:
+        """``(start, stop)`` of this rank's part of the tensor's flattened gradient (start ==
+        stop where it holds none)."""
+        segment = self._stand_ins.segment(self.position)
+        return (0, 0) if segment is None else (segment.start, segment.stop)
+
+    def local(self) -> Any:
+        """This rank's part of the tensor's reduced gradient (a view into the shards; empty
+        where it holds none), or None where the shards hold no gradient of it now."""
+        return self._stand_ins.local(self.position)
+
     def changed(self) -> None:
         """The slices were written in place: norms asked from now on are computed again."""
         self._stand_ins.shards.changed()
@@ -161,6 +172,22 @@ class StandIns:
                  for p in range(n)]
         self._norms = (shards.version, norms)
         return norms
+
+    def segment(self, position: int) -> Optional[Segment]:
+        return next((s for s in self._own() if s.position == position), None)
+
+    def local(self, position: int) -> Any:
+        shards = self.shards
+        segment = self.segment(position)
+        if segment is not None:
+            return shards.grad_of(segment)
+        # This rank holds none of the tensor: an empty part of its bucket's chunk, while the
+        # shards hold a gradient of it.
+        bucket, slot = shards.plan.where[id(shards.plan.tensor(position))]
+        chunk = shards.chunks[bucket]
+        if chunk is None or not shards.present[bucket][slot]:
+            return None
+        return shards.ops.part(chunk, 0, 0)
 
     def parts(self, position: int) -> List[Any]:
         shards = self.shards
