@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradmgr
 from gradmgr.distributed import ShardedOptimizer, data_parallel, no_sync
 
+from .outcomes import raised
+
 LR = 1e-2
 
 
@@ -43,14 +45,6 @@ def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def params_of(net: nn.Module) -> list:
     return [p.detach().clone() for p in net.parameters()]
 
-
-def raised(fn) -> tuple:
-    """``(type name, message)`` of what ``fn()`` raised, or None."""
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - what was raised is the result
-        return type(error).__name__, str(error)
-    return None
 
 
 # ---------------------------------------------------------------------- scenarios

@@ -15,6 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr.distributed import ShardedOptimizer, data_parallel
 
+from .outcomes import raised
+
 # The attributes and metadata methods each .grad is asked, DDP's as the reference.
 READS = {
     "shape": lambda g: tuple(g.shape),
@@ -84,13 +86,6 @@ def model() -> nn.Module:
 def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net(x).square().mean()
 
-
-def raised(fn) -> tuple:
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - what was raised is the result
-        return type(error).__name__, str(error)
-    return None
 
 
 def result(fn) -> object:

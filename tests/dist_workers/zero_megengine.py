@@ -32,6 +32,8 @@ from gradmgr.distributed import (
     no_sync,
 )
 
+from .outcomes import raised
+
 LR, WEIGHT_DECAY = 1e-2, 0.05
 ROWS = 4  # each rank's micro-batch
 BUCKET_BYTES = 400  # small buckets: layers cross the ranks' chunk borders
@@ -201,14 +203,6 @@ def reload(out: dict, rank: int, world: int, outdir: str) -> None:
     ref_gm = NativeGradManager().attach(ref.parameters())
     out["reload"] = train((net, gm, opt), (ref, ref_gm, ref_opt, list(ref.parameters())), rank,
                           world, range(5, 7), max_norm=1e6)
-
-
-def raised(fn) -> tuple:
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - what was raised is the result
-        return type(error).__name__, str(error)
-    return None
 
 
 def habits(out: dict, rank: int, world: int) -> None:
