@@ -1,12 +1,15 @@
 """Full sharding, ``data_parallel(model, shard="full")`` on FSDP2, next to plain FSDP2
 (``fully_shard`` per block and the root, ``loss.backward()``) on 2 gloo ranks
-(dist_workers/full_shard_suite.py): after 10 AdamW steps on the same data every parameter
-shard and every step's loss is FSDP2's bit for bit (both run the same kernels and the same
-reduce-scatters in the same order; nothing is left to round differently), with
+(dist_workers/full_shard_suite.py; FSDP2 summing, then dividing, as gradmgr has it do over
+gloo: its own average there is the sum on torch 2.8): after 10 AdamW steps on the same data
+every parameter shard and every step's loss is FSDP2's bit for bit (both run the same
+kernels and the same reduce-scatters in the same order; nothing is left to round differently),
+with
 reshard-after-forward on and off, with a bf16 ``MixedPrecisionPolicy``, and with gradmgr's
 ``no_sync`` against FSDP2's ``set_requires_gradient_sync(False)``. A callback that scales the
 gradient equals FSDP2 with the same scaling applied to ``.grad`` (SGD, bit for bit). Bad
-input raises a clear error, before any collective where it can be told at once."""
+input raises a clear error, before any collective where it can be told at once. One
+backward's gradients equal DDP's bit for bit (2 ranks: a sum halved is the halves summed)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,14 @@ def test_full_shard_equals_fsdp2_bit_for_bit(two_ranks, name):
         assert all(result["shards"]), (rank, result["shards"])
         assert all(result["losses"]) and len(result["losses"]) == (
             20 if name == "no_sync" else 10), (rank, result["losses"])
+
+
+def test_gradients_are_ddps_mean_bit_for_bit(two_ranks):
+    """Not FSDP2's own average over gloo, which on torch 2.8 is the sum (every gradient twice
+    DDP's on 2 ranks, no error): a sum divided by the number of ranks."""
+    for rank, out in enumerate(two_ranks):
+        result = out["against_ddp"]
+        assert all(result["equal"]), (rank, result["ratio"])
 
 
 def test_callbacks_receive_the_reduced_shards(two_ranks):

@@ -14,6 +14,7 @@ import pickle
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr.distributed import data_parallel, no_sync
 
@@ -40,11 +41,31 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
 
 
 def plain_fsdp2(reshard: bool, mp: MixedPrecisionPolicy) -> nn.Module:
+    """FSDP2 as it averages correctly over gloo: a sum, then divided (its average over gloo
+    is the sum on torch 2.8; see :func:`against_ddp`)."""
     net = model()
-    for block in [m for m in net.modules() if isinstance(m, Block)]:
+    blocks = [m for m in net.modules() if isinstance(m, Block)]
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(net, reshard_after_forward=reshard, mp_policy=mp)
+    for wrapped in [*blocks, net]:
+        wrapped.set_force_sum_reduction_for_comms(True)
     return net
+
+
+def against_ddp(rank: int) -> dict:
+    """One backward's gradients under full sharding, gathered, against DDP's (the mean over
+    the ranks): bit for bit on 2 ranks (a sum halved is the halves summed)."""
+    ours, ref = model(), DDP(model())
+    gm = data_parallel(ours, shard="full", blocks=[Block])
+    x = batch(0, 0, rank)
+    with gm:
+        gm.backward(ours(x).square().mean())
+    ref(x).square().mean().backward()
+    return {"equal": [torch.equal(a.grad.full_tensor(), b.grad)
+                      for a, b in zip(ours.parameters(), ref.module.parameters())],
+            "ratio": [float(a.grad.full_tensor().abs().sum() / b.grad.abs().sum())
+                      for a, b in zip(ours.parameters(), ref.module.parameters())]}
 
 
 def optimizer(net: nn.Module, scale: float) -> torch.optim.Optimizer:
@@ -133,13 +154,15 @@ def refusals(rank: int) -> dict:
     return found
 
 
-ALL = ["reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision", "refusals"]
+ALL = ["against_ddp", "reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision",
+       "refusals"]
+SPECIAL = {"refusals": refusals, "against_ddp": against_ddp}
 
 
 def main(rank: int, world: int, outdir: str) -> None:
     chosen = os.environ.get("FULL_SHARD_SCENARIOS") or ",".join(ALL)
     out = {}
     for name in chosen.split(","):
-        out[name] = refusals(rank) if name == "refusals" else scenario(name, rank)
+        out[name] = SPECIAL[name](rank) if name in SPECIAL else scenario(name, rank)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)

@@ -68,6 +68,12 @@ class FullShardPath:
             fully_shard(block, reshard_after_forward=reshard_after_forward,
                         mp_policy=mp_policy)
         fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        if _gloo():
+            # FSDP2 asks gloo's reduce_scatter_tensor for an average, and on torch 2.8 gloo
+            # returns the sum: every gradient N times too large, silently. A sum divided by
+            # N afterwards is the mean on every version (tests/test_full_shard.py, DDP's).
+            for wrapped in [*reversed(chosen), module]:
+                wrapped.set_force_sum_reduction_for_comms(True)
 
     def set_sync(self, module: Any, sync: bool) -> None:
         """FSDP2's ``set_requires_gradient_sync``: off inside ``no_sync`` (each rank
@@ -88,6 +94,12 @@ class FullShardPath:
         from torch.distributed.tensor import DTensor
 
         return isinstance(tensor, DTensor)
+
+
+def _gloo() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def _classes(blocks: Any) -> tuple:
