@@ -138,7 +138,7 @@ def data_parallel(
     return gm
 
 
-def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: bool,
+def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: Verify,
                    broadcast_buffers: bool, src: int, blocks: Sequence[Any],
                    reshard_after_forward: bool, mp_policy: Any) -> DataParallelManager:
     """``shard="full"``: the ranks compared and rank ``src``'s tensors broadcast as on the
