@@ -61,6 +61,7 @@ def test_bad_input_on_the_ranks(two_ranks):
         assert "blocks=['Conv2d'] names no submodule" in refused["nothing"]
         assert "Block, Linear" in refused["nothing"]
         assert "already wrapped with FSDP2's fully_shard" in refused["wrapped"]
+        assert "shard=True on rank 1; shard='full' on rank 0" in refused["mixed"]
 
 
 def test_four_ranks_bit_for_bit(tmp_path):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradmgr.distributed import data_parallel, no_sync
+from gradmgr.distributed import RankMismatchError, data_parallel, no_sync
 
 STEPS, LR, SCALE = 10, 1e-2, 0.25
 
@@ -139,12 +139,17 @@ def scenario(name: str, rank: int) -> dict:
 
 
 def refusals(rank: int) -> dict:
-    """Bad input on every rank: a blocks= list naming nothing, a model already wrapped."""
+    """Bad input on every rank: a blocks= list naming nothing, ranks that shard differently,
+    a model already wrapped."""
     found = {}
     try:
         data_parallel(model(), shard="full", blocks=[nn.Conv2d])
     except ValueError as error:
         found["nothing"] = str(error)
+    try:
+        data_parallel(model(), shard="full" if rank == 0 else True)
+    except RankMismatchError as error:
+        found["mixed"] = str(error)
     wrapped = model()
     fully_shard(wrapped)
     try:
