@@ -10,6 +10,8 @@ thread per rank, 2 and 4 ranks. Variants:
 - ``fsdp2``: ``fully_shard(reshard_after_forward=False)`` on every Linear and on the root, AdamW
 - ``gradmgr``: gradmgr ``data_parallel(model)`` + AdamW (the allreduce path)
 - ``sharded``: gradmgr ``data_parallel(model, shard=True)`` + ``ShardedOptimizer(gm, AdamW)``
+- ``full``: gradmgr ``data_parallel(model, shard="full", blocks=[nn.Linear],
+  reshard_after_forward=False)`` + AdamW: full sharding on FSDP2, set up as ``fsdp2`` is
 
 Every variant runs in fresh processes (spawned), one job per variant and round; each round runs
 every variant once, in a new random order, so that load from other jobs hits them alike; the
@@ -83,7 +85,7 @@ try:  # FSDP2 (torch >= 2.6)
 except ImportError:  # pragma: no cover - old torch
     fully_shard = None
 
-VARIANTS = ("ddp", "ddp-view", "zero1", "fsdp2", "gradmgr", "sharded")
+VARIANTS = ("ddp", "ddp-view", "zero1", "fsdp2", "gradmgr", "sharded", "full")
 LABELS = {
     "ddp": "DDP + AdamW",
     "ddp-view": "DDP(bucket view) + AdamW",
@@ -91,6 +93,8 @@ LABELS = {
     "fsdp2": "FSDP2 fully_shard(reshard_after_forward=False) per Linear + root, AdamW",
     "gradmgr": "gradmgr data_parallel(model) + AdamW",
     "sharded": "gradmgr data_parallel(model, shard=True) + ShardedOptimizer(AdamW)",
+    "full": "gradmgr data_parallel(model, shard='full', blocks=[Linear], "
+            "reshard_after_forward=False) + AdamW",
 }
 WIDTH, LAYERS, BATCH, LR = 2048, 8, 16, 1e-4
 TIME_TARGET, STATE_TARGET, PEAK_TARGET_MIB = 1.05, 1.05, 240.0
@@ -161,6 +165,14 @@ class Variant:
 
             def backward(x: torch.Tensor, y: torch.Tensor) -> None:
                 loss(net(x), y).backward()
+        elif name == "full":
+            gm = data_parallel(net, shard="full", blocks=[nn.Linear],
+                               reshard_after_forward=False)
+            opt = self._local_opt = torch.optim.AdamW(net.parameters(), lr=LR)
+
+            def backward(x: torch.Tensor, y: torch.Tensor) -> None:
+                with gm:
+                    gm.backward(loss(net(x), y))
         elif name in ("gradmgr", "sharded"):
             gm = data_parallel(net, shard=name == "sharded")
             if name == "gradmgr":
@@ -383,7 +395,7 @@ def report(runs: Runs, steps: int, warmup: int) -> Tuple[List[str], bool]:
             lines.append(line)
         lines.append(_target(f"zero {world} ranks sharded time/DDP", _med(ratios["sharded"]),
                              TIME_TARGET, "x"))
-        for name in ("zero1", "fsdp2", "gradmgr"):
+        for name in ("zero1", "fsdp2", "full", "gradmgr"):
             if name in ratios:
                 line = f"{RESULT_PREFIX} zero {world} ranks {name} time/DDP " \
                        f"{_med(ratios[name]):.3f}x"

@@ -138,7 +138,9 @@ def set_backward_delegate(hooks: Self, delegate: Optional[Callable[[], Any]]) ->
     engine accumulates every attached tensor's gradient straight into ``.grad`` (no callback
     and no after-backward callback runs), after which ``finish()`` is called, or ``abort()``
     if the backward raised. Only a backend whose tape has ``backward_accumulating`` (PyTorch)
-    can be delegated to.
+    can be delegated to. A delegate object with ``run_engine(ys, dys, create_graph,
+    retain_graph)`` runs the engine itself instead (full sharding: a plain backward over
+    everything, as FSDP2's hooks need).
 
     Example:
         >>> import torch

@@ -304,7 +304,10 @@ class GradManager(StepHooks):
         :func:`gradmgr.hooks.set_backward_delegate`)."""
         try:
             tape = self._recording.started
-            if ys and tape is not None:
+            own_engine = getattr(delegated, "run_engine", None)
+            if ys and own_engine is not None:
+                own_engine(ys, dys, *self._nesting())
+            elif ys and tape is not None:
                 create_graph, retain_graph = self._nesting()
                 tape.backward_accumulating(ys, dys, create_graph=create_graph,
                                            retain_graph=retain_graph)

@@ -139,3 +139,20 @@ def test_misuses_raise_clear_errors_on_every_rank(results):
         assert sorted(raised) == sorted(MISUSES)
         for case, (kind, words) in MISUSES.items():
             assert raised[case].startswith(kind + ":") and words in raised[case], (rank, case)
+
+
+def test_full_sharding_is_fsdp2s_bit_for_bit(tmp_path):
+    """GradmgrStrategy(shard="full") against plain FSDP2 on the same data, 4 Adam steps of
+    two micro-batches each (the first inside fabric.no_backward_sync): every loss and every
+    parameter shard bit for bit; an optimizer made before the model was set up, clipping and
+    fabric.save raise clear errors (dist_workers/fabric_suite.py's full_shard)."""
+    for rank, out in enumerate(_spawn(tmp_path, ["full_shard"])):
+        result = out["full_shard"]
+        assert result["moved"], rank
+        assert len(result["losses"]) == 8 and all(result["losses"]), (rank, result["losses"])
+        assert len(result["shards"]) == 6 and all(result["shards"]), (rank, result["shards"])
+        assert result["optimizer made before"].startswith("ValueError:")
+        assert "fabric.setup_module(model)" in result["optimizer made before"]
+        for case in ("clip", "save"):
+            assert result[case].startswith("NotImplementedError:"), (rank, case, result[case])
+            assert "not supported yet under full sharding" in result[case]

@@ -448,6 +448,11 @@ class TensorOps:
         """The framework's context for uneven inputs, or None (the default: none)."""
         return None
 
+    def full_shard_path(self) -> Any:
+        """The framework's own full sharding (``data_parallel(shard="full")``: PyTorch's
+        FSDP2, see ``gradmgr.distributed.sharded.full``), or None (the default: none)."""
+        return None
+
 
 __all__ = ["BucketBuffer", "CommHook", "Done", "Handle", "JoinSupport", "ReducerPath", "Reducer",
            "PostBackwardPath", "ShardingTransport", "TensorOps", "Transport"]

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import sys
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..registry import backend_for
 from .broadcasting import broadcast, broadcast_tensors
@@ -17,6 +17,7 @@ from .join.joinable import DataParallelManager
 from .join.joining import Joining
 from .reduce.allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
 from .reduce.no_sync import is_paused
+from .sharded.full import SPELLINGS, FullSharding, check_options, spelling_problem
 from .transport import TransportSpec, control_transport, resolve_transport
 
 
@@ -32,9 +33,12 @@ def data_parallel(
     transport: TransportSpec = None,
     verify: Verify = True,
     native: Optional[bool] = None,
-    shard: bool = False,
+    shard: Union[bool, str] = False,
     comm_hook: Any = None,
     comm_state: Any = None,
+    blocks: Optional[Sequence[Any]] = None,
+    reshard_after_forward: Optional[bool] = None,
+    mp_policy: Any = None,
 ) -> DataParallelManager:
     """A GradManager that trains ``module`` data-parallel, set up as
     ``DistributedDataParallel(module)`` is: rank ``src``'s parameters and buffers are broadcast
@@ -57,6 +61,14 @@ def data_parallel(
     (:class:`ReduceScatterCallback`: each rank keeps its slice, for a
     :class:`ShardedOptimizer`; ``native`` does not apply, ``comm_hook`` raises ``ValueError``).
     ``comm_hook=hook, comm_state=state`` is DDP's ``register_comm_hook(state, hook)``.
+    ``shard="full"`` shards the parameters too, on PyTorch's FSDP2
+    (:mod:`gradmgr.distributed.sharded.full`): each submodule whose class is in ``blocks``
+    (a list of module classes), then the root, is wrapped with ``fully_shard``
+    (``reshard_after_forward``, default True, and ``mp_policy``, a ``MixedPrecisionPolicy``,
+    passed through); train with a plain optimizer over ``model.parameters()`` (``DTensor``
+    shards). The allreduce options (``reduce``, ``bucket_bytes``, ``compression``,
+    ``transport``, ``group``, ``native``, ``comm_hook``) raise ``ValueError`` there, and
+    ``blocks``, ``reshard_after_forward`` and ``mp_policy`` without it.
     ``data_parallel(DDP(model))`` raises ``TypeError``: pass the model itself. The manager is
     a joinable of torch's ``Join`` context for uneven inputs (``with Join([gm]):``, or
     ``gm.join()`` as DDP's ``model.join()``; see :mod:`gradmgr.distributed.join.joining`).
@@ -79,11 +91,23 @@ def data_parallel(
         >>> del gm  # before the group goes, as with DDP
         >>> dist.destroy_process_group()
     """
+    problem = spelling_problem(shard)
+    if problem is not None:
+        raise problem
+    check_options(shard, {"blocks": blocks, "reshard_after_forward": reshard_after_forward,
+                          "mp_policy": mp_policy},
+                  {"reduce": reduce != "mean", "bucket_bytes": bucket_bytes is not None,
+                   "compression": compression is not None, "transport": transport is not None,
+                   "group": group is not None, "native": native is not None,
+                   "comm_hook": comm_hook is not None or comm_state is not None})
     params, buffers = list(module.parameters()), list(module.buffers())
     tensors = params + buffers
     backend = backend_for(tensors[0]) if tensors else None  # (the only look-up)
     _refuse_wrapper(module, backend if params else None)
     _refuse_second_manager(module)
+    if shard == "full":
+        return _fully_sharded(module, tensors, backend, verify, broadcast_buffers, src,
+                              blocks or (), reshard_after_forward is not False, mp_policy)
     kind = ReduceScatterCallback if shard else AllreduceCallback
     cb = kind(reduce, group, bucket_bytes, compression, transport, broadcast=False, src=src,
               verify=verify, native=False if shard else native, names=module,
@@ -111,6 +135,28 @@ def data_parallel(
         if watch is not None:
             step.watch = watch
             weakref.finalize(gm, watch.remove)
+    return gm
+
+
+def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: Verify,
+                   broadcast_buffers: bool, src: int, blocks: Sequence[Any],
+                   reshard_after_forward: bool, mp_policy: Any) -> DataParallelManager:
+    """``shard="full"``: the ranks compared and rank ``src``'s tensors broadcast as on the
+    other paths, then the model wrapped by the framework (:mod:`.sharded.full`)."""
+    if verify:
+        _refuse_modules_that_differ(module, tensors, backend, None, None, "full")
+    params = list(module.parameters())
+    shared = params + (list(module.buffers()) if broadcast_buffers else [])
+    if shared:
+        broadcast_tensors(shared, backend, src, None, None)
+    gm = DataParallelManager()
+    FullSharding.install(gm, module, _tensor_ops(params, backend), blocks,
+                         reshard_after_forward, mp_policy)
+    step = _Step(gm, module, broadcast_buffers, src, None, None)
+    gm.register_record_callback(step.record)
+    gm.register_backward_error_callback(step.backward_failed)
+    gm.register_release_callback(step.release)
+    _remember(module, gm)
     return gm
 
 
@@ -176,7 +222,7 @@ def _remember(module: Any, gm: DataParallelManager) -> None:
 
 
 def _refuse_modules_that_differ(module: Any, tensors: List[Any], backend: Any, group: Any,
-                                transport: TransportSpec, shard: bool) -> None:
+                                transport: TransportSpec, shard: Any) -> None:
     """One collective compares every rank's parameters and buffers, and ``shard``; where they
     differ, a few more find the first difference and every rank raises RankMismatchError
     naming it (``backend``: the first tensor's)."""
@@ -210,24 +256,42 @@ _MIXED = (
 )
 
 
-def _refuse_mixed_sharding(transport: Any, ops: Any, shard: bool, like: Any) -> None:
+_MIXED_FULL = (
+    "data_parallel(): the ranks disagree about sharding: {listing}. Their collectives would "
+    "never pair: each side would wait for the other until the process group's timeout. Pass "
+    "the same shard= to data_parallel() on every rank. Nothing was broadcast or reduced: the "
+    "process group is as it was"
+)
+
+
+def _refuse_mixed_sharding(transport: Any, ops: Any, shard: Any, like: Any) -> None:
     """Where ``shard`` differs between the ranks, raise RankMismatchError saying which ranks
-    shard (a collective: every rank calls it once the opening check disagreed)."""
-    rows = every_rank(transport, ops, [float(shard)], like)
-    if rows is None:  # a transport that knows no rank: how many shard
+    shard how (a collective: every rank calls it once the opening check disagreed)."""
+    mine = SPELLINGS.index(shard)
+    rows = every_rank(transport, ops, [float(mine)], like)
+    if rows is None:  # a transport that knows no rank: how many shard each way
         world = transport.world_size()
-        count = round(ops.values(transport.allreduce_async(
-            ops.vector([float(shard)], like)).wait())[0])
-        if 0 < count < world:
+        counts = [round(c) for c in ops.values(transport.allreduce_async(ops.vector(
+            [float(mine == i) for i in range(len(SPELLINGS))], like)).wait())]
+        if max(counts) == world:
+            return
+        if counts[2] == 0:
             here = "this rank among them" if shard else "not this rank"
             raise RankMismatchError(_MIXED.format(
-                sharded=f"{count} of the {world} ranks ({here})", plain="the others"))
+                sharded=f"{counts[1]} of the {world} ranks ({here})", plain="the others"))
+        raise RankMismatchError(_MIXED_FULL.format(listing="; ".join(
+            f"shard={s!r} on {c} of the {world} ranks" for s, c in zip(SPELLINGS, counts)
+            if c) + f" (this rank: shard={shard!r})"))
+    codes = [round(row[0]) for row in rows]
+    if len(set(codes)) < 2:
         return
-    flags = [bool(row[0]) for row in rows]
-    if any(flags) and not all(flags):
+    if 2 not in codes:
         raise RankMismatchError(_MIXED.format(
-            sharded=_ranks([r for r, f in enumerate(flags) if f]),
-            plain=_ranks([r for r, f in enumerate(flags) if not f])))
+            sharded=_ranks([r for r, c in enumerate(codes) if c]),
+            plain=_ranks([r for r, c in enumerate(codes) if not c])))
+    raise RankMismatchError(_MIXED_FULL.format(listing="; ".join(
+        f"shard={s!r} on {_ranks([r for r, c in enumerate(codes) if c == i])}"
+        for i, s in enumerate(SPELLINGS) if i in codes)))
 
 
 def _ranks(ranks: List[int]) -> str:

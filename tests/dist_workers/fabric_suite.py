@@ -249,12 +249,69 @@ def misuses(rank: int) -> dict:
     return out
 
 
+def _plain(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = Net()
+    del model.unused
+    return model
+
+
+def full_shard(rank: int) -> dict:
+    """GradmgrStrategy(shard="full") next to plain FSDP2 (fully_shard on each Linear, then
+    the root; loss.backward(); set_requires_gradient_sync for the accumulation) in the same
+    process, on the same data: each micro-batch's loss and every parameter shard after the
+    steps, compared bit for bit; and what full sharding refuses."""
+    from lightning_fabric import Fabric
+    from torch.distributed.fsdp import fully_shard
+
+    from gradmgr.integrations.lightning import GradmgrStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=GradmgrStrategy(
+        timeout=TIMEOUT, shard="full", blocks=[torch.nn.Linear]))
+    fabric.launch()
+    early = _plain(0)
+    out = {"optimizer made before": _raised(lambda: fabric.setup(
+        early, torch.optim.Adam(early.parameters(), lr=1e-2)))}
+    model = fabric.setup_module(_plain(0))
+    opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    ref = _plain(0)
+    for layer in (ref.fc1, ref.fc2, ref.fc3, ref):
+        fully_shard(layer)
+    for layer in (ref.fc1, ref.fc2, ref.fc3, ref):  # FSDP2 averaging correctly over gloo
+        layer.set_force_sum_reduction_for_comms(True)  # (its average is the sum on torch 2.8)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    data, losses = _batches(rank, STEPS * 2), []
+    for step in range(STEPS):
+        for m in range(2):
+            x, y = data[2 * step + m]
+            with fabric.no_backward_sync(model, enabled=m == 0):
+                loss = torch.nn.functional.mse_loss(model(x), y) / 2
+                fabric.backward(loss)
+            ref.set_requires_gradient_sync(m == 1)
+            theirs = torch.nn.functional.mse_loss(ref(x), y) / 2
+            theirs.backward()
+            losses.append(torch.equal(loss.detach(), theirs.detach()))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    out["losses"] = losses
+    out["shards"] = [torch.equal(a.to_local(), b.to_local())
+                     for a, b in zip(model.parameters(), ref.parameters())]
+    out["moved"] = any(not torch.equal(a.full_tensor(), b)
+                       for a, b in zip(model.parameters(), _plain(0).parameters()))
+    out["clip"] = _raised(lambda: fabric.clip_gradients(model, opt, max_norm=1.0))
+    path = os.path.join(os.environ["FABRIC_CKPT_DIR"], "full_shard")
+    out["save"] = _raised(lambda: fabric.save(path, {"model": model}))
+    return out
+
+
 def main(rank: int, outdir: str, scenarios: list) -> None:
     torch.set_num_threads(1)
     results: dict = {}
     for scenario in scenarios:
-        if scenario == "misuses":
-            results[scenario] = misuses(rank)
+        if scenario in ("misuses", "full_shard"):
+            results[scenario] = (misuses if scenario == "misuses" else full_shard)(rank)
             continue
         results[scenario] = {}
         for side, make in sides(scenario).items():

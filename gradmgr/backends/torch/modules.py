@@ -45,8 +45,20 @@ def _ddp_class() -> Any:
     return ddp
 
 
+_FSDP = (
+    "data_parallel() was given a model already wrapped with FSDP2's fully_shard: its "
+    "parameters are shards, and FSDP2 reduce-scatters their gradients itself. Pass the plain "
+    "model: data_parallel(model, shard='full', blocks=[the classes you wrapped]) wraps it "
+    "with fully_shard itself"
+)
+
+
 def wrapper_problem(module: Any) -> Optional[str]:
-    """Why ``data_parallel(module)`` cannot take ``module``: it is a DDP wrapper."""
+    """Why ``data_parallel(module)`` cannot take ``module``: it is a DDP wrapper, or
+    already wrapped with FSDP2's ``fully_shard``."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is not None and any(isinstance(m, fsdp) for m in module.modules()):
+        return _FSDP
     ddp = _ddp_class()
     if ddp is None or not isinstance(module, ddp):
         return None

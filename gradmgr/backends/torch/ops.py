@@ -236,6 +236,11 @@ class TorchOps(TensorOps):
 
         return TorchJoin()
 
+    def full_shard_path(self) -> Any:
+        from .full_shard import full_shard_path  # torch.distributed.fsdp
+
+        return full_shard_path()
+
 
 def _same_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -46,6 +46,22 @@ _SYNC_CHANGED = (
 )
 
 
+_FULL_OPTIMIZER = (
+    "GradmgrStrategy(shard='full'): the optimizer holds parameters that are not the set-up "
+    "model's: fully_shard replaced them with their shards when the model was set up, so an "
+    "optimizer made before would train parameters no forward uses. Set the model up first, "
+    "then make the optimizer over its parameters, as with Fabric's FSDP strategies: "
+    "`model = fabric.setup_module(model)`, then "
+    "`optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`"
+)
+_FULL_UNTESTED = (
+    "GradmgrStrategy(shard='full'): {what} is not supported yet under full sharding (each "
+    "rank holds shards of the parameters and gradients, and this path is not built or "
+    "tested). Use Fabric's own FSDP strategy for it, or data_parallel(model, shard='full') "
+    "with torch.distributed.checkpoint and torch.nn.utils.clip_grad_norm_ yourself"
+)
+
+
 class GradmgrModule(torch.nn.Module):
     """What :meth:`GradmgrStrategy.setup_module` returns in place of DDP's wrapper: the module,
     whose forward, run with gradients enabled, starts ``gm``'s recording (where none is in
@@ -162,6 +178,10 @@ class GradmgrStrategy(DDPStrategy):
     ``shard``, ...). With ``shard=True`` each optimizer Fabric sets up is rebuilt as a
     :class:`~gradmgr.distributed.ShardedOptimizer` of the same class and parameter groups (it
     must be new, without state), and ``fabric.clip_gradients(max_norm=...)`` clips the shards.
+    With ``shard="full"`` (FSDP2; ``blocks=``, ``reshard_after_forward=``, ``mp_policy=``)
+    set the model up first and make the optimizer over its parameters after
+    (``fabric.setup_module``, then ``fabric.setup_optimizers``); ``fabric.clip_gradients``,
+    ``fabric.save`` and ``fabric.load`` raise ``NotImplementedError`` there.
 
     A step runs as with DDP: ``model(x)`` (with gradients enabled) starts gradmgr's recording,
     ``fabric.backward(loss)`` runs ``gm.backward(loss)`` and ends it; forwards under
@@ -208,9 +228,28 @@ class GradmgrStrategy(DDPStrategy):
         return wrapped
 
     def setup_optimizer(self, optimizer: Any) -> Any:
-        if not self._options.get("shard", False):
+        shard = self._options.get("shard", False)
+        if shard == "full":
+            ours = {id(p) for w in self._modules for p in w.module.parameters()}
+            if any(id(p) not in ours for group in optimizer.param_groups
+                   for p in group["params"]):
+                raise ValueError(_FULL_OPTIMIZER)
+            return optimizer
+        if shard is not True:
             return optimizer
         return _sharded(self._module_of(optimizer).gm, optimizer)
+
+    def _refuse_full(self, what: str) -> None:
+        if self._options.get("shard") == "full":
+            raise NotImplementedError(_FULL_UNTESTED.format(what=what))
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_full("fabric.save() (every rank's shards would have to be written)")
+        super().save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        self._refuse_full("fabric.load()")
+        return super().load_checkpoint(*args, **kwargs)
 
     def backward(self, tensor: torch.Tensor, module: Optional[torch.nn.Module], *args: Any,
                  **kwargs: Any) -> None:
@@ -233,6 +272,7 @@ class GradmgrStrategy(DDPStrategy):
 
     def clip_gradients_norm(self, module: torch.nn.Module, optimizer: Any, max_norm: Any,
                             norm_type: Any = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        self._refuse_full("fabric.clip_gradients()")
         if not isinstance(optimizer, ShardedOptimizer):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type,
                                                error_if_nonfinite)
@@ -245,6 +285,7 @@ class GradmgrStrategy(DDPStrategy):
 
     def clip_gradients_value(self, module: torch.nn.Module, optimizer: Any,
                              clip_val: Any) -> None:
+        self._refuse_full("fabric.clip_gradients()")
         if isinstance(optimizer, ShardedOptimizer):
             raise NotImplementedError(
                 "GradmgrStrategy(shard=True): fabric.clip_gradients(clip_val=...) is not "

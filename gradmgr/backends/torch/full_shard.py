@@ -1,0 +1,118 @@
+"""Full sharding (``data_parallel(model, shard="full")``) on torch's own engine for it,
+FSDP2 (``torch.distributed.fsdp.fully_shard``), as the default path is on DDP's reducer.
+
+FSDP2 gathers each block's parameters before its forward and reduce-scatters its gradients
+from hooks in the autograd graph, writing each parameter's reduced shard into ``.grad`` (a
+``DTensor``) at the end of the backward. Those hooks fire only in a backward that accumulates
+into the unsharded parameters' ``.grad``: a plain ``loss.backward()``, which is what a step
+runs here (:meth:`FullShardPath.run_engine`)."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+_BLOCKS = (
+    "data_parallel(shard='full'): blocks= takes a list or tuple of module classes to wrap "
+    "with fully_shard each (FSDP2 users' per-block wrapping, e.g. blocks=[TransformerBlock]); "
+    "got {got}"
+)
+_NOTHING = (
+    "data_parallel(shard='full'): blocks={names} names no submodule of the model: nothing "
+    "would be wrapped but the root, so every parameter would be gathered at once (no memory "
+    "saved in the forward). Name classes the model uses (its submodules' classes: {seen}), "
+    "or pass blocks=() to wrap the root only"
+)
+_POLICY = (
+    "data_parallel(shard='full'): mp_policy= takes a "
+    "torch.distributed.fsdp.MixedPrecisionPolicy (or None), got {got}"
+)
+_HIGHER = (
+    "data_parallel(shard='full'): a backward recorded by an earlier manager (second "
+    "derivatives) is not supported under full sharding: FSDP2 frees each block's gathered "
+    "parameters during the backward. Use data_parallel(model) (DDP's path) for higher-order "
+    "gradients"
+)
+
+
+def available() -> bool:
+    """This torch has FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.6 and later)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FullShardPath:
+    """What full sharding needs of torch: wrapping, the sync switch, and the engine call."""
+
+    def wrap(self, module: Any, blocks: Sequence[Any], reshard_after_forward: bool,
+             mp_policy: Any) -> None:
+        """``fully_shard`` each submodule whose class is in ``blocks``, inner ones first (as
+        FSDP2 users write it), then the root."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        classes = _classes(blocks)
+        if mp_policy is None:
+            mp_policy = MixedPrecisionPolicy()
+        elif not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(_POLICY.format(got=type(mp_policy).__name__))
+        chosen = [m for m in module.modules() if m is not module and isinstance(m, classes)]
+        if classes and not chosen:
+            seen = sorted({type(m).__name__ for m in module.modules() if m is not module})
+            raise ValueError(_NOTHING.format(names=[c.__name__ for c in classes],
+                                             seen=", ".join(seen) or "none"))
+        for block in reversed(chosen):  # modules() lists outer blocks first
+            fully_shard(block, reshard_after_forward=reshard_after_forward,
+                        mp_policy=mp_policy)
+        fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        if _gloo():
+            # FSDP2 asks gloo's reduce_scatter_tensor for an average, and on torch 2.8 gloo
+            # returns the sum: every gradient N times too large, silently. A sum divided by
+            # N afterwards is the mean on every version (tests/test_full_shard.py, DDP's).
+            for wrapped in [*reversed(chosen), module]:
+                wrapped.set_force_sum_reduction_for_comms(True)
+
+    def set_sync(self, module: Any, sync: bool) -> None:
+        """FSDP2's ``set_requires_gradient_sync``: off inside ``no_sync`` (each rank
+        accumulates its unsharded gradients; the next synced backward reduce-scatters them)."""
+        module.set_requires_gradient_sync(sync)
+
+    def run_engine(self, ys: Sequence[Any], dys: Sequence[Any], create_graph: bool,
+                   retain_graph: bool) -> None:
+        """``loss.backward()``: FSDP2's hooks reduce-scatter into the shards' ``.grad``."""
+        if create_graph:
+            raise RuntimeError(_HIGHER)
+        outputs = [y for y in ys if y.requires_grad]
+        if outputs:
+            seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]
+            torch.autograd.backward(outputs, seeds, retain_graph=retain_graph)
+
+    def is_sharded(self, tensor: Any) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(tensor, DTensor)
+
+
+def _gloo() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
+def _classes(blocks: Any) -> tuple:
+    if not isinstance(blocks, (list, tuple)) or not all(
+            isinstance(c, type) and issubclass(c, torch.nn.Module) for c in blocks):
+        got = blocks if not isinstance(blocks, (list, tuple)) else [
+            c for c in blocks if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+        raise TypeError(_BLOCKS.format(got=repr(got)))
+    return tuple(blocks)
+
+
+def full_shard_path() -> Optional[FullShardPath]:
+    return FullShardPath() if available() else None
+
+
+__all__: List[str] = ["FullShardPath", "available", "full_shard_path"]

@@ -1,0 +1,173 @@
+"""Rank program: ``data_parallel(model, shard="full")`` next to plain FSDP2 (``fully_shard`` on
+the same blocks, then the root, and ``loss.backward()``), 10 AdamW steps on the same data (SGD
+in the scaled scenario: Adam's step hardly changes when every gradient is scaled);
+every rank pickles, per scenario, whether each parameter shard and each step's loss equal
+FSDP2's bit for bit, to ``OUTDIR/rank{RANK}.pkl``. ``FULL_SHARD_SCENARIOS`` picks scenarios
+(comma-separated; all by default)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradmgr.distributed import RankMismatchError, data_parallel, no_sync
+
+STEPS, LR, SCALE = 10, 1e-2, 0.25
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 3))
+
+
+def batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro
+                                                                      + rank))
+
+
+def plain_fsdp2(reshard: bool, mp: MixedPrecisionPolicy) -> nn.Module:
+    """FSDP2 as it averages correctly over gloo: a sum, then divided (its average over gloo
+    is the sum on torch 2.8; see :func:`against_ddp`)."""
+    net = model()
+    blocks = [m for m in net.modules() if isinstance(m, Block)]
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(net, reshard_after_forward=reshard, mp_policy=mp)
+    for wrapped in [*blocks, net]:
+        wrapped.set_force_sum_reduction_for_comms(True)
+    return net
+
+
+def against_ddp(rank: int) -> dict:
+    """One backward's gradients under full sharding, gathered, against DDP's (the mean over
+    the ranks): bit for bit on 2 ranks (a sum halved is the halves summed)."""
+    ours, ref = model(), DDP(model())
+    gm = data_parallel(ours, shard="full", blocks=[Block])
+    x = batch(0, 0, rank)
+    with gm:
+        gm.backward(ours(x).square().mean())
+    ref(x).square().mean().backward()
+    return {"equal": [torch.equal(a.grad.full_tensor(), b.grad)
+                      for a, b in zip(ours.parameters(), ref.module.parameters())],
+            "ratio": [float(a.grad.full_tensor().abs().sum() / b.grad.abs().sum())
+                      for a, b in zip(ours.parameters(), ref.module.parameters())]}
+
+
+def optimizer(net: nn.Module, scale: float) -> torch.optim.Optimizer:
+    if scale != 1.0:
+        return torch.optim.SGD(net.parameters(), lr=LR)
+    return torch.optim.AdamW(net.parameters(), lr=LR)
+
+
+def train_fsdp2(net: nn.Module, rank: int, micros: int, scale: float) -> list:
+    opt, losses = optimizer(net, scale), []
+    for step in range(STEPS):
+        for micro in range(micros):
+            net.set_requires_gradient_sync(micro == micros - 1)
+            loss = net(batch(step, micro, rank)).square().mean()
+            loss.backward()
+            losses.append(loss.detach().float().clone())
+        if scale != 1.0:
+            for p in net.parameters():
+                p.grad = p.grad * scale
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def train_gradmgr(net: nn.Module, gm, rank: int, micros: int, scale: float) -> list:
+    opt, losses = optimizer(net, scale), []
+    for step in range(STEPS):
+        for micro in range(micros):
+            paused = no_sync(gm) if micro < micros - 1 else contextlib.nullcontext()
+            with paused, gm:
+                loss = net(batch(step, micro, rank)).square().mean()
+                gm.backward(loss)
+            losses.append(loss.detach().float().clone())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def compare(ours: nn.Module, theirs: nn.Module, our_losses: list, their_losses: list) -> dict:
+    shards = [torch.equal(a.to_local(), b.to_local())
+              for a, b in zip(ours.parameters(), theirs.parameters())]
+    losses = [torch.equal(a, b) for a, b in zip(our_losses, their_losses)]
+    moved = any(not torch.equal(a.full_tensor(), b)  # (a collective, in order on every rank)
+                for a, b in zip(ours.parameters(), model().parameters()))
+    return {"shards": shards, "losses": losses, "moved": moved,
+            "types": sorted({type(p).__name__ for p in ours.parameters()})}
+
+
+def scenario(name: str, rank: int) -> dict:
+    reshard = name != "reshard_off"
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if name == "mixed_precision" else MixedPrecisionPolicy())
+    micros = 2 if name == "no_sync" else 1
+    scale = SCALE if name == "scaled" else 1.0
+    ours = model()
+    gm = data_parallel(ours, shard="full", blocks=[Block], reshard_after_forward=reshard,
+                       mp_policy=mp)
+    seen = []
+    if scale != 1.0:
+        def scaled(tensor, grad):
+            seen.append((type(tensor).__name__, type(grad).__name__,
+                         tuple(grad.to_local().shape) == tuple(tensor.to_local().shape)))
+            return grad * scale
+        gm.attach(list(ours.parameters()), callbacks=[scaled])
+    our_losses = train_gradmgr(ours, gm, rank, micros, scale)
+    theirs = plain_fsdp2(reshard, mp)
+    their_losses = train_fsdp2(theirs, rank, micros, scale)
+    result = compare(ours, theirs, our_losses, their_losses)
+    result["seen"] = sorted(set(seen))
+    return result
+
+
+def refusals(rank: int) -> dict:
+    """Bad input on every rank: a blocks= list naming nothing, ranks that shard differently,
+    a model already wrapped."""
+    found = {}
+    try:
+        data_parallel(model(), shard="full", blocks=[nn.Conv2d])
+    except ValueError as error:
+        found["nothing"] = str(error)
+    try:
+        data_parallel(model(), shard="full" if rank == 0 else True)
+    except RankMismatchError as error:
+        found["mixed"] = str(error)
+    wrapped = model()
+    fully_shard(wrapped)
+    try:
+        data_parallel(wrapped, shard="full")
+    except TypeError as error:
+        found["wrapped"] = str(error)
+    return found
+
+
+ALL = ["against_ddp", "reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision",
+       "refusals"]
+SPECIAL = {"refusals": refusals, "against_ddp": against_ddp}
+
+
+def main(rank: int, world: int, outdir: str) -> None:
+    chosen = os.environ.get("FULL_SHARD_SCENARIOS") or ",".join(ALL)
+    out = {}
+    for name in chosen.split(","):
+        out[name] = SPECIAL[name](rank) if name in SPECIAL else scenario(name, rank)
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)

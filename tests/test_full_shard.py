@@ -1,0 +1,99 @@
+"""Full sharding, ``data_parallel(model, shard="full")`` on FSDP2, next to plain FSDP2
+(``fully_shard`` per block and the root, ``loss.backward()``) on 2 gloo ranks
+(dist_workers/full_shard_suite.py; FSDP2 summing, then dividing, as gradmgr has it do over
+gloo: its own average there is the sum on torch 2.8): after 10 AdamW steps on the same data
+every parameter shard and every step's loss is FSDP2's bit for bit (both run the same
+kernels and the same reduce-scatters in the same order; nothing is left to round differently),
+with
+reshard-after-forward on and off, with a bf16 ``MixedPrecisionPolicy``, and with gradmgr's
+``no_sync`` against FSDP2's ``set_requires_gradient_sync(False)``. A callback that scales the
+gradient equals FSDP2 with the same scaling applied to ``.grad`` (SGD, bit for bit). Bad
+input raises a clear error, before any collective where it can be told at once. One
+backward's gradients equal DDP's bit for bit (2 ranks: a sum halved is the halves summed)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+from ranks import spawn  # noqa: E402
+
+from gradmgr.distributed import data_parallel  # noqa: E402
+
+SCENARIOS = ["reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("full_shard")
+    return spawn("full_shard_suite", outdir, 2, timeout=600)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_full_shard_equals_fsdp2_bit_for_bit(two_ranks, name):
+    for rank, out in enumerate(two_ranks):
+        result = out[name]
+        assert result["types"] == ["DTensor"], (rank, result["types"])  # FSDP2's shards
+        assert result["moved"], "the parameters never changed: the comparison would be empty"
+        assert all(result["shards"]), (rank, result["shards"])
+        assert all(result["losses"]) and len(result["losses"]) == (
+            20 if name == "no_sync" else 10), (rank, result["losses"])
+
+
+def test_gradients_are_ddps_mean_bit_for_bit(two_ranks):
+    """Not FSDP2's own average over gloo, which on torch 2.8 is the sum (every gradient twice
+    DDP's on 2 ranks, no error): a sum divided by the number of ranks."""
+    for rank, out in enumerate(two_ranks):
+        result = out["against_ddp"]
+        assert all(result["equal"]), (rank, result["ratio"])
+
+
+def test_callbacks_receive_the_reduced_shards(two_ranks):
+    """The callback's ``(tensor, grad)``: the sharded parameter and its gradient shard, both
+    DTensors of the same local shape."""
+    for out in two_ranks:
+        assert out["scaled"]["seen"] == [("DTensor", "DTensor", True)]
+
+
+def test_bad_input_on_the_ranks(two_ranks):
+    for out in two_ranks:
+        refused = out["refusals"]
+        assert "blocks=['Conv2d'] names no submodule" in refused["nothing"]
+        assert "Block, Linear" in refused["nothing"]
+        assert "already wrapped with FSDP2's fully_shard" in refused["wrapped"]
+        assert "shard=True on rank 1; shard='full' on rank 0" in refused["mixed"]
+
+
+def test_four_ranks_bit_for_bit(tmp_path):
+    outs = spawn("full_shard_suite", tmp_path, 4, timeout=600,
+                 FULL_SHARD_SCENARIOS="reshard_on")
+    for rank, out in enumerate(outs):
+        result = out["reshard_on"]
+        assert result["moved"] and all(result["shards"]) and all(result["losses"]), rank
+
+
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("shard", ["bogus", "FULL", 1, "True"])
+def test_a_shard_that_is_not_a_sharding(shard):
+    """Before any collective (no process group here); old code took any truthy value for
+    ZeRO-2."""
+    with pytest.raises(ValueError, match=r"is not a sharding: pass shard=False .* shard='full'"):
+        data_parallel(model(), shard=shard)
+
+
+@pytest.mark.parametrize("option, value", [("reduce", "sum"), ("bucket_bytes", 1 << 20),
+                                           ("compression", "fp16"), ("native", True),
+                                           ("group", object()), ("comm_hook", print)])
+def test_options_full_sharding_cannot_take(option, value):
+    with pytest.raises(ValueError, match=rf"{option}= is not supported under full sharding"):
+        data_parallel(model(), shard="full", **{option: value})
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_fsdp2_options_need_full_sharding(shard):
+    with pytest.raises(ValueError, match=r"blocks=, mp_policy= apply only for shard='full'"):
+        data_parallel(model(), shard=shard, blocks=[torch.nn.Linear], mp_policy=object())
+
