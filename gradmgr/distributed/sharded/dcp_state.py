@@ -83,10 +83,29 @@ def get_state_dict(model: Any, optimizer: Any) -> Tuple[Dict[str, Any], Dict[str
     loaded; then :func:`set_state_dict`. Parameters never stepped here (frozen) are left
     out, on both sides.
 
-    Example (a note):
-        docs/sharded.md's "Distributed checkpoints" trains, saves and loads on 2 ranks:
+    Example:
+        Here a process group of one rank (docs/sharded.md saves on two, loads on any):
 
-        >>> from gradmgr.distributed import get_state_dict, set_state_dict
+        >>> import tempfile
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from gradmgr.distributed import ShardedOptimizer, data_parallel, free_port
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(3, 2)
+        >>> gm = data_parallel(model, shard=True)
+        >>> opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=0.1)
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(1, 3)).sum())
+        >>> opt.step()
+        >>> model_state, optim_state = get_state_dict(model, opt)
+        >>> sorted(optim_state["state"]["weight"])  # by name, as torch's get_state_dict
+        ['exp_avg', 'exp_avg_sq', 'step']
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+        >>> del opt, gm  # they hold the manager: before the group goes
+        >>> dist.destroy_process_group()
     """
     view = _slices(optimizer)
     support = _support(view)
@@ -102,10 +121,36 @@ def set_state_dict(model: Any, optimizer: Any, *, model_state_dict: Dict[str, An
     optimizer, where the dict names other parameters or holds state that is not one value
     per element or one value per parameter.
 
-    Example (a note):
-        docs/sharded.md's "Distributed checkpoints" trains, saves and loads on 2 ranks:
+    Example:
+        A checkpoint saved by :func:`get_state_dict`, loaded on a process group of one rank:
 
-        >>> from gradmgr.distributed import set_state_dict
+        >>> import tempfile
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from gradmgr.distributed import (ShardedOptimizer, data_parallel, free_port,
+        ...                                  get_state_dict)
+        >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+        ...                         rank=0, world_size=1)
+        >>> model = torch.nn.Linear(3, 2)
+        >>> gm = data_parallel(model, shard=True)
+        >>> opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=0.1)
+        >>> with gm:
+        ...     gm.backward(model(torch.ones(1, 3)).sum())
+        >>> opt.step()
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = dcp.save(dict(zip(["model", "optim"], get_state_dict(model, opt))),
+        ...              checkpoint_id=folder)
+        >>> fresh = ShardedOptimizer(gm, torch.optim.AdamW, lr=0.1)
+        >>> model_state, optim_state = get_state_dict(model, fresh)  # the template
+        >>> dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+        >>> set_state_dict(model, fresh, model_state_dict=model_state,
+        ...                optim_state_dict=optim_state)
+        >>> torch.equal(fresh.state_dict()["state"][0]["exp_avg"],
+        ...             opt.state_dict()["state"][0]["exp_avg"])
+        True
+        >>> del opt, fresh, gm  # they hold the manager: before the group goes
+        >>> dist.destroy_process_group()
     """
     view = _slices(optimizer)
     support = _support(view)
