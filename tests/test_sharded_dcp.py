@@ -19,14 +19,17 @@ from ranks import spawn  # noqa: E402
 
 from gradmgr.backends.torch.dcp import boxes  # noqa: E402
 
+SPAWN_S = 400  # per world size: the ranks share 2 cores with other test runs
+# the module's fixture spawns three times within its first test
+pytestmark = pytest.mark.timeout(3 * SPAWN_S + 120)
+
 
 @pytest.fixture(scope="module")
 def dcp_ranks(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("dcp")
-    # generous timeouts: the ranks share 2 cores with other test runs
-    first = spawn("zero_dcp", outdir, 2, timeout=400, GRADMGR_DCP_PART="first")
-    second = spawn("zero_dcp", outdir, 3, timeout=400, GRADMGR_DCP_PART="second")
-    third = spawn("zero_dcp", outdir, 2, timeout=400, GRADMGR_DCP_PART="third")
+    first = spawn("zero_dcp", outdir, 2, timeout=SPAWN_S, GRADMGR_DCP_PART="first")
+    second = spawn("zero_dcp", outdir, 3, timeout=SPAWN_S, GRADMGR_DCP_PART="second")
+    third = spawn("zero_dcp", outdir, 2, timeout=SPAWN_S, GRADMGR_DCP_PART="third")
     return first, second, third
 
 
@@ -83,3 +86,57 @@ def test_a_plain_optimizer_is_sent_to_torchs_own_functions():
     net = torch.nn.Linear(2, 1)
     with pytest.raises(TypeError, match="torch.distributed.checkpoint.state_dict"):
         get_state_dict(net, torch.optim.AdamW(net.parameters()))
+
+
+def _trained(gm, net):
+    from gradmgr.distributed import ShardedOptimizer
+
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=0.1)
+    with gm:
+        gm.backward(net(torch.ones(2, 3)).square().sum())
+    opt.step()
+    return opt
+
+
+def test_another_model_or_groups_of_other_parameters_raise_and_change_nothing(gloo_one_rank):
+    from gradmgr.distributed import data_parallel, get_state_dict, set_state_dict
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    gm = data_parallel(net, shard=True)
+    opt = _trained(gm, net)
+    with pytest.raises(ValueError, match="not one of the model's"):
+        get_state_dict(torch.nn.Linear(3, 4), opt)
+    model_state, optim_state = get_state_dict(net, opt)
+    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    lr = opt.param_groups[0]["lr"]
+    optim_state["param_groups"] = [{"lr": 5.0, "params": ["other.weight"]}]
+    with pytest.raises(ValueError, match="no parameter group of the loaded dict holds "
+                                         "parameter '0.weight'"):
+        set_state_dict(net, opt, model_state_dict=model_state, optim_state_dict=optim_state)
+    assert opt.param_groups[0]["lr"] == lr
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    del opt, gm
+
+
+def test_the_load_template_leaves_a_fresh_optimizer_as_it_was(gloo_one_rank):
+    """get_state_dict of an optimizer that has not stepped: zeros of AdamW's making for every
+    parameter (step 1, as torch's get_state_dict makes of a fresh optimizer), and the
+    optimizer and the parameters untouched."""
+    from gradmgr.distributed import ShardedOptimizer, data_parallel, get_state_dict
+
+    net = torch.nn.Linear(3, 2)
+    gm = data_parallel(net, shard=True)
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=0.1, weight_decay=0.5)
+    weights = [p.detach().clone() for p in net.parameters()]
+    _, optim_state = get_state_dict(net, opt)
+    assert sorted(optim_state["state"]) == ["bias", "weight"]
+    weight = optim_state["state"]["weight"]
+    assert float(weight["step"]) == 1.0
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert tuple(weight[key].size()) == (2, 3)
+        assert all(torch.equal(s.tensor, torch.zeros_like(s.tensor))
+                   for s in weight[key].local_shards())
+    assert opt.optimizer.state == {}, "the optimizer itself was stepped"
+    assert all(torch.equal(p, w) for p, w in zip(net.parameters(), weights))
+    del opt, gm

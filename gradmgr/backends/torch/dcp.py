@@ -118,10 +118,10 @@ def _fresh(optimizer: Any, missing: List[Tuple[int, Any]]) -> Dict[int, Dict[str
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
               for g in optimizer.param_groups]
     zeros = {}
-    for group, tensor in missing:
+    for number, tensor in missing:
         zero = torch.zeros_like(tensor)
         zero.grad = torch.zeros_like(tensor)
-        groups[group]["params"].append(zero)
+        groups[number]["params"].append(zero)
         zeros[id(tensor)] = zero
     for group in groups:
         if "lr" in group:

@@ -27,10 +27,10 @@ class OwnSlice(NamedTuple):
 
 
 class ParamSlices(NamedTuple):
-    """One stepped parameter: its index in ``params``, its group, every rank's ranges of it
+    """One stepped parameter: its number in ``params``, its group, every rank's ranges of it
     (``(rank, start, stop)``) and this rank's own slices."""
 
-    index: int
+    number: int
     group: int
     param: Any
     ranges: List[Tuple[int, int, int]]
