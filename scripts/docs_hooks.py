@@ -49,6 +49,7 @@ PAGES = {
                 "gradmgr.distributed.run_ranks", "gradmgr.distributed.free_port"]),
             ("Sharded data parallel", [
                 "gradmgr.distributed.ShardedOptimizer",
+                "gradmgr.distributed.get_state_dict", "gradmgr.distributed.set_state_dict",
                 "gradmgr.distributed.make_reduce_scatter_cb",
                 "gradmgr.distributed.ReduceScatterCallback"]),
             ("Split backward", ["gradmgr.DeferredBackward", "gradmgr.UnfinishedBackwardWarning"]),

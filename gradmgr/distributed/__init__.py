@@ -21,6 +21,7 @@ from .reduce.allreduce import (
 )
 from .reduce.bucket import Bucket, BucketPlan
 from .reduce.no_sync import no_sync
+from .sharded.dcp_state import get_state_dict, set_state_dict
 from .sharded.sharded_optimizer import ShardedOptimizer
 from .wrap import data_parallel
 
@@ -40,9 +41,11 @@ __all__ = [
     "broadcast",
     "data_parallel",
     "free_port",
+    "get_state_dict",
     "make_allreduce_cb",
     "make_reduce_scatter_cb",
     "no_sync",
     "run_ranks",
+    "set_state_dict",
     "spawn_local",
 ]

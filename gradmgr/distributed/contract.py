@@ -453,6 +453,12 @@ class TensorOps:
         FSDP2, see ``gradmgr.distributed.sharded.full``), or None (the default: none)."""
         return None
 
+    def distributed_checkpoint(self) -> Any:
+        """The framework's distributed checkpoints of a ``ShardedOptimizer`` (what
+        :mod:`gradmgr.distributed.sharded.dcp_state` calls: ``model_state``,
+        ``optimizer_state``, ``load_model``, ``load_optimizer``), or None (the default)."""
+        return None
+
 
 __all__ = ["BucketBuffer", "CommHook", "Done", "Handle", "JoinSupport", "ReducerPath", "Reducer",
            "PostBackwardPath", "ShardingTransport", "TensorOps", "Transport"]

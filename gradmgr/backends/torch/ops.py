@@ -241,6 +241,11 @@ class TorchOps(TensorOps):
 
         return full_shard_path()
 
+    def distributed_checkpoint(self) -> Any:
+        from .dcp import TorchCheckpoints  # torch.distributed.checkpoint
+
+        return TorchCheckpoints()
+
 
 def _same_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

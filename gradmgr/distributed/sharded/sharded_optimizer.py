@@ -25,6 +25,7 @@ from ...manager import GradManager, callback_chains
 from ..errors import RankMismatchError
 from ..reduce.allreduce import ReduceScatterCallback
 from ..reduce.bucket import BucketPlan
+from .dcp_state import Slices, param_slices
 from .gather import ParameterGather
 from .optimizer_agreement import check_agreement, describe
 from .optimizer_state import (
@@ -375,6 +376,13 @@ class ShardedOptimizer:
             options = {k: v for k, v in group.items() if k != "params"}
             groups.append({**options, "params": list(indices)})
         return groups
+
+    def checkpoint_slices(self) -> Slices:
+        """Each stepped parameter's ranges on every rank and this rank's segments (what
+        ``gradmgr.distributed.get_state_dict`` saves, no collective)."""
+        params = param_slices(self._reduced, self._numbering.group_of, self._rank, self._world)
+        return Slices(self._ops, self.optimizer, params, self._param_groups, self._rank,
+                      self._world)
 
     def _every_rank_here(self) -> None:
         """Raise, before any collective, where not every rank calls :meth:`state_dict`."""

@@ -1,0 +1,196 @@
+"""Rank program: distributed checkpoints (torch.distributed.checkpoint) of ZeRO-2 next to the
+gathered ``state_dict()``, across world sizes, and DDP's DCP checkpoints; every rank pickles
+what the parent checks to ``OUTDIR/rank{RANK}.pkl``.
+
+``GRADMGR_DCP_PART``: ``first`` (2 ranks: 3 AdamW steps, saved both ways; DDP trained alike and
+saved with DCP), ``second`` (3 ranks: both loaded, compared, one step, saved again) or
+``third`` (2 ranks: the same; then DDP's checkpoint into ZeRO-2 and back, and bad input).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import state_dict as torch_state
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradmgr.distributed import ShardedOptimizer, data_parallel, get_state_dict, set_state_dict
+
+LR, WEIGHT_DECAY = 1e-2, 0.05
+
+
+def model(extra: bool = False) -> nn.Module:
+    """Layers whose weights cross chunk borders mid-row (small buckets, odd widths)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 3)]
+    if extra:
+        layers.append(nn.Linear(3, 2))
+    return nn.Sequential(*layers)
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(5, 7, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def zero(net: nn.Module, optimizer: type = torch.optim.AdamW, **options):
+    gm = data_parallel(net, shard=True, bucket_bytes=200)
+    options = options or {"lr": LR, "weight_decay": WEIGHT_DECAY}
+    return gm, ShardedOptimizer(gm, optimizer, **options)
+
+
+def train(net: nn.Module, gm, opt, steps: range, rank: int) -> None:
+    for step in steps:
+        with gm:
+            gm.backward(net(batch(step, rank)).square().mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def params(net: nn.Module) -> list:
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def same_state(a: dict, b: dict) -> bool:
+    """Two optimizer state dicts (gathered form), every tensor bit for bit, same options."""
+    if sorted(a["state"]) != sorted(b["state"]):
+        return False
+    for i in a["state"]:
+        if sorted(a["state"][i]) != sorted(b["state"][i]):
+            return False
+        for key, value in a["state"][i].items():
+            if not torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][i][key])):
+                return False
+    strip = [{k: v for k, v in g.items() if k != "params"} for g in a["param_groups"]]
+    return strip == [{k: v for k, v in g.items() if k != "params"} for g in b["param_groups"]]
+
+
+def dcp_save(net, opt, path: str) -> None:
+    model_state, optim_state = get_state_dict(net, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def dcp_load(net, opt, path: str) -> None:
+    model_state, optim_state = get_state_dict(net, opt)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    set_state_dict(net, opt, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def gathered_save(net, opt, path: str, rank: int) -> None:
+    state = opt.state_dict()  # every rank
+    if rank == 0:
+        torch.save({"params": net.state_dict(), "optimizer": state}, path)
+    dist.barrier()
+
+
+def gathered_load(net, opt, path: str) -> dict:
+    saved = torch.load(path)
+    net.load_state_dict(saved["params"])
+    opt.load_state_dict(saved["optimizer"])
+    return saved
+
+
+def leg(out: dict, rank: int, outdir: str, load: str, save: str, step: int) -> None:
+    """Load both checkpoints, compare, step once, save both again."""
+    ours, theirs = model(), model()
+    gm, opt = zero(ours)
+    ref_gm, ref = zero(theirs)
+    dcp_load(ours, opt, os.path.join(outdir, f"dcp{load}"))
+    saved = gathered_load(theirs, ref, os.path.join(outdir, f"ref{load}.pt"))
+    out["loaded_state_equal"] = same_state(opt.state_dict(), saved["optimizer"])
+    out["loaded_params_equal"] = all(torch.equal(a, b) for a, b in
+                                     zip(params(ours), saved["params"].values()))
+    train(ours, gm, opt, range(step, step + 1), rank)
+    train(theirs, ref_gm, ref, range(step, step + 1), rank)
+    out["stepped_params"] = (params(ours), params(theirs))
+    out["stepped_state_equal"] = same_state(opt.state_dict(), ref.state_dict())
+    dcp_save(ours, opt, os.path.join(outdir, f"dcp{save}"))
+    gathered_save(theirs, ref, os.path.join(outdir, f"ref{save}.pt"), rank)
+
+
+def first(out: dict, rank: int, outdir: str) -> None:
+    ours, theirs, plain = model(), model(), model()
+    gm, opt = zero(ours)
+    ref_gm, ref = zero(theirs)
+    train(ours, gm, opt, range(3), rank)
+    train(theirs, ref_gm, ref, range(3), rank)
+    dcp_save(ours, opt, os.path.join(outdir, "dcp1"))
+    gathered_save(theirs, ref, os.path.join(outdir, "ref1.pt"), rank)
+    # DDP with torch's AdamW, the same steps, saved with DCP as torch's docs do
+    ddp = DDP(plain)
+    adamw = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for step in range(3):
+        ddp(batch(step, rank)).square().mean().backward()
+        adamw.step()
+        adamw.zero_grad()
+    model_state, optim_state = torch_state.get_state_dict(ddp, adamw)
+    dcp.save({"model": model_state, "optim": optim_state},
+             checkpoint_id=os.path.join(outdir, "ddp1"))
+    if rank == 0:
+        torch.save({"params": plain.state_dict(), "optimizer": adamw.state_dict()},
+                   os.path.join(outdir, "ddp1.pt"))
+    dist.barrier()
+
+
+def third(out: dict, rank: int, outdir: str) -> None:
+    leg(out, rank, outdir, "2", "3", 4)
+    # DDP's DCP checkpoint into ZeRO-2 ...
+    ddp_saved = torch.load(os.path.join(outdir, "ddp1.pt"))
+    net = model()
+    gm, opt = zero(net)
+    for p in net.parameters():  # so that a model that loaded nothing cannot pass
+        p.data.add_(1.0)
+    dcp_load(net, opt, os.path.join(outdir, "ddp1"))
+    out["from_ddp_state_equal"] = same_state(opt.state_dict(), ddp_saved["optimizer"])
+    out["from_ddp_params_equal"] = all(torch.equal(a, b) for a, b in
+                                       zip(params(net), ddp_saved["params"].values()))
+    # ... and back: ZeRO-2's DCP checkpoint into DDP with torch's AdamW
+    dcp_save(net, opt, os.path.join(outdir, "back"))
+    ddp = DDP(model())
+    adamw = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    model_state, optim_state = torch_state.get_state_dict(ddp, adamw)
+    dcp.load({"model": model_state, "optim": optim_state},
+             checkpoint_id=os.path.join(outdir, "back"))
+    torch_state.set_state_dict(ddp, adamw, model_state_dict=model_state,
+                               optim_state_dict=optim_state)
+    out["to_ddp_state_equal"] = same_state(adamw.state_dict(), ddp_saved["optimizer"])
+    out["to_ddp_params_equal"] = all(torch.equal(a, b) for a, b in
+                                     zip(params(ddp.module), ddp_saved["params"].values()))
+    bad_input(out, outdir)
+
+
+def bad_input(out: dict, outdir: str) -> None:
+    """A checkpoint without a key the template asks for, and one of another optimizer class:
+    each raises, and the optimizer is as it was."""
+    for name, net, optimizer, options in [
+            ("missing_key", model(extra=True), torch.optim.AdamW, {}),
+            ("wrong_class", model(), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})]:
+        gm, opt = zero(net, optimizer, **options)
+        train(net, gm, opt, range(1), dist.get_rank())
+        before = opt.state_dict()
+        try:
+            dcp_load(net, opt, os.path.join(outdir, "dcp1"))
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            out[name] = (type(error).__name__, str(error), same_state(opt.state_dict(), before))
+        else:
+            out[name] = None
+        del opt, gm
+
+
+def main(rank: int, world: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    out: dict = {"world": world}
+    part = os.environ["GRADMGR_DCP_PART"]
+    if part == "first":
+        first(out, rank, outdir)
+    elif part == "second":
+        leg(out, rank, outdir, "1", "2", 3)
+    else:
+        third(out, rank, outdir)
+    dist.barrier()
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
