@@ -123,14 +123,17 @@ def test_one_bucket_buffer_serves_a_backward_of_equal_buckets(zero_ranks):
     buffer to every bucket after the first, where before the second bucket found none (two
     were then alive together with the engine's newest gradient: the step's peak, one buffer
     higher). Whether the offered buffer is taken also depends on gloo's worker having dropped
-    the finished collective's reference to it (``storage_unshared``): usually one buffer
-    serves the step, under load now and then two, never more. Results bit for bit DDP's."""
+    the finished collective's reference to it (``storage_unshared``), which is timing: usually
+    one buffer serves the step, under load two, and in one fresh-clone run on the 2-core
+    machine three (2026-11-28; this test asserted at most two then and failed). So what is
+    asserted is the offer (deterministic) and at most one buffer per bucket over both steps
+    (the second step reuses the first's). Results bit for bit DDP's."""
     main, _ = zero_ranks
     for rank, out in enumerate(main):
         run = out["one_buffer"]
         assert run["buckets"] == 4 and run["allocated"] == 8  # 4 buckets, 2 steps
         assert run["offered"] == [False, True, True, True], run["offered"]
-        assert run["buffers"] <= 2, run["buffers"]
+        assert run["buffers"] <= run["buckets"], run["buffers"]
         same(run["ours"], run["ddp"], f"rank {rank}")
 
 
