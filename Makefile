@@ -6,7 +6,7 @@
 .PHONY: help setup setup-demo setup-latest setup-system test test-fast lint demo docs bench clean distclean
 
 help:
-	@echo "make demo          set up .venv, then run examples/demo.py"
+	@echo "make demo          set up .venv, then run examples/demo.py (in .venv-paddle, on three frameworks, where make setup built it)"
 	@echo "make test          set up both environments (and Chromium), then lint and run every test"
 	@echo "make test-fast     set up .venv-latest, then lint and run the core tests and one distributed smoke"
 	@echo "make setup         create .venv (torch 2.8 + megengine 1.13) and .venv-latest (torch 2.13, docs tools)"
@@ -39,8 +39,12 @@ lint: setup-latest
 	.venv-latest/bin/ruff check .
 	.venv-latest/bin/python -m mypy
 
+# The demo trains on PaddlePaddle too where `make setup` built .venv-paddle (`make demo` alone
+# does not download Paddle's 195 MB wheel).
 demo: setup-demo
-	.venv/bin/python examples/demo.py
+	@if [ -x .venv-paddle/bin/python ] && .venv-paddle/bin/python -c "import paddle, gradmgr" >/dev/null 2>&1; \
+	then echo ".venv-paddle/bin/python examples/demo.py"; .venv-paddle/bin/python examples/demo.py; \
+	else echo ".venv/bin/python examples/demo.py"; .venv/bin/python examples/demo.py; fi
 
 docs: setup-latest
 	.venv-latest/bin/python -m mkdocs build --strict --site-dir site

@@ -2,8 +2,8 @@
 
 Weights are created as numpy arrays from a fixed seed and the models are written as plain
 functions of a parameter dict over a tiny op table, so the very same network with the very same
-starting weights runs on PyTorch and on MegEngine. Frameworks are imported only inside the op
-table constructors, so this module imports neither.
+starting weights runs on PyTorch, on MegEngine and on PaddlePaddle. Frameworks are imported only
+inside the op table constructors, so this module imports none of them.
 """
 
 from __future__ import annotations
@@ -159,7 +159,34 @@ def megengine_ops() -> SimpleNamespace:
     )
 
 
-OPS: Dict[str, Callable[[], SimpleNamespace]] = {"torch": torch_ops, "megengine": megengine_ops}
+def paddle_ops() -> SimpleNamespace:
+    """The op table on PaddlePaddle. The weights keep the layout of the other two (Linear
+    ``[out, in]``), as a user who ports a checkpoint keeps it, so the product is written with
+    ``transpose_y`` rather than Paddle's ``F.linear`` (which takes ``[in, out]``)."""
+    import paddle
+    import paddle.nn.functional as F
+
+    def parameter(a: np.ndarray) -> Any:
+        return paddle.create_parameter(list(a.shape), "float32",
+                                       default_initializer=paddle.nn.initializer.Assign(a))
+
+    return SimpleNamespace(
+        name="paddle",
+        tensor=lambda a: paddle.to_tensor(a),
+        parameter=parameter,
+        numpy=lambda t: t.numpy(),
+        linear=lambda x, w, b: paddle.matmul(x, w, transpose_y=True) + b,
+        relu=F.relu,
+        conv2d=lambda x, w, b: F.conv2d(x, w, b, padding=1),
+        avg_pool=lambda x: F.avg_pool2d(x, 2),
+        flatten=lambda x: paddle.flatten(x, 1),
+        cross_entropy=lambda logits, y: F.cross_entropy(logits, y.astype("int64")),
+    )
+
+
+OPS: Dict[str, Callable[[], SimpleNamespace]] = {
+    "torch": torch_ops, "megengine": megengine_ops, "paddle": paddle_ops,
+}
 
 
 def available_frameworks() -> list:

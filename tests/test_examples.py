@@ -81,7 +81,7 @@ def test_forward_mode_prints_analytic_jvp(framework: str) -> None:
     np.testing.assert_allclose(printed, a @ (np.cos(x) * v) + 2 * x * v, rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("framework", ["torch", "megengine"])
+@pytest.mark.parametrize("framework", ["torch", "megengine", "paddle"])
 def test_training_script(framework: str) -> None:
     require(framework)
     out = run_example(f"train_{framework}.py", "--steps", "100")
@@ -118,6 +118,31 @@ def test_demo(tmp_path) -> None:
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.paddle
+@pytest.mark.torch
+@pytest.mark.megengine
+def test_demo_trains_on_three_frameworks_where_paddle_is_installed(tmp_path) -> None:
+    """With Paddle importable (.venv-paddle, where `make demo` runs when it exists) the demo
+    trains both models on all three frameworks: three loss columns per model, equal to 1e-5
+    at every logged step, and the largest gradient difference over the three pairs."""
+    require("torch", "megengine", "paddle", "matplotlib", "tqdm")
+    proc = run_example_process("demo.py", "--steps", "12", "--log-every", "4",
+                               "--out", str(tmp_path))
+    assert "paddle cnn: 100%" in proc.stderr, proc.stderr[-2000:]
+    assert "not installed" not in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\s+\d+ \|", line)]
+    assert [int(r.split("|")[0]) for r in rows] == [0, 4, 8, 11]
+    for row in rows:
+        cells = [float(c) for c in row.split("|")[1:]]
+        assert len(cells) == 8, row  # 2 models x 3 frameworks, then 2 gradient columns
+        for losses in (cells[0:3], cells[3:6]):
+            assert max(losses) - min(losses) < 1e-5, row
+    worst = re.search(r"largest gradient difference between frameworks: (\S+) \((\w+) (\S+), "
+                      r"(\w+) vs (\w+), step (\d+)\)", proc.stdout)
+    assert worst and float(worst.group(1)) < 1e-5, proc.stdout
+    assert {worst.group(4), worst.group(5)} <= {"torch", "megengine", "paddle"}
 
 
 GPT_ROW = re.compile(r"^step +(\d+) rank (\d+)  loss (\S+) / (\S+)  mean (\S+) / (\S+)$",
