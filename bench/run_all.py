@@ -32,6 +32,7 @@ BENCHMARKS: List[Tuple[str, Tuple[str, ...]]] = [
     ("bench_ddp.py", ("torch",)),
     ("bench_split.py", ("torch",)),
     ("bench_zero.py", ("torch",)),
+    ("bench_memory_budget.py", ("torch",)),
     ("bench_compile.py", ("torch",)),
     ("bench_parity.py", ("torch", "megengine")),
     ("bench_scaling.py", ("torch",)),
