@@ -1,0 +1,169 @@
+"""Rank program: gradmgr's data parallelism on a Paddle model, next to ``paddle.DataParallel``
+on the same script, over Paddle's own collectives (gloo on CPU).
+
+Run as a Paddle user runs it: ``spawn_local(main, 2, outdir)`` (gradmgr's launcher sets what
+``paddle.distributed.init_parallel_env()`` reads). Each rank saves ``rank{r}.pkl``: parameters
+after every optimizer step, ours and Paddle's, and the errors of the refused cases.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+
+STEPS = 3
+BATCH = 8
+
+
+def batch(step: int):
+    rng = np.random.default_rng(100 + step)
+    return (rng.standard_normal((BATCH, 6)).astype("float32"),
+            rng.standard_normal((BATCH, 3)).astype("float32"))
+
+
+def shard(a, rank: int, world: int):
+    n = len(a) // world
+    return a[rank * n:(rank + 1) * n]
+
+
+def net(seed: int, extra: bool = False):
+    import paddle
+
+    paddle.seed(seed)
+    layers = [paddle.nn.Linear(6, 8), paddle.nn.Tanh(), paddle.nn.Linear(8, 3)]
+    if extra:
+        layers.append(paddle.nn.Linear(3, 3))
+    return paddle.nn.Sequential(*layers)
+
+
+def loss_of(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def optimizer(kind: str, model):
+    import paddle
+
+    if kind == "sgd":
+        return paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    return paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
+
+
+def values(model) -> list:
+    return [p.numpy().copy() for p in model.parameters()]
+
+
+def grads(model) -> list:
+    return [None if p.grad is None else p.grad.numpy().copy() for p in model.parameters()]
+
+
+def local(step: int, rank: int, world: int):
+    import paddle
+
+    x, y = batch(step)
+    return paddle.to_tensor(shard(x, rank, world)), paddle.to_tensor(shard(y, rank, world))
+
+
+def ours(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1) -> dict:
+    """gradmgr: ``data_parallel(model)``; ranks start from different weights (seed = rank),
+    the broadcast gives rank 0's. ``micro`` > 1: the first micro-batches under no_sync."""
+    from gradmgr.distributed import data_parallel, no_sync
+
+    model = net(rank)
+    if frozen:
+        model[0].bias.stop_gradient = True
+    gm = data_parallel(model)
+    opt = optimizer(kind, model)
+    out: dict = {"params": [], "grads": []}
+    for step in range(STEPS):
+        for m in range(micro):
+            x, y = local(step * micro + m, rank, world)
+            if m < micro - 1:
+                with no_sync(gm), gm:
+                    gm.backward(loss_of(model, x, y))
+            else:
+                with gm:
+                    gm.backward(loss_of(model, x, y))
+        out["grads"].append(grads(model))
+        opt.step()
+        opt.clear_grad(set_to_zero=False)
+        out["params"].append(values(model))
+    return out
+
+
+def paddles(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1) -> dict:
+    """The same script on ``paddle.DataParallel`` (which also broadcasts rank 0's weights)."""
+    import contextlib
+
+    import paddle
+
+    model = net(rank)
+    if frozen:
+        model[0].bias.stop_gradient = True
+    dp = paddle.DataParallel(model)
+    opt = optimizer(kind, model)
+    out: dict = {"params": [], "grads": []}
+    for step in range(STEPS):
+        for m in range(micro):
+            x, y = local(step * micro + m, rank, world)
+            with dp.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                loss_of(dp, x, y).backward()
+        out["grads"].append(grads(model))
+        opt.step()
+        opt.clear_grad(set_to_zero=False)
+        out["params"].append(values(model))
+    return out
+
+
+def refusals(rank: int, world: int) -> dict:
+    """What the Paddle path cannot do: each raises on every rank, and the ranks go on."""
+    from gradmgr.distributed import data_parallel
+
+    errors: dict = {}
+    for name, options in (("shard", {"shard": True}), ("full", {"shard": "full"}),
+                          ("comm_hook", {"comm_hook": lambda state, bucket: bucket}),
+                          ("transport", {"transport": "gloo"})):
+        model = net(0)
+        try:
+            gm = data_parallel(model, **options)
+            with gm:
+                gm.backward(loss_of(model, *local(0, rank, world)))
+        except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+            errors[name] = f"{type(e).__name__}: {e}"
+        gm = None
+    model = net(0)
+    gm = data_parallel(model)
+    try:
+        gm.join()
+    except Exception as e:  # noqa: BLE001
+        errors["join"] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def mismatch(rank: int, world: int) -> str:
+    """Rank 1's model has one more layer: every rank raises, none hangs."""
+    from gradmgr.distributed import data_parallel
+
+    try:
+        data_parallel(net(0, extra=rank == 1))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def main(rank: int, world: int, port: int, outdir: str) -> None:
+    import paddle.distributed as dist
+
+    dist.init_parallel_env()
+    out: dict = {}
+    for case, kwargs in (("sgd", {}), ("adam", {}), ("no_sync", {"micro": 2}),
+                         ("frozen", {"frozen": True})):
+        kind = "adam" if case == "adam" else "sgd"
+        out[case] = {"ours": ours(kind, rank, world, **kwargs),
+                     "paddle": paddles(kind, rank, world, **kwargs)}
+    out["refusals"] = refusals(rank, world)
+    out["mismatch"] = mismatch(rank, world)
+    dist.barrier()
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
