@@ -65,7 +65,8 @@ def local(step: int, rank: int, world: int):
     return paddle.to_tensor(shard(x, rank, world)), paddle.to_tensor(shard(y, rank, world))
 
 
-def ours(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1) -> dict:
+def ours(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1,
+         **options) -> dict:
     """gradmgr: ``data_parallel(model)``; ranks start from different weights (seed = rank),
     the broadcast gives rank 0's. ``micro`` > 1: the first micro-batches under no_sync."""
     from gradmgr.distributed import data_parallel, no_sync
@@ -73,7 +74,7 @@ def ours(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1)
     model = net(rank)
     if frozen:
         model[0].bias.stop_gradient = True
-    gm = data_parallel(model)
+    gm = data_parallel(model, **options)
     opt = optimizer(kind, model)
     out: dict = {"params": [], "grads": []}
     for step in range(STEPS):
@@ -122,6 +123,7 @@ def refusals(rank: int, world: int) -> dict:
 
     errors: dict = {}
     for name, options in (("shard", {"shard": True}), ("full", {"shard": "full"}),
+                          ("fp16", {"compression": "fp16"}),
                           ("comm_hook", {"comm_hook": lambda state, bucket: bucket}),
                           ("transport", {"transport": "gloo"})):
         model = net(0)
@@ -162,6 +164,7 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
         kind = "adam" if case == "adam" else "sgd"
         out[case] = {"ours": ours(kind, rank, world, **kwargs),
                      "paddle": paddles(kind, rank, world, **kwargs)}
+    out["bf16"] = {"ours": ours("sgd", rank, world, compression="bf16")}
     out["refusals"] = refusals(rank, world)
     out["mismatch"] = mismatch(rank, world)
     dist.barrier()

@@ -16,6 +16,12 @@ NO_SHARDING = (
     "paddle.distributed.sharding"
 )
 
+FP16_ON_GLOO = (
+    "compression='fp16' on Paddle CPU tensors: Paddle 3.3's gloo all_reduce sums float16 "
+    "wrongly (1 + 2 gives inf, measured), so gradmgr refuses it; use compression='bf16' "
+    "(summed correctly), or none"
+)
+
 
 def dtype_name(tensor: Any) -> str:
     return str(tensor.dtype).replace("paddle.", "")
@@ -51,10 +57,17 @@ class PaddleOps(TensorOps):
         return float(flags[i])
 
     def cast(self, flat: Any, dtype: str) -> Any:
-        if dtype == "bfloat16":  # measured: Paddle's gloo all_reduce refuses bfloat16
-            raise ValueError("bf16 compression: Paddle's gloo collectives do not sum bfloat16; "
-                             "use compression='fp16'")
         return flat.astype(dtype)
+
+    def compress(self, flat: Any, compression: str) -> Any:
+        if compression == "fp16" and flat.place.is_cpu_place():
+            raise ValueError(FP16_ON_GLOO)
+        return super().compress(flat, compression)
+
+    def comm_hook(self, hook: Any, state: Any) -> Any:
+        raise ValueError("comm_hook= takes PyTorch DDP communication hooks, and these tensors "
+                         "are Paddle's: use compression='bf16', or a transport "
+                         "(make_allreduce_cb(transport=...))")
 
     def vector(self, values: Sequence[float], like: Any) -> Any:
         place = like.place if like is not None else paddle.CPUPlace()
