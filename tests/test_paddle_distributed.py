@@ -136,6 +136,10 @@ def test_what_the_paddle_path_cannot_do_raises_on_every_rank(ranks):
         assert errors["join"].startswith("NotImplementedError: uneven inputs"), rank
 
 
+def test_the_example_of_docs_paddle_md_trains_alike_on_both_ranks(ranks):
+    assert [out["example"] for out in ranks] == ["ran", "ran"]  # its fit() asserts the rest
+
+
 def test_ranks_that_disagree_on_the_parameters_fail_on_every_rank(ranks):
     for rank, out in enumerate(ranks):
         assert out["mismatch"].startswith("RankMismatchError: the ranks planned different "

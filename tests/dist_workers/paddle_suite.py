@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import runpy
 
 import numpy as np
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples")
 STEPS = 3
 BATCH = 8
 
@@ -167,6 +170,9 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     out["bf16"] = {"ours": ours("sgd", rank, world, compression="bf16")}
     out["refusals"] = refusals(rank, world)
     out["mismatch"] = mismatch(rank, world)
+    example = runpy.run_path(os.path.join(EXAMPLES, "paddle_data_parallel.py"), run_name="ex")
+    example["fit"](rank, world, 3)  # docs/paddle.md's example (it asserts the ranks agree)
+    out["example"] = "ran"
     dist.barrier()
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
