@@ -165,3 +165,14 @@ def test_a_frozen_parameter_gets_no_gradient():
         if theirs.grad is not None:
             np.testing.assert_array_equal(ours.grad.numpy(), theirs.grad.numpy())
     assert inp.grad is not None and inp.stop_gradient
+
+
+def test_data_parallel_without_paddle_collectives_says_what_to_do():
+    """This process never called ``init_parallel_env()``: the first collective (the ranks'
+    comparison of their modules) raises, naming what to call and how to start the ranks."""
+    from gradmgr.distributed import data_parallel
+
+    assert not paddle.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match=r"(?s)paddle.distributed is not initialised: call "
+                                           r"paddle.distributed.init_parallel_env\(\).*spawn_local"):
+        data_parallel(suite.net(0))

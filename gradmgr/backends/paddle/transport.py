@@ -19,7 +19,8 @@ NOT_INITIALISED = (
     "paddle.distributed is not initialised: call paddle.distributed.init_parallel_env() on "
     "every rank first (ranks started by `python -m paddle.distributed.launch`, "
     "paddle.distributed.spawn or gradmgr.distributed.spawn_local; on a CPU, with "
-    "PADDLE_DISTRI_BACKEND=gloo, which spawn_local sets)"
+    "PADDLE_DISTRI_BACKEND=gloo, which spawn_local sets). With one process it initialises "
+    "nothing: data parallelism on Paddle needs 2 ranks or more"
 )
 
 
