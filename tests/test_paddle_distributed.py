@@ -24,7 +24,7 @@ from ranks import TESTS, rank_env
 
 from gradmgr import GradManager
 
-CASES = ("sgd", "adam", "no_sync", "frozen")
+CASES = ("sgd", "adam", "no_sync", "frozen", "by_hand")  # by_hand: make_allreduce_cb
 REL, ABS = 1e-5, 1e-6
 
 _LAUNCH = ("import sys; from gradmgr.distributed import spawn_local; "

@@ -96,6 +96,26 @@ def ours(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1,
     return out
 
 
+def by_hand(rank: int, world: int) -> dict:
+    """``make_allreduce_cb`` attached by hand (it broadcasts rank 0's tensors at the first
+    recording), with SGD: the script of ``ours("sgd", ...)`` without ``data_parallel``."""
+    from gradmgr import GradManager
+    from gradmgr.distributed import make_allreduce_cb
+
+    model = net(rank)
+    gm = GradManager().attach(model.parameters(), callbacks=[make_allreduce_cb("mean")])
+    opt = optimizer("sgd", model)
+    out: dict = {"params": [], "grads": []}
+    for step in range(STEPS):
+        with gm:
+            gm.backward(loss_of(model, *local(step, rank, world)))
+        out["grads"].append(grads(model))
+        opt.step()
+        opt.clear_grad(set_to_zero=False)
+        out["params"].append(values(model))
+    return out
+
+
 def paddles(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1) -> dict:
     """The same script on ``paddle.DataParallel`` (which also broadcasts rank 0's weights)."""
     import contextlib
@@ -168,6 +188,7 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
         out[case] = {"ours": ours(kind, rank, world, **kwargs),
                      "paddle": paddles(kind, rank, world, **kwargs)}
     out["bf16"] = {"ours": ours("sgd", rank, world, compression="bf16")}
+    out["by_hand"] = {"ours": by_hand(rank, world), "paddle": out["sgd"]["paddle"]}
     out["refusals"] = refusals(rank, world)
     out["mismatch"] = mismatch(rank, world)
     example = runpy.run_path(os.path.join(EXAMPLES, "paddle_data_parallel.py"), run_name="ex")
