@@ -69,7 +69,7 @@ def local(step: int, rank: int, world: int):
 
 
 def ours(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1,
-         **options) -> dict:
+         skip: int = -1, **options) -> dict:
     """gradmgr: ``data_parallel(model)``; ranks start from different weights (seed = rank),
     the broadcast gives rank 0's. ``micro`` > 1: the first micro-batches under no_sync."""
     from gradmgr.distributed import data_parallel, no_sync
@@ -81,7 +81,13 @@ def ours(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1,
     opt = optimizer(kind, model)
     out: dict = {"params": [], "grads": []}
     for step in range(STEPS):
-        for m in range(micro):
+        if step == skip:  # a batch skipped (its forward raised): a recording, no backward
+            try:
+                with gm:
+                    pass
+            except RuntimeError as e:  # (what the test asserts there is none of)
+                out["skip_error"] = str(e)
+        for m in range(micro if step != skip else 0):
             x, y = local(step * micro + m, rank, world)
             if m < micro - 1:
                 with no_sync(gm), gm:
@@ -91,7 +97,7 @@ def ours(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1,
                     gm.backward(loss_of(model, x, y))
         out["grads"].append(grads(model))
         opt.step()
-        opt.clear_grad(set_to_zero=False)
+        opt.clear_grad(set_to_zero=skip >= 0)  # skip: .grad kept (zeros) into the next step
         out["params"].append(values(model))
     return out
 
@@ -116,7 +122,8 @@ def by_hand(rank: int, world: int) -> dict:
     return out
 
 
-def paddles(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1) -> dict:
+def paddles(kind: str, rank: int, world: int, frozen: bool = False, micro: int = 1,
+            skip: int = -1) -> dict:
     """The same script on ``paddle.DataParallel`` (which also broadcasts rank 0's weights)."""
     import contextlib
 
@@ -129,13 +136,13 @@ def paddles(kind: str, rank: int, world: int, frozen: bool = False, micro: int =
     opt = optimizer(kind, model)
     out: dict = {"params": [], "grads": []}
     for step in range(STEPS):
-        for m in range(micro):
+        for m in range(micro if step != skip else 0):
             x, y = local(step * micro + m, rank, world)
             with dp.no_sync() if m < micro - 1 else contextlib.nullcontext():
                 loss_of(dp, x, y).backward()
         out["grads"].append(grads(model))
         opt.step()
-        opt.clear_grad(set_to_zero=False)
+        opt.clear_grad(set_to_zero=skip >= 0)
         out["params"].append(values(model))
     return out
 
@@ -183,7 +190,7 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     dist.init_parallel_env()
     out: dict = {}
     for case, kwargs in (("sgd", {}), ("adam", {}), ("no_sync", {"micro": 2}),
-                         ("frozen", {"frozen": True})):
+                         ("frozen", {"frozen": True}), ("skipped", {"skip": 1})):
         kind = "adam" if case == "adam" else "sgd"
         out[case] = {"ours": ours(kind, rank, world, **kwargs),
                      "paddle": paddles(kind, rank, world, **kwargs)}

@@ -23,6 +23,10 @@ FP16_ON_GLOO = (
 )
 
 
+def _memory(grad: Any) -> Optional[int]:
+    return None if grad is None else grad.data_ptr()
+
+
 def dtype_name(tensor: Any) -> str:
     return str(tensor.dtype).replace("paddle.", "")
 
@@ -42,6 +46,15 @@ class PaddleOps(TensorOps):
 
     def trainable(self, tensor: Any) -> bool:
         return not tensor.stop_gradient
+
+    def grad_snapshot(self, tensors: Sequence[Any]) -> Any:
+        # Each ``.grad`` read is a new Python object over the same memory, so the default's
+        # identity check would see every kept gradient as changed; the memory tells instead.
+        return [_memory(t.grad) for t in tensors]
+
+    def grads_changed(self, tensors: Sequence[Any], snapshot: Any) -> bool:
+        return snapshot is not None and any(
+            _memory(t.grad) != old for t, old in zip(tensors, snapshot))
 
     def new_buffer(self, bucket: Any, like: Any) -> PaddleBuffer:
         return PaddleBuffer(bucket, like)
