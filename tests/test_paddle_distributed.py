@@ -143,6 +143,17 @@ def test_the_example_of_docs_paddle_md_trains_alike_on_both_ranks(ranks):
     assert [out["example"] for out in ranks] == ["ran", "ran"]  # its fit() asserts the rest
 
 
+def test_a_rank_whose_forward_fails_makes_the_others_raise_and_the_next_step_is_whole(ranks):
+    errors = [out["one_fails"].get("error", "") for out in ranks]
+    assert errors[0].startswith("RankFailedError: another rank's backward raised"), errors[0]
+    assert errors[1] == "ValueError: rank 1's forward failed", errors[1]
+    for rank, out in enumerate(ranks):
+        assert out["one_fails"]["grads_after_failure"] == [None] * 4, rank  # as before: none
+        for i, (got, want) in enumerate(zip(out["one_fails"]["grads"],
+                                            ranks[0]["sgd"]["ours"]["grads"][0])):
+            np.testing.assert_array_equal(got, want, err_msg=f"rank {rank} [{i}]")
+
+
 def test_ranks_that_disagree_on_the_parameters_fail_on_every_rank(ranks):
     for rank, out in enumerate(ranks):
         assert out["mismatch"].startswith("RankMismatchError: the ranks planned different "

@@ -173,6 +173,29 @@ def refusals(rank: int, world: int) -> dict:
     return errors
 
 
+def one_rank_fails(rank: int, world: int) -> dict:
+    """Rank 1's forward raises inside the recording (no backward there); rank 0's backward
+    must raise RankFailedError and leave .grad as it was; the next step is a normal one."""
+    from gradmgr.distributed import data_parallel
+
+    model = net(rank)
+    gm = data_parallel(model)
+    out: dict = {}
+    x, y = local(0, rank, world)
+    try:
+        with gm:
+            if rank == 1:
+                raise ValueError("rank 1's forward failed")
+            gm.backward(loss_of(model, x, y))
+    except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["grads_after_failure"] = grads(model)
+    with gm:
+        gm.backward(loss_of(model, x, y))
+    out["grads"] = grads(model)
+    return out
+
+
 def mismatch(rank: int, world: int) -> str:
     """Rank 1's model has one more layer: every rank raises, none hangs."""
     from gradmgr.distributed import data_parallel
@@ -197,6 +220,7 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     out["bf16"] = {"ours": ours("sgd", rank, world, compression="bf16")}
     out["by_hand"] = {"ours": by_hand(rank, world), "paddle": out["sgd"]["paddle"]}
     out["refusals"] = refusals(rank, world)
+    out["one_fails"] = one_rank_fails(rank, world)
     out["mismatch"] = mismatch(rank, world)
     example = runpy.run_path(os.path.join(EXAMPLES, "paddle_data_parallel.py"), run_name="ex")
     example["fit"](rank, world, 3)  # docs/paddle.md's example (it asserts the ranks agree)
