@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
 # The Paddle suite (.venv-paddle): its contract leg, its backend's tests and its doc blocks.
-PADDLE_TESTS=(tests/test_contract.py tests/test_edges.py tests/test_paddle_backend.py
+PADDLE_TESTS=(tests/test_contract.py tests/test_edges.py tests/test_paddle_backend.py tests/test_paddle_distributed.py
               tests/differential/test_paddle_differential.py tests/test_env_command.py
               tests/test_docstrings.py tests/docs/test_doc_blocks.py tests/test_examples.py
               -k paddle)

@@ -177,12 +177,10 @@ def test_operations_on_an_input_before_record_are_ignored():
     np.testing.assert_array_equal(x.grad.numpy(), [6.0])  # u, not u + 3x
 
 
-def test_data_parallel_and_the_porting_tool_say_they_are_not_there_yet():
+def test_the_porting_tool_says_it_is_not_there_yet():
     from gradmgr import UnsupportedBackendError, get_backend
 
-    backend = get_backend("paddle")
-    with pytest.raises(UnsupportedBackendError, match="'paddle' backend has no data-parallel"):
-        backend.tensor_ops()
+    backend = get_backend("paddle")  # (data parallelism: tests/test_paddle_distributed.py)
     with pytest.raises(UnsupportedBackendError, match="'paddle' backend has no parity"):
         backend.parity_adapter(_mlp(0))
 

@@ -76,6 +76,23 @@ class PaddleBackend(Backend):
     def new_tape(self) -> Tape:
         return PaddleTape()
 
+    transport_names = ("paddle",)
+
+    def prepare_rank(self, rank: int, world: int) -> None:
+        from . import world as paddle_world
+
+        paddle_world.install(rank, world)
+
+    def tensor_ops(self) -> Any:
+        from .ops import PADDLE_OPS
+
+        return PADDLE_OPS
+
+    def transport(self, group: Any = None, name: Optional[str] = None) -> Any:
+        from . import transport
+
+        return transport.make(group, name, self)
+
 
 def _dtype(tensor: Any) -> str:
     return str(tensor.dtype).replace("paddle.", "")

@@ -1,8 +1,11 @@
 """The ``stop_gradient`` flags that recordings lift from attached tensors, and restore.
 
 An attached input (``stop_gradient=True``) must get a gradient, so a recording sets its flag to
-False, as the PyTorch backend does with ``requires_grad``. Several managers may attach the same
-tensor: the user's flag comes back only when the last recording that lifted it ends.
+False, as the PyTorch backend does with ``requires_grad``. A parameter with
+``stop_gradient=True`` is frozen instead and gets no gradient, as with ``loss.backward()`` and
+``paddle.DataParallel`` (and a frozen ``torch.nn.Parameter`` on the PyTorch backend). Several
+managers may attach the same tensor: the user's flag comes back only when the last recording
+that lifted it ends.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import threading
 import weakref
 from typing import Any, Dict, List
+
+from paddle.base.framework import EagerParamBase
 
 _lock = threading.RLock()  # the weakref callback may run during a collection inside lift()
 _lifted: Dict[int, List[Any]] = {}  # id -> [weakref to the tensor, how many recordings lift it]
@@ -23,8 +28,8 @@ def lift(tensor: Any) -> bool:
         if entry is not None and entry[0]() is tensor:
             entry[1] += 1
             return True
-        if not tensor.stop_gradient:
-            return False  # a parameter, or lifted by nobody: nothing to restore
+        if not tensor.stop_gradient or isinstance(tensor, EagerParamBase):
+            return False  # trainable, or a frozen parameter: nothing to restore
         _lifted[id(tensor)] = [weakref.ref(tensor, _forget(id(tensor))), 1]
         tensor.stop_gradient = False
         return True

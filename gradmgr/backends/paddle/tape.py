@@ -117,9 +117,12 @@ class PaddleTape(Tape):
                     self._deliver, retain_graph)
 
     def _live(self) -> List[Tuple[_Watched, Any]]:
-        """Each watched tensor still alive, with its entry (held strongly from here on)."""
+        """Each watched tensor still alive and not frozen (a parameter with
+        ``stop_gradient=True``; an input's flag is lifted), with its entry (held strongly
+        from here on)."""
         pairs = [(entry, entry.tensor()) for entry in self._watched.values()]
-        return [(entry, tensor) for entry, tensor in pairs if tensor is not None]
+        return [(entry, tensor) for entry, tensor in pairs
+                if tensor is not None and not tensor.stop_gradient]
 
     @staticmethod
     def _deliver(entries: List[_Watched], grads: Sequence[Optional[Any]],
