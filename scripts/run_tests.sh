@@ -14,10 +14,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
-# The Paddle suite (.venv-paddle): its contract leg, its backend's tests and its doc blocks.
+# The Paddle suite (.venv-paddle): its contract leg, its backend's tests, the parity tool
+# against torch and MegEngine (which .venv-paddle imports too) and its doc blocks.
 PADDLE_TESTS=(tests/test_contract.py tests/test_edges.py tests/test_paddle_backend.py
               tests/differential/test_paddle_differential.py tests/test_env_command.py
-              tests/test_docstrings.py tests/docs/test_doc_blocks.py -k paddle)
+              tests/test_parity_paddle.py tests/test_docstrings.py tests/docs/test_doc_blocks.py
+              -k paddle)
 FAST_TESTS=(tests/test_core.py tests/test_edges.py tests/test_dp_contract.py
             tests/test_logging.py -m "not slow")
 
@@ -69,7 +71,7 @@ if [ "${1:-}" = "--fast" ]; then
   run_env .venv-latest torch 0 "${FAST_TESTS[@]}" "$@"
 else
   run_env .venv torch,megengine 0 tests "$@"
-  run_env .venv-paddle paddle 0 "${PADDLE_TESTS[@]}" "$@"
+  run_env .venv-paddle paddle,torch,megengine 0 "${PADDLE_TESTS[@]}" "$@"
   run_env .venv-latest torch 1 tests "$@"
 fi
 

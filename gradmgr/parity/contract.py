@@ -44,7 +44,9 @@ class Slot:
     (``weight``, ``bias``, ``running_mean``...), shape, and whether it is trained.
     ``transposed``: the framework stores it transposed (Paddle's Linear weight, ``[in, out]``);
     ``shape``, ``read``, ``write`` and ``grad`` are in the contract's layout all the same
-    (PyTorch's ``[out, in]``), and a checkpoint file holds it as stored."""
+    (PyTorch's ``[out, in]``), and a checkpoint file holds it as stored. ``note``: what the
+    framework does with it differently that no translation undoes (Paddle's running
+    variance), said in the weight map's ``how``."""
 
     name: str
     layer: str
@@ -52,6 +54,7 @@ class Slot:
     shape: Tuple[int, ...]
     trainable: bool
     transposed: bool = False
+    note: str = ""
 
 
 # pre(name, inputs[, layer]): a functional call (F.relu) gives its own Layer (a backend that

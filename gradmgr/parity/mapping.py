@@ -369,6 +369,9 @@ def _pair(sa: Slot, sb: Slot, transforms: Dict[str, Transform], report: MappingR
     if sa.transposed != sb.transposed:  # translated by the adapter, said here
         side = "src" if sa.transposed else "dst"
         how += f" ({side} stores it transposed, [in, out]: read and written as [out, in])"
+    if sa.note != sb.note:
+        how += "".join(f" ({side}: {note})" for side, note in (("src", sa.note),
+                                                              ("dst", sb.note)) if note)
     report.pairs.append(Pair(sa.name, sb.name, sa.shape, sb.shape, how, transform))
 
 

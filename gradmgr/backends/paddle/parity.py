@@ -5,7 +5,9 @@ Paddle's conventions are translated into the contract's, and said where they sho
 ``transposed``: the weight map and checkpoint files name the translation); BatchNorm's
 ``momentum`` (the old statistic's weight, as MegEngine's) arrives as ``1 - momentum``; its
 running statistics ``_mean`` and ``_variance`` (parameters Paddle never trains) are buffers
-with the roles ``running_mean`` and ``running_var``; ``epsilon`` is ``eps``.
+with the roles ``running_mean`` and ``running_var``; ``epsilon`` is ``eps``. What no
+translation undoes is said in the weight map: Paddle updates its running variance with the
+biased batch variance.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from gradmgr.parity.modules import NamedModules, as_tuple
 # Paddle's names of BatchNorm's running statistics, and the contract's roles for them.
 _STATS = {"_mean": "running_mean", "_variance": "running_var"}
 _NORMS = (nn.layer.norm._BatchNormBase, nn.BatchNorm)
+# Measured (tests/test_parity_paddle.py): Paddle's kernel, not a setting; nothing translates it.
+_BIASED = ("updated with the biased batch variance (divided by N; PyTorch and MegEngine divide "
+           "by N - 1): after training, eval-mode outputs differ by about 1/N relative")
 
 
 def _config(m: Any) -> Dict[str, Any]:
@@ -105,7 +110,7 @@ class PaddleParity(NamedModules):
                             slot.trainable, transposed=True)
             elif slot.name in self.buffers and slot.role in _STATS:
                 slot = Slot(slot.name, slot.layer, _STATS[slot.role], slot.shape,
-                            slot.trainable)
+                            slot.trainable, note=_BIASED if slot.role == "_variance" else "")
             found.append(slot)
         return found
 
