@@ -26,7 +26,7 @@ _STATS = {"_mean": "running_mean", "_variance": "running_var"}
 _NORMS = (nn.layer.norm._BatchNormBase, nn.BatchNorm)
 # Measured (tests/test_parity_paddle.py): Paddle's kernel, not a setting; nothing translates it.
 _BIASED = ("updated with the biased batch variance (divided by N; PyTorch and MegEngine divide "
-           "by N - 1): after training, eval-mode outputs differ by about 1/N relative")
+           "by N - 1): the running variances part as training goes on")
 
 
 def _config(m: Any) -> Dict[str, Any]:
