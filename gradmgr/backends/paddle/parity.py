@@ -53,8 +53,9 @@ def _config(m: Any) -> Dict[str, Any]:
         return {"num_groups": m._num_groups, "eps": m._epsilon, "affine": m.weight is not None}
     if isinstance(m, (nn.MaxPool2D, nn.AvgPool2D)):
         stride = m.ksize if m.stride is None else m.stride  # None: the kernel, as torch's
-        config = {"kernel_size": as_tuple(m.ksize, 2), "stride": as_tuple(stride, 2),
-                  "padding": as_tuple(m.padding, 2)}
+        config: Dict[str, Any] = {"kernel_size": as_tuple(m.ksize, 2),
+                                  "stride": as_tuple(stride, 2),
+                                  "padding": as_tuple(m.padding, 2)}
         if isinstance(m, nn.AvgPool2D):
             config["count_include_pad"] = not m.exclusive
         return config
