@@ -9,6 +9,26 @@ import paddle.nn.functional as F
 from paddle import nn
 
 
+class TransposedLinear(nn.Linear):
+    """A port that multiplies as PyTorch writes it (x @ W.T), on Paddle's [in, out] weight."""
+
+    def forward(self, x):
+        return paddle.matmul(x, self.weight, transpose_y=True) + self.bias
+
+
+class MLP(nn.Layer):
+    def __init__(self, transposed: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act1 = nn.ReLU()
+        self.fc2 = (TransposedLinear if transposed else nn.Linear)(32, 32)
+        self.act2 = nn.ReLU()
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc3(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+
 class CNN(nn.Layer):
     """Conv + BatchNorm (training mode) + ReLU + pooling + Linear."""
 

@@ -34,10 +34,11 @@ from gradmgr.parity import (  # noqa: E402
 RS = np.random.RandomState(0)
 XIMG = RS.randn(4, 3, 8, 8).astype(np.float32)
 XSEQ = RS.randn(4, 5, 16).astype(np.float32)
-MAKERS = {"torch": {"cnn": T.CNN, "block": T.Block},
-          "megengine": {"cnn": G.CNN, "block": G.Block},
-          "paddle": {"cnn": P.CNN, "block": P.Block}}
-BATCHES = {"cnn": XIMG, "block": XSEQ}
+X16 = RS.randn(8, 16).astype(np.float32)
+MAKERS = {"torch": {"cnn": T.CNN, "block": T.Block, "mlp": T.MLP},
+          "megengine": {"cnn": G.CNN, "block": G.Block, "mlp": G.MLP},
+          "paddle": {"cnn": P.CNN, "block": P.Block, "mlp": P.MLP}}
+BATCHES = {"cnn": XIMG, "block": XSEQ, "mlp": X16}
 DIRECTIONS = ["torch->paddle", "paddle->torch", "megengine->paddle", "paddle->megengine"]
 # each framework's BatchNorm momentum for PyTorch's 0.1 (the weight of the new statistic)
 MOMENTUM = {"torch": 0.1, "megengine": 0.9, "paddle": 0.9}
@@ -222,6 +223,19 @@ def test_a_broken_port_is_parity_broken_at_its_layer(case, bug, layer, key, dire
 
 
 @pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
+def test_a_port_multiplying_by_the_other_layout_is_broken_at_its_linear(direction):
+    """A square Linear that multiplies as the other framework writes it (x @ W where the
+    reference computes x @ W.T): the shapes fit, the values do not."""
+    a, b, x = pair("mlp", direction, transposed=True)
+    report = compare_step(a, b, x)
+    assert not report.ok and report.text().startswith("PARITY BROKEN")
+    assert report.first_forward is not None and report.first_forward.layer == "fc2"
+    assert report.weights == [] and report.findings == []
+    with pytest.raises(AssertionError, match="first forward divergence: layer fc2 "):
+        assert_parity(a, b, x)
+
+
+@pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
 def test_a_linear_weight_loaded_without_its_transpose_is_named(direction):
     """The porting bug Paddle's layout invites: a [out, in] weight loaded into an [in, out]
     Linear (or back) by reshaping, not transposing."""
@@ -237,6 +251,7 @@ def test_a_linear_weight_loaded_without_its_transpose_is_named(direction):
         b.up.weight._reset(mge.tensor(wrong))
     report = compare_step(a, b, x)
     assert report.weights == ["up.weight / up.weight"] and not report.ok
+    assert report.text().startswith("PARITY BROKEN")
     assert report.first_forward is not None and report.first_forward.layer == "up"
     assert "transfer the weights first" in report.text()
 
