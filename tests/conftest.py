@@ -98,6 +98,7 @@ FRAMEWORK_FILES = {
     "test_megengine_*.py": {"megengine"},
     "test_paddle_*.py": {"paddle"},
     "test_parity*.py": {"torch", "megengine"},
+    "test_parity_paddle*.py": {"paddle", "torch", "megengine"},
 }
 
 

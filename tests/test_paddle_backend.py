@@ -177,12 +177,11 @@ def test_operations_on_an_input_before_record_are_ignored():
     np.testing.assert_array_equal(x.grad.numpy(), [6.0])  # u, not u + 3x
 
 
-def test_the_porting_tool_says_it_is_not_there_yet():
-    from gradmgr import UnsupportedBackendError, get_backend
+def test_the_porting_tool_takes_paddle_models():
+    from gradmgr import get_backend
 
-    backend = get_backend("paddle")  # (data parallelism: tests/test_paddle_distributed.py)
-    with pytest.raises(UnsupportedBackendError, match="'paddle' backend has no parity"):
-        backend.parity_adapter(_mlp(0))
+    # its own tests: tests/test_parity_paddle.py; data parallelism: tests/test_paddle_distributed.py
+    assert get_backend("paddle").parity_adapter(_mlp(0)).framework == "paddle"
 
 
 def test_the_conventions_docs_paddle_md_states():

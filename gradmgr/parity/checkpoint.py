@@ -55,17 +55,32 @@ def save_map(src: Any, dst: Any, path: str, name_map: Optional[Mapping[str, str]
             raise ParityError(f"the transform of {p.src} is a function: a map file holds "
                               f"only 'transpose'; convert that tensor yourself after "
                               f"convert_checkpoint")
+    stored_a = {s.name for s in a.slots() if s.transposed}
+    stored_b = {s.name for s in b.slots() if s.transposed}
     written: Dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "src": a.framework, "dst": b.framework,
-        "pairs": [{"src": p.src, "dst": p.dst, "src_shape": list(p.src_shape),
-                   "dst_shape": list(p.dst_shape), "src_dtype": a.read(p.src).dtype.str,
-                   "dst_dtype": b.read(p.dst).dtype.str, "how": p.how,
-                   "transform": p.transform} for p in report.pairs],
+        "pairs": [_stored(p, p.src in stored_a, p.dst in stored_b,
+                          src_dtype=a.read(p.src).dtype.str, dst_dtype=b.read(p.dst).dtype.str)
+                  for p in report.pairs],
     }
     _split_ignored(written, a, b, report.ignored)
     with open(path, "w", encoding="utf-8") as file:
         json.dump(written, file, indent=1)
     return written
+
+
+def _stored(pair: Pair, src_transposed: bool, dst_transposed: bool,
+            **dtypes: str) -> Dict[str, Any]:
+    """A pair as the files hold it: a tensor its framework stores transposed (Paddle's
+    Linear weight, ``[in, out]``) with its stored shape, and one more transpose where one side
+    only stores it so."""
+    transform = pair.transform
+    if src_transposed != dst_transposed:
+        transform = None if transform == "transpose" else "transpose"
+    src_shape = list(reversed(pair.src_shape)) if src_transposed else list(pair.src_shape)
+    dst_shape = list(reversed(pair.dst_shape)) if dst_transposed else list(pair.dst_shape)
+    return {"src": pair.src, "dst": pair.dst, "src_shape": src_shape, "dst_shape": dst_shape,
+            **dtypes, "how": pair.how, "transform": transform}
 
 
 def _split_ignored(written: Dict[str, Any], a: Any, b: Any, ignored: List[Any]) -> None:

@@ -41,13 +41,20 @@ class Layer:
 @dataclass(frozen=True)
 class Slot:
     """A parameter or buffer of a model: qualified name, its layer, its role in the layer
-    (``weight``, ``bias``, ``running_mean``...), shape, and whether it is trained."""
+    (``weight``, ``bias``, ``running_mean``...), shape, and whether it is trained.
+    ``transposed``: the framework stores it transposed (Paddle's Linear weight, ``[in, out]``);
+    ``shape``, ``read``, ``write`` and ``grad`` are in the contract's layout all the same
+    (PyTorch's ``[out, in]``), and a checkpoint file holds it as stored. ``note``: what the
+    framework does with it differently that no translation undoes (Paddle's running
+    variance), said in the weight map's ``how``."""
 
     name: str
     layer: str
     role: str
     shape: Tuple[int, ...]
     trainable: bool
+    transposed: bool = False
+    note: str = ""
 
 
 # pre(name, inputs[, layer]): a functional call (F.relu) gives its own Layer (a backend that
@@ -132,8 +139,8 @@ def adapter_for(model: Any) -> ModelAdapter:
     if backend is None:
         raise ModelTypeError(
             f"cannot compare a {type(model).__name__}: the parity tool takes a module of a "
-            f"framework gradmgr knows (a torch.nn.Module or megengine.module.Module) with at "
-            f"least one parameter")
+            f"framework gradmgr knows (a torch.nn.Module, megengine.module.Module or "
+            f"paddle.nn.Layer) with at least one parameter")
     try:
         return backend.parity_adapter(model)
     except UnsupportedBackendError as error:

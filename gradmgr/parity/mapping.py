@@ -366,6 +366,12 @@ def _pair(sa: Slot, sb: Slot, transforms: Dict[str, Transform], report: MappingR
         report.unmapped.append(Unmapped("src", sa.name, _shape_reason(sa, sb)))
         report.unmapped.append(Unmapped("dst", sb.name, f"{sa.name} does not fit it (above)"))
         return
+    if sa.transposed != sb.transposed:  # translated by the adapter, said here
+        side = "src" if sa.transposed else "dst"
+        how += f" ({side} stores it transposed, [in, out]: read and written as [out, in])"
+    if sa.note != sb.note:
+        how += "".join(f" ({side}: {note})" for side, note in (("src", sa.note),
+                                                              ("dst", sb.note)) if note)
     report.pairs.append(Pair(sa.name, sb.name, sa.shape, sb.shape, how, transform))
 
 

@@ -33,8 +33,9 @@ class ConfigFinding:
     def __str__(self) -> str:
         text = (f"{self.layer_src} / {self.layer_dst}: {self.key} is {_shown(self.src)} on "
                 f"one side, {_shown(self.dst)} on the other")
-        if self.key == "momentum":  # MegEngine's m arrives as 1 - m
-            text += " (in PyTorch's convention, the new batch's weight: MegEngine's is 1 - it)"
+        if self.key == "momentum":  # MegEngine's and Paddle's m arrives as 1 - m
+            text += (" (in PyTorch's convention, the new batch's weight: MegEngine's and "
+                     "PaddlePaddle's is 1 - it)")
         return text
 
 

@@ -73,6 +73,11 @@ class PaddleBackend(Backend):
     def describe(self, tensor: Any) -> str:
         return f"shape {self.shape(tensor)}, dtype {_dtype(tensor)}, device {tensor.place}"
 
+    def parity_adapter(self, model: Any) -> Any:
+        from .parity import PaddleParity
+
+        return PaddleParity(model)
+
     def new_tape(self) -> Tape:
         return PaddleTape()
 

@@ -1,0 +1,310 @@
+"""gradmgr.parity on PaddlePaddle (issue 40): the CNN and the LayerNorm/Linear/GELU block of
+tests/test_parity_tool.py written in Paddle (tests/parity_small_paddle.py) against their
+PyTorch and MegEngine versions, weights transferred in both directions, one step compared
+layer by layer, the drift of a few steps, and checkpoint files converted.
+
+Runs in .venv-paddle (torch, MegEngine and Paddle in one process) with
+GRADMGR_FRAMEWORKS=paddle,torch,megengine. Tolerances are the tool's own
+(gradmgr/parity/tolerance.py); where a test asserts values itself it says its tolerance. A
+copied tensor (a transfer, a converted checkpoint) moves no bits: compared for equality.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+paddle = pytest.importorskip("paddle")
+torch = pytest.importorskip("torch")
+mge = pytest.importorskip("megengine")
+
+import megengine.optimizer  # noqa: E402,F401
+import parity_small_mge as G  # noqa: E402
+import parity_small_paddle as P  # noqa: E402
+import parity_small_torch as T  # noqa: E402
+
+from gradmgr.parity import (  # noqa: E402
+    assert_parity,
+    compare_step,
+    convert_checkpoint,
+    save_map,
+    train_drift,
+    transfer_weights,
+)
+
+RS = np.random.RandomState(0)
+XIMG = RS.randn(4, 3, 8, 8).astype(np.float32)
+XSEQ = RS.randn(4, 5, 16).astype(np.float32)
+X16 = RS.randn(8, 16).astype(np.float32)
+MAKERS = {"torch": {"cnn": T.CNN, "block": T.Block, "mlp": T.MLP},
+          "megengine": {"cnn": G.CNN, "block": G.Block, "mlp": G.MLP},
+          "paddle": {"cnn": P.CNN, "block": P.Block, "mlp": P.MLP}}
+BATCHES = {"cnn": XIMG, "block": XSEQ, "mlp": X16}
+DIRECTIONS = ["torch->paddle", "paddle->torch", "megengine->paddle", "paddle->megengine"]
+# each framework's BatchNorm momentum for PyTorch's 0.1 (the weight of the new statistic)
+MOMENTUM = {"torch": 0.1, "megengine": 0.9, "paddle": 0.9}
+
+
+def raw(model) -> dict:
+    """Every parameter and buffer as its framework stores it, as numpy (not through the
+    parity adapters: what the tests check them against)."""
+    if isinstance(model, torch.nn.Module):
+        return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return {k: np.array(v.numpy() if hasattr(v, "numpy") else v)
+            for k, v in model.state_dict().items()}
+
+
+def make(framework: str, case: str, seed: int, **broken):
+    """A model with biases and statistics moved away from 0 and 1 (a lost or swapped one
+    shows)."""
+    torch.manual_seed(seed)
+    paddle.seed(seed)
+    model = MAKERS[framework][case](**broken)
+    rs = np.random.RandomState(seed)
+    state = {k: v + rs.uniform(0.05, 0.2, v.shape).astype(v.dtype)
+             if v.dtype.kind == "f" and not k.endswith("weight") else v
+             for k, v in raw(model).items()}
+    if framework == "paddle":
+        model.set_state_dict({k: paddle.to_tensor(v) for k, v in state.items()})
+    elif framework == "torch":
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    else:
+        model.load_state_dict(state)
+    return model
+
+
+def pair(case: str, direction: str, **broken):
+    """(reference, port, batch): the port built with the bug ``broken`` names, the
+    reference's weights transferred into it."""
+    src, dst = direction.split("->")
+    a, b = make(src, case, 0), make(dst, case, 1, **broken)
+    transfer_weights(a, b, probe=BATCHES[case], strict=False)
+    return a, b, BATCHES[case]
+
+
+def linear_names(model) -> set:
+    return {f"{n}.weight" for n, m in model.named_sublayers() if isinstance(m, paddle.nn.Linear)}
+
+
+def assert_transferred(a, b, paddle_model) -> None:
+    """Every tensor of ``b`` is ``a``'s, bit for bit, as each framework stores it: Paddle's
+    Linear weights transposed, its ``_mean``/``_variance`` torch's ``running_mean``/``_var``."""
+    names = {"_mean": "running_mean", "_variance": "running_var"}
+    va, vb = raw(a), raw(b)
+    flip = linear_names(paddle_model)
+
+    def common(name: str) -> str:
+        layer, _, role = name.rpartition(".")
+        return f"{layer}.{names.get(role, role)}"
+    ca = {common(k): (k, v) for k, v in va.items() if "num_batches" not in k}
+    cb = {common(k): (k, v) for k, v in vb.items() if "num_batches" not in k}
+    assert ca.keys() == cb.keys() and len(ca) >= 6
+    for name, (ka, x) in ca.items():
+        kb, y = cb[name]
+        if (ka if paddle_model is a else kb) in flip:
+            x = x.T
+        assert np.array_equal(x.reshape(y.shape), y), name
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", ["cnn", "block"])
+def test_a_correct_port_is_ok_and_its_paddle_gradients_are_paddles_own(case, direction):
+    src, dst = direction.split("->")
+    a, b, x = make(src, case, 0), make(dst, case, 1), BATCHES[case]
+    mapping = transfer_weights(a, b, probe=x)
+    pm, other = (a, b) if src == "paddle" else (b, a)
+    # the transfer: bit for bit, Paddle's Linear weights transposed and said so
+    assert mapping.ok and mapping.unmapped == []
+    assert_transferred(a, b, pm)
+    side = "src" if src == "paddle" else "dst"
+    for p in mapping.pairs:
+        transposed = p.src.endswith("weight") and p.src.split(".")[0] in ("fc", "up", "down")
+        assert (f"({side} stores it transposed, [in, out]" in p.how) == transposed, p
+    reference = MAKERS["paddle"][case]()  # the Paddle model before the step
+    reference.set_state_dict(pm.state_dict())
+    report = assert_parity(a, b, x)
+    assert report.ok and report.flips == [] and report.unmatched == []
+    assert report.text().startswith("PARITY OK")
+    compared = {e.name.split(" / ")[0] for e in report.entries if e.what == "grad"}
+    assert compared == {n for n, _ in a.named_parameters()
+                        if not n.endswith(("_mean", "_variance"))}
+    # gradmgr's gradients on the Paddle model are Paddle's own loss.backward()'s, bit for bit
+    reference(paddle.to_tensor(x)).mean().backward()
+    theirs = dict(reference.named_parameters())
+    for name, p in pm.named_parameters():
+        if not p.stop_gradient:
+            assert np.array_equal(p.grad.numpy(), theirs[name].grad.numpy()), name
+    # and the other framework's, read as each stores them (Paddle's Linear transposed), to
+    # 1e-4 of their layer's largest gradient
+    flip, grads = linear_names(pm), _grads(other)
+    for name, p in pm.named_parameters():
+        if p.stop_gradient:
+            continue
+        g = p.grad.numpy().T if name in flip else p.grad.numpy()
+        layer = name.rpartition(".")[0]
+        scale = max(np.abs(v).max() for n, v in grads.items() if n.rpartition(".")[0] == layer)
+        np.testing.assert_allclose(g, grads[name].reshape(g.shape), atol=1e-4 * scale, rtol=0,
+                                   err_msg=name)
+
+
+def _grads(model) -> dict:
+    if isinstance(model, torch.nn.Module):
+        return {n: p.grad.numpy() for n, p in model.named_parameters()}
+    return {n: np.array(p.grad.numpy()) for n, p in model.named_parameters()}
+
+
+def statistics(model) -> dict:
+    """BatchNorm's running statistics under PyTorch's names, flattened."""
+    found = {}
+    for k, v in raw(model).items():
+        layer, _, role = k.rpartition(".")
+        role = {"_mean": "running_mean", "_variance": "running_var"}.get(role, role)
+        if role in ("running_mean", "running_var"):
+            found[f"{layer}.{role}"] = v.reshape(-1)
+    return found
+
+
+@pytest.mark.parametrize("direction", ["torch->paddle", "paddle->megengine"])
+def test_batchnorm_statistics_momentum_translated_and_paddles_biased_variance_said(direction):
+    """Momentum 0.9 in Paddle is 0.1 in PyTorch: the running means agree after a step. The
+    running variances do not, and cannot: Paddle's kernel updates them with the biased batch
+    variance (divided by N), PyTorch's and MegEngine's with the unbiased one (N - 1). The
+    weight map says so; measured here to 1e-5 relative."""
+    a, b, x = pair("cnn", direction)
+    report = transfer_weights(a, b, probe=x)
+    var = next(p for p in report.pairs if p.src.startswith("bn1") and "var" in p.src)
+    assert "biased batch variance (divided by N;" in var.how
+    mean = next(p for p in report.pairs if p.src.startswith("bn1") and "mean" in p.src)
+    assert "biased" not in mean.how
+    before = statistics(a)
+    assert compare_step(a, b, x).ok
+    after = statistics(a), statistics(b)
+    paddle_side = 0 if direction.startswith("paddle") else 1
+    assert after[0].keys() == after[1].keys() == before.keys() and len(before) == 4
+    counts = {"bn1": 4 * 8 * 8, "bn2": 4 * 4 * 4}  # the elements per channel (N)
+    for name, old in before.items():
+        ours, theirs = after[paddle_side][name], after[1 - paddle_side][name]
+        assert np.abs(ours - old).max() > 1e-3, name  # the statistics moved
+        if name.endswith("mean"):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=name)
+            continue
+        n = counts[name.split(".")[0]]  # new = 0.9 old + 0.1 var: var * (N - 1) / N
+        np.testing.assert_allclose(ours - 0.9 * old, (theirs - 0.9 * old) * (n - 1) / n,
+                                   rtol=1e-5, atol=1e-7, err_msg=name)
+        assert np.abs(ours - theirs).max() > 10 * 1e-5 * np.abs(theirs).max(), name
+
+
+BROKEN = [  # (case, the port's bug, the layer it must be named at, its config key)
+    ("cnn", {"bn_eps": 1e-3}, "bn2", "eps"),
+    ("block", {"ln_eps": 1e-3}, "norm", "eps"),
+    ("cnn", {"momentum": None}, "bn1", "momentum"),  # None: the other convention's number
+]
+# a momentum written in the other convention: PyTorch's 0.1 in a Paddle or MegEngine port
+# (whose 0.9 is PyTorch's 0.1), Paddle's 0.9 in a PyTorch port
+UNTRANSLATED = {"torch": 0.9, "megengine": 0.1, "paddle": 0.1}
+
+
+@pytest.mark.parametrize("case,bug,layer,key,direction", [
+    case + (d,) for case in BROKEN for d in DIRECTIONS
+    if case[0] == "cnn" or d in ("torch->paddle", "paddle->megengine")],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_a_broken_port_is_parity_broken_at_its_layer(case, bug, layer, key, direction):
+    if key == "momentum":
+        bug = {"momentum": UNTRANSLATED[direction.split("->")[1]]}
+    a, b, x = pair(case, direction, **bug)
+    report = compare_step(a, b, x)
+    assert not report.ok and report.text().startswith("PARITY BROKEN")
+    assert [(f.layer_src, f.key) for f in report.findings] == [(layer, key)]
+    if key == "momentum":  # the running statistics only: the step itself agrees
+        assert report.first_forward is None and "PaddlePaddle's is 1 - it" in report.text()
+        return
+    assert report.first_forward is not None and report.first_forward.layer == layer
+    with pytest.raises(AssertionError, match=f"first forward divergence: layer {layer} "):
+        assert_parity(a, b, x)
+
+
+@pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
+def test_a_port_multiplying_by_the_other_layout_is_broken_at_its_linear(direction):
+    """A square Linear that multiplies as the other framework writes it (x @ W where the
+    reference computes x @ W.T): the shapes fit, the values do not."""
+    a, b, x = pair("mlp", direction, transposed=True)
+    report = compare_step(a, b, x)
+    assert not report.ok and report.text().startswith("PARITY BROKEN")
+    assert report.first_forward is not None and report.first_forward.layer == "fc2"
+    assert report.weights == [] and report.findings == []
+    with pytest.raises(AssertionError, match="first forward divergence: layer fc2 "):
+        assert_parity(a, b, x)
+
+
+@pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
+def test_a_linear_weight_loaded_without_its_transpose_is_named(direction):
+    """The porting bug Paddle's layout invites: a [out, in] weight loaded into an [in, out]
+    Linear (or back) by reshaping, not transposing."""
+    a, b, x = pair("block", direction)
+    shape = tuple(b.up.weight.shape)
+    wrong = raw(a)["up.weight"].reshape(shape)
+    if isinstance(b, torch.nn.Module):
+        with torch.no_grad():
+            b.up.weight.copy_(torch.from_numpy(wrong))
+    elif isinstance(b, paddle.nn.Layer):
+        b.up.weight.set_value(wrong)
+    else:
+        b.up.weight._reset(mge.tensor(wrong))
+    report = compare_step(a, b, x)
+    assert report.weights == ["up.weight / up.weight"] and not report.ok
+    assert report.text().startswith("PARITY BROKEN")
+    assert report.first_forward is not None and report.first_forward.layer == "up"
+    assert "transfer the weights first" in report.text()
+
+
+def test_drift_is_small_for_a_correct_port_but_for_paddles_running_variances():
+    """Against MegEngine (torch.optim's first optimizer imports torch._dynamo: 7 s here)."""
+    a, b, _ = pair("cnn", "paddle->megengine")
+    rs = np.random.RandomState(1)
+    batches = [(rs.randn(4, 3, 8, 8).astype(np.float32), rs.randint(0, 10, 4))
+               for _ in range(3)]
+    report = train_drift(a, b, paddle.optimizer.Momentum(0.1, momentum=0.9,
+                                                         parameters=a.parameters()),
+                         mge.optimizer.SGD(b.parameters(), lr=0.1, momentum=0.9), batches,
+                         loss_a=P.cross_entropy, loss_b=G.cross_entropy)
+    assert report.steps == 3 and max(report.rel_l2) < 1e-5 and max(report.max_abs) < 1e-5
+    np.testing.assert_allclose(report.loss_a, report.loss_b, rtol=1e-5)
+    # the running variances (biased in Paddle) drift apart, step after step; the parameters
+    # do not
+    assert report.buffer_rel_l2[0] > 1e-4
+    assert all(y > x for x, y in zip(report.buffer_rel_l2, report.buffer_rel_l2[1:]))
+
+
+def _save(framework: str, model, path: str) -> None:
+    state = model.state_dict()
+    {"torch": torch.save, "paddle": paddle.save, "megengine": mge.save}[framework](state, path)
+
+
+@pytest.mark.parametrize("other", ["torch", "megengine"])
+def test_a_checkpoint_converts_paddle_to_the_other_and_back_bit_for_bit(other, tmp_path):
+    pm, om = make("paddle", "cnn", 0), make(other, "cnn", 1)
+    paths = {n: str(tmp_path / n) for n in ("map.json", "p.pd", "o.ckpt", "back.pd")}
+    written = save_map(pm, om, paths["map.json"], probe=XIMG)
+    fc = next(p for p in written["pairs"] if p["src"] == "fc.weight")
+    assert fc["transform"] == "transpose" and fc["src_shape"] == [16, 10]
+    assert fc["dst_shape"] == [10, 16]
+    _save("paddle", pm, paths["p.pd"])
+    convert_checkpoint(paths["p.pd"], paths["o.ckpt"], paths["map.json"])
+    if other == "torch":
+        om.load_state_dict(torch.load(paths["o.ckpt"]))  # strict: every key, no extra
+    else:
+        om.load_state_dict(mge.load(paths["o.ckpt"]))
+    assert_transferred(pm, om, pm)
+    original = raw(pm)
+    pm.eval()
+    om.eval()  # the running statistics converted too: eval mode reads them
+    with torch.no_grad():  # the converted model computes what the original does (1e-5 rel)
+        out_p = pm(paddle.to_tensor(XIMG)).numpy()
+        out_o = (om(torch.from_numpy(XIMG)).numpy() if other == "torch"
+                 else np.array(om(mge.tensor(XIMG)).numpy()))
+    assert np.abs(out_p - out_o).max() <= 1e-5 * np.abs(out_p).max()
+    convert_checkpoint(paths["o.ckpt"], paths["back.pd"], paths["map.json"], reverse=True)
+    back = paddle.load(paths["back.pd"])
+    assert back.keys() == original.keys()
+    for name, value in original.items():
+        assert np.array_equal(np.array(back[name].numpy()), value), name
