@@ -149,3 +149,19 @@ def test_every_function_is_put_back_after_an_error():
     assert getattr(F.relu, "__wrapped__", None) is None and b.relu is F.relu
     assert bound_relu is F.relu and F.maximum is F.elemwise.maximum
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in b.modules())
+
+
+def test_calls_megengine_makes_itself_are_not_the_models():
+    """``F.normalize`` calls ``F.clip`` and ``F.abs``-like helpers of its own: they are no
+    calls of the model (torch's ``F.normalize`` shows none either)."""
+
+    class Normalized(MgeFunctions):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            h = F.normalize(self.fc1(x), axis=1)
+            return self.fc2(F.relu(h).reshape(-1, 4, 4).max(axis=1))
+
+    torch.manual_seed(0)
+    b = Normalized()
+    report = compare_step(b, b, X)
+    assert [e.name for e in report.entries if e.what == "forward"] == [
+        "fc1 / fc1", "relu() / relu()", "fc2 / fc2"], report.text()

@@ -54,8 +54,8 @@ BATCH = 8
 RESNET_BATCHES = 10
 
 DIRECTIONS = {"mge->torch": ("megengine", "torch"), "torch->mge": ("torch", "megengine")}
-# "resnet18": the MegEngine side writes its ReLUs as M.ReLU modules, as docs/porting.md asks, so
-# that the tool can pin a kink flip; "resnet18-frelu": as MegEngine/Models writes them, F.relu.
+# "resnet18": the MegEngine side writes its ReLUs as M.ReLU modules; "resnet18-frelu": as
+# MegEngine/Models writes them, F.relu (watched while the tool runs a step, flips pinned too).
 BUILD: Dict[Tuple[str, str], Callable[[], Any]] = {
     ("resnet18", "torch"): torch_resnet.resnet18,
     ("resnet18", "megengine"): lambda: mge_resnet.resnet18(relu_modules=True),
@@ -121,8 +121,7 @@ def batch_without_flips(model: str, direction: str, src: Any, dst: Any,
     """The first seed's batch on which no ReLU input sits within tolerance of its kink, and its
     report. Which seeds have such inputs depends on the CPU's kernels (seed 1 had none on the
     Intel machines these tests were written on, and has a pinned flip on an AMD EPYC), so the
-    test picks one instead of naming it; with ``F.relu`` the tool still lists the torch side's
-    near-zero inputs as possible flips, which move nothing when none is unverified."""
+    test picks one instead of naming it."""
     for seed in seeds:
         batch = batch_of(model, seed)
         report = compare(src, dst, direction, batch)
