@@ -63,16 +63,16 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         (False, '2')
     """
     with bar(2, progress, "compare_step", "run") as shown:
-        return _step(a, b, as_batch(batch), (loss_a, loss_b), inputs, name_map, transforms,
-                     tol_factor, pin, shown)
+        return _step(a, b, batch, (loss_a, loss_b), inputs, name_map, transforms, tol_factor,
+                     pin, shown)
 
 
-def _step(a: Any, b: Any, arrays: Tuple[np.ndarray, ...], losses: Tuple[Any, Any],
-          inputs: int, name_map: Any, transforms: Any, tol_factor: float, pin: bool,
-          shown: Any) -> StepReport:
+def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name_map: Any,
+          transforms: Any, tol_factor: float, pin: bool, shown: Any) -> StepReport:
     (loss_a, loss_b), ad_a, ad_b = losses, adapter_for(a), adapter_for(b)
     _check_losses((recorded_loss(ad_a), recorded_loss(ad_b)), (loss_a, loss_b))
     pin = pin and recorded_loss(ad_b) is None  # a dump's step cannot run again, pinned
+    arrays = as_batch(batch)
     before_a, before_b = snapshot(ad_a), snapshot(ad_b)
     weights_a, weights_b = _weights(ad_a), _weights(ad_b)
     try:
