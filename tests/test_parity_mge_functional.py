@@ -165,3 +165,23 @@ def test_calls_megengine_makes_itself_are_not_the_models():
     report = compare_step(b, b, X)
     assert [e.name for e in report.entries if e.what == "forward"] == [
         "fc1 / fc1", "relu() / relu()", "fc2 / fc2"], report.text()
+
+
+def test_each_watched_function_is_watched_under_torchs_kind():
+    """The kinds docs/porting.md lists: ``F.clip(x, 0)`` is a ReLU, another clip a clamp,
+    the comparisons by torch's short names."""
+
+    class Calls(MgeFunctions):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            h = self.fc1(x)
+            low = F.minimum(F.clip(h, 0), F.leaky_relu(h))
+            w = F.where(F.greater(h, 0), low, F.abs(h))
+            top = F.max(w, axis=1, keepdims=True) + F.clip(w, -1, 1)
+            return self.fc2(top[:, :4])
+
+    report = compare_step(Calls(), Calls(), X)
+    assert [(e.name.partition(" / ")[0], e.kind) for e in report.entries
+            if e.what == "forward"] == [
+        ("fc1", "linear"), ("clip()", "relu"), ("leaky_relu()", "leakyrelu"),
+        ("minimum()", "minimum"), ("greater()", "gt"), ("abs()", "abs"), ("where()", "where"),
+        ("max()", "max"), ("clip()", "clamp"), ("fc2", "linear")], report.text()
