@@ -185,3 +185,26 @@ def test_each_watched_function_is_watched_under_torchs_kind():
         ("fc1", "linear"), ("clip()", "relu"), ("leaky_relu()", "leakyrelu"),
         ("minimum()", "minimum"), ("greater()", "gt"), ("abs()", "abs"), ("where()", "where"),
         ("max()", "max"), ("clip()", "clamp"), ("fc2", "linear")], report.text()
+
+
+def test_a_leaky_relu_called_on_both_sides_pairs():
+    """MegEngine's ``F.leaky_relu`` and torch's are watched alike (a call watched on one side
+    only would leave the gradients behind its near-kink inputs unverified)."""
+    import torch.nn.functional as TF
+
+    class Torch(Modules):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = TF.leaky_relu(self.fc1(x), 0.1).reshape(-1, 1, 4, WIDTH // 4)
+            return self.fc2(self.pool(h).flatten(1))
+
+    class Mge(MgeFunctions):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            h = F.max_pool2d(F.leaky_relu(self.fc1(x), 0.1).reshape(-1, 1, 4, WIDTH // 4), 2)
+            return self.fc2(h.reshape(h.shape[0], -1))
+
+    torch.manual_seed(0)
+    a, b = Torch(), Mge()
+    transfer_weights(a, b, probe=X)
+    report = compare_step(a, b, X)
+    assert report.ok and report.unmatched == [], report.text()
+    assert "leaky_relu() / leaky_relu()" in {e.name for e in report.entries}, report.text()
