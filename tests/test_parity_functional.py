@@ -206,6 +206,7 @@ def test_megengine_modules_pair_with_torch_functions():
     assert mge is not None
     for relu, ok in ((F.relu, True), (MaskLessReLU.apply, False)):
         torch.manual_seed(0)
+        mge.random.seed(0)  # the bug shows only where a pooled window is all negative
         a, b = Port(), Functions(relu=relu)
         transfer_weights(a, b, probe=X)
         report = compare_step(a, b, X)

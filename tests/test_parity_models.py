@@ -54,8 +54,8 @@ BATCH = 8
 RESNET_BATCHES = 10
 
 DIRECTIONS = {"mge->torch": ("megengine", "torch"), "torch->mge": ("torch", "megengine")}
-# "resnet18": the MegEngine side writes its ReLUs as M.ReLU modules, as docs/porting.md asks, so
-# that the tool can pin a kink flip; "resnet18-frelu": as MegEngine/Models writes them, F.relu.
+# "resnet18": the MegEngine side writes its ReLUs as M.ReLU modules; "resnet18-frelu": as
+# MegEngine/Models writes them, F.relu (watched while the tool runs a step, flips pinned too).
 BUILD: Dict[Tuple[str, str], Callable[[], Any]] = {
     ("resnet18", "torch"): torch_resnet.resnet18,
     ("resnet18", "megengine"): lambda: mge_resnet.resnet18(relu_modules=True),
@@ -121,8 +121,7 @@ def batch_without_flips(model: str, direction: str, src: Any, dst: Any,
     """The first seed's batch on which no ReLU input sits within tolerance of its kink, and its
     report. Which seeds have such inputs depends on the CPU's kernels (seed 1 had none on the
     Intel machines these tests were written on, and has a pinned flip on an AMD EPYC), so the
-    test picks one instead of naming it; with ``F.relu`` the tool still lists the torch side's
-    near-zero inputs as possible flips, which move nothing when none is unverified."""
+    test picks one instead of naming it."""
     for seed in seeds:
         batch = batch_of(model, seed)
         report = compare(src, dst, direction, batch)
@@ -412,29 +411,26 @@ def test_a_constructed_flip_with_the_reference_dumped_is_pinned_on_the_live_side
     assert "NOT VERIFIED" in report.text()
 
 
-def test_a_flip_at_a_functional_relu_is_unverified_never_a_bug():
-    """MegEngine/Models' own style: the MegEngine side's ReLUs are ``F.relu`` calls, which no
-    hook sees. The flip built at layer4.0's first ReLU can then be neither confirmed nor pinned:
-    the gradients it moves are unverified on that batch (never passed, never a failure), and
-    ``assert_parity`` verifies them on another batch."""
+def test_a_flip_at_a_megengine_functional_relu_is_pinned_and_verified():
+    """MegEngine/Models' own style: the MegEngine side's ReLUs are ``F.relu`` calls
+    (``self.relu = F.relu``). No hook saw them: the flip built at layer4.0's first ReLU was
+    neither confirmed nor pinned, the gradients it moves unverified on that batch. The tool
+    now watches ``megengine.functional`` while it runs the step: the flip is seen at the
+    MegEngine call, pinned on the torch side, and every gradient verified on that batch."""
     src, dst, _ = ported("resnet18-frelu", "mge->torch")
     flipped = batch_of("resnet18", 1)
     nudge_to_kink(src, dst, flipped[0], bn="layer4.0.bn1")
 
     report = compare(src, dst, "mge->torch", flipped)
-    text = report.text()
-    assert report.failures() == [] and not report.ok, text
-    assert report.unverified, f"the flip moved gradients beyond tolerance\n{text}"
-    possible = [f for f in report.flips if not f.seen and f.layer_b == "layer4.0.relu"]
-    assert possible and possible[0].count >= 1, text
-    assert "possible kink flips" in text and "unverified" in text
-
-    # the flipped batch first, then fresh ones until its gradients are verified (which seed is
-    # free of flips near those gradients depends on the CPU's kernels)
-    verified = parity.assert_parity(
-        src, dst, lambda i: flipped if i == 0 else batch_of("resnet18", i + 1), tries=8,
-        loss_a=mge_loss, loss_b=torch_loss)
-    assert verified.ok and verified.unverified == [], verified.text()
+    _assert_no_bug(report)
+    assert report.ok and report.unverified == [], report.text()
+    here = [f for f in report.flips if f.layer_b == "layer4.0.relu"]
+    assert here and here[0].layer_a == "layer4.0:relu()", report.text()
+    assert here[0].seen and here[0].pinned and here[0].count >= 1, report.text()
+    assert not [c for c in report.unmatched if "relu" in c], report.text()
+    # without the pinned re-run the flip's gradients are not the other side's
+    unpinned = compare(src, dst, "mge->torch", flipped, pin=False)
+    assert unpinned.failures() == [] and unpinned.unverified, unpinned.text()
 
 
 def test_broken_port_behind_a_flip_is_still_pinned():

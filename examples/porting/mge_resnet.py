@@ -10,9 +10,10 @@ forward uses them. The final pool is a global average, so that small (32 x 32) i
 (MegEngine/Models pools with a fixed 7 x 7 window, made for 224 x 224 images).
 
 ``relu_modules=True`` writes each ReLU as an ``M.ReLU()`` module instead (one per block,
-called twice, named ``relu`` as torchvision names its own): ``gradmgr.parity`` watches modules,
-so only then can it compare a ReLU's input on both sides and pin a kink flip there
-(docs/porting.md). Everything else stays as MegEngine/Models writes it.
+called twice, named ``relu`` as torchvision names its own). ``gradmgr.parity`` compares a
+ReLU's input on both sides and pins a kink flip there either way: it hooks modules, and
+watches ``F.relu`` while it runs a step (docs/porting.md, "Functional calls"). Everything else
+stays as MegEngine/Models writes it.
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@ and the distance between their parameters after every step (:func:`train_drift`)
 
 from __future__ import annotations
 
-import importlib
-import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -15,6 +13,7 @@ from ._extra import require
 from .contract import ModelAdapter, adapter_for
 from .errors import ParityError
 from .mapping import Pair, Transform, build_map, convert
+from .progress import bar
 from .trace import Loss, as_batch, train_step
 
 Batches = Union[Sequence[Any], Callable[[int], Any]]
@@ -175,23 +174,25 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
     same = [Pair(s.name, s.name, s.shape, s.shape, "copy") for s in ad_a.slots()
             if s.trainable]
     report = DriftReport(ad_a.framework, ad_b.framework)
-    for step in _steps(count, progress):
-        batch = as_batch(batches(step) if callable(batches) else batches[step])
-        report.loss_a.append(train_step(ad_a, batch, inputs, loss_a))
-        report.loss_b.append(train_step(ad_b, batch, inputs, loss_b))
-        ad_a.step(opt_a)
-        ad_b.step(opt_b)
-        for pairs, largest, rel in ((trained, report.max_abs, report.rel_l2),
-                                    (buffers, report.buffer_max_abs, report.buffer_rel_l2)):
-            worst, relative = _distance(ad_a, ad_b, pairs)
-            largest.append(worst)
-            rel.append(relative)
-        if twin is not None:
-            train_step(twin[0], _reversed_rows(batch), inputs, loss_a)
-            twin[0].step(twin[1])
-            worst, relative = _distance(ad_a, twin[0], same)
-            report.baseline_max_abs.append(worst)
-            report.baseline_rel_l2.append(relative)
+    with bar(count, progress, "train_drift", "step") as shown:
+        for step in range(count):
+            batch = as_batch(batches(step) if callable(batches) else batches[step])
+            report.loss_a.append(train_step(ad_a, batch, inputs, loss_a))
+            report.loss_b.append(train_step(ad_b, batch, inputs, loss_b))
+            ad_a.step(opt_a)
+            ad_b.step(opt_b)
+            for pairs, largest, rel in ((trained, report.max_abs, report.rel_l2),
+                                        (buffers, report.buffer_max_abs, report.buffer_rel_l2)):
+                worst, relative = _distance(ad_a, ad_b, pairs)
+                largest.append(worst)
+                rel.append(relative)
+            if twin is not None:
+                train_step(twin[0], _reversed_rows(batch), inputs, loss_a)
+                twin[0].step(twin[1])
+                worst, relative = _distance(ad_a, twin[0], same)
+                report.baseline_max_abs.append(worst)
+                report.baseline_rel_l2.append(relative)
+            shown.update()
     return report
 
 
@@ -229,21 +230,6 @@ def _reversed_rows(batch: Sequence[np.ndarray]) -> Tuple[np.ndarray, ...]:
             f"baseline= reverses the rows of every batch item, so every item needs the same "
             f"leading (batch) dimension; these have {[item.shape for item in batch]}")
     return tuple(np.ascontiguousarray(item[::-1]) for item in batch)
-
-
-def _steps(count: int, progress: Optional[bool]) -> Iterable[int]:
-    """``range(count)``, under a tqdm bar on stderr when ``progress`` asks for one (None:
-    when stderr is a terminal and tqdm is installed)."""
-    if progress is False or (progress is None and not sys.stderr.isatty()):
-        return range(count)
-    if progress is None:
-        try:
-            tqdm = importlib.import_module("tqdm")
-        except ImportError:
-            return range(count)
-    else:
-        tqdm = require("tqdm", "train_drift(progress=True)")
-    return tqdm.tqdm(range(count), desc="train_drift", unit="step", file=sys.stderr)
 
 
 def _distance(ad_a: ModelAdapter, ad_b: ModelAdapter, pairs: Sequence[Pair]) -> tuple:

@@ -13,6 +13,7 @@ from .dump import recorded_loss
 from .errors import ParityError
 from .kinks import Kink, find_kink, near_kink, toggle
 from .mapping import TIED, MappingReport, Transform, build_map, config_findings, convert
+from .progress import bar, grow
 from .report import Entry, Flip, StepReport
 from .tolerance import C_GRAD, C, eps, grad_reduction, layer_reduction, tolerance
 from .trace import Call, Loss, Trace, as_batch, restore, run_step, snapshot
@@ -22,7 +23,8 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
                  loss_b: Optional[Loss] = None, inputs: int = 1,
                  name_map: Optional[Mapping[str, str]] = None,
                  transforms: Optional[Mapping[str, Transform]] = None,
-                 tol_factor: float = 1.0, pin: bool = True) -> StepReport:
+                 tol_factor: float = 1.0, pin: bool = True,
+                 progress: Optional[bool] = None) -> StepReport:
     """Run one batch through ``a`` and ``b`` (PyTorch or MegEngine modules holding the same
     weights: :func:`transfer_weights`), each under its own gradmgr ``GradManager``, and
     compare every layer's forward output, the loss and every parameter's gradient.
@@ -40,6 +42,8 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         transforms: declared layout changes, as :func:`transfer_weights` takes.
         tol_factor: multiplies every tolerance (:mod:`gradmgr.parity.tolerance`).
         pin: re-run ``b`` with flipped ReLUs pinned to ``a``'s branch (:mod:`.kinks`).
+        progress: a progress bar of the models' runs on stderr (tqdm), as
+            :func:`train_drift` takes it (default: when stderr is a terminal).
 
     Returns:
         A :class:`StepReport`; ``report.ok`` is the verdict, ``str(report)`` the table.
@@ -58,7 +62,14 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
         >>> report.ok, report.first_forward.layer
         (False, '2')
     """
-    ad_a, ad_b = adapter_for(a), adapter_for(b)
+    with bar(2, progress, "compare_step", "run") as shown:
+        return _step(a, b, batch, (loss_a, loss_b), inputs, name_map, transforms, tol_factor,
+                     pin, shown)
+
+
+def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name_map: Any,
+          transforms: Any, tol_factor: float, pin: bool, shown: Any) -> StepReport:
+    (loss_a, loss_b), ad_a, ad_b = losses, adapter_for(a), adapter_for(b)
     _check_losses((recorded_loss(ad_a), recorded_loss(ad_b)), (loss_a, loss_b))
     pin = pin and recorded_loss(ad_b) is None  # a dump's step cannot run again, pinned
     arrays = as_batch(batch)
@@ -66,7 +77,9 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     weights_a, weights_b = _weights(ad_a), _weights(ad_b)
     try:
         ta = run_step(ad_a, arrays, inputs, loss_a, {})
+        shown.update()
         tb = run_step(ad_b, arrays, inputs, loss_b, {})
+        shown.update()
     except BaseException:  # b failed after a stepped: leave neither a step ahead of the other
         restore(ad_a, before_a)
         restore(ad_b, before_b)
@@ -84,7 +97,9 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
     pins = {j: k.pin for (i, j), k in kinks.items() if k.flipped and k.pin is not None}
     if pin and pins:
         restore(ad_b, before_b)  # the step runs again from the same state
+        grow(shown, 1)
         tb = run_step(ad_b, arrays, inputs, loss_b, pins)
+        shown.update()
     else:
         pins = {}
     report.flips = [_flip(ta.calls[i], tb.calls[j], k, pin) for (i, j), k in kinks.items()
@@ -98,7 +113,7 @@ def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
               and 0 <= e.index <= max(unpinned + [u.at for u in unseen], default=-1)]
     if behind:
         sides = Sides((ad_a, ad_b), (ta, tb), (before_a, before_b), (loss_a, loss_b),
-                      ({}, pins), arrays, inputs)
+                      ({}, pins), arrays, inputs, shown)
         _explain(behind, max(unpinned, default=-1), unseen, mapping, sides, report)
     bad = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"]
     report.first_grad = max(bad, key=lambda e: e.index) if bad else None
@@ -374,6 +389,7 @@ class Sides:
     pins: Tuple[Dict[int, Any], Dict[int, Any]]
     batch: Tuple[np.ndarray, ...]
     inputs: int
+    shown: Any  # the progress bar (progress.py)
 
 
 MAX_TOGGLES = 48
@@ -431,6 +447,7 @@ def _flip_bound(unseen: List[Unseen], mapping: MappingReport,
         return None  # a dump's side cannot run again with an element toggled
     to_a, from_a = {p.dst: p for p in mapping.pairs}, {p.src: p for p in mapping.pairs}
     bound = {p.src: np.zeros(p.dst_shape) for p in mapping.pairs}
+    grow(sides.shown, sum(len(u.elements) for u in unseen) + len({u.side for u in unseen}))
     for side in (0, 1):
         mine = [u for u in unseen if u.side == side]
         if not mine:
@@ -444,6 +461,7 @@ def _flip_bound(unseen: List[Unseen], mapping: MappingReport,
                     pins[u.call] = toggle(trace.calls[u.call], int(element))
                     moved = run_step(adapter, sides.batch, sides.inputs, sides.losses[side],
                                      pins).grads
+                    sides.shown.update()
                     for name, g in moved.items():
                         pair = to_a.get(name) if side else from_a.get(name)
                         base = trace.grads.get(name)
@@ -455,6 +473,7 @@ def _flip_bound(unseen: List[Unseen], mapping: MappingReport,
         finally:  # leave the side as its compared step left it
             restore(adapter, sides.before[side])
             run_step(adapter, sides.batch, sides.inputs, sides.losses[side], sides.pins[side])
+            sides.shown.update()
     return bound
 
 

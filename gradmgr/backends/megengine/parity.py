@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, Tuple
 
 import megengine as mge
 import megengine.functional as F
 import megengine.module as M
 import numpy as np
 
+from gradmgr.parity.contract import Post, Pre
 from gradmgr.parity.modules import NamedModules, as_tuple, nearest_kind
+
+from .parity_functions import watch_functions
 
 
 def _config(m: M.Module) -> Dict[str, Any]:
@@ -73,6 +76,23 @@ class MegEngineParity(NamedModules):
 
     def config(self, module: Any) -> Dict[str, Any]:
         return _config(module)
+
+    def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
+        """The leaf modules' hooks, and the functional calls that branch
+        (:mod:`.parity_functions`)."""
+        remove_modules = super().hook(pre, post)
+        try:
+            remove_functions = watch_functions(self.model, self.leaves, pre, post)
+        except BaseException:
+            remove_modules()
+            raise
+
+        def remove() -> None:
+            try:
+                remove_functions()
+            finally:
+                remove_modules()
+        return remove
 
     def write(self, name: str, value: np.ndarray) -> None:
         target = self.slot(name)

@@ -33,6 +33,8 @@ def _kind(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[
         return "relu"
     if name == "max_pool2d":
         return "maxpool2d"
+    if name in ("leaky_relu", "leaky_relu_"):
+        return "leakyrelu"  # (a flip there is found, not pinned: kinks.py)
     if name in ("clamp", "clamp_", "clip", "clamp_min") and _is_relu_clamp(name, args, kwargs):
         return "relu"  # x.clamp(min=0) is a ReLU, flips and all
     return name.rstrip("_") if name in COMPARED else None
