@@ -17,7 +17,8 @@ started=$SECONDS
 # The Paddle suite (.venv-paddle): its contract leg, its backend's tests and its doc blocks.
 PADDLE_TESTS=(tests/test_contract.py tests/test_edges.py tests/test_paddle_backend.py
               tests/differential/test_paddle_differential.py tests/test_env_command.py
-              tests/test_docstrings.py tests/docs/test_doc_blocks.py -k paddle)
+              tests/test_docstrings.py tests/docs/test_doc_blocks.py tests/test_paddle_ports.py
+              -k paddle)
 FAST_TESTS=(tests/test_core.py tests/test_edges.py tests/test_dp_contract.py
             tests/test_logging.py -m "not slow")
 
