@@ -14,6 +14,13 @@ checkpoints does.
 ``eps``, a wrong padding), each with the layer a parity check must blame (``broken.PORTS``),
 and a BatchNorm momentum copied across conventions, which only the configuration shows.
 
+``paddle_resnet`` / ``paddle_encoder`` are the same two networks in PaddlePaddle (as
+``paddle.vision`` and PaddleNLP write them: ``[in, out]`` Linear weights, BatchNorm momentum 0.9,
+``epsilon``), and ``paddle_broken`` ten PyTorch -> Paddle ports with one bug each, sorted by kind
+(transposed weight, eps, substituted layer, backward-only, config-only, padding, scale);
+``tests/test_paddle_ports.py`` checks them against torch by hand and ``bench/bench_padiff.py``
+runs PaDiff and the parity tool on them.
+
 Nothing here is imported by gradmgr; ``tests/test_parity_models.py`` runs ``gradmgr.parity`` on
 these models. Importing this package imports no framework: import the module you need.
 """
