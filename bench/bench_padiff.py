@@ -196,7 +196,7 @@ def gradmgr_check(ref: Any, port: Any, x: Any, labels: Any) -> Dict[str, Any]:
     import torch
 
     from gradmgr import UnsupportedBackendError
-    from gradmgr.parity import ModelTypeError, compare_step, transfer_weights
+    from gradmgr.parity import MappingError, ModelTypeError, compare_step, transfer_weights
 
     def loss_a(out: Any, y: Any) -> Any:
         return torch.nn.functional.cross_entropy(out, y.long())
@@ -206,7 +206,12 @@ def gradmgr_check(ref: Any, port: Any, x: Any, labels: Any) -> Dict[str, Any]:
 
     start = time.perf_counter()
     try:
-        transfer_weights(ref, port)
+        try:
+            transfer_weights(ref, port)
+        except MappingError as refused:  # a layer configured otherwise: named before any step
+            return {"status": "ran", "found": True, "seconds": time.perf_counter() - start,
+                    "named": "; ".join(f.layer_dst for f in refused.report.findings)
+                    or str(refused).splitlines()[1]}
         report = compare_step(ref, port, (x, labels), loss_a=loss_a, loss_b=loss_b)
     except (UnsupportedBackendError, ModelTypeError) as error:
         return {"status": f"not run: {str(error).splitlines()[0][:160]}"}
@@ -219,7 +224,9 @@ def gradmgr_named(report: Any) -> str:
     """The layer the report blames: the first forward divergence, else the suspects of a
     backward-only one, else the first gradient, else a configuration finding."""
     if report.first_forward is not None:
-        return report.first_forward.name
+        note = report.first_forward.note or ""
+        through = note.split(", with no counterpart")[0] if "came through" in note else ""
+        return report.first_forward.name + (f" ({through})" if through else "")
     if report.suspects:
         return "; ".join(report.suspects)
     if report.first_grad is not None:
