@@ -44,7 +44,12 @@ tensors leave the resident set. Columns:
   lr/10, or the run fails: the table never compares a broken run. (Not the largest: AdamW
   divides each gradient by its own running norm, so an element whose gradient is rounding
   noise moves by up to about lr per step either way; a wrong gradient moves almost every
-  element by about lr per step.)
+  element by about lr per step.) AdamW hides a gradient scaled by a constant (the N-times
+  gradients of FSDP2's average over gloo on torch 2.8, which ``fsdp2`` avoids by having
+  FSDP2 sum and divide itself, as gradmgr's full sharding does), so the column also gives
+  the first backward's whole-gradient norm over DDP's, which must be 1 within 1e-3;
+  ``full`` and ``fsdp2`` (the same engine, the same sums) must agree bit for bit, and the
+  largest difference between them is printed.
 
 Targets (issue 20, sharded): grads + optimizer per rank <= DDP/N x 1.05; ``peak`` (everything
 above the model) <= 240 MiB on 2 ranks; step time <= 1.05 x DDP.
@@ -99,6 +104,7 @@ LABELS = {
 WIDTH, LAYERS, BATCH, LR = 2048, 8, 16, 1e-4
 TIME_TARGET, STATE_TARGET, PEAK_TARGET_MIB = 1.05, 1.05, 240.0
 MEAN_TOLERANCE = LR / 10  # mean |difference| from DDP's parameters (see the docstring)
+NORM_TOLERANCE = 1e-3  # relative: the norm of float32 sums in another order (5e-5 seen)
 MIB = 2**20
 
 
@@ -161,6 +167,11 @@ class Variant:
             for layer in net:
                 fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
             fully_shard(net, mesh=mesh, reshard_after_forward=reshard)
+            # FSDP2 asks gloo's reduce-scatter for an average, which torch 2.8's gloo returns
+            # as the sum (every gradient N times too large); a sum that FSDP2 divides itself is
+            # the mean on every version, as gradmgr's full sharding has it
+            for wrapped in [*net, net]:
+                wrapped.set_force_sum_reduction_for_comms(True)
             opt = self._local_opt = torch.optim.AdamW(net.parameters(), lr=LR)
 
             def backward(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -206,6 +217,14 @@ class Variant:
             return self.opt.memory()["optimizer"]
         return state_bytes(self._local_opt)
 
+    def grad_norm(self) -> float:
+        """The 2-norm of the whole reduced gradient (every rank's shards), after a backward."""
+        if self.name == "sharded":
+            return float(self.opt.clip_grad_norm_(float("inf")))  # inf: scales nothing
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.net.parameters()
+                                              if p.grad is not None])
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
     def params(self) -> torch.Tensor:
         with torch.no_grad():
             return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p)
@@ -248,6 +267,7 @@ def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str)
 
     def probe() -> None:
         counted["grads"] = variant.grads()
+        counted["norm"] = variant.grad_norm()  # (a collective for sharded gradients)
 
     for i in range(warmup):
         variant.step(*data[i], probe=probe if i == 0 else None)
@@ -277,6 +297,7 @@ def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str)
         "rank": rank, "grads": counted["grads"], "state": counted["state"],
         "held": warm - base, "peak": max(peak_first, peak_steady) - base,
         "peak_warm": peak_steady - warm, "times": slowest.tolist(), "digest": digest,
+        "norm": counted["norm"],
     }
     with open(os.path.join(outdir, f"{name}-rank{rank}.json"), "w") as f:
         json.dump(record, f)
@@ -291,6 +312,9 @@ class Runs:
         self.rounds: Dict[str, List[Dict[str, Any]]] = {v: [] for v in VARIANTS}
         # per round, the largest and the mean |difference| from DDP's parameters
         self.params: Dict[str, List[Tuple[float, float]]] = {v: [] for v in VARIANTS}
+        # per round, the first backward's whole-gradient norm over DDP's (1.0: DDP's mean)
+        self.norms: Dict[str, List[float]] = {v: [] for v in VARIANTS}
+        self.full_vs_fsdp2: List[float] = []  # per round, the largest |difference|
 
 
 def run_world(world: int, variants: List[str], rounds: int, steps: int, warmup: int,
@@ -314,6 +338,7 @@ def run_world(world: int, variants: List[str], rounds: int, steps: int, warmup: 
                           for k in ("grads", "state", "held", "peak", "peak_warm")}
                 merged["step"] = statistics.median(ranks[0]["times"])
                 merged["best"] = min(ranks[0]["times"])
+                merged["norm"] = ranks[0]["norm"]
                 runs.rounds[name].append(merged)
                 log(f"  {world} ranks, round {r + 1}/{rounds}: {name:<8} step "
                     f"{merged['step'] * 1e3:7.1f} ms, peak {merged['peak'] / MIB:6.1f} MiB "
@@ -326,7 +351,13 @@ def run_world(world: int, variants: List[str], rounds: int, steps: int, warmup: 
                     runs.params[name].append((float(diff.max()), float(diff.mean())))
                     del diff
                     del other
+                    runs.norms[name].append(runs.rounds[name][-1]["norm"]
+                                            / runs.rounds["ddp"][-1]["norm"])
                 del ref
+            if "full" in variants and "fsdp2" in variants:  # the same engine, the same sums
+                full, fsdp2 = (torch.load(os.path.join(outdir, f"params-{n}.pt"))
+                               for n in ("full", "fsdp2"))
+                runs.full_vs_fsdp2.append(float((full - fsdp2).abs().max()))
     return runs
 
 
@@ -368,8 +399,10 @@ def report(runs: Runs, steps: int, warmup: int) -> Tuple[List[str], bool]:
         else:
             worst, mean = max(d[0] for d in diffs), max(d[1] for d in diffs)
             params_col = "==" if worst == 0 else f"|diff| max {worst:.1e}, mean {mean:.1e}"
+            norm = max(runs.norms[name], key=lambda r: abs(r - 1.0))
+            params_col += f", |grad|/DDP's {norm:.6f}"
             exact = name == "sharded" and world == 2
-            if (exact and worst != 0) or mean > MEAN_TOLERANCE:
+            if (exact and worst != 0) or mean > MEAN_TOLERANCE or abs(norm - 1) > NORM_TOLERANCE:
                 params_col += "  BROKEN"
                 ok = False
         mib = {k: _med([r[k] for r in recs]) / MIB
@@ -377,6 +410,11 @@ def report(runs: Runs, steps: int, warmup: int) -> Tuple[List[str], bool]:
         print(f"{name:>9} {_med(step) * 1e3:7.1f} ({min(step) * 1e3:5.1f}) {time_col} "
               f"{mib['grads']:7.1f} {mib['state']:7.1f} {share_col} {mib['held']:7.1f} "
               f"{mib['peak']:7.1f} {mib['peak_warm']:9.1f}  {params_col}")
+    if runs.full_vs_fsdp2:
+        worst = max(runs.full_vs_fsdp2)
+        print(f"full against fsdp2 (the same engine, the same sums): parameters' largest "
+              f"|difference| {worst:.1e}" + ("" if worst == 0 else "  BROKEN"))
+        ok = ok and worst == 0
     lines = []
     if "sharded" in names and ddp:
         recs = rounds["sharded"]

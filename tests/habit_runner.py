@@ -187,7 +187,7 @@ def classify(habit, ranks: list, logs: str) -> Result:
         if all(is_clear(e, habit) for e in errors.values()):
             return Result(CLEAR, lines)
         return Result(CRASH, "not gradmgr's error\n" + lines, tracebacks)
-    if not habit.ddp:
+    if not all("ddp" in o for o in ranks):  # no reference ran (habit.reference(path))
         params = [{k: v for k, v in o["gm"]["values"].items() if k.startswith("param")}
                   for o in ranks]
         apart = first_difference(params[1], params[0])

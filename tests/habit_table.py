@@ -14,10 +14,14 @@ import sys
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                     "switching-from-ddp.md")
 SECTION = "## Habits, checked"
-HEADER = ["Habit", "What DDP does", "gradmgr", "`native=False`", "`shard=True`"]
-COLUMN = {"native": 2, "single": 2, "buckets": 3, "sharded": 4}  # the one-process habit: 2
+HEADER = ["Habit", "What DDP does", "gradmgr", "`native=False`", "`shard=True`",
+          '`shard="full"`']
+COLUMN = {"native": 2, "single": 2, "buckets": 3, "sharded": 4, "full": 5}  # one process: 2
 NOT_RUN = "—"  # a path the habit does not apply to
 CELLS = ("same as DDP", "clear error", NOT_RUN)
+# Full sharding's reference is FSDP2 alone; "not checked": the habit applies, the harness
+# does not run it (the cell says why)
+ALIASES = {"same as FSDP2": CELLS[0], "not checked": NOT_RUN}
 
 
 def rows(path: str = DOCS) -> dict:
@@ -40,11 +44,14 @@ def _cells(line: str) -> list:
 
 def expected(cells: list, path: str) -> str:
     """The column a row's cell for ``path`` names: one of :data:`CELLS`, the words that
-    start it (a cell may go on: "clear error: `RankMismatchError`")."""
+    start it (a cell may go on: "clear error: `RankMismatchError`"), or of :data:`ALIASES`."""
     cell = cells[COLUMN[path]]
     for name in CELLS:
         if cell.startswith(name):
             return name
+    for name, column in ALIASES.items():
+        if cell.startswith(name):
+            return column
     raise ValueError(f"the cell {cell!r} names none of {CELLS}")
 
 
@@ -52,9 +59,11 @@ def observed(habits, results: dict, documented: dict) -> str:
     """The table as the harness found it, the DDP column from ``documented``."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
     for h in habits:
-        cells = [h.title, documented.get(h.title, ["", "?"])[1]] + [NOT_RUN] * 3
+        cells = [h.title, documented.get(h.title, ["", "?"])[1]] + [NOT_RUN] * 4
         for path in h.paths:
-            cells[COLUMN[path]] = results[f"{h.name}:{path}"].column
+            column = results[f"{h.name}:{path}"].column
+            cells[COLUMN[path]] = "same as FSDP2" if path == "full" and column == CELLS[0] \
+                else column
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

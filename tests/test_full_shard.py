@@ -64,6 +64,21 @@ def test_bad_input_on_the_ranks(two_ranks):
         assert "shard=True on rank 1; shard='full' on rank 0" in refused["mixed"]
 
 
+def test_join_says_full_sharding_has_none(two_ranks):
+    """``gm.join()`` and ``Join([gm])`` name full sharding and what to do (old code: "this
+    framework has no such context", on PyTorch, which has one). FSDP2 has no Join either."""
+    from torch.distributed.algorithms.join import Joinable
+    from torch.distributed.fsdp import FSDPModule
+
+    assert not issubclass(FSDPModule, Joinable)
+    for out in two_ranks:
+        for how in ("join", "Join"):
+            said = out["refusals"][how]
+            assert "under full sharding (shard='full')" in said, said
+            assert "none for FSDP2" in said and "drop_last=True" in said, said
+            assert "no such context" not in said, said
+
+
 def test_four_ranks_bit_for_bit(tmp_path):
     outs = spawn("full_shard_suite", tmp_path, 4, timeout=600,
                  FULL_SHARD_SCENARIOS="reshard_on")

@@ -143,16 +143,29 @@ def test_misuses_raise_clear_errors_on_every_rank(results):
 
 def test_full_sharding_is_fsdp2s_bit_for_bit(tmp_path):
     """GradmgrStrategy(shard="full") against plain FSDP2 on the same data, 4 Adam steps of
-    two micro-batches each (the first inside fabric.no_backward_sync): every loss and every
-    parameter shard bit for bit; an optimizer made before the model was set up, clipping and
-    fabric.save raise clear errors (dist_workers/fabric_suite.py's full_shard)."""
+    two micro-batches each (the first inside fabric.no_backward_sync), clipped by
+    fabric.clip_gradients (max_norm= in two steps, clip_val= in two) against torch's
+    clip_grad_norm_ and clip_grad_value_ on plain FSDP2 (what Fabric's FSDP2 strategy runs):
+    every loss, norm, clipped gradient and parameter shard bit for bit (old code raised
+    NotImplementedError at the clip). An optimizer made before the model was set up raises a
+    clear error; fabric.save and fabric.load raise one naming torch.distributed.checkpoint's
+    calls, which, as written there, save and load the shards bit for bit
+    (dist_workers/fabric_suite.py's full_shard)."""
     for rank, out in enumerate(_spawn(tmp_path, ["full_shard"])):
         result = out["full_shard"]
         assert result["moved"], rank
         assert len(result["losses"]) == 8 and all(result["losses"]), (rank, result["losses"])
         assert len(result["shards"]) == 6 and all(result["shards"]), (rank, result["shards"])
+        assert len(result["clipped"]) == 4, (rank, result["clipped"])
+        for same_norm, same_grads, cut in result["clipped"]:
+            assert same_norm and same_grads and cut, (rank, result["clipped"])
         assert result["optimizer made before"].startswith("ValueError:")
         assert "fabric.setup_module(model)" in result["optimizer made before"]
-        for case in ("clip", "save"):
+        for case in ("save", "load"):
             assert result[case].startswith("NotImplementedError:"), (rank, case, result[case])
             assert "not supported yet under full sharding" in result[case]
+            assert "get_state_dict(model.module, optimizer)" in result[case], result[case]
+        dcp = result["dcp"]
+        assert not all(dcp["before"]), rank  # the loaded pair started elsewhere
+        assert len(dcp["params"]) == 6 and all(dcp["params"]), (rank, dcp)
+        assert len(dcp["state"]) == 18 and all(dcp["state"]), (rank, dcp)

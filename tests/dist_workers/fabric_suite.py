@@ -280,7 +280,7 @@ def full_shard(rank: int) -> dict:
     for layer in (ref.fc1, ref.fc2, ref.fc3, ref):  # FSDP2 averaging correctly over gloo
         layer.set_force_sum_reduction_for_comms(True)  # (its average is the sum on torch 2.8)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    data, losses = _batches(rank, STEPS * 2), []
+    data, losses, clipped = _batches(rank, STEPS * 2), [], []
     for step in range(STEPS):
         for m in range(2):
             x, y = data[2 * step + m]
@@ -291,19 +291,74 @@ def full_shard(rank: int) -> dict:
             theirs = torch.nn.functional.mse_loss(ref(x), y) / 2
             theirs.backward()
             losses.append(torch.equal(loss.detach(), theirs.detach()))
+        clipped.append(_clip_both(fabric, model, opt, ref, by_norm=step < 2))
         opt.step()
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-    out["losses"] = losses
+    out["losses"], out["clipped"] = losses, clipped
     out["shards"] = [torch.equal(a.to_local(), b.to_local())
                      for a, b in zip(model.parameters(), ref.parameters())]
     out["moved"] = any(not torch.equal(a.full_tensor(), b)
                        for a, b in zip(model.parameters(), _plain(0).parameters()))
-    out["clip"] = _raised(lambda: fabric.clip_gradients(model, opt, max_norm=1.0))
     path = os.path.join(os.environ["FABRIC_CKPT_DIR"], "full_shard")
     out["save"] = _raised(lambda: fabric.save(path, {"model": model}))
+    out["load"] = _raised(lambda: fabric.load(path, {"model": model}))
+    out["dcp"] = _dcp_as_the_error_says(fabric, model, opt, path + "-dcp")
     return out
+
+
+CLIP_NORM, CLIP_VALUE = 0.05, 0.01  # below this script's gradients: both clip
+
+
+def _clip_both(fabric, model, opt, ref, by_norm: bool) -> tuple:
+    """fabric.clip_gradients on gradmgr's side, torch's clip on plain FSDP2's (as Fabric's
+    FSDP2 strategy does): (whether the norms, then the clipped gradient shards, are equal bit
+    for bit; whether clipping changed anything)."""
+    if by_norm:
+        ours = fabric.clip_gradients(model, opt, max_norm=CLIP_NORM)
+        theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP_NORM)
+        same_norm = torch.equal(ours.full_tensor(), theirs.full_tensor())
+        cut = bool(theirs.full_tensor() > CLIP_NORM)
+    else:
+        cut = any(bool(p.grad.to_local().abs().max() > CLIP_VALUE) for p in ref.parameters())
+        fabric.clip_gradients(model, opt, clip_val=CLIP_VALUE)
+        torch.nn.utils.clip_grad_value_(ref.parameters(), CLIP_VALUE)
+        same_norm = True
+    same = all(torch.equal(a.grad.to_local(), b.grad.to_local())
+               for a, b in zip(model.parameters(), ref.parameters()))
+    return same_norm, same, cut
+
+
+def _dcp_as_the_error_says(fabric, model, opt, path: str) -> dict:
+    """fabric.save's error names torch.distributed.checkpoint's calls: they save this model
+    and optimizer and load them into a new set-up pair, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model.module, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    other = fabric.setup_module(_plain(1))
+    other_opt = fabric.setup_optimizers(torch.optim.Adam(other.parameters(), lr=1e-2))
+    x, y = _batches(rank=fabric.global_rank, count=1)[0]  # a step: the optimizer has state
+    fabric.backward(torch.nn.functional.mse_loss(other(x), y))
+    other_opt.step()
+    other_opt.zero_grad()
+    before = [torch.equal(a.to_local(), b.to_local())
+              for a, b in zip(model.parameters(), other.parameters())]
+    msd2, osd2 = get_state_dict(other.module, other_opt)
+    loaded = {"model": msd2, "optim": osd2}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(other.module, other_opt, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    params = [torch.equal(a.to_local(), b.to_local())
+              for a, b in zip(model.parameters(), other.parameters())]
+    state = [torch.equal(opt.state[a][k].to_local() if hasattr(opt.state[a][k], "to_local")
+                         else opt.state[a][k],
+                         other_opt.state[b][k].to_local()
+                         if hasattr(other_opt.state[b][k], "to_local") else other_opt.state[b][k])
+             for a, b in zip(model.parameters(), other.parameters()) for k in opt.state[a]]
+    return {"params": params, "state": state, "before": before}
 
 
 def main(rank: int, outdir: str, scenarios: list) -> None:

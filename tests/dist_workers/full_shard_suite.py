@@ -13,6 +13,7 @@ import pickle
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -140,7 +141,7 @@ def scenario(name: str, rank: int) -> dict:
 
 def refusals(rank: int) -> dict:
     """Bad input on every rank: a blocks= list naming nothing, ranks that shard differently,
-    a model already wrapped."""
+    Join (DDP's and ZeRO-2's, not FSDP2's), a model already wrapped."""
     found = {}
     try:
         data_parallel(model(), shard="full", blocks=[nn.Conv2d])
@@ -150,6 +151,12 @@ def refusals(rank: int) -> dict:
         data_parallel(model(), shard="full" if rank == 0 else True)
     except RankMismatchError as error:
         found["mixed"] = str(error)
+    gm = data_parallel(model(), shard="full")
+    for name, make in (("join", gm.join), ("Join", lambda: Join([gm]))):
+        try:
+            make()
+        except NotImplementedError as error:
+            found[name] = str(error)
     wrapped = model()
     fully_shard(wrapped)
     try:

@@ -5,14 +5,15 @@ habits_optim.py, habits_wrong.py) run once on DDP (``kind`` "ddp") and once per 
 it applies to. What it returns (losses, norms, parameters, buffers) is compared bit for bit.
 
 ``ddp=False``: DDP itself is silently wrong (or hangs) with this habit, so it is not run;
-gradmgr must raise. ``accept``: an exception that is not gradmgr's but counts as clear,
-``(type name, text it contains)``. ``alone``: only that rank runs the habit's call
-(``if rank == 0: ...``), so only it must raise, and the others go on. ``ahead``: the rank
-with a step more than the others (one skipped a batch): only it can find out, so only it must
-raise, and the others end their loop; its error says to start a new process group, which the
-harness does after the case. ``risky``: may hang or
-crash a rank on today's code, so it runs after the others; ``teardown``: destroys its
-process group, so it runs last.
+gradmgr must raise. Full sharding's reference is FSDP2 alone (habit_sides.py's "fsdp2"), run
+where ``fsdp2`` says (by default where DDP's is; False where FSDP2 has no counterpart, True
+where plain FSDP2 is what the habit types). ``accept``: an exception that is not gradmgr's
+but counts as clear, ``(type name, text it contains)``. ``alone``: only that rank runs the
+habit's call (``if rank == 0: ...``), so only it must raise, and the others go on. ``ahead``:
+the rank with a step more than the others (one skipped a batch): only it can find out, so
+only it must raise, and the others end their loop; its error says to start a new process
+group, which the harness does after the case. ``risky``: may hang or crash a rank on today's
+code, so it runs after the others; ``teardown``: destroys its process group, so it runs last.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Callable, Optional, Tuple
 from . import habits_model, habits_optim, habits_wrong
 from .habit_sides import PATHS
 
-ALL, SHARDED = PATHS, PATHS[2:]
+ALL, ZERO = PATHS, ("sharded",)
+NOT_FULL = PATHS[:3]  # not run under full sharding: docs/switching-from-ddp.md says why
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,13 @@ class Habit:
     alone: Optional[int] = None  # only this rank makes the call: its clear error suffices
     ahead: Optional[int] = None  # only this rank takes a step more: its clear error suffices
     teardown: bool = False
+    fsdp2: Optional[bool] = None  # full sharding's reference runs (None: where DDP's does)
+
+    def reference(self, path: str) -> bool:
+        """Whether the case ``habit:path`` has a reference side."""
+        if path == "full" and self.fsdp2 is not None:
+            return self.fsdp2
+        return self.ddp
 
     @property
     def fn(self) -> Callable:
@@ -51,7 +60,7 @@ HABITS = [
           'none: the documented script'),
     Habit("module_attribute",
           '`model.module.state_dict()` for the checkpoint',
-          accept=("AttributeError", "'module'")),
+          accept=("AttributeError", "'module'"), fsdp2=False),
     Habit("train_eval_switch",
           '`model.eval()`, a validation forward under `no_grad`, `model.train()`, between steps'),
     Habit("eval_after_training",
@@ -88,7 +97,8 @@ HABITS = [
     Habit("accumulate_no_sync",
           'gradient accumulation under `no_sync`'),
     Habit("custom_function_none_all",
-          'a custom `autograd.Function` returning `None` for a weight (item 4)'),
+          'a custom `autograd.Function` returning `None` for a weight (item 4)',
+          paths=NOT_FULL),
     Habit("tied_weight",
           'a layer used twice in the forward (tied weights)'),
     Habit("checkpointed",
@@ -97,13 +107,15 @@ HABITS = [
           'two forwards, one backward of the summed losses (`broadcast_buffers=False`)'),
     Habit("zero_checkpoint",
           "ZeRO's checkpoint: `opt.consolidate_state_dict(to=0)`, then rank 0's `state_dict()`",
-          paths=SHARDED, risky=True),
+          paths=ZERO, risky=True),
     Habit("skip_failed_batch",
-          "a rank's batch fails inside the step; every rank catches it and skips the batch"),
+          "a rank's batch fails inside the step; every rank catches it and skips the batch",
+          paths=NOT_FULL),
     Habit("forward_outside_with",
           'the forward before `with gm:`, only the backward inside'),
     Habit("autograd_grad_outside",
-          '`torch.autograd.grad` outside `with gm:` (a saliency map, gradient norms)'),
+          '`torch.autograd.grad` outside `with gm:` (a saliency map, gradient norms)',
+          paths=NOT_FULL),
     Habit("backward_inside_with_single",
           '`loss.backward()` inside `with gm:`, one process (item 3)',
           paths=("single",)),
@@ -112,30 +124,32 @@ HABITS = [
           ddp=False),
     Habit("data_parallel_then_ddp",
           '`data_parallel(model)`, then `net = DDP(model)` (item 1)',
-          ddp=False),
+          ddp=False, paths=NOT_FULL),
     Habit("forgotten_with",
           '`with gm:` forgotten: a plain `loss.backward()` (item 2)',
-          ddp=False),
+          ddp=False, fsdp2=True),
     Habit("double_after_wrap",
-          '`model.double()` after wrapping (item 8)'),
+          '`model.double()` after wrapping (item 8)',
+          paths=NOT_FULL),
     Habit("sharded_groups_differ",
           'ranks give `ShardedOptimizer` different groups (item 5)',
-          paths=SHARDED, ddp=False),
+          paths=ZERO, ddp=False),
     Habit("checkpoint_rank0",
           '`if rank == 0: torch.save(opt.state_dict(), path)` (item 5)',
           risky=True, alone=0),
     Habit("custom_function_none_one",
           'a custom `autograd.Function` returning `None` for a weight on one rank (item 4)',
-          risky=True),
+          risky=True, paths=NOT_FULL),
     Habit("no_sync_on_rank0_only",
           'only rank 0 wraps a micro-batch in `no_sync` (item 7)',
-          ddp=False, risky=True),
+          ddp=False, risky=True, paths=NOT_FULL),
     Habit("rank_skips_silently",
           'one rank skips a batch before its forward (`continue`)',
-          ddp=False, risky=True, ahead=0),
+          ddp=False, risky=True, ahead=0,
+          paths=NOT_FULL),
     Habit("rank_skips_in_join",
           'the same, inside `with Join([gm]):` (DDP: `with Join([model]):`; sharded: '
-          '`Join([gm, opt])`)'),
+          '`Join([gm, opt])`)', fsdp2=False),
     Habit("destroy_then_del",
           '`dist.destroy_process_group()`, then `del gm` (item 9)',
           teardown=True),

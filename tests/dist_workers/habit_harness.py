@@ -25,6 +25,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from .habit_sides import REFERENCE
+
 PG_TIMEOUT_S = 10
 OUT_OF_STEP = 3  # the exit status of a rank whose process group was left out of step
 
@@ -125,7 +127,9 @@ def run_case(habit, path: str, rank: int, world: int, group: Group, started: str
     """The habit on DDP, then on gradmgr's ``path``; ``started`` names the side now running
     (for the parent, if this rank hangs or dies)."""
     result = {}
-    for side, kind in (("ddp", "ddp"), ("gm", path)) if habit.ddp else (("gm", path),):
+    reference = REFERENCE.get(path, "ddp")  # under the key "ddp" whichever it is
+    for side, kind in (("ddp", reference), ("gm", path)) if habit.reference(path) else (
+            ("gm", path),):
         with open(started, "w") as f:
             f.write(f"{habit.name}:{path} {side}")
         result[side] = outcome(habit.fn, kind, rank, world)

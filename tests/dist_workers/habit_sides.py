@@ -1,5 +1,6 @@
 """The habit harness's training script, written once for both sides of a comparison: torch's
-DDP (the reference) and gradmgr on one of its data-parallel paths.
+DDP (the reference; for full sharding, FSDP2 alone) and gradmgr on one of its data-parallel
+paths.
 
 A :class:`Side` hides what switching changes (the wrapper, the step, ``no_sync``, the
 optimizer, clipping); a habit (habit_cases.py) is the documented script with one habit typed
@@ -17,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr.distributed import ShardedOptimizer, data_parallel, no_sync
 
-PATHS = ("native", "buckets", "sharded")  # gradmgr's paths; "ddp" is the reference
+PATHS = ("native", "buckets", "sharded", "full")  # gradmgr's paths
+REFERENCE = {"full": "fsdp2"}  # each path's reference; "ddp" where not named
 LR, MOMENTUM, STEPS = 0.1, 0.9, 3
 
 
@@ -49,17 +51,22 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 class Side:
-    """One side of a comparison: ``kind`` "ddp" (DDP), or a gradmgr path: "native" (torch's
-    reducer, the default), "buckets" (``native=False``) or "sharded" (``shard=True`` and a
-    :class:`ShardedOptimizer`). ``net`` is what the script calls; ``model`` the module."""
+    """One side of a comparison: ``kind`` "ddp" (DDP) or "fsdp2" (FSDP2 alone), or a gradmgr
+    path: "native" (torch's reducer, the default), "buckets" (``native=False``), "sharded"
+    (``shard=True`` and a :class:`ShardedOptimizer`) or "full" (``shard="full"``, FSDP2 on
+    each Linear and the root). ``net`` is what the script calls; ``model`` the module."""
 
     def __init__(self, kind: str, rank: int, model: nn.Module = None, ddp: dict = None,
                  dp: dict = None) -> None:
         self.kind, self.rank = kind, rank
         self.model = make_model(rank) if model is None else model
-        self.gm = None
+        self.gm, self._synced = None, True
         if kind == "ddp":
             self.net = DDP(self.model, **(ddp or {}))
+        elif kind == "fsdp2":
+            self.net = self.model
+            self._buffers = (ddp or {}).get("broadcast_buffers", True)
+            fsdp2(self.model)
         else:
             self.net = self.model
             self.gm = data_parallel(self.model, **self.dp_options(), **(dp or {}))
@@ -67,6 +74,8 @@ class Side:
     def dp_options(self) -> dict:
         if self.kind == "sharded":
             return {"shard": True}
+        if self.kind == "full":
+            return {"shard": "full", "blocks": [nn.Linear]}
         return {"native": self.kind == "native"}
 
     @property
@@ -84,7 +93,19 @@ class Side:
         """DDP's ``no_sync()``, or gradmgr's ``no_sync(gm)``, when ``pause``."""
         if not pause:
             return contextlib.nullcontext()
+        if self.kind == "fsdp2":
+            return self._fsdp2_no_sync()
         return self.net.no_sync() if self.gm is None else no_sync(self.gm)
+
+    @contextlib.contextmanager
+    def _fsdp2_no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        self._synced = False
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+            self._synced = True
 
     def recording(self):
         return contextlib.nullcontext() if self.gm is None else self.gm
@@ -92,6 +113,9 @@ class Side:
     def backward(self, loss: torch.Tensor) -> None:
         if self.gm is None:
             loss.backward()
+            if self.kind == "fsdp2" and self._synced and self._buffers:
+                for buffer in self.model.buffers():  # as gradmgr does: rank 0's, after the step
+                    torch.distributed.broadcast(buffer, 0)
         else:
             self.gm.backward(loss)
 
@@ -107,7 +131,28 @@ class Side:
         """The documented clipping: torch's, or the ShardedOptimizer's own."""
         if self.sharded:
             return float(opt.clip_grad_norm_(max_norm))
-        return float(nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        return float(whole(nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+
+
+def fsdp2(model: nn.Module) -> None:
+    """FSDP2 as its users set it up, on every rank: rank 0's parameters and buffers (FSDP2
+    broadcasts nothing itself), ``fully_shard`` on each Linear and then the root, summing over
+    gloo and dividing (its own average there is the sum on torch 2.8)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for tensor in [*model.parameters(), *model.buffers()]:
+        torch.distributed.broadcast(tensor.detach(), 0)
+    blocks = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    for wrapped in [*blocks, model]:
+        wrapped.set_force_sum_reduction_for_comms(True)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective), another tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def state(side: Side) -> dict:
@@ -126,7 +171,7 @@ def state(side: Side) -> dict:
     with torch.no_grad():
         output = side.net(probe)
     model.train(training)
-    out = {f"param {n}": p.detach().numpy().copy() for n, p in model.named_parameters()}
+    out = {f"param {n}": whole(p.detach()).numpy().copy() for n, p in model.named_parameters()}
     out.update({f"buffer {n}": b.detach().numpy().copy() for n, b in model.named_buffers()})
     out["evaluation output"] = output.detach().float().numpy().copy()
     return out

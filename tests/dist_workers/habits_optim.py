@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .habit_sides import LR, MOMENTUM, STEPS, Side, batch, loop, state
+from .habit_sides import LR, MOMENTUM, STEPS, Side, batch, loop, state, whole
 
 
 # ---------------------------------------------------------------- optimizer habits
@@ -46,7 +46,8 @@ def clip_torch(kind, rank, world):
     opt, out = side.optimizer(), {}
     for step in range(STEPS):
         side.step(*batch(rank, step))
-        out[f"norm {step}"] = np.float32(nn.utils.clip_grad_norm_(side.model.parameters(), 0.5))
+        out[f"norm {step}"] = np.float32(whole(
+            nn.utils.clip_grad_norm_(side.model.parameters(), 0.5)))
         opt.step()
         opt.zero_grad()
     out.update(state(side))
@@ -73,12 +74,18 @@ def grad_metadata(kind, rank, world):
 
 
 def optimizer_state(opt) -> dict:
-    """An optimizer's ``state_dict()`` as arrays (groups and per-parameter state)."""
+    """An optimizer's ``state_dict()`` as arrays (groups and per-parameter state; of a
+    DTensor, this rank's shard, what ``torch.save`` writes under FSDP2)."""
     saved = opt.state_dict()
     out = {"param_groups": np.array(repr(saved["param_groups"]))}
     for i, entry in saved["state"].items():
-        out.update({f"state {i} {k}": torch.as_tensor(v).numpy() for k, v in entry.items()})
+        out.update({f"state {i} {k}": torch.as_tensor(_local(v)).numpy()
+                    for k, v in entry.items()})
     return out
+
+
+def _local(value):
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def checkpoint_rank0(kind, rank, world):
@@ -120,7 +127,8 @@ def grad_scaler(kind, rank, world):
     for step in range(STEPS):
         side.step(*batch(rank, step), scale=scaler.scale)
         scaler.unscale_(opt)
-        out[f"norm {step}"] = np.float32(nn.utils.clip_grad_norm_(side.model.parameters(), 1.0))
+        out[f"norm {step}"] = np.float32(whole(
+            nn.utils.clip_grad_norm_(side.model.parameters(), 1.0)))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()

@@ -112,7 +112,7 @@ def double_after_wrap(kind, rank, world):
     """Issue 25 item 8: ``model.double()`` after ``data_parallel(model)``. After ``DDP``
     every rank keeps its own gradient, silently: the reference is DDP wrapping the model
     converted first, what the user meant."""
-    if kind == "ddp":
+    if kind in ("ddp", "fsdp2"):
         side = Side(kind, rank, model=make_model(rank).double())
     else:
         side = Side(kind, rank)
@@ -164,7 +164,7 @@ def destroy_then_del(kind, rank, world):
     torch 2.13 (in ``~ProcessGroupGloo``, as gradmgr does in issue 25 item 9)."""
     side = Side(kind, rank)
     out = train(side, steps=1)
-    if kind == "ddp":
+    if kind in ("ddp", "fsdp2"):
         del side
         gc.collect()
     dist.destroy_process_group()

@@ -67,10 +67,11 @@ class DataParallelManager(GradManager):
         super().__init__()
         self.joining: Optional[Joining] = None  # set by data_parallel where the framework can
         self._join_config: Any = None  # the context sets it (torch's Joinable protocol)
+        self.no_join = _NO_JOIN  # why there is no Join here; a path without one says its own
 
     def _joins(self) -> Joining:
         if self.joining is None:
-            raise NotImplementedError(_NO_JOIN)
+            raise NotImplementedError(self.no_join)
         return self.joining
 
     def join_hook(self, **kwargs: Any) -> JoinHook:

@@ -37,6 +37,14 @@ _UNSUPPORTED = (
     "reduce-scatters the gradients itself, {why}. Drop {name}, or use shard=False (DDP's "
     "path) or shard=True (ZeRO-2), which take it"
 )
+_NO_JOIN = (
+    "gm.join() / Join([gm]) under full sharding (shard='full'): there is no Join here, as "
+    "there is none for FSDP2, which full sharding is built on (torch's fully_shard modules "
+    "are not Joinable): a rank that ran out of batches cannot stand in for the others' "
+    "parameter gathers and gradient reduce-scatters. Give every rank the same number of "
+    "batches (DistributedSampler(..., drop_last=True), or drop the last incomplete ones), "
+    "or use data_parallel(model) or shard=True, whose managers take Join"
+)
 _WHY = {
     "reduce": "always as a mean over the ranks (reduce='mean')",
     "bucket_bytes": "in one collective per wrapped block (choose blocks= instead)",
@@ -95,6 +103,7 @@ class FullSharding:
             raise NotImplementedError(_NO_PATH)
         path.wrap(module, blocks, reshard_after_forward, mp_policy)
         sharding = cls(gm, module, path)
+        gm.no_join = _NO_JOIN
         gm.register_record_callback(sharding.record)
         set_backward_delegate(gm, sharding.delegate)
         gm.attach([p for p in module.parameters() if p.requires_grad])

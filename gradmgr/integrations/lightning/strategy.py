@@ -56,9 +56,14 @@ _FULL_OPTIMIZER = (
 )
 _FULL_UNTESTED = (
     "GradmgrStrategy(shard='full'): {what} is not supported yet under full sharding (each "
-    "rank holds shards of the parameters and gradients, and this path is not built or "
-    "tested). Use Fabric's own FSDP strategy for it, or data_parallel(model, shard='full') "
-    "with torch.distributed.checkpoint and torch.nn.utils.clip_grad_norm_ yourself"
+    "rank holds shards of the parameters and of the optimizer state; Fabric's checkpoint "
+    "of them is not built here). Save and load the shards with torch.distributed.checkpoint, "
+    "FSDP2's own path, on every rank: `from torch.distributed.checkpoint.state_dict import "
+    "get_state_dict, set_state_dict`; `msd, osd = get_state_dict(model.module, optimizer)`; "
+    "`torch.distributed.checkpoint.save({{'model': msd, 'optim': osd}}, checkpoint_id=path)`; "
+    "to load, get_state_dict as before, torch.distributed.checkpoint.load(that dict, "
+    "checkpoint_id=path), then `set_state_dict(model.module, optimizer, "
+    "model_state_dict=msd, optim_state_dict=osd)`"
 )
 
 
@@ -180,8 +185,10 @@ class GradmgrStrategy(DDPStrategy):
     must be new, without state), and ``fabric.clip_gradients(max_norm=...)`` clips the shards.
     With ``shard="full"`` (FSDP2; ``blocks=``, ``reshard_after_forward=``, ``mp_policy=``)
     set the model up first and make the optimizer over its parameters after
-    (``fabric.setup_module``, then ``fabric.setup_optimizers``); ``fabric.clip_gradients``,
-    ``fabric.save`` and ``fabric.load`` raise ``NotImplementedError`` there.
+    (``fabric.setup_module``, then ``fabric.setup_optimizers``); ``fabric.clip_gradients``
+    clips the gradient shards as Fabric's FSDP2 strategy does (torch's ``clip_grad_norm_``
+    and ``clip_grad_value_`` on the DTensors), while ``fabric.save`` and ``fabric.load``
+    raise ``NotImplementedError`` there, naming torch.distributed.checkpoint's calls to use.
 
     A step runs as with DDP: ``model(x)`` (with gradients enabled) starts gradmgr's recording,
     ``fabric.backward(loss)`` runs ``gm.backward(loss)`` and ends it; forwards under
@@ -244,7 +251,7 @@ class GradmgrStrategy(DDPStrategy):
             raise NotImplementedError(_FULL_UNTESTED.format(what=what))
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        self._refuse_full("fabric.save() (every rank's shards would have to be written)")
+        self._refuse_full("fabric.save()")
         super().save_checkpoint(*args, **kwargs)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
@@ -272,7 +279,8 @@ class GradmgrStrategy(DDPStrategy):
 
     def clip_gradients_norm(self, module: torch.nn.Module, optimizer: Any, max_norm: Any,
                             norm_type: Any = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
-        self._refuse_full("fabric.clip_gradients()")
+        # Under full sharding .grad holds FSDP2's DTensor shards, which torch's clip_grad_norm_
+        # (DDPStrategy's and Fabric's FSDP2 strategy's, from Strategy) takes as they are.
         if not isinstance(optimizer, ShardedOptimizer):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type,
                                                error_if_nonfinite)
@@ -285,7 +293,6 @@ class GradmgrStrategy(DDPStrategy):
 
     def clip_gradients_value(self, module: torch.nn.Module, optimizer: Any,
                              clip_val: Any) -> None:
-        self._refuse_full("fabric.clip_gradients()")
         if isinstance(optimizer, ShardedOptimizer):
             raise NotImplementedError(
                 "GradmgrStrategy(shard=True): fabric.clip_gradients(clip_val=...) is not "
