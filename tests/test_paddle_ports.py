@@ -19,6 +19,7 @@ what they say they are. ResNet-18 runs on 8 images of 16 x 16, the encoder on 4 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Dict, Tuple
 
@@ -189,3 +190,44 @@ def test_broken_paddle_port_differs_where_it_says(name):
         assert not np.array_equal(broken["outputs"][spec.layer], correct["outputs"][spec.layer])
         at = bad["outputs"][spec.layer]
         assert at > SEPARATION * good["outputs"][spec.layer], at
+
+
+def parity_verdict(model: str, build: Any) -> Tuple[bool, str]:
+    """What a porting user gets from the parity tool on the torch reference and a Paddle port:
+    (a difference reported, the text that names where). ``transfer_weights`` refusing a
+    layer's configuration is a report at that layer, before any step."""
+    from gradmgr.parity import MappingError, compare_step, transfer_weights
+
+    torch.manual_seed(0)
+    paddle.seed(0)
+    reference, paddle_model = TORCH[model](), build()
+    try:
+        transfer_weights(reference, paddle_model)
+    except MappingError as refused:
+        return True, str(refused)
+    x, y = batch(model)
+    report = compare_step(
+        reference, paddle_model, (x, y),
+        loss_a=lambda out, labels: torch.nn.functional.cross_entropy(out, labels.long()),
+        loss_b=lambda out, labels: paddle.nn.functional.cross_entropy(
+            out, labels.astype("int64")))
+    return not report.ok, report.text()
+
+
+@pytest.mark.parametrize("model", ["resnet18", "encoder"])
+def test_the_parity_tool_says_ok_on_a_correct_paddle_port(model):
+    found, text = parity_verdict(model, PADDLE[model])
+    assert not found, text
+
+
+@pytest.mark.parametrize("name", sorted(paddle_broken.PORTS))
+def test_the_parity_tool_names_each_broken_paddle_port_at_its_layer(name):
+    """docs/porting.md's "Side by side with PaDiff" table, gradmgr's column: every broken
+    port reported (no false OK), and the report names the layer the port broke (for a
+    backward-only bug among the suspects; for the attention scale, the dropout whose input it
+    is; for a layer substituted by one of another kind, in the first divergence's line)."""
+    spec = paddle_broken.PORTS[name]
+    found, text = parity_verdict(spec.model, spec.build)
+    assert found, text
+    assert "PARITY OK" not in text
+    assert re.search(rf"\b{re.escape(spec.layer)}\b", text), text
