@@ -67,6 +67,8 @@ class DataParallelManager(GradManager):
         super().__init__()
         self.joining: Optional[Joining] = None  # set by data_parallel where the framework can
         self._join_config: Any = None  # the context sets it (torch's Joinable protocol)
+        # the model, weakly (data_parallel sets it): where a deferred gather hooks its waits
+        self.module_ref: Any = None
 
     def _joins(self) -> Joining:
         if self.joining is None:
