@@ -46,9 +46,11 @@ class Gathering:
 
             def wait_for(params: Sequence[Any]) -> None:
                 gathering = me()
-                if gathering is not None and gathering.pending is not None:
-                    gathering.pending.wait_for([positions[id(p)] for p in params
-                                                if id(p) in positions])
+                pending = None if gathering is None else gathering.pending
+                if pending is not None:
+                    pending.wait_for([positions[id(p)] for p in params if id(p) in positions])
+                    if not pending.pending:  # all arrived: later forwards skip the look-up
+                        gathering.pending = None
 
             def wait_all() -> None:
                 gathering = me()
