@@ -26,7 +26,7 @@ GATHERS = ("eager", "deferred")
 _NO_MODULE = (
     "ShardedOptimizer(gather='deferred') waits for the gathered parameters in the forward "
     "pre-hooks of the model's modules, so it needs the manager of data_parallel(model, "
-    "shard=True) (this one has no model{why}); use gather='eager' (the default)"
+    "shard=True){why}; use gather='eager' (the default)"
 )
 
 class Gathering:
@@ -59,7 +59,8 @@ class Gathering:
 
             self.hooks = ops.hook_parameter_reads(module, wait_for, wait_all)
             if self.hooks is None:
-                raise ValueError(_NO_MODULE.format(why=": the framework has no module hooks"))
+                raise ValueError(_NO_MODULE.format(
+                    why=f" over a module with hooks ({type(module).__name__} has none here)"))
 
     @property
     def deferred(self) -> bool:
@@ -93,7 +94,7 @@ def _module_of(gm: Any) -> Any:
     ref: Optional[Callable[[], Any]] = getattr(gm, "module_ref", None)
     module = ref() if ref is not None else None
     if module is None:
-        raise ValueError(_NO_MODULE.format(why=""))
+        raise ValueError(_NO_MODULE.format(why=" (this manager has no model)"))
     return module
 
 def close_with(owner: Any, gathering: Gathering) -> None:

@@ -187,10 +187,11 @@ class ShardedOptimizer:
                                                self._ops, _ONE_BUCKET), frozen, None)
         self._gather = ParameterGather(self._ops, self._transport, plan, self._world,
                                        self._reduced.segments, self._reduced.tensors)
-        self._gathering = Gathering(self._gather, self._gather_how, gm, self._ops)
-        close_with(self, self._gathering)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
         """The wrapped optimizer over this rank's segments."""
+        # last: nothing that raises after it leaves the model's hooks behind
+        self._gathering = Gathering(self._gather, self._gather_how, gm, self._ops)
+        close_with(self, self._gathering)
         self._stepped_with: List[Dict[str, Any]] = []  # its groups' options after its step
         # The groups the program sees: the unsharded optimizer's (the model's parameters, the
         # wrapped groups' options), copied into the wrapped groups at each step.
