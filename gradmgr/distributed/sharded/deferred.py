@@ -46,11 +46,12 @@ class Gathering:
 
             def wait_for(params: Sequence[Any]) -> None:
                 gathering = me()
-                pending = None if gathering is None else gathering.pending
-                if pending is not None:
-                    pending.wait_for([positions[id(p)] for p in params if id(p) in positions])
-                    if not pending.pending:  # all arrived: later forwards skip the look-up
-                        gathering.pending = None
+                if gathering is None or gathering.pending is None:
+                    return
+                pending = gathering.pending
+                pending.wait_for([positions[id(p)] for p in params if id(p) in positions])
+                if not pending.pending:  # all arrived: later forwards skip the look-up
+                    gathering.pending = None
 
             def wait_all() -> None:
                 gathering = me()
