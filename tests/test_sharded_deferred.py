@@ -43,6 +43,7 @@ def test_each_read_waits_for_what_it_reads(ranks):
         reads = out["deferred"]["reads"]
         assert reads["first_layer"] == PARAMS - 2  # the first Linear's weight and bias only
         assert reads["zero_grad"] == PARAMS  # it reads no parameter: nothing to wait for
+        assert reads["optimizer_state_dict"] == 0
         assert reads["raised"] == PARAMS - 2  # the first layer waited, then raised
     # model.state_dict() on rank 0 alone: all arrived, the eager run's values after step 1
     digest, left = ranks[0]["deferred"]["reads"]["state_dict"]

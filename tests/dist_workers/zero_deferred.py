@@ -98,6 +98,8 @@ def reads(out: dict, step: int, net: nn.Module, opt: ShardedOptimizer, rank: int
     elif step == 2:  # zero_grad reads no parameter: the broadcasts stay in flight
         opt.zero_grad()
         out["zero_grad"] = in_flight(opt)
+        opt.state_dict()  # every rank: it gathers the optimizer state
+        out["optimizer_state_dict"] = in_flight(opt)
     elif step == 3:  # a forward that raises half-way: the rest stays in flight
         try:
             net(torch.ones(2, 17))
