@@ -10,6 +10,8 @@ thread per rank, 2 and 4 ranks. Variants:
 - ``fsdp2``: ``fully_shard(reshard_after_forward=False)`` on every Linear and on the root, AdamW
 - ``gradmgr``: gradmgr ``data_parallel(model)`` + AdamW (the allreduce path)
 - ``sharded``: gradmgr ``data_parallel(model, shard=True)`` + ``ShardedOptimizer(gm, AdamW)``
+- ``deferred``: the same with ``ShardedOptimizer(..., gather="deferred")``: the parameter
+  gather left in flight by the step, waited for per layer in the next forward
 - ``full``: gradmgr ``data_parallel(model, shard="full", blocks=[nn.Linear],
   reshard_after_forward=False)`` + AdamW: full sharding on FSDP2, set up as ``fsdp2`` is
 
@@ -90,7 +92,7 @@ try:  # FSDP2 (torch >= 2.6)
 except ImportError:  # pragma: no cover - old torch
     fully_shard = None
 
-VARIANTS = ("ddp", "ddp-view", "zero1", "fsdp2", "gradmgr", "sharded", "full")
+VARIANTS = ("ddp", "ddp-view", "zero1", "fsdp2", "gradmgr", "sharded", "deferred", "full")
 LABELS = {
     "ddp": "DDP + AdamW",
     "ddp-view": "DDP(bucket view) + AdamW",
@@ -98,6 +100,7 @@ LABELS = {
     "fsdp2": "FSDP2 fully_shard(reshard_after_forward=False) per Linear + root, AdamW",
     "gradmgr": "gradmgr data_parallel(model) + AdamW",
     "sharded": "gradmgr data_parallel(model, shard=True) + ShardedOptimizer(AdamW)",
+    "deferred": "the same, ShardedOptimizer(AdamW, gather='deferred')",
     "full": "gradmgr data_parallel(model, shard='full', blocks=[Linear], "
             "reshard_after_forward=False) + AdamW",
 }
@@ -184,12 +187,13 @@ class Variant:
             def backward(x: torch.Tensor, y: torch.Tensor) -> None:
                 with gm:
                     gm.backward(loss(net(x), y))
-        elif name in ("gradmgr", "sharded"):
-            gm = data_parallel(net, shard=name == "sharded")
+        elif name in ("gradmgr", "sharded", "deferred"):
+            gm = data_parallel(net, shard=name != "gradmgr")
             if name == "gradmgr":
                 opt = self._local_opt = torch.optim.AdamW(net.parameters(), lr=LR)
             else:
-                opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR)
+                opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR,
+                                       gather="deferred" if name == "deferred" else "eager")
                 self._local_opt = None
 
             def backward(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -207,25 +211,32 @@ class Variant:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
+    def settle(self) -> None:
+        """Wait for what the last step left in flight (the deferred gather)."""
+        if self.name == "deferred":
+            self.opt.finish_gather()
+
     def grads(self) -> int:
-        if self.name == "sharded":
+        if self.name in ("sharded", "deferred"):
             return self.opt.memory()["gradients"]
         return tensor_bytes(p.grad for p in self.net.parameters())
 
     def state(self) -> int:
-        if self.name == "sharded":
+        if self.name in ("sharded", "deferred"):
             return self.opt.memory()["optimizer"]
         return state_bytes(self._local_opt)
 
     def grad_norm(self) -> float:
         """The 2-norm of the whole reduced gradient (every rank's shards), after a backward."""
-        if self.name == "sharded":
+        if self.name in ("sharded", "deferred"):
             return float(self.opt.clip_grad_norm_(float("inf")))  # inf: scales nothing
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.net.parameters()
                                               if p.grad is not None])
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def params(self) -> torch.Tensor:
+        if self.name == "deferred":
+            self.opt.finish_gather()  # a read of the parameters outside the forward
         with torch.no_grad():
             return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p)
                               .detach().reshape(-1) for p in self.net.parameters()])
@@ -255,7 +266,7 @@ def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str)
 
     torch.manual_seed(0)
     net = model()
-    data = batches(warmup + steps, rank)
+    data = batches(warmup + 2 * steps, rank)
     gc.collect()
     dist.barrier()
     base = rss()
@@ -286,6 +297,17 @@ def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str)
         variant.step(x, y)
         times.append(time.perf_counter() - start)
     peak_steady = peak_rss()
+    # The same steps again back to back, one barrier before and one after the last (the
+    # gather a deferred step leaves in flight is waited for inside it): the per-step barrier
+    # above would wait for that gather outside the timed region (gloo's barrier waits for the
+    # work issued before it), so only this time is fair to "deferred".
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(warmup + steps, warmup + 2 * steps):
+        variant.step(*data[i])
+    variant.settle()
+    loop = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+    dist.all_reduce(loop, op=dist.ReduceOp.MAX)
 
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
@@ -298,6 +320,7 @@ def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str)
         "held": warm - base, "peak": max(peak_first, peak_steady) - base,
         "peak_warm": peak_steady - warm, "times": slowest.tolist(), "digest": digest,
         "norm": counted["norm"],
+        "loop": float(loop[0]),
     }
     with open(os.path.join(outdir, f"{name}-rank{rank}.json"), "w") as f:
         json.dump(record, f)
@@ -339,9 +362,11 @@ def run_world(world: int, variants: List[str], rounds: int, steps: int, warmup: 
                 merged["step"] = statistics.median(ranks[0]["times"])
                 merged["best"] = min(ranks[0]["times"])
                 merged["norm"] = ranks[0]["norm"]
+                merged["loop"] = ranks[0]["loop"]
                 runs.rounds[name].append(merged)
                 log(f"  {world} ranks, round {r + 1}/{rounds}: {name:<8} step "
-                    f"{merged['step'] * 1e3:7.1f} ms, peak {merged['peak'] / MIB:6.1f} MiB "
+                    f"{merged['step'] * 1e3:7.1f} ms, back to back "
+                    f"{merged['loop'] * 1e3:7.1f} ms, peak {merged['peak'] / MIB:6.1f} MiB "
                     f"({time.perf_counter() - start:.0f} s)")
             if "ddp" in variants:
                 ref = torch.load(os.path.join(outdir, "params-ddp.pt"))
@@ -401,7 +426,7 @@ def report(runs: Runs, steps: int, warmup: int) -> Tuple[List[str], bool]:
             params_col = "==" if worst == 0 else f"|diff| max {worst:.1e}, mean {mean:.1e}"
             norm = max(runs.norms[name], key=lambda r: abs(r - 1.0))
             params_col += f", |grad|/DDP's {norm:.6f}"
-            exact = name == "sharded" and world == 2
+            exact = name in ("sharded", "deferred") and world == 2
             if (exact and worst != 0) or mean > MEAN_TOLERANCE or abs(norm - 1) > NORM_TOLERANCE:
                 params_col += "  BROKEN"
                 ok = False
@@ -439,6 +464,11 @@ def report(runs: Runs, steps: int, warmup: int) -> Tuple[List[str], bool]:
                        f"{_med(ratios[name]):.3f}x"
                 print(line)
                 lines.append(line)
+    for name in names:  # back to back: the deferred gather's fair time (see _run)
+        loop = _med([r["loop"] for r in rounds[name]])
+        line = f"{RESULT_PREFIX} zero {world} ranks {name} back-to-back step {loop * 1e3:.1f} ms"
+        print(line)
+        lines.append(line)
     if not ok:
         print(f"BROKEN: a variant's parameters after training are not DDP's ({world} ranks): "
               f"its row compares a broken run")

@@ -30,7 +30,10 @@ at the slower link's bandwidth). What overlaps with what:
 - ZeRO-1: as DDP, then the optimizer steps 1/N, then the parameter broadcasts, exposed
   (torch's ``overlap_with_ddp`` is off by default);
 - gradmgr sharded: the reduce-scatters during the backward (one bucket in flight), the
-  optimizer on 1/N, then the gather, exposed (docs/sharded.md: ``step()`` gathers);
+  optimizer on 1/N, then the gather, exposed (docs/sharded.md: ``step()`` gathers); with
+  ``gather="deferred"``, a bucket gathered by broadcasts (its segments 256 KiB or more on
+  average: about ``bucket_bytes / N``) runs behind the next forward, all but the first
+  bucket hidden; one gathered through a buffer (smaller segments: many ranks) stays exposed;
 - FSDP2: each layer's all-gather is prefetched behind the previous layer's compute (forward
   and backward), the reduce-scatters run behind the backward; the first all-gather and the
   last reduce-scatter are exposed.
@@ -57,6 +60,7 @@ import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 GB = 1e9  # the ZeRO paper's GB (10^9 bytes)
+BROADCAST_SEGMENT = 2**18  # gradmgr's sharded gather broadcasts segments this large (gather.py)
 
 SYSTEMS = ("ddp", "gradmgr", "zero1", "gradmgr-sharded", "fsdp2")
 LABELS = {
@@ -220,9 +224,9 @@ def step_time(system: str, model: Model, world: int, cluster: Cluster = DEFAULT_
               work: Workload = DEFAULT_WORK, compute_s: Optional[float] = None,
               gather_behind_forward: bool = False) -> Step:
     """One step's time: compute, communication, and how much of it overlaps (module doc).
-    ``compute_s`` replaces the FLOP count's compute time; ``gather_behind_forward``: what
-    gradmgr sharded's step would take if its gather ran behind the next forward (a what-if:
-    it runs after the optimizer step today)."""
+    ``compute_s`` replaces the FLOP count's compute time; ``gather_behind_forward``:
+    gradmgr sharded's step with ``ShardedOptimizer(gather="deferred")``, which leaves behind
+    the next forward only the buckets it gathers by broadcasts (module doc)."""
     flops = 6 * model.psi * work.tokens
     compute = flops / (cluster.peak_flops * cluster.mfu) if compute_s is None else compute_s
     fwd, bwd = compute / 3, 2 * compute / 3
@@ -247,7 +251,8 @@ def step_time(system: str, model: Model, world: int, cluster: Cluster = DEFAULT_
             after = per_bucket("broadcast", grads, count)
         elif system == "gradmgr-sharded":
             after = per_bucket("all_gather", grads, buckets)
-            if gather_behind_forward:  # the next forward hides it but for the first bucket
+            if gather_behind_forward and work.bucket_bytes / world >= BROADCAST_SEGMENT:
+                # the next forward hides it but for the first bucket
                 first = after / buckets
                 behind += max(0.0, after - first - fwd) + first
                 after = 0.0
@@ -400,11 +405,15 @@ def print_checks() -> None:
           "P_os 1.0 x (a reduce-scatter, then an all-gather): "
           f"{bytes_per_rank('zero1', 1.0, 64) / bytes_per_rank('ddp', 1.0, 64):.2f}")
     for model in MODELS:
-        now = step_time("gradmgr-sharded", model, 256)
-        hidden = step_time("gradmgr-sharded", model, 256, gather_behind_forward=True)
-        print(f"what-if, {model.name} on 256 GPUs: gradmgr sharded's gather behind the next "
-              f"forward: {now.total:.2f} s -> {hidden.total:.2f} s a step "
-              f"(DDP {step_time('ddp', model, 256).total:.2f} s)")
+        for world in (8, 256):
+            now = step_time("gradmgr-sharded", model, world)
+            hidden = step_time("gradmgr-sharded", model, world, gather_behind_forward=True)
+            how = ("by broadcasts, deferred" if DEFAULT_WORK.bucket_bytes / world
+                   >= BROADCAST_SEGMENT else "through a buffer, not deferred")
+            print(f"{model.name} on {world} GPUs: gradmgr sharded's gather='deferred' "
+                  f"({DEFAULT_WORK.bucket_bytes / 2**20:.0f} MiB buckets gathered {how}): "
+                  f"{now.total:.2f} s -> {hidden.total:.2f} s a step "
+                  f"(DDP {step_time('ddp', model, world).total:.2f} s)")
 
 
 def plot(rows: List[Dict[str, object]], path: str, cluster: Cluster = DEFAULT_CLUSTER) -> None:

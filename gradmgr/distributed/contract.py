@@ -417,6 +417,14 @@ class TensorOps:
         forward hooks)."""
         return None
 
+    def hook_parameter_reads(self, module: Any, wait_for: Callable[[Sequence[Any]], None],
+                             wait_all: Callable[[], None]) -> Any:
+        """Hooks on ``module`` for a gather left behind the step: each submodule's forward
+        first calls ``wait_for(its own parameters)``; the module's ``state_dict()`` and
+        ``load_state_dict()`` first call ``wait_all()``. Returns the hooks (``remove()``), or
+        None (the default: the framework has no module hooks)."""
+        return None
+
     def post_backward_path(self) -> Optional[PostBackwardPath]:
         """When to reduce after the backward instead of during it, or None (the default:
         never; the framework's backwards take per-tensor hooks at no extra cost)."""

@@ -130,6 +130,8 @@ def data_parallel(
     gm.register_backward_error_callback(step.backward_failed)
     gm.register_release_callback(step.release)
     _remember(module, gm)
+    with contextlib.suppress(TypeError):  # a module that takes no weak reference
+        gm.module_ref = weakref.ref(module)
     if params:
         watch = ops.watch_forwards(module, step.refusal) if ops is not None else None
         if watch is not None:

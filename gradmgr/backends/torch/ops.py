@@ -206,6 +206,11 @@ class TorchOps(TensorOps):
 
         return wrapper_problem(module)
 
+    def hook_parameter_reads(self, module: Any, wait_for: Any, wait_all: Any) -> Any:
+        from .gather_hooks import hook_parameter_reads
+
+        return hook_parameter_reads(module, wait_for, wait_all)
+
     def watch_forwards(self, module: Any, refusal: Any) -> Optional[Any]:
         from .modules import watch_forwards
 

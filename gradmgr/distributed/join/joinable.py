@@ -68,6 +68,8 @@ class DataParallelManager(GradManager):
         self.joining: Optional[Joining] = None  # set by data_parallel where the framework can
         self._join_config: Any = None  # the context sets it (torch's Joinable protocol)
         self.no_join = _NO_JOIN  # why there is no Join here; a path without one says its own
+        # the model, weakly (data_parallel sets it): where a deferred gather hooks its waits
+        self.module_ref: Any = None
 
     def _joins(self) -> Joining:
         if self.joining is None:

@@ -40,6 +40,11 @@ class ParameterGather:
         self.broadcast = [(r, s) for r, s in everyone if self.direct[s.bucket]]
 
     def __call__(self) -> None:
+        self.start().wait_all()
+
+    def start(self) -> PendingGather:
+        """Start the gather; the many-small-segment buckets are gathered before it returns,
+        the broadcasts are left in flight (what :class:`PendingGather` waits for)."""
         ops = self.ops
         for segment, tensor in zip(self.segments, self.tensors):
             if self.direct[segment.bucket]:
@@ -48,11 +53,7 @@ class ParameterGather:
                     ops.write_segment(tensor, target)
         started = [self._start(owner, segment) for owner, segment in self.broadcast]
         self._through_buckets()
-        for segment, target, work in started:
-            work.wait()
-            param = self.plan.tensor(segment.position)
-            if target is not None and param is not None:  # the parameter has no such view
-                ops.write_part(param, segment.start, target)
+        return PendingGather(ops, self.plan, started)
 
     def _start(self, owner: int, segment: Segment) -> tuple:
         """Start one segment's broadcast into its parameter (or, for a parameter without a
@@ -86,3 +87,40 @@ class ParameterGather:
             full = self.transport.all_gather_async(chunk).wait()
             members = [plan.tensor(bucket.members[slot]) for slot in bucket.layout]
             ops.assign(members, ops.part(full, 0, bucket.numel))
+
+
+class PendingGather:
+    """The broadcasts of one gather still in flight, by the position of their parameter.
+
+    Every rank started the same broadcasts in the same order, so waiting for any of them
+    needs nothing more from the other ranks: a wait never starts a collective, and a rank that
+    waits where the others do not (a checkpoint on rank 0 alone) cannot hang on them."""
+
+    def __init__(self, ops: TensorOps, plan: BucketPlan, started: List[tuple]) -> None:
+        self.ops, self.plan = ops, plan
+        self._by_position: Dict[int, List[tuple]] = {}
+        for entry in started:
+            self._by_position.setdefault(entry[0].position, []).append(entry)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._by_position)
+
+    def wait_for(self, positions: Sequence[int]) -> None:
+        """Wait for the broadcasts into the parameters at ``positions`` of the plan."""
+        for position in positions:
+            entries = self._by_position.pop(position, None)
+            if entries:
+                self._finish(entries)
+
+    def wait_all(self) -> None:
+        # popped one parameter at a time: an error leaves the others to the next wait
+        while self._by_position:
+            self._finish(self._by_position.pop(next(iter(self._by_position))))
+
+    def _finish(self, entries: List[tuple]) -> None:
+        for segment, target, work in entries:
+            work.wait()
+            param = self.plan.tensor(segment.position)
+            if target is not None and param is not None:  # the parameter has no such view
+                self.ops.write_part(param, segment.start, target)

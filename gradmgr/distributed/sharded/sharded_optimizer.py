@@ -26,7 +26,9 @@ from ..errors import RankMismatchError
 from ..reduce.allreduce import ReduceScatterCallback
 from ..reduce.bucket import BucketPlan
 from .dcp_state import Slices, param_slices
+from .deferred import Gathering, close_with
 from .gather import ParameterGather
+from .group_options import options, refuse_changes_behind
 from .optimizer_agreement import check_agreement, describe
 from .optimizer_state import (
     Layout,
@@ -87,7 +89,13 @@ class ShardedOptimizer:
     learning-rate schedulers take it; :attr:`param_groups` are the unsharded optimizer's
     groups, whose options :meth:`step` passes to the wrapped optimizer.
 
-    After :meth:`step` every rank holds the same updated parameters. Making one, and every
+    After :meth:`step` every rank holds the same updated parameters. With
+    ``gather="deferred"`` (``data_parallel``'s manager only) they arrive behind the next
+    forward instead: each module's forward waits for its own parameters, the model's
+    ``state_dict()``/``load_state_dict()`` and this optimizer's methods (``zero_grad`` aside)
+    wait for all of them,
+    and any other read between the step and the next forward needs :meth:`finish_gather`
+    first (docs/sharded.md, "The gather behind the next forward"). Making one, and every
     method that communicates (:meth:`step`, :meth:`clip_grad_norm_`, :meth:`state_dict`,
     :meth:`consolidate_state_dict`), must
     be done on every rank, and :meth:`load_state_dict` with the same dict on every rank. The
@@ -135,7 +143,8 @@ class ShardedOptimizer:
         return object.__new__(cls)
 
     def __init__(self, gm: Any, optimizer_class: Any, params: Optional[Iterable[Any]] = None,
-                 *, master_dtype: Optional[str] = None, **defaults: Any) -> None:
+                 *, master_dtype: Optional[str] = None, gather: str = "eager",
+                 **defaults: Any) -> None:
         self._gm = gm  # the manager lives as long as the optimizer that reads its shards
         callback = _sharded_callback(gm)
         self._synchronizer = sync = callback.synchronizer(gm)
@@ -144,7 +153,7 @@ class ShardedOptimizer:
         transport = sync.transport
         self._world, self._rank = transport.world_size(), transport.rank()
         self._transport = transport
-        self._master_dtype = master_dtype
+        self._master_dtype, self._gather_how = master_dtype, gather
         self._serial, self._gathered = next(_SERIALS), 0
         self._consolidated: Optional[Tuple[int, Any]] = None  # (to, state): see consolidate
         self._join_support = self._ops.join_support()
@@ -180,6 +189,9 @@ class ShardedOptimizer:
                                        self._reduced.segments, self._reduced.tensors)
         self.optimizer = optimizer_class(numbering.wrapped_groups(self._layouts()), **defaults)
         """The wrapped optimizer over this rank's segments."""
+        # last: nothing that raises after it leaves the model's hooks behind
+        self._gathering = Gathering(self._gather, self._gather_how, gm, self._ops)
+        close_with(self, self._gathering)
         self._stepped_with: List[Dict[str, Any]] = []  # its groups' options after its step
         # The groups the program sees: the unsharded optimizer's (the model's parameters, the
         # wrapped groups' options), copied into the wrapped groups at each step.
@@ -213,6 +225,7 @@ class ShardedOptimizer:
     def step_slice(self) -> Any:
         """:meth:`step`'s work (a joined rank's too: see :mod:`.sharded_join`)."""
         self._check_plan()
+        self._gathering.finish()  # the last step's parameters, before they are stepped again
         self._consolidated = None  # the state it holds is the state before this step
         ops, shards, plan = self._ops, self._shards, self._plan
         reduced = self._reduced
@@ -222,12 +235,12 @@ class ShardedOptimizer:
                 ops.refresh_segment(tensor, param, segment.start, segment.stop)
             ops.set_segment_grad(tensor, shards.grad_of(segment))
         wrapped_groups = self.optimizer.param_groups
-        _refuse_changes_behind(wrapped_groups, self._stepped_with)
+        refuse_changes_behind(wrapped_groups, self._stepped_with)
         for ours, wrapped in zip(self._param_groups, wrapped_groups):
             wrapped.update((k, v) for k, v in ours.items() if k != "params")
         result = self.optimizer.step()
-        self._stepped_with = [_options(group) for group in wrapped_groups]
-        self._gather()
+        self._stepped_with = [options(group) for group in wrapped_groups]
+        self._gathering.after_step()
         return self if result is self.optimizer else result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -237,9 +250,18 @@ class ShardedOptimizer:
         are dropped either way (the next synced backward writes them whole), so
         ``set_to_none=False`` only costs a later allocation, never a wrong sum."""
         del set_to_none
-        self._shards.zero()
+        self._shards.zero()  # (a deferred gather writes parameters, never these: no wait)
         for tensor in self._reduced.tensors:
             self._ops.set_segment_grad(tensor, None)
+
+    def finish_gather(self) -> None:
+        """With ``gather="deferred"``: wait until the last step's parameters have all arrived.
+        The next forward, ``model.state_dict()`` and this optimizer's methods (but
+        ``zero_grad``, which reads no parameter) wait themselves; any other read of a
+        parameter between a step and the next forward, and ``destroy_process_group()``
+        (which does not wait for it), need it first. Communicates nothing, so one rank may
+        call it alone; with ``gather="eager"`` it returns at once."""
+        self._gathering.finish()
 
     def clear_grad(self) -> None:
         """MegEngine's name for :meth:`zero_grad` (``opt.step().clear_grad()``)."""
@@ -258,6 +280,7 @@ class ShardedOptimizer:
         the exact one."""
         if norm_type != 2.0:
             raise ValueError("ShardedOptimizer.clip_grad_norm_ computes the 2-norm only")
+        self._gathering.finish()
         if active(self):
             announce(self, CLIP)
         ops = self._ops
@@ -362,6 +385,7 @@ class ShardedOptimizer:
 
     def _full_state(self) -> Dict[int, Dict[str, Any]]:
         """Every parameter's full state by index (a collective)."""
+        self._gathering.finish()
         ops, layouts = self._ops, self._layouts()
         states = [[ops.optimizer_state(self.optimizer, t) for t in layout.tensors]
                   for layout in layouts]
@@ -380,6 +404,7 @@ class ShardedOptimizer:
     def checkpoint_slices(self) -> Slices:
         """Each stepped parameter's ranges on every rank and this rank's segments (what
         ``gradmgr.distributed.get_state_dict`` saves, no collective)."""
+        self._gathering.finish()
         params = param_slices(self._reduced, self._numbering.group_of, self._rank, self._world)
         return Slices(self._ops, self.optimizer, params, self._param_groups, self._rank,
                       self._world)
@@ -403,13 +428,14 @@ class ShardedOptimizer:
         parameters (another number of groups or parameters, a state of another shape than
         its parameter's). Every rank decides from the dict alone, so every rank raises."""
         ops = self._ops
-        saved, options = saved_states(ops, self._numbering, state_dict)
+        self._gathering.finish()  # nothing of the last step left in flight past a reload
+        saved, loaded = saved_states(ops, self._numbering, state_dict)
         self._consolidated = None
         for ours, wrapped, saved_options in zip(self._param_groups, self.optimizer.param_groups,
-                                                options):
+                                                loaded):
             ours.update(saved_options)
             wrapped.update(saved_options)
-        self._stepped_with = [_options(group) for group in self.optimizer.param_groups]
+        self._stepped_with = [options(group) for group in self.optimizer.param_groups]
         for layout in self._layouts():
             for segment, tensor in zip(layout.segments, layout.tensors):
                 state = saved.get(layout.numbering[segment.position])
@@ -434,38 +460,6 @@ class ShardedOptimizer:
                 value = ops.copy(value)
             sliced[key] = value
         return sliced
-
-
-_CHANGED_BEHIND = (
-    "ShardedOptimizer: {key!r} of the wrapped optimizer's group {index} (opt.optimizer) was "
-    "changed since its last step, and the step takes the groups' options from the "
-    "ShardedOptimizer's own param_groups, so the change would be lost (an LR scheduler built "
-    "on opt.optimizer trains at a constant rate). Build schedulers on the ShardedOptimizer "
-    "itself (StepLR(opt, ...)) and change options through opt.param_groups"
-)
-
-
-def _options(group: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _refuse_changes_behind(groups: List[Dict[str, Any]],
-                           stepped_with: List[Dict[str, Any]]) -> None:
-    """Options of ``opt.optimizer``'s groups that changed since its last step: a scheduler
-    over the wrapped optimizer, whose change each step overwrites. New keys are fine (a
-    scheduler made on ``opt`` adds ``initial_lr`` to the program's groups, copied in)."""
-    for index, (group, before) in enumerate(zip(groups, stepped_with)):
-        for key, old in before.items():
-            new = group.get(key, old)
-            if new is not old and not _equal(new, old):
-                raise RuntimeError(_CHANGED_BEHIND.format(key=key, index=index))
-
-
-def _equal(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # a tensor-valued option: only identity counts
-        return False
 
 
 def _sharded_callback(gm: Any) -> Any:
