@@ -14,6 +14,25 @@ import numpy as np
 from .contract import MODAL, Layer, Post, Pre, Slot
 
 
+def hooked_too(remove_first: Callable[[], None],
+               install: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+    """Install a second set of hooks beside a first (whose remover is ``remove_first``): if
+    installing fails, the first is removed too, so no hook outlives the error; the remover
+    returned removes both, the second first."""
+    try:
+        remove_second = install()
+    except BaseException:
+        remove_first()
+        raise
+
+    def remove() -> None:
+        try:
+            remove_second()
+        finally:
+            remove_first()
+    return remove
+
+
 def as_tuple(value: Any, n: int) -> tuple:
     """``value`` as an ``n``-tuple (a kernel size given as one int)."""
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n

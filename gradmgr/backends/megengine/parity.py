@@ -11,7 +11,7 @@ import megengine.module as M
 import numpy as np
 
 from gradmgr.parity.contract import Post, Pre
-from gradmgr.parity.modules import NamedModules, as_tuple, nearest_kind
+from gradmgr.parity.modules import NamedModules, as_tuple, hooked_too, nearest_kind
 
 from .parity_functions import watch_functions
 
@@ -81,18 +81,8 @@ class MegEngineParity(NamedModules):
         """The leaf modules' hooks, and the functional calls that branch
         (:mod:`.parity_functions`)."""
         remove_modules = super().hook(pre, post)
-        try:
-            remove_functions = watch_functions(self.model, self.leaves, pre, post)
-        except BaseException:
-            remove_modules()
-            raise
-
-        def remove() -> None:
-            try:
-                remove_functions()
-            finally:
-                remove_modules()
-        return remove
+        return hooked_too(remove_modules,
+                          lambda: watch_functions(self.model, self.leaves, pre, post))
 
     def write(self, name: str, value: np.ndarray) -> None:
         target = self.slot(name)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from gradmgr.parity.contract import Post, Pre
-from gradmgr.parity.modules import NamedModules, as_tuple, nearest_kind
+from gradmgr.parity.modules import NamedModules, as_tuple, hooked_too, nearest_kind
 
 from .parity_functions import watch_functions
 
@@ -89,18 +89,8 @@ class TorchParity(NamedModules):
             return given[name].pop().copy_(out if pinned is None else pinned)
 
         remove_modules = super().hook(pre_module, post_module)
-        try:
-            remove_functions = watch_functions(self.model, self.leaves, pre, post)
-        except BaseException:
-            remove_modules()
-            raise
-
-        def remove() -> None:
-            try:
-                remove_functions()
-            finally:
-                remove_modules()
-        return remove
+        return hooked_too(remove_modules,
+                          lambda: watch_functions(self.model, self.leaves, pre, post))
 
     def tap(self, x: Any, keep: Callable[[Any], None]) -> Any:
         """A copy of ``x`` whose gradient goes to ``keep``: only what the call given it sends
