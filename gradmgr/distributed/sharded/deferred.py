@@ -5,7 +5,7 @@ Deferred, the step starts the broadcasts of the buckets cut into few large segme
 returns; each module's forward waits, in a pre-hook, for the broadcasts into its own
 parameters only, so the rest arrive while the earlier layers compute. The model's
 ``state_dict()`` and ``load_state_dict()`` wait for all of them, and so does every method of
-the optimizer (the next ``step``, ``zero_grad``, ``clip_grad_norm_``, its checkpoints), its
+the optimizer but ``zero_grad`` (the next ``step``, ``clip_grad_norm_``, its checkpoints), its
 :meth:`Gathering.finish` (``opt.finish_gather()``), its garbage collection and the end of the
 process. A read the framework cannot see (``p`` itself, ``p.data``, between the step and the
 next forward) can see a parameter half written: why it is an option and not the default
