@@ -12,6 +12,8 @@ three SyncBatchNorm steps, per rank: the input's gradient, the weight's, the out
 gradients were garbage (1e30 to 1e32) or off by 0.67 (absolute) while the other steps of the
 same run matched to 5e-7; the test itself failed in 3 of 16 runs under pytest, at 924089c too.
 Whether MegEngine's CPU engine or gradmgr's MegEngine transport is at fault is not known yet.
+One suspect ruled out: keeping every host buffer of ``world._host_all_reduce`` alive for the
+whole process (MegEngine borrowing freed memory) changed nothing (2 of 15 runs wrong again).
 
     python bench/probe_megengine_syncbn_ranks.py [N]
 """
