@@ -233,8 +233,13 @@ class TensorOps:
 
     def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
         """The members' parts of a reduced buffer, in slot order (views where the framework
-        has them), and the flags (the failure marker last)."""
-        raise NotImplementedError
+        has them), and the flags (the failure marker last). This default slices and reshapes,
+        which every framework's tensors do; a backend with a cheaper split overrides it."""
+        parts: List[Any] = [None] * len(bucket.sizes)
+        for slot in bucket.layout:
+            start = bucket.offsets[slot]
+            parts[slot] = flat[start:start + bucket.sizes[slot]].reshape(bucket.shapes[slot])
+        return parts, flat[bucket.numel:]
 
     def flag(self, flags: Any, i: int) -> float:
         """The i-th flag as a Python float (on a GPU: a device-to-host copy)."""

@@ -59,13 +59,6 @@ class PaddleOps(TensorOps):
     def new_buffer(self, bucket: Any, like: Any) -> PaddleBuffer:
         return PaddleBuffer(bucket, like)
 
-    def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
-        parts: List[Any] = [None] * len(bucket.sizes)
-        for slot in bucket.layout:
-            start = bucket.offsets[slot]
-            parts[slot] = flat[start:start + bucket.sizes[slot]].reshape(bucket.shapes[slot])
-        return parts, flat[bucket.numel:]
-
     def flag(self, flags: Any, i: int) -> float:
         return float(flags[i])
 
