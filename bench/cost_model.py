@@ -14,7 +14,9 @@ broadcast of S bytes (N-1)/N S):
   2(N-1)/N b Psi;
 - FSDP2 ``reshard_after_forward=True`` (ZeRO-3): an all-gather a layer in the forward and again
   in the backward, a reduce-scatter a layer: 3(N-1)/N b Psi;
-- FSDP2 ``reshard_after_forward=False``: the all-gathers in the forward only: 2(N-1)/N b Psi.
+- FSDP2 ``reshard_after_forward=False``: the all-gathers in the forward only: 2(N-1)/N b Psi;
+- gradmgr full sharding (``data_parallel(model, shard="full")``) is FSDP2 (``fully_shard`` per
+  block, then the root): FSDP2's rows; ``gather="deferred"`` moves what the eager gather moves.
 
 On the CPU with gloo, gradmgr sharded allreduces each bucket and keeps its chunk (gloo's own
 reduce-scatter is an allreduce of a copy): 3(N-1)/N b Psi there (``backend="gloo"``).
@@ -42,13 +44,16 @@ Memory per GPU (ZeRO's accounting, mixed-precision Adam: 2 bytes of fp16/bf16 pa
 gradients, K = 12 of fp32 master parameters and the two moments, per parameter):
 DDP (2+2+K) Psi; ZeRO-1 (P_os) 4 Psi + K Psi/N; ZeRO-2 (P_os+g, gradmgr sharded) 2 Psi +
 (2+K) Psi/N; ZeRO-3 (P_os+g+p, FSDP2) (2+2+K) Psi/N. Activations are added separately (with
-full activation checkpointing: the 2-byte input of each layer, ``2 s b h L``).
+full activation checkpointing: the 2-byte input of each layer, ``2 s b h L``). The plot's
+memory is at the step's peak: these, the activations, and the parameters full sharding
+gathers (:func:`working_bytes`: two layers with reshard-after-forward, the whole 16-bit model
+without it).
 
 Checked against the ZeRO paper's figure 1 (exact: it is arithmetic) and its communication
 volumes (ZeRO-2 = DDP, ZeRO-3 = 1.5 x DDP); see :data:`PUBLISHED` and ``tests/test_cost_model.py``.
 
-    python bench/cost_model.py            # tables, the checks, bench/results/cost_model.png
-    python bench/cost_model.py --no-plot  # tables and checks only
+    python bench/cost_model.py                                  # tables and checks
+    python bench/cost_model.py --plot docs/img/cost_model.svg   # and the plot (matplotlib)
 """
 
 from __future__ import annotations
@@ -62,15 +67,21 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 GB = 1e9  # the ZeRO paper's GB (10^9 bytes)
 BROADCAST_SEGMENT = 2**18  # gradmgr's sharded gather broadcasts segments this large (gather.py)
 
-SYSTEMS = ("ddp", "gradmgr", "zero1", "gradmgr-sharded", "fsdp2")
+SYSTEMS = ("ddp", "gradmgr", "zero1", "gradmgr-sharded", "gradmgr-deferred", "fsdp2",
+           "fsdp2-noreshard")
 LABELS = {
     "ddp": "DDP",
     "gradmgr": "gradmgr data_parallel",
     "zero1": "ZeRO-1 (DDP + ZeroRedundancyOptimizer)",
-    "gradmgr-sharded": "gradmgr sharded (ZeRO-2)",
-    "fsdp2": "FSDP2 full shard (ZeRO-3)",
-    "fsdp2-noreshard": "FSDP2 reshard_after_forward=False",
+    "gradmgr-sharded": "gradmgr shard=True (ZeRO-2), eager gather",
+    "gradmgr-deferred": "gradmgr shard=True (ZeRO-2), gather='deferred'",
+    "fsdp2": "full: gradmgr shard='full' = FSDP2 (ZeRO-3)",
+    "fsdp2-noreshard": "full, reshard_after_forward=False",
 }
+SAME_AS = {"gradmgr-deferred": "gradmgr-sharded"}
+"""Systems that move and hold what another does (the deferred gather moves the same bytes,
+later). gradmgr's full sharding is FSDP2 itself (``fully_shard`` per block, then the root;
+over gloo it asks FSDP2 for sums, which moves the same bytes): its rows are ``fsdp2``'s."""
 
 
 # ---------------------------------------------------------------------------------- bytes
@@ -95,6 +106,7 @@ def collectives(system: str, param_bytes: float, backend: str = "nccl") -> List[
     """The data collectives of one step: (kind, bytes) with the sizes of
     :func:`ring_bytes_per_rank`. ``backend="gloo"``: what gradmgr's CPU transport calls."""
     p = param_bytes
+    system = SAME_AS.get(system, system)
     if system in ("ddp", "gradmgr"):
         return [("allreduce", p)]
     if system == "zero1":
@@ -117,6 +129,7 @@ def bytes_per_rank(system: str, param_bytes: float, world: int, backend: str = "
     of ``world`` elements (nothing when each bucket's length divides, as for whole Linear
     layers of even width)."""
     total = 0.0
+    system = SAME_AS.get(system, system)
     elem = param_bytes / sum(tensors) if tensors else 0
     for kind, nbytes in collectives(system, param_bytes, backend):
         if system == "gradmgr-sharded" and tensors is not None and kind != "all_gather":
@@ -146,6 +159,7 @@ def _padding_bytes(tensors: Sequence[int], world: int, elem: float,
 def memory_per_gpu(system: str, psi: float, world: int, k: float = 12,
                    param_b: float = 2, grad_b: float = 2) -> float:
     """Bytes of model states per GPU (ZeRO's accounting; activations not included)."""
+    system = SAME_AS.get(system, system)
     if system in ("ddp", "gradmgr"):
         return (param_b + grad_b + k) * psi
     if system == "zero1":  # P_os
@@ -226,7 +240,10 @@ def step_time(system: str, model: Model, world: int, cluster: Cluster = DEFAULT_
     """One step's time: compute, communication, and how much of it overlaps (module doc).
     ``compute_s`` replaces the FLOP count's compute time; ``gather_behind_forward``:
     gradmgr sharded's step with ``ShardedOptimizer(gather="deferred")``, which leaves behind
-    the next forward only the buckets it gathers by broadcasts (module doc)."""
+    the next forward only the buckets it gathers by broadcasts (module doc); the system
+    ``gradmgr-deferred`` is that step."""
+    if system == "gradmgr-deferred":
+        system, gather_behind_forward = "gradmgr-sharded", True
     flops = 6 * model.psi * work.tokens
     compute = flops / (cluster.peak_flops * cluster.mfu) if compute_s is None else compute_s
     fwd, bwd = compute / 3, 2 * compute / 3
@@ -275,6 +292,24 @@ def step_time(system: str, model: Model, world: int, cluster: Cluster = DEFAULT_
 def activation_bytes(model: Model, work: Workload = DEFAULT_WORK) -> float:
     """With full activation checkpointing: each layer's 2-byte input, ``2 s b h L``."""
     return 2 * work.seq * work.micro_batch * model.hidden * model.layers
+
+
+def working_bytes(system: str, model: Model, world: int,
+                  work: Workload = DEFAULT_WORK) -> float:
+    """Bytes a step holds at its peak beyond the model states, for the parameters full
+    sharding gathers to compute (16-bit): FSDP2 with reshard-after-forward holds two layers
+    gathered (the one computing, the one prefetched) and, in the backward, one layer's
+    unsharded gradient before its reduce-scatter; without it every layer stays gathered from
+    its forward to its backward (2 Psi, what ZeRO-2 holds anyway), plus that gradient. The
+    other systems' working buffers (a bucket or two in flight, 25 MiB each) are left out."""
+    layer = work.param_bytes * model.psi / model.layers
+    if world < 2:
+        return 0.0
+    if system == "fsdp2":
+        return 2 * layer + layer
+    if system == "fsdp2-noreshard":
+        return work.param_bytes * model.psi + layer
+    return 0.0
 
 
 # ---------------------------------------------------------------------------------- papers
@@ -342,6 +377,8 @@ def printed_precision(value: float) -> int:
 
 # ---------------------------------------------------------------------------------- output
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+PLOTTED = ("ddp", "zero1", "gradmgr-sharded", "gradmgr-deferred", "fsdp2", "fsdp2-noreshard")
+"""The plot's lines (``gradmgr``, DDP's reducer, is DDP's line but for a few bytes of flags)."""
 
 
 def table(cluster: Cluster = DEFAULT_CLUSTER,
@@ -353,14 +390,31 @@ def table(cluster: Cluster = DEFAULT_CLUSTER,
             for system in SYSTEMS:
                 step = step_time(system, model, world, cluster, work)
                 mem = memory_per_gpu(system, model.psi, world)
+                peak = mem + working_bytes(system, model, world, work) + act
                 rows.append({"model": model.name, "gpus": world, "system": system,
                              "step_s": step.total, "compute_s": step.compute,
                              "exposed_s": step.exposed,
                              "sent_gb": bytes_per_rank(system, work.param_bytes * model.psi,
                                                        world) / GB,
-                             "states_gb": mem / GB, "with_act_gb": (mem + act) / GB,
-                             "fits": mem + act <= cluster.capacity})
+                             "states_gb": mem / GB, "peak_gb": peak / GB,
+                             "fits": peak <= cluster.capacity})
     return rows
+
+
+def series(rows: List[Dict[str, object]]) -> Dict[str, Dict[str, Dict[str, list]]]:
+    """What the plot draws: per model and system of :data:`PLOTTED`, the GPUs, the step time
+    (s) and the memory per GPU at the step's peak (GB: model states, gathered parameters,
+    checkpointed activations)."""
+    out: Dict[str, Dict[str, Dict[str, list]]] = {}
+    for model in MODELS:
+        out[model.name] = {}
+        for system in PLOTTED:
+            mine = sorted((r for r in rows if r["model"] == model.name
+                           and r["system"] == system), key=lambda r: r["gpus"])
+            out[model.name][system] = {"gpus": [r["gpus"] for r in mine],
+                                       "step_s": [r["step_s"] for r in mine],
+                                       "memory_gb": [r["peak_gb"] for r in mine]}
+    return out
 
 
 def assumptions(cluster: Cluster = DEFAULT_CLUSTER, work: Workload = DEFAULT_WORK) -> str:
@@ -372,23 +426,25 @@ def assumptions(cluster: Cluster = DEFAULT_CLUSTER, work: Workload = DEFAULT_WOR
             f"{cluster.ib_bytes_s * 8 / 1e9:.0f} Gb/s InfiniBand a GPU "
             f"({cluster.ib_alpha_s * 1e6:.0f} us a hop); bf16 gradients in "
             f"{work.bucket_bytes / 2**20:.0f} MiB buckets; AdamW memory-bound at "
-            f"{cluster.hbm_bytes_s / 1e12:.1f} TB/s; activations checkpointed per layer")
+            f"{cluster.hbm_bytes_s / 1e12:.1f} TB/s; activations checkpointed per layer; "
+            f"full sharding per layer")
 
 
 def print_tables(rows: List[Dict[str, object]]) -> None:
     for model in MODELS:
-        print(f"\n{model.name} parameters: step time s (exposed communication s) / model "
-              f"states + activations GB per GPU (* does not fit 80 GB)")
-        print(f"{'GPUs':>5} " + " ".join(f"{s:>24}" for s in SYSTEMS))
+        print(f"\n{model.name} parameters: step time s (exposed communication s) / memory GB "
+              f"per GPU at the step's peak (* does not fit 80 GB)")
+        print(f"{'GPUs':>5} " + " ".join(f"{s:>22}" for s in SYSTEMS))
         for world in WORLDS:
             cells = []
             for system in SYSTEMS:
                 r = next(r for r in rows if r["model"] == model.name and r["gpus"] == world
                          and r["system"] == system)
                 mark = " " if r["fits"] else "*"
-                cells.append(f"{r['step_s']:6.2f} ({r['exposed_s']:5.2f}) "
-                             f"{r['with_act_gb']:6.1f}{mark}")
-            print(f"{world:5d} " + " ".join(f"{c:>24}" for c in cells))
+                cells.append(f"{r['step_s']:5.2f} ({r['exposed_s']:4.2f}) "
+                             f"{r['peak_gb']:6.1f}{mark}")
+            print(f"{world:5d} " + " ".join(f"{c:>22}" for c in cells))
+    print("columns: " + "; ".join(f"{s} = {LABELS[s]}" for s in SYSTEMS))
 
 
 def print_checks() -> None:
@@ -407,7 +463,7 @@ def print_checks() -> None:
     for model in MODELS:
         for world in (8, 256):
             now = step_time("gradmgr-sharded", model, world)
-            hidden = step_time("gradmgr-sharded", model, world, gather_behind_forward=True)
+            hidden = step_time("gradmgr-deferred", model, world)
             how = ("by broadcasts, deferred" if DEFAULT_WORK.bucket_bytes / world
                    >= BROADCAST_SEGMENT else "through a buffer, not deferred")
             print(f"{model.name} on {world} GPUs: gradmgr sharded's gather='deferred' "
@@ -417,28 +473,38 @@ def print_checks() -> None:
 
 
 def plot(rows: List[Dict[str, object]], path: str, cluster: Cluster = DEFAULT_CLUSTER) -> None:
+    """Step time and memory per GPU against GPUs, one column a model; ``path``'s suffix
+    chooses the format (``.svg``: written without a date, so that a rerun rewrites the same
+    file)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    matplotlib.rcParams["svg.hashsalt"] = "bench/cost_model.py"  # stable ids in the SVG
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text as text: a smaller file
+    styles = {"ddp": "-", "zero1": "-", "gradmgr-sharded": "-", "gradmgr-deferred": "--",
+              "fsdp2": "-", "fsdp2-noreshard": ":"}
+    drawn = series(rows)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     for col, model in enumerate(MODELS):
-        for system in SYSTEMS:
-            mine = [r for r in rows if r["model"] == model.name and r["system"] == system]
-            gpus = [r["gpus"] for r in mine]
+        for system, line in drawn[model.name].items():
             style = dict(marker="o", markersize=3, label=LABELS[system],
-                         linestyle=":" if system == "gradmgr" else "-")
-            axes[0][col].plot(gpus, [r["step_s"] for r in mine], **style)
-            axes[1][col].plot(gpus, [r["with_act_gb"] for r in mine], **style)
+                         linestyle=styles[system])
+            axes[0][col].plot(line["gpus"], line["step_s"], **style)
+            axes[1][col].plot(line["gpus"], line["memory_gb"], **style)
         compute = next(r["compute_s"] for r in rows if r["model"] == model.name)
         axes[0][col].axhline(compute, color="grey", linewidth=0.8, linestyle="--")
-        axes[0][col].set_title(f"{model.name}: step time per GPU (s); dashed: compute alone",
+        axes[0][col].set_title(f"{model.name}: step time (s); grey: compute alone",
                                fontsize=10)
         axes[1][col].axhline(cluster.capacity / GB, color="red", linewidth=0.8, linestyle="--")
-        axes[1][col].set_title(f"{model.name}: memory per GPU (GB), model states + checkpointed "
-                               f"activations; red: 80 GB", fontsize=10)
+        axes[1][col].set_title(f"{model.name}: memory per GPU at the step's peak (GB); "
+                               f"red: {cluster.capacity / GB:.0f} GB", fontsize=10)
         axes[1][col].set_yscale("log")
+        ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200) if t <= 1.5 * cluster.capacity / GB]
+        axes[1][col].set_yticks(ticks, [str(t) for t in ticks])
         for ax in (axes[0][col], axes[1][col]):
             ax.set_xscale("log", base=2)
             ax.set_xticks(list(WORLDS))
@@ -446,34 +512,30 @@ def plot(rows: List[Dict[str, object]], path: str, cluster: Cluster = DEFAULT_CL
             ax.set_xlabel("GPUs")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    import textwrap
-
-    fig.suptitle("\n".join(textwrap.wrap(f"bench/cost_model.py ({assumptions(cluster)})", 170)),
-                 fontsize=8)
+    fig.suptitle("\n".join(textwrap.wrap(f"bench/cost_model.py, on paper ({assumptions(cluster)})",
+                                         170)), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=90)
+    extra = {"metadata": {"Date": None}} if path.endswith(".svg") else {}
+    fig.savefig(path, dpi=90, **extra)
     plt.close(fig)
 
 
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also draw the plot to PATH (.svg or .png; needs matplotlib), "
+                             "e.g. docs/img/cost_model.svg")
     args = parser.parse_args(argv)
     print(__doc__.splitlines()[0])
     print(assumptions())
     rows = table()
     print_tables(rows)
     print_checks()
-    if not args.no_plot:
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, "cost_model.png")
-        try:
-            plot(rows, path)
-        except ImportError:
-            print("\nno matplotlib here: the plot is left out (run it with .venv)")
-        else:
-            print(f"\nwrote {os.path.relpath(path)}")
+    if args.plot:
+        directory = os.path.dirname(os.path.abspath(args.plot))
+        os.makedirs(directory, exist_ok=True)
+        plot(rows, args.plot)
+        print(f"\nwrote {args.plot}")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from types import SimpleNamespace
 from typing import List
@@ -178,3 +179,60 @@ def test_ddp_paper_near_linear_at_256_gpus():
     effs = [cost_model.ddp_scaling_efficiency(n) for n in (8, 32, 256)]
     assert all(e >= 0.90 for e in effs), effs
     assert effs == sorted(effs, reverse=True) and effs[0] <= 1.0
+
+
+def test_plot_series_full_sharding_and_deferred():
+    """The series the plot draws (not the drawing: no matplotlib needed): both models, every
+    plotted system from 8 to 1,024 GPUs; memory at the step's peak in ZeRO's order, full
+    sharding's by hand; the deferred gather at or below the eager one, below it only where
+    its buckets go by broadcasts (25 MiB / N >= 256 KiB: up to 64 GPUs here); full sharding
+    at or below DDP's step and below ZeRO-1's from 16 GPUs."""
+    drawn = cost_model.series(cost_model.table())
+    assert set(drawn) == {"1.3B", "7B"}
+    for name, lines in drawn.items():
+        assert set(lines) == set(cost_model.PLOTTED)
+        for line in lines.values():
+            assert line["gpus"] == list(cost_model.WORLDS)
+        mem = {s: line["memory_gb"] for s, line in lines.items()}
+        step = {s: line["step_s"] for s, line in lines.items()}
+        for i, world in enumerate(cost_model.WORLDS):
+            assert mem["fsdp2"][i] < mem["gradmgr-sharded"][i] < mem["zero1"][i] < mem["ddp"][i]
+            assert mem["gradmgr-deferred"][i] == mem["gradmgr-sharded"][i]
+            # reshard off: the whole 16-bit model stays gathered, above ZeRO-2's states
+            assert mem["gradmgr-sharded"][i] < mem["fsdp2-noreshard"][i]
+            deferred, eager = step["gradmgr-deferred"][i], step["gradmgr-sharded"][i]
+            if world <= 64:
+                assert deferred < eager, (name, world)
+            else:
+                assert deferred == eager, (name, world)
+            assert step["fsdp2"][i] <= step["ddp"][i], (name, world)
+            if world >= 16:
+                assert step["fsdp2"][i] < step["zero1"][i], (name, world)
+    # 7B on 64 GPUs, full sharding with reshard-after-forward, by hand: 16 Psi / N of states,
+    # two layers' 16-bit parameters and one layer's gradient, 2 s b h L of activations
+    psi, layer = 6.7e9, 2 * 6.7e9 / 32
+    by_hand = 16 * psi / 64 + 3 * layer + 2 * 2048 * 8 * 4096 * 32
+    assert drawn["7B"]["fsdp2"]["memory_gb"][3] == pytest.approx(by_hand / GB, rel=1e-12)
+
+
+def test_docs_scaling_table_is_the_models():
+    """docs/sharded.md's 7B table ("How it scales") prints the model's figures: step time on
+    8 and 256 GPUs, memory at the peak on 64 and 256, to the digits printed."""
+    docs = os.path.join(os.path.dirname(BENCH), "docs", "sharded.md")
+    with open(docs) as f:
+        text = f.read()
+    rows = {"DDP": "ddp", "ZeRO-1": "zero1", "ZeRO-2, eager gather": "gradmgr-sharded",
+            'ZeRO-2, `gather="deferred"`': "gradmgr-deferred", "full sharding": "fsdp2",
+            "full, `reshard_after_forward=False`": "fsdp2-noreshard"}
+    table = cost_model.table()
+
+    def cell(system: str, world: int, key: str) -> float:
+        return next(r[key] for r in table if r["model"] == "7B" and r["system"] == system
+                    and r["gpus"] == world)
+
+    for label, system in rows.items():
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {label} |"))
+        printed = [float(v) for v, _ in re.findall(r"(\d+\.\d+) (s|GB)", line)]
+        model = [cell(system, 8, "step_s"), cell(system, 256, "step_s"),
+                 cell(system, 64, "peak_gb"), cell(system, 256, "peak_gb")]
+        assert printed == [round(m, 2 if i < 2 else 1) for i, m in enumerate(model)], label
