@@ -236,3 +236,20 @@ def test_docs_scaling_table_is_the_models():
         model = [cell(system, 8, "step_s"), cell(system, 256, "step_s"),
                  cell(system, 64, "peak_gb"), cell(system, 256, "peak_gb")]
         assert printed == [round(m, 2 if i < 2 else 1) for i, m in enumerate(model)], label
+
+
+def test_docs_scaling_ratios_are_the_models():
+    """docs/sharded.md's ratios to DDP's step, over both models: ZeRO-2's eager gather and
+    ZeRO-1 from 16 to 1,024 GPUs (8-21 %, 8-44 %), full sharding from 8 (0.985-0.990)."""
+    def span(system: str, least: int) -> tuple:
+        ratios = [cost_model.step_time(system, m, n).total / cost_model.step_time("ddp", m, n).total
+                  for m in cost_model.MODELS for n in cost_model.WORLDS if n >= least]
+        return min(ratios), max(ratios)
+
+    low, high = span("gradmgr-sharded", 16)
+    assert (round(100 * (low - 1)), round(100 * (high - 1))) == (8, 21)
+    low, high = span("zero1", 16)
+    assert (round(100 * (low - 1)), round(100 * (high - 1))) == (8, 44)
+    for system in ("fsdp2", "fsdp2-noreshard"):
+        low, high = span(system, 8)
+        assert (round(low, 3), round(high, 3)) == (0.985, 0.99)
