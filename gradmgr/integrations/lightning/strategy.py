@@ -238,8 +238,9 @@ class GradmgrStrategy(DDPStrategy):
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Any = None,
                         filter: Any = None) -> None:
         if self._options.get("shard") != "full":
-            return super().save_checkpoint(path, state, storage_options=storage_options,
-                                           filter=filter)
+            super().save_checkpoint(path, state, storage_options=storage_options,
+                                    filter=filter)
+            return
         # Under full sharding, as Fabric's FSDP2 strategy (ModelParallelStrategy) saves: each
         # rank writes its shards with torch.distributed.checkpoint, rank 0 the rest in meta.pt.
         from lightning_fabric.strategies.model_parallel import _save_checkpoint
