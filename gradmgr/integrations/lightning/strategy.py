@@ -55,6 +55,8 @@ _FULL_OPTIMIZER = (
     "`model = fabric.setup_module(model)`, then "
     "`optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`"
 )
+
+
 class GradmgrModule(torch.nn.Module):
     """What :meth:`GradmgrStrategy.setup_module` returns in place of DDP's wrapper: the module,
     whose forward, run with gradients enabled, starts ``gm``'s recording (where none is in
