@@ -1,7 +1,9 @@
 """Rank 0's peak memory while saving a ZeRO-2 checkpoint (issue 39): distributed checkpoints
 (``gradmgr.distributed.get_state_dict`` + ``torch.distributed.checkpoint.save``, each rank
 writing its own slices) against the gathered ``opt.state_dict()`` (every rank gathers the whole
-optimizer state; rank 0 ``torch.save``s it with the model's ``state_dict()``).
+optimizer state; rank 0 ``torch.save``s it with the model's ``state_dict()``); and the same
+model under full sharding (``data_parallel(model, shard="full")``, a plain AdamW over its
+FSDP2 shards) saved with ``get_state_dict`` + ``dcp.save`` (torch's own functions for FSDP2).
 
 Model: 4 x ``nn.Linear(1024, 1024)`` (16 MiB of fp32 parameters, 32 MiB of AdamW state in
 all), ``data_parallel(model, shard=True)`` + ``ShardedOptimizer(gm, AdamW)``, 2 steps, gloo on
@@ -47,11 +49,17 @@ WIDTH, LAYERS = 1024, 4
 MIB = 2**20
 
 
-def trained() -> tuple:
+def optimizer(gm, net: nn.Module, variant: str) -> torch.optim.Optimizer:
+    if variant == "full":
+        return torch.optim.AdamW(net.parameters(), lr=1e-4)
+    return ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-4)
+
+
+def trained(variant: str) -> tuple:
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    gm = data_parallel(net, shard=True)
-    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-4)
+    gm = data_parallel(net, shard="full" if variant == "full" else True)
+    opt = optimizer(gm, net, variant)
     for step in range(2):
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step + dist.get_rank()))
         with gm:
@@ -62,7 +70,7 @@ def trained() -> tuple:
 
 
 def save(variant: str, net: nn.Module, opt: ShardedOptimizer, folder: str) -> None:
-    if variant == "dcp":
+    if variant in ("dcp", "full"):
         model_state, optim_state = get_state_dict(net, opt)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
     else:
@@ -72,16 +80,21 @@ def save(variant: str, net: nn.Module, opt: ShardedOptimizer, folder: str) -> No
                        os.path.join(folder, "checkpoint.pt"))
 
 
-def reloads(net: nn.Module, gm, opt: ShardedOptimizer, folder: str) -> bool:
-    """The DCP checkpoint into a fresh optimizer: every tensor of the state bit for bit."""
+def reloads(net: nn.Module, gm, opt: ShardedOptimizer, folder: str, variant: str) -> bool:
+    """The DCP checkpoint into a fresh optimizer: every tensor of the state bit for bit (under
+    full sharding, this rank's shards of it)."""
     want = opt.state_dict()
-    fresh = ShardedOptimizer(gm, torch.optim.AdamW, lr=1e-4)
+    fresh = optimizer(gm, net, variant)
     model_state, optim_state = get_state_dict(net, fresh)
     dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
     set_state_dict(net, fresh, model_state_dict=model_state, optim_state_dict=optim_state)
     got = fresh.state_dict()
-    return all(torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v))
+    return all(torch.equal(_local(got["state"][i][k]), _local(v))
                for i in want["state"] for k, v in want["state"][i].items())
+
+
+def _local(value) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else torch.as_tensor(value)
 
 
 def rank_main(rank: int, world: int, port: int, variant: str, folder: str, out: str) -> None:
@@ -90,7 +103,7 @@ def rank_main(rank: int, world: int, port: int, variant: str, folder: str, out: 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        net, gm, opt = trained()
+        net, gm, opt = trained(variant)
         gc.collect()
         dist.barrier()
         base = rss()
@@ -98,7 +111,7 @@ def rank_main(rank: int, world: int, port: int, variant: str, folder: str, out: 
         save(variant, net, opt, folder)
         peak = peak_rss() - base
         dist.barrier()
-        exact = reloads(net, gm, opt, folder) if variant == "dcp" else True
+        exact = reloads(net, gm, opt, folder, variant) if variant != "gathered" else True
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"peak": peak, "exact": exact}, f)
@@ -126,10 +139,11 @@ def main() -> None:
     print(machine_info(["torch"]))
     print(f"{LAYERS} x Linear({WIDTH}), AdamW; rank 0's peak RSS above the base during the "
           f"save, MiB, median of {args.rounds} rounds (least-most)")
-    print("| ranks | gathered `state_dict()` + `torch.save` | DCP | DCP / gathered | 1/N |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| ranks | gathered `state_dict()` + `torch.save` | DCP | DCP / gathered | 1/N "
+          "| full sharding, DCP | full / gathered |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for world in args.worlds:
-        peaks: dict = {"gathered": [], "dcp": []}
+        peaks: dict = {"gathered": [], "dcp": [], "full": []}
         for _ in range(args.rounds):
             for variant in peaks:
                 result = measure(variant, world)
@@ -140,7 +154,8 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in peaks.items()}
         cell = {k: f"{med[k]:.1f} ({min(v):.1f}-{max(v):.1f})" for k, v in peaks.items()}
         print(f"| {world} | {cell['gathered']} | {cell['dcp']} | "
-              f"{med['dcp'] / med['gathered']:.3f} | {1 / world:.3f} |", flush=True)
+              f"{med['dcp'] / med['gathered']:.3f} | {1 / world:.3f} | {cell['full']} | "
+              f"{med['full'] / med['gathered']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,3 +76,19 @@ def test_deferred_gather_needs_a_model_and_a_known_mode(gloo_one_rank):
     by_hand = GradManager().attach(w, callbacks=[make_reduce_scatter_cb(broadcast=False)])
     with pytest.raises(ValueError, match=r"data_parallel\(model, shard=True\)"):
         ShardedOptimizer(by_hand, torch.optim.SGD, lr=0.1, gather="deferred")
+
+
+def test_checkpoints_with_the_gather_in_flight_equal_the_eager_paths_bit_for_bit(ranks):
+    """A DCP checkpoint (gradmgr's get_state_dict) taken right after a deferred step, its
+    gather in flight, holds what the eager path's holds (both read back into eager
+    optimizers: parameters and state, bit for bit); loaded into a deferred optimizer with a
+    gather of its own in flight, by DCP or by load_state_dict, a step then equals the eager
+    run's step bit for bit (dist_workers/zero_deferred.py's checkpoints)."""
+    for rank, out in enumerate(ranks):
+        seen = out["checkpoints"]
+        assert seen["in_flight_at_save"] == PARAMS, (rank, seen)
+        assert seen["saved_params_equal"] and seen["saved_state_equal"], (rank, seen)
+        for way in ("dcp", "load_state_dict"):
+            assert seen[f"{way}_in_flight"] == PARAMS, (rank, way, seen)
+            assert seen[f"{way}_stepped_params_equal"], (rank, way, seen)
+            assert seen[f"{way}_stepped_state_equal"], (rank, way, seen)

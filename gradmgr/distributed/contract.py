@@ -469,7 +469,9 @@ class TensorOps:
     def distributed_checkpoint(self) -> Any:
         """The framework's distributed checkpoints of a ``ShardedOptimizer`` (what
         :mod:`gradmgr.distributed.sharded.dcp_state` calls: ``model_state``,
-        ``optimizer_state``, ``load_model``, ``load_optimizer``), or None (the default)."""
+        ``optimizer_state``, ``load_model``, ``load_optimizer``; and, for a plain optimizer
+        over a fully sharded model, ``is_fully_sharded``, ``full_state``, ``load_full_state``),
+        or None (the default)."""
         return None
 
 

@@ -5,6 +5,7 @@ what the parent checks to ``OUTDIR/rank{RANK}.pkl``.
 ``GRADMGR_DCP_PART``: ``first`` (2 ranks: 3 AdamW steps, saved both ways; DDP trained alike and
 saved with DCP), ``second`` (3 ranks: both loaded, compared, one step, saved again) or
 ``third`` (2 ranks: the same; then DDP's checkpoint into ZeRO-2 and back, and bad input).
+Each part then runs full sharding's (dist_workers/full_dcp.py).
 """
 
 from __future__ import annotations
@@ -185,12 +186,17 @@ def main(rank: int, world: int, outdir: str) -> None:
     torch.set_num_threads(1)
     out: dict = {"world": world}
     part = os.environ["GRADMGR_DCP_PART"]
+    from . import full_dcp  # full sharding's part, after ZeRO-2's (it reads its checkpoints)
+
     if part == "first":
         first(out, rank, outdir)
+        full_dcp.first(out, rank, outdir)
     elif part == "second":
         leg(out, rank, outdir, "1", "2", 3)
+        full_dcp.second(out, rank, outdir)
     else:
         third(out, rank, outdir)
+        full_dcp.third(out, rank, outdir)
     dist.barrier()
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)

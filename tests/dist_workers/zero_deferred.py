@@ -8,6 +8,7 @@ the deferred run's steps, each read the optimizer must wait for: an evaluation f
 nothing: it reads no parameter), a tied weight read
 by the module it is tied into, a forward that raises half-way; and after the last step
 ``opt.finish_gather()`` then the process group destroyed (the documented end of training).
+And distributed checkpoints (DCP) taken and loaded with a gather in flight (:func:`checkpoints`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmgr.distributed import ShardedOptimizer, data_parallel
 
+from .zero_dcp import dcp_load, dcp_save, same_state
 from .zero_suite import LR, loss_of, params_of, wide
 
 STEPS = 5
@@ -130,9 +132,67 @@ def tied(rank: int) -> dict:
     return {"before": before, "after": after, "equal": torch.equal(out, expected)}
 
 
+def _zero(how: str) -> tuple:
+    net = wide(torch.float32)
+    gm = data_parallel(net, shard=True)
+    return net, gm, ShardedOptimizer(gm, torch.optim.AdamW, lr=LR, gather=how)
+
+
+def _steps(run: tuple, steps: range, rank: int) -> None:
+    net, gm, opt = run
+    for step in steps:
+        with gm:
+            gm.backward(loss_of(net, batch(step, rank)))
+        opt.step()
+        opt.zero_grad()  # waits for nothing: the gather stays in flight
+
+
+def checkpoints(rank: int, outdir: str) -> dict:
+    """3 steps eager and deferred, each saved with DCP right after its step (the deferred
+    gather in flight); each checkpoint read into an eager optimizer; then loaded, by DCP
+    or by load_state_dict, into a deferred optimizer whose own gather is in flight, and a
+    step, against the eager run's step."""
+    runs = {how: _zero(how) for how in ("eager", "deferred")}
+    for run in runs.values():
+        _steps(run, range(3), rank)
+    out = {"in_flight_at_save": in_flight(runs["deferred"][2])}
+    for how, (net, _, opt) in runs.items():
+        dcp_save(net, opt, os.path.join(outdir, f"dcp-{how}"))
+    read = {}
+    for how in runs:
+        net, _, opt = _zero("eager")
+        dcp_load(net, opt, os.path.join(outdir, f"dcp-{how}"))
+        read[how] = (params_of(net), opt.state_dict())
+    out["saved_params_equal"] = all(torch.equal(a, b) for a, b in
+                                    zip(read["deferred"][0], read["eager"][0]))
+    out["saved_state_equal"] = same_state(read["deferred"][1], read["eager"][1])
+    eager_net, _, eager_opt = runs["eager"]
+    gathered = ({k: v.clone() for k, v in eager_net.state_dict().items()},
+                eager_opt.state_dict())
+    _steps(runs["eager"], range(3, 4), rank)
+    for way in ("dcp", "load_state_dict"):
+        run = _zero("deferred")
+        _steps(run, range(7, 8), rank)  # a step of its own: its gather in flight
+        out[f"{way}_in_flight"] = in_flight(run[2])
+        if way == "dcp":
+            dcp_load(run[0], run[2], os.path.join(outdir, "dcp-deferred"))
+        else:
+            run[0].load_state_dict(gathered[0])
+            run[2].load_state_dict(gathered[1])
+        _steps(run, range(3, 4), rank)
+        run[2].finish_gather()
+        out[f"{way}_stepped_params_equal"] = all(
+            torch.equal(a, b) for a, b in zip(params_of(run[0]), params_of(eager_net)))
+        out[f"{way}_stepped_state_equal"] = same_state(run[2].state_dict(),
+                                                       eager_opt.state_dict())
+    for _, _, opt in runs.values():
+        opt.finish_gather()
+    return out
+
+
 def main(rank: int, world: int, outdir: str) -> None:
     out = {"eager": train(rank, "eager"), "ddp": train(rank, "ddp"),
-           "tied": tied(rank)}
+           "tied": tied(rank), "checkpoints": checkpoints(rank, outdir)}
     group = dist.new_group(list(range(world)))
     out["deferred"] = train(rank, "deferred", group)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:

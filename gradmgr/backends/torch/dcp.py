@@ -22,6 +22,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     ShardedTensorMetadata,
     TensorProperties,
 )
+from torch.distributed.checkpoint import state_dict as torch_state
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 Box = Tuple[List[int], List[int]]  # offsets, sizes
@@ -48,6 +49,24 @@ def boxes(shape: Sequence[int], start: int, stop: int) -> List[Box]:
 
 class TorchCheckpoints:
     """What :mod:`gradmgr.distributed.sharded.dcp_state` needs of torch."""
+
+    def is_fully_sharded(self, model: Any) -> bool:
+        """``model`` is wrapped with FSDP2's ``fully_shard`` (``shard="full"``)."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # torch before 2.6: no FSDP2
+            return False
+        return isinstance(model, FSDPModule)
+
+    def full_state(self, model: Any, optimizer: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """Full sharding's checkpoint: torch's own ``get_state_dict`` for FSDP2."""
+        model_state, optim_state = torch_state.get_state_dict(model, optimizer)
+        return model_state, optim_state
+
+    def load_full_state(self, model: Any, optimizer: Any, model_state: Dict[str, Any],
+                        optim_state: Dict[str, Any]) -> None:
+        torch_state.set_state_dict(model, optimizer, model_state_dict=model_state,
+                                   optim_state_dict=optim_state)
 
     def model_state(self, model: Any) -> Dict[str, Any]:
         return get_model_state_dict(model)  # whole on every rank: DCP writes each once

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Tuple
 
+from ...registry import backend_for
 from .optimizer_state import Layout
 from .sharding import own_segments
 
@@ -107,6 +108,9 @@ def get_state_dict(model: Any, optimizer: Any) -> Tuple[Dict[str, Any], Dict[str
         >>> del opt, gm  # they hold the manager: before the group goes
         >>> dist.destroy_process_group()
     """
+    whole = _fully_sharded(model, optimizer)
+    if whole is not None:
+        return whole.full_state(model, optimizer)
     view = _slices(optimizer)
     support = _support(view)
     return support.model_state(model), support.optimizer_state(model, view)
@@ -152,18 +156,39 @@ def set_state_dict(model: Any, optimizer: Any, *, model_state_dict: Dict[str, An
         >>> del opt, fresh, gm  # they hold the manager: before the group goes
         >>> dist.destroy_process_group()
     """
+    whole = _fully_sharded(model, optimizer)
+    if whole is not None:
+        whole.load_full_state(model, optimizer, model_state_dict, optim_state_dict)
+        return
     view = _slices(optimizer)
     support = _support(view)
     support.load_optimizer(model, view, optim_state_dict)
     support.load_model(model, model_state_dict)
 
 
+def _fully_sharded(model: Any, optimizer: Any) -> Any:
+    """The framework's checkpoints where ``model`` is fully sharded by the framework's own
+    engine (``data_parallel(model, shard="full")``: FSDP2) and ``optimizer`` a plain one over
+    its shards: the framework's own functions do all of it (torch's ``get_state_dict`` and
+    ``set_state_dict``); else None."""
+    if hasattr(optimizer, "checkpoint_slices"):
+        return None
+    params = getattr(model, "parameters", None)
+    first = next(iter(params()), None) if callable(params) else None
+    backend = None if first is None else backend_for(first)
+    support = None if backend is None else backend.tensor_ops().distributed_checkpoint()
+    if support is None or not support.is_fully_sharded(model):
+        return None
+    return support
+
+
 def _slices(optimizer: Any) -> Slices:
     method = getattr(optimizer, "checkpoint_slices", None)
     if method is None:
         raise TypeError(
-            f"gradmgr.distributed.get_state_dict/set_state_dict take a ShardedOptimizer, not "
-            f"{type(optimizer).__name__}: for a plain optimizer (DDP), use "
+            f"gradmgr.distributed.get_state_dict/set_state_dict take a ShardedOptimizer, or a "
+            f"plain optimizer over a model under data_parallel(model, shard='full'), not "
+            f"{type(optimizer).__name__} over this model: for a plain optimizer (DDP), use "
             f"torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict")
     slices: Slices = method()
     return slices

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Literal, Optional
 
 import torch
@@ -53,17 +54,6 @@ _FULL_OPTIMIZER = (
     "then make the optimizer over its parameters, as with Fabric's FSDP strategies: "
     "`model = fabric.setup_module(model)`, then "
     "`optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`"
-)
-_FULL_UNTESTED = (
-    "GradmgrStrategy(shard='full'): {what} is not supported yet under full sharding (each "
-    "rank holds shards of the parameters and of the optimizer state; Fabric's checkpoint "
-    "of them is not built here). Save and load the shards with torch.distributed.checkpoint, "
-    "FSDP2's own path, on every rank: `from torch.distributed.checkpoint.state_dict import "
-    "get_state_dict, set_state_dict`; `msd, osd = get_state_dict(model.module, optimizer)`; "
-    "`torch.distributed.checkpoint.save({{'model': msd, 'optim': osd}}, checkpoint_id=path)`; "
-    "to load, get_state_dict as before, torch.distributed.checkpoint.load(that dict, "
-    "checkpoint_id=path), then `set_state_dict(model.module, optimizer, "
-    "model_state_dict=msd, optim_state_dict=osd)`"
 )
 
 
@@ -187,8 +177,9 @@ class GradmgrStrategy(DDPStrategy):
     set the model up first and make the optimizer over its parameters after
     (``fabric.setup_module``, then ``fabric.setup_optimizers``); ``fabric.clip_gradients``
     clips the gradient shards as Fabric's FSDP2 strategy does (torch's ``clip_grad_norm_``
-    and ``clip_grad_value_`` on the DTensors), while ``fabric.save`` and ``fabric.load``
-    raise ``NotImplementedError`` there, naming torch.distributed.checkpoint's calls to use.
+    and ``clip_grad_value_`` on the DTensors), and ``fabric.save`` and ``fabric.load`` save
+    and load the shards with torch.distributed.checkpoint as Fabric's FSDP2 strategy
+    (``ModelParallelStrategy``) does: a folder of each rank's shards, and ``meta.pt``.
 
     A step runs as with DDP: ``model(x)`` (with gradients enabled) starts gradmgr's recording,
     ``fabric.backward(loss)`` runs ``gm.backward(loss)`` and ends it; forwards under
@@ -246,17 +237,43 @@ class GradmgrStrategy(DDPStrategy):
             return optimizer
         return _sharded(self._module_of(optimizer).gm, optimizer)
 
-    def _refuse_full(self, what: str) -> None:
-        if self._options.get("shard") == "full":
-            raise NotImplementedError(_FULL_UNTESTED.format(what=what))
+    def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Any = None,
+                        filter: Any = None) -> None:
+        if self._options.get("shard") != "full":
+            super().save_checkpoint(path, state, storage_options=storage_options,
+                                    filter=filter)
+            return
+        # Under full sharding, as Fabric's FSDP2 strategy (ModelParallelStrategy) saves: each
+        # rank writes its shards with torch.distributed.checkpoint, rank 0 the rest in meta.pt.
+        from lightning_fabric.strategies.model_parallel import _save_checkpoint
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        self._refuse_full("fabric.save()")
-        super().save_checkpoint(*args, **kwargs)
+        if storage_options is not None or filter is not None:
+            raise TypeError("GradmgrStrategy(shard='full'): fabric.save() takes no "
+                            "storage_options= or filter= (the shards are written by "
+                            "torch.distributed.checkpoint, as Fabric's FSDP2 strategy does)")
+        path = Path(self.broadcast(path))  # every rank writes into rank 0's folder
+        _save_checkpoint(path=path, state=_inner(state), full_state_dict=False,
+                         rank=self.global_rank)
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        self._refuse_full("fabric.load()")
-        return super().load_checkpoint(*args, **kwargs)
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        if self._options.get("shard") != "full":
+            return super().load_checkpoint(path, state, strict=strict,
+                                           weights_only=weights_only)
+        from lightning_fabric.strategies.model_parallel import _load_checkpoint
+
+        if not isinstance(state, dict) or not state:
+            raise ValueError("GradmgrStrategy(shard='full'): fabric.load(path, state) needs "
+                             "state, a dict holding the set-up model (and its optimizers), as "
+                             "under Fabric's FSDP2 strategy: fabric.load(path, {'model': "
+                             "model, 'optimizer': optimizer})")
+        inner = _inner(state)
+        remainder = _load_checkpoint(path=Path(self.broadcast(path)), state=inner,
+                                     strict=strict, weights_only=weights_only)
+        for key, value in inner.items():  # the user's metadata, loaded into inner's entries
+            if not isinstance(state[key], (torch.nn.Module, torch.optim.Optimizer)):
+                state[key] = value
+        return remainder
 
     def backward(self, tensor: torch.Tensor, module: Optional[torch.nn.Module], *args: Any,
                  **kwargs: Any) -> None:
@@ -361,6 +378,12 @@ class GradmgrStrategy(DDPStrategy):
                 "module up first (fabric.setup(model, optimizer) does)"
             )
         return found[0]
+
+
+def _inner(state: Dict[str, Any]) -> Dict[str, Any]:
+    """``state`` with each set-up module replaced by the user's (fully sharded) module, so
+    that the checkpoint's names are the model's own, as plain FSDP2's."""
+    return {k: v.module if isinstance(v, GradmgrModule) else v for k, v in state.items()}
 
 
 def _sharded(gm: Any, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
