@@ -39,8 +39,11 @@ def _compare(x: np.ndarray, y: np.ndarray, dtype: Any, reduction: float,
     return diff, diff / scale if scale else 0.0, tol, ""
 
 
-def forward_entries(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
-             factor: float, report: StepReport) -> Dict[Tuple[int, int], Kink]:
+def forward_entries(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]],
+                    depth: List[float], factor: float,
+                    report: StepReport) -> Dict[Tuple[int, int], Kink]:
+    """A forward row per paired call (its first departure ``report.first_forward``) and the
+    paired layers' configuration findings; returns the kinks found at paired calls."""
     kinks, seen = {}, set()
     for i, j in sorted(aligned, key=lambda pair: ta.calls[pair[0]].done):
         ca, cb = ta.calls[i], tb.calls[j]
@@ -107,6 +110,7 @@ def _as_layer(call: Call) -> Layer:
 
 
 def loss_entry(ta: Trace, tb: Trace, depth: List[float], factor: float) -> Entry:
+    """The loss row."""
     last = max(ta.calls, key=lambda c: c.done).output if ta.calls else None
     total = max(depth, default=0.0) + (last.size if last is not None else 1)
     floor = float(np.abs(last).mean()) if last is not None and last.size else 0.0
@@ -116,7 +120,8 @@ def loss_entry(ta: Trace, tb: Trace, depth: List[float], factor: float) -> Entry
 
 
 def grad_entries(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
-           depth: List[float], factor: float, report: StepReport) -> None:
+                 depth: List[float], factor: float, report: StepReport) -> None:
+    """A gradient row per mapped parameter, placed at its layer's first call."""
     first_call: Dict[str, int] = {}
     for index, call in enumerate(ta.calls):
         first_call.setdefault(call.layer, index)
@@ -161,8 +166,8 @@ def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: i
                  "ok" if diff <= tol and not note else "DIFFERS", note, index=index)
 
 
-def input_grad_entries(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
-                 factor: float, report: StepReport) -> None:
+def input_grad_entries(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]],
+                       depth: List[float], factor: float, report: StepReport) -> None:
     """The gradient each paired piecewise call sends to its input, where both sides tapped
     it (trace.py): a backward-only bug in the call itself (a ReLU without its mask) differs
     here first."""

@@ -32,7 +32,7 @@ class Unseen:
 
 
 def unseen_calls(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
-            factor: float) -> List[Unseen]:
+                 factor: float) -> List[Unseen]:
     """Piecewise calls on one side only (the other side's is a function, or a layer of
     another kind): the elements near their kink, placed at the index of side a's nearest
     call before them."""
@@ -55,6 +55,7 @@ def unseen_calls(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: Li
 
 
 def flip_row(ca: Call, cb: Call, kink: Kink, pin: bool) -> Flip:
+    """The report's row of a kink flip at a paired call (pinned where ``pin`` could)."""
     return Flip(ca.layer, cb.layer, ca.kind, kink.flipped, kink.max_input, kink.tol,
                 pin and kink.pinnable)
 
@@ -80,7 +81,7 @@ each); beyond, the gradients behind them are left unverified."""
 
 
 def explain(behind: List[Entry], unpinned: int, unseen: List[Unseen],
-             mapping: MappingReport, sides: Sides, report: StepReport) -> None:
+            mapping: MappingReport, sides: Sides, report: StepReport) -> None:
     """Decide the gradients beyond tolerance that lie behind a flip the tool could not pin: a
     difference is unverified only where a flip can explain it. Once a forward has departed
     the flip explains nothing; a possible flip at a ReLU watched on one side only moves a
