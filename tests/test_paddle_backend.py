@@ -94,6 +94,73 @@ def test_an_attached_input_gets_a_gradient_and_its_flag_back():
     assert x.stop_gradient is True and flags.lifted_count() == 0
 
 
+def _grad_of(w, backward) -> object:
+    """``w``'s gradient after ``backward()`` as a list (None: it got none), then cleared."""
+    backward()
+    grad = None if w.grad is None else w.grad.numpy().tolist()
+    w.clear_gradient(False)
+    return grad
+
+
+def _native(w, freeze_after_forward=False) -> object:
+    """What Paddle's own ``loss.backward()`` gives ``w`` in ``3 * w`` (a trainable anchor
+    keeps the loss differentiable when ``w`` is frozen)."""
+    anchor = paddle.to_tensor([0.0], stop_gradient=False)
+    loss = (w * 3.0).sum() + anchor.sum()
+    if freeze_after_forward:
+        w.stop_gradient = True
+    return _grad_of(w, loss.backward)
+
+
+def _step(gm, w, freeze_after_forward=False) -> object:
+    def backward():
+        with gm:
+            y = (w * 3.0).sum()
+            if freeze_after_forward:
+                w.stop_gradient = True
+            gm.backward(y)
+    return _grad_of(w, backward)
+
+
+def test_freeze_rule_paddle_as_native_backward():
+    """The contract's point 15 (as tests/test_edges.py's test_freeze_rule_torch), each case
+    against Paddle's own loss.backward() of 3 * w where one applies ([3, 3] or none): a plain
+    tensor attached trainable, then frozen, gets none; attached again while frozen it is an
+    input of that manager and gets [3, 3], its flag back after; another manager attaching it
+    decides for itself alone, also recording with the first in a group; a parameter frozen
+    gets none whatever its attach calls; frozen between the forward and the backward, what
+    Paddle's engine gives (the gradient: the forward recorded it)."""
+    w = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
+    gm1 = GradManager().attach(w)
+    w.stop_gradient = True
+    assert _step(gm1, w) is None and _native(w) is None
+    gm2 = GradManager().attach(w)  # another manager: an input of gm2 only
+    assert _step(gm2, w) == [3.0, 3.0] and _step(gm1, w) is None
+    with gm1 | gm2:  # gm2 lifts w's flag; for gm1, w stays frozen
+        y = (w * 3.0).sum()
+        gm1.backward(y)
+        assert w.grad is None
+        gm2.backward(y)
+    assert w.grad.numpy().tolist() == [3.0, 3.0] and w.stop_gradient is True
+    w.clear_gradient(False)
+    gm1.attach(w)  # attached again while frozen: now an input of gm1 too
+    assert _step(gm1, w) == [3.0, 3.0] and w.stop_gradient is True
+    assert flags.lifted_count() == 0
+    p = paddle.create_parameter([2], "float32")
+    p.set_value(np.array([1.0, 2.0], np.float32))
+    gm3 = GradManager().attach(p)
+    p.stop_gradient = True
+    gm3.attach(p)
+    assert _step(gm3, p) is None and _native(p) is None
+    p.stop_gradient = False  # unfrozen: trainable again
+    assert _step(gm3, p) == [3.0, 3.0] == _native(p)
+    v = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
+    gm4 = GradManager().attach(v)
+    assert _step(gm4, v, freeze_after_forward=True) == [3.0, 3.0]
+    v.stop_gradient = False
+    assert _native(v, freeze_after_forward=True) == [3.0, 3.0]
+
+
 def test_a_flag_two_managers_lifted_comes_back_with_the_last():
     x = paddle.to_tensor([1.0, 2.0])
     gm1, gm2 = GradManager().attach(x), GradManager().attach(x)

@@ -308,3 +308,22 @@ def test_a_checkpoint_converts_paddle_to_the_other_and_back_bit_for_bit(other, t
     assert back.keys() == original.keys()
     for name, value in original.items():
         assert np.array_equal(np.array(back[name].numpy()), value), name
+
+
+@pytest.mark.parametrize("case", ["mlp", "cnn"])
+def test_a_paddle_dump_keeps_the_weights_paddle_stores_transposed(case, tmp_path):
+    """A dump read back must map as its live model does: the MLP's fc2 is square (32, 32), so
+    a map built from a dump that forgot Paddle's [in, out] would pass every shape check and
+    convert that weight untransposed; the CNN's BatchNorm variance keeps its note."""
+    from gradmgr.parity import dump
+    from gradmgr.parity.contract import adapter_for
+
+    pm, tm = make("paddle", case, 0), make("torch", case, 1)
+    recorded = dump(pm, BATCHES[case], str(tmp_path / "run.npz"))
+    live = save_map(pm, tm, str(tmp_path / "live.json"), probe=BATCHES[case])
+    offline = save_map(recorded, tm, str(tmp_path / "dump.json"), probe=BATCHES[case])
+    assert offline == live
+    assert recorded.slots() == adapter_for(pm).slots()
+    assert recorded.header["framework_version"] == paddle.__version__
+    flipped = {p["src"] for p in live["pairs"] if p["transform"] == "transpose"}
+    assert flipped == linear_names(pm) and len(flipped) >= 1

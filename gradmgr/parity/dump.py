@@ -5,10 +5,11 @@
 The file is a numpy ``.npz`` (no pickle) whose ``header`` member is UTF-8 JSON:
 ``format`` (:data:`FORMAT`), ``version`` (:data:`VERSION`), ``framework`` and
 ``framework_version``, ``device``, ``gradmgr``, ``python``, then what :func:`compare_step`
-reads of a side: the layers (kind, configuration), the tensors (role, shape, trainable), their
-values before the step, the batch, every watched call (its output; its input for a piecewise
-layer; a functional call, ``F.relu``, its ``kind`` and ``config`` too), the loss and the
-gradients. Each array is a member ``a<n>`` the header names.
+reads of a side: the layers (kind, configuration), the tensors (role, shape, trainable,
+``transposed`` and ``note``: :class:`~gradmgr.parity.contract.Slot`), their values before the
+step, the batch, every watched call (its output; its input for a piecewise layer; a
+functional call, ``F.relu``, its ``kind`` and ``config`` too), the loss and the gradients.
+Each array is a member ``a<n>`` the header names.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from .errors import ParityError
 from .trace import Call, Loss, Trace, as_batch, run_step
 
 FORMAT = "gradmgr.parity.dump"
-VERSION = 1
-"""The dump format this gradmgr writes and the only one it reads (docs/porting.md)."""
+VERSION = 2
+"""The dump format this gradmgr writes and the only one it reads (docs/porting.md). Version
+2 keeps each tensor's ``transposed`` and ``note`` (Paddle's Linear weight, its running
+variance): a version 1 dump lacks them, and read as untransposed a square Linear weight would
+be mapped, and its checkpoint converted, without its transpose."""
 
-_DISTRIBUTIONS = {"torch": "torch", "megengine": "MegEngine"}
+_DISTRIBUTIONS = {"torch": "torch", "megengine": "MegEngine", "paddle": "paddlepaddle"}
 
 
 def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
@@ -49,7 +53,7 @@ def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
         >>> path = os.path.join(tempfile.mkdtemp(), "run.npz")
         >>> _ = dump(torch.nn.Linear(4, 2), np.ones((3, 4), np.float32), path)
         >>> load(path).header["framework"], load(path).header["version"]
-        ('torch', 1)
+        ('torch', 2)
     """
     adapter = adapter_for(model)
     arrays = as_batch(batch)
@@ -75,7 +79,8 @@ def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
         "layers": [{"name": y.name, "kind": y.kind, "config": _plain(y.config)}
                    for y in layers],
         "slots": [{"name": s.name, "layer": s.layer, "role": s.role, "shape": list(s.shape),
-                   "trainable": s.trainable} for s in slots],
+                   "trainable": s.trainable, "transposed": s.transposed, "note": s.note}
+                  for s in slots],
         "aliases": dict(getattr(adapter, "aliases", {})),
         "batch": [key(a) for a in arrays],
         "values": {name: key(v) for name, v in values.items()},
@@ -146,7 +151,8 @@ class Dump:
         self._layers = [Layer(y["name"], y["kind"], _tuples(y["config"]))
                         for y in header["layers"]]
         self._slots = [Slot(s["name"], s["layer"], s["role"], tuple(s["shape"]),
-                            s["trainable"]) for s in header["slots"]]
+                            s["trainable"], s["transposed"], s["note"])
+                       for s in header["slots"]]
 
     def __repr__(self) -> str:
         h = self.header

@@ -1,22 +1,24 @@
-"""One step of two models, compared tensor by tensor (:func:`compare_step`)."""
+"""One step of two models, compared tensor by tensor (:func:`compare_step`): both sides run,
+their rows compared (:mod:`.entries`), the flips that could not be pinned judged
+(:mod:`.flips`), and the verdict's first departures and suspects."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .align import align_calls
-from .contract import Layer, ModelAdapter, adapter_for, family, squeezed
+from .contract import ModelAdapter, adapter_for
 from .dump import recorded_loss
+from .entries import depths, forward_entries, grad_entries, input_grad_entries, loss_entry
 from .errors import ParityError
-from .kinks import Kink, find_kink, near_kink, toggle
-from .mapping import TIED, MappingReport, Transform, build_map, config_findings, convert
+from .flips import Sides, explain, flip_row, unseen_calls
+from .mapping import TIED, MappingReport, Transform, build_map, convert
 from .progress import bar, grow
-from .report import Entry, Flip, StepReport
-from .tolerance import C_GRAD, C, eps, grad_reduction, layer_reduction, tolerance
-from .trace import Call, Loss, Trace, as_batch, restore, run_step, snapshot
+from .report import StepReport
+from .tolerance import eps
+from .trace import Loss, Trace, as_batch, restore, run_step, snapshot
 
 
 def compare_step(a: Any, b: Any, batch: Any, *, loss_a: Optional[Loss] = None,
@@ -89,11 +91,11 @@ def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name
                         order_a=ta.order, order_b=tb.order)
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
     report.weights = _weights_differ(mapping, weights_a, weights_b)
-    report.findings += [f for f in mapping.findings if f.key == TIED]  # (layers': _forward)
+    report.findings += [f for f in mapping.findings if f.key == TIED]  # (layers': forward_entries)
     aligned, same_kind = align_calls(ta.calls, tb.calls, mapping.layers, report)
-    depth = _depths(ta.calls)
-    kinks = _forward(ta, tb, aligned, depth, tol_factor, report)
-    report.entries.append(_loss_entry(ta, tb, depth, tol_factor))
+    depth = depths(ta.calls)
+    kinks = forward_entries(ta, tb, aligned, depth, tol_factor, report)
+    report.entries.append(loss_entry(ta, tb, depth, tol_factor))
     pins = {j: k.pin for (i, j), k in kinks.items() if k.flipped and k.pin is not None}
     if pin and pins:
         restore(ad_b, before_b)  # the step runs again from the same state
@@ -102,19 +104,19 @@ def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name
         shown.update()
     else:
         pins = {}
-    report.flips = [_flip(ta.calls[i], tb.calls[j], k, pin) for (i, j), k in kinks.items()
+    report.flips = [flip_row(ta.calls[i], tb.calls[j], k, pin) for (i, j), k in kinks.items()
                     if k.flipped]
-    unseen = _unseen(ta, tb, same_kind, depth, tol_factor)
+    unseen = unseen_calls(ta, tb, same_kind, depth, tol_factor)
     report.flips += [u.flip for u in unseen]
     unpinned = [i for (i, j), k in kinks.items() if k.flipped and not (pin and k.pinnable)]
-    _grads(ad_a, ta, tb, mapping, depth, tol_factor, report)
-    _place_grads(ta, tb, same_kind, depth, tol_factor, report)
+    grad_entries(ad_a, ta, tb, mapping, depth, tol_factor, report)
+    input_grad_entries(ta, tb, same_kind, depth, tol_factor, report)
     behind = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"
               and 0 <= e.index <= max(unpinned + [u.at for u in unseen], default=-1)]
     if behind:
         sides = Sides((ad_a, ad_b), (ta, tb), (before_a, before_b), (loss_a, loss_b),
                       ({}, pins), arrays, inputs, shown)
-        _explain(behind, max(unpinned, default=-1), unseen, mapping, sides, report)
+        explain(behind, max(unpinned, default=-1), unseen, mapping, sides, report)
     bad = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"]
     report.first_grad = max(bad, key=lambda e: e.index) if bad else None
     if report.first_grad is not None and report.first_forward is None:
@@ -123,23 +125,6 @@ def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name
                            if report.first_grad.pair is None else
                            _suspects(ta, tb, aligned, report.first_grad.layer, mapping))
     return report
-
-
-def _place_grads(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
-                 factor: float, report: StepReport) -> None:
-    """The gradient each paired piecewise call sends to its input, where both sides tapped
-    it (trace.py): a backward-only bug in the call itself (a ReLU without its mask) differs
-    here first."""
-    total = max(depth, default=0.0)
-    for i, j in aligned:
-        ca, cb = ta.calls[i], tb.calls[j]
-        if ca.grad_in is None or cb.grad_in is None:
-            continue
-        diff, rel, tol, note = _compare(ca.grad_in, cb.grad_in, ta.dtype, total, factor,
-                                        c=C_GRAD)
-        report.entries.append(Entry(
-            "grad", f"{ca.layer} / {cb.layer}: input", ca.layer, ca.kind, diff, rel, tol,
-            "ok" if diff <= tol and not note else "DIFFERS", note, index=i))
 
 
 def _suspects(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], layer: str,
@@ -211,288 +196,3 @@ def _weights_differ(mapping: MappingReport, wa: Dict[str, np.ndarray],
             if not np.array_equal(x.astype(dtype), y.reshape(x.shape).astype(dtype)):
                 found.append(f"{p.src} / {p.dst}")
     return found
-
-
-def _depths(calls: List[Call]) -> List[float]:
-    """The reduction length behind each call's output (tolerance.py): a running sum over the
-    calls in the order they return (a module that owns tensors returns after its children)."""
-    total, found = 0.0, [0.0] * len(calls)
-    for index in sorted(range(len(calls)), key=lambda i: calls[i].done):
-        c = calls[index]
-        out_shape = c.output.shape if c.output is not None else ()
-        total += layer_reduction(c.kind, c.config, c.in_shape, out_shape)
-        found[index] = total
-    return found
-
-
-def _compare(x: np.ndarray, y: np.ndarray, dtype: Any, reduction: float,
-             factor: float, floor: float = 0.0, c: float = C) -> Tuple[float, float, float, str]:
-    if squeezed(x.shape) != squeezed(y.shape):
-        return float("inf"), float("inf"), 0.0, f"shapes {x.shape} and {y.shape}"
-    x64, y64 = x.astype(np.float64), y.reshape(x.shape).astype(np.float64)
-    scale = float(max(np.abs(x64).max(initial=0.0), np.abs(y64).max(initial=0.0), floor))
-    diff = float(np.abs(x64 - y64).max(initial=0.0))
-    tol = tolerance(dtype, reduction, scale, factor, c)
-    return diff, diff / scale if scale else 0.0, tol, ""
-
-
-def _dropout_note(ca: Any, cb: Any) -> str:
-    """Why a dropout's outputs differ: the masks each framework draws, or, where neither side
-    draws one (p=0, or eval mode), its input, from code before it the tool does not watch."""
-    if any(c.config.get("training", True) and c.config.get("p", 1.0) > 0 for c in (ca, cb)):
-        return "each framework draws its own dropout mask: use eval() or p=0 to compare"
-    return ("this dropout draws no mask (p=0 or eval mode) and passes its input on: the "
-            "difference comes from the code before it that the tool does not watch (a "
-            "function inside the module that calls it)")
-
-
-def _forward(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
-             factor: float, report: StepReport) -> Dict[Tuple[int, int], Kink]:
-    kinks, seen = {}, set()
-    for i, j in sorted(aligned, key=lambda pair: ta.calls[pair[0]].done):
-        ca, cb = ta.calls[i], tb.calls[j]
-        if (ca.layer, cb.layer) not in seen:
-            seen.add((ca.layer, cb.layer))
-            report.findings += config_findings(_as_layer(ca), _as_layer(cb))
-        if ca.output is None or cb.output is None:
-            continue
-        diff, rel, tol, note = _compare(ca.output, cb.output, ta.dtype, depth[i], factor)
-        kink = find_kink(ca, cb, tol) if family(ca.kind) == family(cb.kind) else None
-        if kink is not None:
-            kink.tol = tol
-            kinks[(i, j)] = kink
-            if kink.beyond:
-                note = f"{kink.beyond} element(s) on different sides of the kink"
-        if ca.config.get("training") != cb.config.get("training") and diff > tol:
-            modes = ["training" if c.config.get("training") else "eval" for c in (ca, cb)]
-            note = (f"a in {modes[0]} mode, b in {modes[1]} mode: call .train() or .eval() "
-                    f"on both models")
-        if family(ca.kind) != family(cb.kind) and (diff > tol or note):
-            note = (f"a {ca.kind} on side a, a {cb.kind} on side b: a substituted layer"
-                    + (f" ({note})" if note else ""))
-        if ca.kind.startswith("dropout") and diff > tol and not note:
-            note = _dropout_note(ca, cb)
-        kind = ca.kind if ca.kind == cb.kind else f"{ca.kind} / {cb.kind}"
-        entry = Entry("forward", f"{ca.layer} / {cb.layer}", ca.layer, kind, diff, rel, tol,
-                      "ok" if diff <= tol and not note else "DIFFERS", note, index=i)
-        report.entries.append(entry)
-        if not entry.ok and report.first_forward is None:
-            report.first_forward = entry
-            entry.note = _one_sided_before(ta, tb, aligned, i, j) or entry.note
-    return kinks
-
-
-def _one_sided_before(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], i: int,
-                      j: int) -> str:
-    """Where the first departing call's input passed through calls of one side only (a ReLU
-    module written as a function on the other side, a layer substituted by one the other side
-    computes inside a function): they are where the difference may start, so say so."""
-    def between(calls: List[Any], paired: set, end: int) -> List[str]:
-        start = max((k for k in paired if k < end), default=-1)
-        return [f"{calls[k].layer} ({calls[k].kind})" for k in range(start + 1, end)
-                if k not in paired]
-    alone = [f"{name} on side a" for name in between(ta.calls, {p for p, _ in aligned}, i)]
-    alone += [f"{name} on side b" for name in between(tb.calls, {q for _, q in aligned}, j)]
-    if not alone:
-        return ""
-    return (f"its input came through {', '.join(alone)}, with no counterpart on the other side "
-            f"(a function there, or a substituted layer): the difference may start there")
-
-
-@dataclass
-class Unseen:
-    """A piecewise call with no counterpart on the other side: where (``side``, ``call``),
-    the index of side a's call it is placed at, the elements near its kink, its flip row."""
-
-    side: int
-    call: int
-    at: int
-    elements: np.ndarray
-    flip: Flip
-
-
-def _unseen(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]], depth: List[float],
-            factor: float) -> List[Unseen]:
-    """Piecewise calls on one side only (the other side's is a function, or a layer of
-    another kind): the elements near their kink, placed at the index of side a's nearest
-    call before them."""
-    found = []
-    for side, calls, matched in ((0, ta.calls, {i for i, _ in aligned}),
-                                 (1, tb.calls, {j for _, j in aligned})):
-        for index, call in enumerate(calls):
-            if index in matched or call.input is None:
-                continue
-            at = index if side == 0 else max((i for i, j in aligned if j <= index),
-                                             default=-1)
-            scale = float(np.abs(call.input).max(initial=0.0))
-            tol = tolerance(ta.dtype, depth[at] if at >= 0 else 1.0, scale, factor, C)
-            count, largest, elements = near_kink(call, tol)
-            if count:
-                names = (call.layer, "?") if side == 0 else ("?", call.layer)
-                found.append(Unseen(side, index, max(at, 0), elements, Flip(
-                    *names, call.kind, count, largest, tol, False, seen=False)))
-    return found
-
-
-def _as_layer(call: Call) -> Layer:
-    return Layer(call.layer, call.kind, call.config)
-
-
-def _loss_entry(ta: Trace, tb: Trace, depth: List[float], factor: float) -> Entry:
-    last = max(ta.calls, key=lambda c: c.done).output if ta.calls else None
-    total = max(depth, default=0.0) + (last.size if last is not None else 1)
-    floor = float(np.abs(last).mean()) if last is not None and last.size else 0.0
-    diff, rel, tol, _ = _compare(np.array([ta.loss]), np.array([tb.loss]), ta.dtype, total,
-                                 factor, floor, C_GRAD)
-    return Entry("loss", "loss", "", "", diff, rel, tol, "ok" if diff <= tol else "DIFFERS")
-
-
-def _flip(ca: Call, cb: Call, kink: Kink, pin: bool) -> Flip:
-    return Flip(ca.layer, cb.layer, ca.kind, kink.flipped, kink.max_input, kink.tol,
-                pin and kink.pinnable)
-
-
-def _grads(ad_a: ModelAdapter, ta: Trace, tb: Trace, mapping: MappingReport,
-           depth: List[float], factor: float, report: StepReport) -> None:
-    first_call: Dict[str, int] = {}
-    for index, call in enumerate(ta.calls):
-        first_call.setdefault(call.layer, index)
-    layers = {slot.name: slot.layer for slot in ad_a.slots()}
-    kinds = {layer.name: layer.kind for layer in ad_a.layers()}
-    # A gradient that cancels to nearly nothing (a bias before a training-mode BatchNorm)
-    # sums terms as large as its layer's other gradients: compare it at the layer's scale.
-    floors: Dict[str, float] = {}
-    for name, g in ta.grads.items():
-        if g is not None and name in layers:
-            floors[layers[name]] = max(floors.get(layers[name], 0.0), float(np.abs(g).max()))
-    total = max(depth, default=0.0)
-    for pair in mapping.pairs:
-        if pair.src not in ta.grads:
-            continue  # a buffer
-        layer = layers[pair.src]
-        index = first_call.get(layer, -1)
-        entry = _grad_entry(pair, ta, tb, layer, kinds.get(layer, ""), index, total, factor,
-                            floors.get(layer, 0.0))
-        entry.pair = pair
-        report.entries.append(entry)
-
-
-@dataclass
-class Sides:
-    """What re-running one side's step needs: per side (a, b) its adapter, trace, buffers
-    before the step, loss and pins; the batch."""
-
-    adapters: Tuple[ModelAdapter, ModelAdapter]
-    traces: Tuple[Trace, Trace]
-    before: Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]
-    losses: Tuple[Optional[Loss], Optional[Loss]]
-    pins: Tuple[Dict[int, Any], Dict[int, Any]]
-    batch: Tuple[np.ndarray, ...]
-    inputs: int
-    shown: Any  # the progress bar (progress.py)
-
-
-MAX_TOGGLES = 48
-"""The most near-kink elements whose flips :func:`_flip_bound` sizes (one step of one side
-each); beyond, the gradients behind them are left unverified."""
-
-
-def _explain(behind: List[Entry], unpinned: int, unseen: List[Unseen],
-             mapping: MappingReport, sides: Sides, report: StepReport) -> None:
-    """Decide the gradients beyond tolerance that lie behind a flip the tool could not pin: a
-    difference is unverified only where a flip can explain it. Once a forward has departed
-    the flip explains nothing; a possible flip at a ReLU watched on one side only moves a
-    gradient by at most what sending each of its near-kink elements down the other branch
-    moves it (summed, element by element); a difference beyond that is a difference."""
-    if report.first_forward is not None:
-        for e in behind:
-            e.note = (f"the forward already departed at {report.first_forward.name}: not a "
-                      f"kink flip")
-        return
-    bound = _flip_bound(unseen, mapping, sides) if any(
-        e.index > unpinned for e in behind) else None
-    for e in behind:
-        if e.index <= unpinned or bound is None or e.pair is None or e.pair.src not in bound:
-            e.verdict = "unverified"
-            e.note = ("behind a kink flip that cannot be pinned" if e.index <= unpinned else
-                      f"behind more than {MAX_TOGGLES} elements near a kink watched on one "
-                      f"side only: too many to size what their flips can move")
-            continue
-        ga, gb = sides.traces[0].grads[e.pair.src], sides.traces[1].grads[e.pair.dst]
-        if ga is None or gb is None:  # (an entry compared two gradients: not expected)
-            e.verdict, e.note = "unverified", "no gradient on one side to size a flip against"
-            continue
-        diff = np.abs(convert(e.pair, ga).astype(np.float64) - gb.reshape(
-            e.pair.dst_shape).astype(np.float64))
-        limit = bound[e.pair.src]
-        if np.all(diff <= e.tol + limit * 1.01):
-            e.verdict = "unverified"
-            e.note = (f"within what the possible kink flips at ReLUs watched on one side only "
-                      f"can move it (up to {float(limit.max()):.3g})")
-        else:
-            e.note = (f"beyond what the possible kink flips can move it (up to "
-                      f"{float(limit.max()):.3g}): not a flip")
-
-
-def _flip_bound(unseen: List[Unseen], mapping: MappingReport,
-                sides: Sides) -> Optional[Dict[str, np.ndarray]]:
-    """Per parameter (in side b's layout, by side a's name), the sum over every element near
-    a kink watched on one side only of how far sending that element down the other branch
-    moves the gradient: one step of that side per element. None where there are too many
-    elements, or a kink the toggle cannot model (a LeakyReLU)."""
-    if sum(len(u.elements) for u in unseen) > MAX_TOGGLES or any(
-            u.flip.kind != "relu" for u in unseen):
-        return None
-    if any(recorded_loss(sides.adapters[u.side]) is not None for u in unseen):
-        return None  # a dump's side cannot run again with an element toggled
-    to_a, from_a = {p.dst: p for p in mapping.pairs}, {p.src: p for p in mapping.pairs}
-    bound = {p.src: np.zeros(p.dst_shape) for p in mapping.pairs}
-    grow(sides.shown, sum(len(u.elements) for u in unseen) + len({u.side for u in unseen}))
-    for side in (0, 1):
-        mine = [u for u in unseen if u.side == side]
-        if not mine:
-            continue
-        adapter, trace = sides.adapters[side], sides.traces[side]
-        try:
-            for u in mine:
-                for element in u.elements:
-                    restore(adapter, sides.before[side])
-                    pins = dict(sides.pins[side])
-                    pins[u.call] = toggle(trace.calls[u.call], int(element))
-                    moved = run_step(adapter, sides.batch, sides.inputs, sides.losses[side],
-                                     pins).grads
-                    sides.shown.update()
-                    for name, g in moved.items():
-                        pair = to_a.get(name) if side else from_a.get(name)
-                        base = trace.grads.get(name)
-                        if pair is None or g is None or base is None:
-                            continue
-                        delta = np.abs(g.astype(np.float64) - base.astype(np.float64))
-                        bound[pair.src] += (convert(pair, delta) if side == 0
-                                            else delta.reshape(pair.dst_shape))
-        finally:  # leave the side as its compared step left it
-            restore(adapter, sides.before[side])
-            run_step(adapter, sides.batch, sides.inputs, sides.losses[side], sides.pins[side])
-            sides.shown.update()
-    return bound
-
-
-def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: int,
-                total: float, factor: float, floor: float) -> Entry:
-    ga, gb = ta.grads.get(pair.src), tb.grads.get(pair.dst)
-    name = f"{pair.src} / {pair.dst}"
-    if ga is None or gb is None:
-        verdict = "ok" if ga is None and gb is None else "DIFFERS"
-        none = "b" if gb is None else "a"
-        note = "no gradient on either side" if verdict == "ok" else (
-            f"gradient only on side {'ab'.replace(none, '')}: {none}'s is frozen "
-            f"(requires_grad=False) or not reached by its loss; freeze it on both sides, or "
-            f"compare it trainable on both (the tool attaches every parameter: a MegEngine "
-            f"model frozen by leaving it out of its GradManager is not seen)")
-        return Entry("grad", name, layer, kind, 0.0, 0.0, 0.0, verdict, note, index=index)
-    out = ta.calls[index].output if index >= 0 else None
-    reduction = total + grad_reduction(pair.src_shape, out.shape if out is not None else ())
-    diff, rel, tol, note = _compare(convert(pair, ga), gb, ta.dtype, reduction, factor, floor,
-                                    C_GRAD)
-    return Entry("grad", name, layer, kind, diff, rel, tol,
-                 "ok" if diff <= tol and not note else "DIFFERS", note, index=index)

@@ -1,13 +1,14 @@
-"""The ``stop_gradient`` flags that recordings lift from attached tensors, and restore.
+"""The ``stop_gradient`` flags that recordings lift from attached inputs, and restore.
 
-An attached input (``stop_gradient=True``) must get a gradient, so a recording sets its flag to
-False, as the PyTorch backend does with ``requires_grad``. A parameter with
-``stop_gradient=True`` is frozen instead and gets no gradient, as with ``loss.backward()`` and
-``paddle.DataParallel`` (and a frozen ``torch.nn.Parameter`` on the PyTorch backend). Several
-managers may attach the same tensor: the user's flag comes back only when the last recording
-that lifted it ends.
+An attached input must get a gradient, so a recording sets its flag to False, as the PyTorch
+backend does with ``requires_grad``. Which tensors are a manager's inputs is decided when it
+attaches them (:func:`is_input`, the contract's point 15, as on PyTorch): a plain tensor whose
+flag is off then; one frozen after its attach, and a parameter with ``stop_gradient=True``,
+are frozen instead and get what Paddle's ``loss.backward()`` gives them. Several managers may
+attach the same tensor: the user's flag comes back only when the last recording that lifted it
+ends, and a flag one recording lifted is no other manager's reason to differentiate the tensor
+(:func:`lifted`).
 """
-
 from __future__ import annotations
 
 import threading
@@ -20,16 +21,30 @@ _lock = threading.RLock()  # the weakref callback may run during a collection in
 _lifted: Dict[int, List[Any]] = {}  # id -> [weakref to the tensor, how many recordings lift it]
 
 
+def is_input(tensor: Any) -> bool:
+    """A plain tensor whose user's flag is off (``stop_gradient=True``; a flag a recording
+    lifted is not the user's): attached now, it is an input of that manager from then on. A
+    parameter with ``stop_gradient=True`` is frozen instead (as with ``loss.backward()``)."""
+    return not isinstance(tensor, EagerParamBase) and (tensor.stop_gradient or lifted(tensor))
+
+
+def lifted(tensor: Any) -> bool:
+    """A recording holds ``tensor``'s flag lifted now (the user's flag is off)."""
+    with _lock:
+        entry = _lifted.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
+
 def lift(tensor: Any) -> bool:
-    """Make ``tensor`` differentiable for one recording; True if this call lifted it (the
-    recording must call :func:`restore` once for it)."""
+    """Make the input ``tensor`` differentiable for one recording; True if this call lifted it
+    (the recording must call :func:`restore` once for it)."""
     with _lock:
         entry = _lifted.get(id(tensor))
         if entry is not None and entry[0]() is tensor:
             entry[1] += 1
             return True
-        if not tensor.stop_gradient or isinstance(tensor, EagerParamBase):
-            return False  # trainable, or a frozen parameter: nothing to restore
+        if not tensor.stop_gradient:
+            return False  # the user turned it on since: nothing to restore
         _lifted[id(tensor)] = [weakref.ref(tensor, _forget(id(tensor))), 1]
         tensor.stop_gradient = False
         return True

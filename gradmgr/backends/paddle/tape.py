@@ -1,8 +1,9 @@
 """PaddleTape: one manager's recording on Paddle's dygraph engine.
 
 Paddle records every operation on a tensor with ``stop_gradient=False`` whether a manager
-records or not, so the tape keeps only the attached tensors (weakly) and the flags it lifted;
-its backward is one ``paddle.grad`` call over the live attached tensors.
+records or not, so the tape keeps only the attached tensors (weakly), which of them are the
+manager's inputs, and the flags it lifted; its backward is one ``paddle.grad`` call over the
+live attached tensors.
 """
 
 from __future__ import annotations
@@ -39,19 +40,27 @@ def check_main_thread(action: str) -> None:
 
 
 class _Watched:
-    """One attached tensor of the recording: held weakly, its current sink, and whether the
-    recording lifted its ``stop_gradient`` flag."""
+    """One attached tensor of the manager: held weakly, its current sink, whether it is an
+    input of the manager (an attach found its flag off: :func:`flags.is_input`), and whether
+    the running recording lifted its ``stop_gradient`` flag."""
 
-    __slots__ = ("tensor", "sink", "lifted")
+    __slots__ = ("tensor", "sink", "input", "lifted")
 
-    def __init__(self, tensor: Any, sink: GradSink) -> None:
-        self.tensor = weakref.ref(tensor)
+    def __init__(self, tensor: weakref.ref, sink: GradSink) -> None:
+        self.tensor = tensor
         self.sink = sink
-        self.lifted = flags.lift(tensor)
+        self.input = False
+        self.lifted = False
 
 
 class PaddleTape(Tape):
-    """The attached tensors of one recording, differentiated by ``paddle.grad``."""
+    """The attached tensors of one manager, differentiated by ``paddle.grad``.
+
+    Watches persist across recordings (``persistent_watch``): each attach is seen when it
+    happens, so that a tensor frozen after its attach stays frozen (the contract's point 15).
+    """
+
+    persistent_watch = True
 
     def __init__(self) -> None:
         self._watched: Dict[int, _Watched] = {}
@@ -60,20 +69,36 @@ class PaddleTape(Tape):
     def start(self) -> None:
         check_main_thread("start recording a Paddle GradManager")
         self._recording = True
-        self._watched = {}
+        for entry in list(self._watched.values()):
+            tensor = entry.tensor()
+            if tensor is not None and entry.input:
+                entry.lifted = flags.lift(tensor)
 
     def watch(self, tensor: Any, sink: GradSink, eager: bool) -> None:
         # ``eager`` cannot be honoured: paddle.grad runs no hooks on leaves, so every sink is
         # called after the engine, in the order it finished the gradients (order.py).
-        if not self._recording:
-            raise RuntimeError("PaddleTape.watch() called while the tape is not started")
-        entry = self._watched.get(id(tensor))
-        if entry is not None and entry.tensor() is tensor:
-            entry.sink = sink
-            return
-        if entry is not None and entry.lifted:  # a dead tensor's id was reused
-            entry.lifted = False
-        self._watched[id(tensor)] = _Watched(tensor, sink)
+        key = id(tensor)
+        entry = self._watched.get(key)
+        if entry is None or entry.tensor() is not tensor:  # new, or a dead tensor's id reused
+            entry = _Watched(weakref.ref(tensor, self._forget_for(key)), sink)
+            self._watched[key] = entry
+        entry.sink = sink
+        if not entry.input and flags.is_input(tensor):
+            entry.input = True  # from this attach on, as on PyTorch
+        if self._recording and entry.input and not entry.lifted:
+            entry.lifted = flags.lift(tensor)
+
+    def _forget_for(self, key: int) -> Any:
+        """The weakref callback that drops a dead tensor's entry (the tape held weakly)."""
+        tape = weakref.ref(self)
+
+        def forget(dead: weakref.ref) -> None:
+            owner = tape()
+            entry = None if owner is None else owner._watched.get(key)
+            if entry is not None and entry.tensor is dead:
+                del owner._watched[key]  # type: ignore[union-attr]
+
+        return forget
 
     def backward(
         self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,
@@ -117,12 +142,14 @@ class PaddleTape(Tape):
                     self._deliver, retain_graph)
 
     def _live(self) -> List[Tuple[_Watched, Any]]:
-        """Each watched tensor still alive and not frozen (a parameter with
-        ``stop_gradient=True``; an input's flag is lifted), with its entry (held strongly
-        from here on)."""
-        pairs = [(entry, entry.tensor()) for entry in self._watched.values()]
+        """Each watched tensor still alive, with its entry (held strongly from here on), but
+        those that are not this manager's inputs and have their flag lifted by another
+        manager's recording: the user froze them, so this manager gives them no gradient.
+        The others all go to ``paddle.grad``, which gives a tensor frozen before the forward
+        none and one frozen after it its gradient, as ``loss.backward()`` does."""
+        pairs = [(entry, entry.tensor()) for entry in list(self._watched.values())]
         return [(entry, tensor) for entry, tensor in pairs
-                if tensor is not None and not tensor.stop_gradient]
+                if tensor is not None and (entry.input or not flags.lifted(tensor))]
 
     @staticmethod
     def _deliver(entries: List[_Watched], grads: Sequence[Optional[Any]],
@@ -134,8 +161,8 @@ class PaddleTape(Tape):
 
     def stop(self) -> None:
         self._recording = False
-        watched, self._watched = self._watched, {}
-        for entry in watched.values():
+        for entry in list(self._watched.values()):
             tensor = entry.tensor()
             if entry.lifted and tensor is not None:
                 flags.restore(tensor)
+            entry.lifted = False
