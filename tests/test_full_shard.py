@@ -112,3 +112,11 @@ def test_fsdp2_options_need_full_sharding(shard):
     with pytest.raises(ValueError, match=r"blocks=, mp_policy= apply only for shard='full'"):
         data_parallel(model(), shard=shard, blocks=[torch.nn.Linear], mp_policy=object())
 
+
+
+@pytest.mark.parametrize("verify", ["always", None, 1.0])
+def test_a_verify_that_is_not_one(verify):
+    """Before any collective (no process group here); old code took any value under full
+    sharding and checked nothing."""
+    with pytest.raises(ValueError, match=r"verify must be True, 'step', 'plan' or False"):
+        data_parallel(model(), shard="full", verify=verify)
