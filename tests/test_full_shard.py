@@ -112,3 +112,46 @@ def test_fsdp2_options_need_full_sharding(shard):
     with pytest.raises(ValueError, match=r"blocks=, mp_policy= apply only for shard='full'"):
         data_parallel(model(), shard=shard, blocks=[torch.nn.Linear], mp_policy=object())
 
+
+
+@pytest.mark.parametrize("verify", ["always", None, 1.0])
+def test_a_verify_that_is_not_one(verify):
+    """Before any collective (no process group here); old code took any value under full
+    sharding and checked nothing."""
+    with pytest.raises(ValueError, match=r"verify must be True, 'step', 'plan' or False"):
+        data_parallel(model(), shard="full", verify=verify)
+
+
+class _TwoAlikeRanks:
+    """A check transport of 2 ranks that always agree (each sum is twice this rank's
+    vector), counting the checks."""
+
+    def __init__(self):
+        self.checks = 0
+
+    def world_size(self):
+        return 2
+
+    def allreduce_async(self, flat):
+        self.checks += 1
+        return type("Done", (), {"wait": lambda _: flat * 2})()
+
+
+@pytest.mark.parametrize("verify, expected", [
+    (True, 5), ("step", 5),  # every recording, inside no_sync too
+    ("plan", 2),  # the first, and the one after the freeze
+    (False, 0),
+])
+def test_which_recordings_are_checked(verify, expected):
+    from gradmgr.backends.torch.ops import TorchOps
+    from gradmgr.distributed.sharded.full_check import FullShardCheck
+
+    net = torch.nn.Linear(2, 2)
+    checks = _TwoAlikeRanks()
+    check = FullShardCheck(TorchOps(), checks, net, list(net.parameters()), verify)
+    for synced in (False, True, True):
+        check.record(synced)
+    net.bias.requires_grad_(False)
+    check.record(True)
+    check.record(True)
+    assert checks.checks == expected

@@ -1,6 +1,7 @@
 """Ranks with different numbers of steps outside ``Join`` (issue 25's last habit row), on 2 gloo
-ranks, on every data-parallel path: torch's reducer, gradmgr's buckets, sharded, and MegEngine
-through torch's gloo.
+ranks, on every data-parallel path: torch's reducer, gradmgr's buckets, sharded, full sharding
+(FSDP2), and MegEngine through torch's gloo; and, under full sharding, ranks that disagree
+about ``no_sync``.
 
 A rank skips a batch (``continue``); each rank's k-th step meets the others' k-th, and the rank
 with a step more starts a step nobody else starts. Before, its plan check met the others'
@@ -33,8 +34,13 @@ def _frameworks() -> list:
     return TORCH_PATHS + (["megengine"] if "megengine" in wanted else [])
 
 
-CASES = ([f"skip:{p}:1" for p in _frameworks()] + ["skip:buckets:0"]
-         + [f"idle:{p}:1" for p in TORCH_PATHS] + [f"left:{p}:1" for p in TORCH_PATHS])
+def _skipping() -> list:
+    return _frameworks() + ["full"]  # full sharding too (FSDP2's collectives, issue 39)
+
+
+CASES = ([f"skip:{p}:1" for p in _skipping()] + ["skip:buckets:0"]
+         + [f"idle:{p}:1" for p in TORCH_PATHS] + [f"left:{p}:1" for p in TORCH_PATHS]
+         + ["nosync:full:0"])
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,7 @@ def _clear(outcome: dict, *phrases: str) -> None:
         assert phrase in outcome["message"], (phrase, outcome["message"])
 
 
-@pytest.mark.parametrize("path", _frameworks())
+@pytest.mark.parametrize("path", _skipping())
 def test_the_rank_with_a_step_more_raises_and_the_group_stays_in_step(seen, path):
     ahead, skipper = seen[f"skip:{path}:1"]
     _clear(ahead["loop"], "not every rank started this synced step", "Join([gm])",
@@ -63,12 +69,26 @@ def test_the_rank_with_a_step_more_raises_and_the_group_stays_in_step(seen, path
     assert ahead["in_step"] and skipper["in_step"]
 
 
-@pytest.mark.parametrize("path", _frameworks())
+@pytest.mark.parametrize("path", _skipping())
 def test_training_again_in_that_group_raises_on_every_rank(seen, path):
     ahead, skipper = seen[f"skip:{path}:1"]
     _clear(ahead["again"], "Start a new process group")
     assert ahead["again"]["seconds"] < 1.0  # at once: its check group is known to be broken
     _clear(skipper["again"], "not every rank started this synced step")
+
+
+def test_full_sharding_ranks_that_disagree_about_no_sync(seen):
+    """Rank 0 alone takes step 1's first micro-batch inside ``no_sync`` under full sharding:
+    every rank raises RankMismatchError at that recording, before FSDP2 gathers anything, and
+    the group stays in step. (Before, FSDP2's gathers and reduce-scatters paired across the
+    micro-batches: gloo's timeout inside them on both ranks, and the group out of step.)"""
+    for rank, outcome in enumerate(seen["nosync:full:0"]):
+        loop = outcome["loop"]
+        assert loop["error"] == "RankMismatchError", (rank, loop)
+        assert "disagree about no_sync" in loop["message"], loop["message"]
+        assert "rank 0 records inside no_sync; rank 1 starts a synced step" in loop["message"]
+        assert loop["seconds"] < TIMEOUT_S / 2, loop  # told by the check, not a timeout
+        assert outcome["in_step"], rank
 
 
 def test_either_rank_may_be_the_one_ahead(seen):

@@ -18,6 +18,7 @@ from .join.joining import Joining
 from .reduce.allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
 from .reduce.no_sync import is_paused
 from .sharded.full import SPELLINGS, FullSharding, check_options, spelling_problem
+from .sharded.full_check import full_shard_check, verify_mode
 from .transport import TransportSpec, control_transport, resolve_transport
 
 
@@ -144,7 +145,9 @@ def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: Verify
                    broadcast_buffers: bool, src: int, blocks: Sequence[Any],
                    reshard_after_forward: bool, mp_policy: Any) -> DataParallelManager:
     """``shard="full"``: the ranks compared and rank ``src``'s tensors broadcast as on the
-    other paths, then the model wrapped by the framework (:mod:`.sharded.full`)."""
+    other paths, then the model wrapped by the framework (:mod:`.sharded.full`), its
+    recordings compared across ranks as the other paths' steps (:mod:`.sharded.full_check`)."""
+    verify_mode(verify)
     if verify:
         _refuse_modules_that_differ(module, tensors, backend, None, None, "full")
     params = list(module.parameters())
@@ -152,8 +155,11 @@ def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: Verify
     if shared:
         broadcast_tensors(shared, backend, src, None, None)
     gm = DataParallelManager()
-    FullSharding.install(gm, module, _tensor_ops(params, backend), blocks,
-                         reshard_after_forward, mp_policy)
+    ops = _tensor_ops(params, backend)
+    sharding = FullSharding.install(gm, module, ops, blocks, reshard_after_forward, mp_policy)
+    if ops is not None:  # FSDP2's parameters now: wrapping replaced them
+        sharding.check = full_shard_check(ops, resolve_transport(None, backend, None), module,
+                                          list(module.parameters()), verify)
     step = _Step(gm, module, broadcast_buffers, src, None, None)
     gm.register_record_callback(step.record)
     gm.register_backward_error_callback(step.backward_failed)

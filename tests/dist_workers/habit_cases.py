@@ -142,11 +142,10 @@ HABITS = [
           risky=True, paths=NOT_FULL),
     Habit("no_sync_on_rank0_only",
           'only rank 0 wraps a micro-batch in `no_sync` (item 7)',
-          ddp=False, risky=True, paths=NOT_FULL),
+          ddp=False, risky=True),
     Habit("rank_skips_silently",
           'one rank skips a batch before its forward (`continue`)',
-          ddp=False, risky=True, ahead=0,
-          paths=NOT_FULL),
+          ddp=False, risky=True, ahead=0),
     Habit("rank_skips_in_join",
           'the same, inside `with Join([gm]):` (DDP: `with Join([model]):`; sharded: '
           '`Join([gm, opt])`)', fsdp2=False),

@@ -9,6 +9,7 @@ until a new process group, as its error says. What each rank saw is pickled to
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradmgr import GradManager
-from gradmgr.distributed import ShardedOptimizer, data_parallel, make_allreduce_cb
+from gradmgr.distributed import ShardedOptimizer, data_parallel, make_allreduce_cb, no_sync
 
 TIMEOUT_S = 6.0  # the process groups': a rank gives up after half of it
 STEPS = 3
@@ -42,15 +43,19 @@ def _torch_side(path: str, out: dict = None):
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
                                 torch.nn.Linear(16, 3)).to(device)
     gm = data_parallel(model, **({"shard": True} if path == "sharded"
+                                 else {"shard": "full", "blocks": [torch.nn.Linear]}
+                                 if path == "full"
                                  else {"native": path in ("native", "cuda")}))
     opt = (ShardedOptimizer(gm, torch.optim.SGD, lr=0.1) if path == "sharded"
            else torch.optim.SGD(model.parameters(), lr=0.1))
 
-    def step(rank: int, i: int) -> None:
-        g = torch.Generator().manual_seed(100 * rank + i)
-        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-        with gm:
-            gm.backward(torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)))
+    def step(rank: int, i: int, paused=()) -> None:
+        for micro in range(2 if paused else 1):
+            g = torch.Generator().manual_seed(100 * rank + i + 1000 * micro)
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+            pause = micro == 0 and (rank, i) in paused
+            with no_sync(gm) if pause else contextlib.nullcontext(), gm:
+                gm.backward(torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)))
         opt.step()
         opt.zero_grad()
         if out is not None:
@@ -123,6 +128,16 @@ def even(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
     """No rank skips: the plan checks agree, the parameters after the steps."""
     seen: dict = {}
     seen["loop"] = _train(_torch_side(path, seen), rank, skipper=-1)
+    return seen
+
+
+def nosync(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
+    """Two micro-batches a step; at step 1 rank ``skipper`` alone takes the first inside
+    ``no_sync`` (after a step every rank synced, so not the first recording)."""
+    step = _torch_side(path)
+    paused = [(skipper, 1)]
+    seen = {"loop": _train(lambda r, i: step(r, i, paused), rank, skipper=-1)}
+    seen["in_step"] = in_step(rank)
     return seen
 
 

@@ -93,6 +93,7 @@ class FullSharding:
         self._gm = weakref.ref(gm)
         self._module, self._path = module, path
         self._sync = True  # the engine's setting now (FSDP2's default)
+        self.check: Any = None  # the ranks compared at each recording (.full_check)
 
     @classmethod
     def install(cls, gm: Any, module: Any, ops: Any, blocks: Sequence[Any],
@@ -112,6 +113,8 @@ class FullSharding:
     def record(self) -> None:
         gm = self._gm()
         sync = gm is not None and not is_paused(gm)
+        if self.check is not None:  # before the engine's first gather of this recording
+            self.check.record(sync)
         if sync != self._sync:
             self._path.set_sync(self._module, sync)
             self._sync = sync
