@@ -46,7 +46,7 @@ def _all_reduce_grad(name_lookup, data: dict) -> np.ndarray:
     return None if w.grad is None else w.grad.numpy()
 
 
-SYNC_BN_RUNS = 3
+SYNC_BN_RUNS = 30
 """SyncBatchNorm's step is run this many times, each bit-identical to the first."""
 
 
