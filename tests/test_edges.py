@@ -205,7 +205,7 @@ def _sync_bn_reference(data):
 @pytest.mark.megengine
 def test_megengine_sync_batch_norm_of_the_gloo_ranks_is_batch_norm_on_one_rank(monkeypatch):
     """gradmgr's ``sync_batch_norm`` (what ``SyncBatchNorm`` runs on ranks over gloo, in place
-    of MegEngine's, whose backward goes wrong now and then on a CPU: 3 to 21 of 300 steps in
+    of MegEngine's, whose backward goes wrong now and then on a CPU: 1 to 21 of 300 steps in
     bench/RESULTS.md) over one rank is MegEngine's ``batch_norm``: output, gradients of input,
     weight and bias, running statistics (relative 1e-5), 20 times over; with ``eps_mode="max"``
     out of training, the formula."""

@@ -4,8 +4,8 @@ MegEngine's ``sync_batch_norm`` computes with "subgraph" operators (``SyncBnStag
 ``SyncBnSplitStats``) whose backward on a CPU now and then returns wrong numbers, with
 ``async_level = 0`` too and with no collective or gradmgr involved: in one process, its
 distributed path with the sum over ranks replaced by ``stat * 2``, MegEngine's own
-GradManager, 3 to 21 of 300 steps (2026-11-29, bench/probe_megengine_syncbn_ranks.py). The
-same formulas in ordinary operators did not go wrong. MegEngine's own collectives need a GPU, so
+GradManager, 1 to 21 of 300 steps (2026-11-29, bench/probe_megengine_syncbn_subgraph.py). The
+same formulas in ordinary operators: 0 of 1,500. MegEngine's own collectives need a GPU, so
 on a CPU this path runs only on ranks gradmgr's launcher started: :func:`install` (called by
 ``world.install``) puts :func:`sync_batch_norm` where ``SyncBatchNorm`` and
 ``megengine.functional`` look it up.
