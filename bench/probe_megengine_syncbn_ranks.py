@@ -6,14 +6,17 @@ Runs tests/dist_workers/megengine_names.py (the worker of
 its ranks run MegEngine synchronously, ``async_level = 0``) ``N`` times and prints, per run,
 the largest |difference| from the reference (``test_edges._sync_bn_reference``: SyncBatchNorm
 over both ranks' batches in one process, MegEngine's own GradManager) for each of the worker's
-three SyncBatchNorm steps, per rank: the input's gradient, the weight's, the output.
+``SYNC_BN_RUNS`` SyncBatchNorm steps, per rank: the input's gradient, the weight's, the output.
 
-2026-11-29, 2-core machine with a test suite running beside it: 2 of 15 runs had a step whose
-gradients were garbage (1e30 to 1e32) or off by 0.67 (absolute) while the other steps of the
-same run matched to 5e-7; the test itself failed in 3 of 16 runs under pytest, at 924089c too.
-Whether MegEngine's CPU engine or gradmgr's MegEngine transport is at fault is not known yet.
-One suspect ruled out: keeping every host buffer of ``world._host_all_reduce`` alive for the
-whole process (MegEngine borrowing freed memory) changed nothing (2 of 15 runs wrong again).
+The cause (2026-11-29, bench/RESULTS.md "wt/syncbn"): MegEngine's ``sync_batch_norm``, whose
+"subgraph" operators' backward on a CPU now and then gives a wrong gradient (garbage, 1e12 to
+1e38, or off by 0.2 to 5; the output right), in the synchronous mode too. The gradient
+entering gradmgr's ``_AllReduceSum.backward`` is already wrong, with MegEngine's own
+GradManager as with gradmgr's, and in ONE process with no collective and no gradmgr 33 of
+1,500 steps went wrong. gradmgr now runs its own ``sync_batch_norm`` (ordinary operators,
+``gradmgr/backends/megengine/sync_bn.py``) on such ranks. Side by side on a loaded 2-core
+machine, 30 steps a run: before, 7 of 8 runs (17 of 240 steps) wrong; after, 0 of 8 runs
+(0 of 240 steps).
 
     python bench/probe_megengine_syncbn_ranks.py [N]
 """

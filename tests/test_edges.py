@@ -202,6 +202,61 @@ def _sync_bn_reference(data):
     return {"out": out, "x_grad": x_grad, "weight_grad": weight_grads[:2]}
 
 
+@pytest.mark.megengine
+def test_megengine_sync_batch_norm_of_the_gloo_ranks_is_batch_norm_on_one_rank(monkeypatch):
+    """gradmgr's ``sync_batch_norm`` (what ``SyncBatchNorm`` runs on ranks over gloo, in place
+    of MegEngine's, whose backward goes wrong now and then on a CPU: 1 to 21 of 300 steps in
+    bench/RESULTS.md) over one rank is MegEngine's ``batch_norm``: output, gradients of input,
+    weight and bias, running statistics (relative 1e-5), 20 times over; over two ranks with
+    batches of different sizes, the output and running statistics of the batches together;
+    with ``eps_mode="max"`` out of training, the formula."""
+    import megengine
+    import megengine.functional as F
+    import megengine.functional.distributed as fdist
+
+    from gradmgr.backends.megengine import sync_bn
+
+    monkeypatch.setattr(fdist, "all_reduce_sum", lambda x, group=None: x)  # one rank
+    rng = np.random.RandomState(3)
+    x0, c = rng.randn(4, 3, 2, 5).astype("float32"), rng.randn(4, 3, 2, 5).astype("float32")
+    w0, b0 = rng.randn(1, 3, 1, 1).astype("float32"), rng.randn(1, 3, 1, 1).astype("float32")
+
+    def step(bn):
+        x, w, b = megengine.tensor(x0), megengine.Parameter(w0), megengine.Parameter(b0)
+        mean, var = megengine.tensor(np.zeros((1, 3, 1, 1), "float32")), megengine.tensor(
+            np.ones((1, 3, 1, 1), "float32"))
+        gm = megengine.autodiff.GradManager().attach([x, w, b])
+        with gm:
+            y = bn(x, mean, var, w, b, training=True, momentum=0.8, eps=1e-3)
+            gm.backward(F.sum(y * megengine.tensor(c)))
+        return [t.numpy() for t in (y, x.grad, w.grad, b.grad, mean, var)]
+
+    want = step(F.batch_norm)
+    for _ in range(20):
+        for got, ref in zip(step(sync_bn.sync_batch_norm), want):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    # two ranks with batches of 4 and 3: the statistics (and counts) of both, summed
+    x1 = rng.randn(3, 3, 2, 5).astype("float32")
+    other = np.concatenate([[x1.size / 3], x1.sum(axis=(0, 2, 3)), (x1 * x1).sum(axis=(0, 2, 3))])
+    monkeypatch.setattr(fdist, "all_reduce_sum",
+                        lambda x, group=None: x + megengine.tensor(other.astype("float32")))
+    mean, var = megengine.tensor(np.zeros((1, 3, 1, 1), "float32")), megengine.tensor(
+        np.ones((1, 3, 1, 1), "float32"))
+    y = sync_bn.sync_batch_norm(megengine.tensor(x0), mean, var, training=True, momentum=0.8)
+    both_mean, both_var = megengine.tensor(np.zeros((1, 3, 1, 1), "float32")), megengine.tensor(
+        np.ones((1, 3, 1, 1), "float32"))
+    y_both = F.batch_norm(megengine.tensor(np.concatenate([x0, x1])), both_mean, both_var,
+                          training=True, momentum=0.8)
+    np.testing.assert_allclose(y.numpy(), y_both.numpy()[:4], rtol=1e-5, atol=1e-5)
+    for got, ref in ((mean, both_mean), (var, both_var)):
+        np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+    mean, var = rng.randn(1, 3, 1, 1).astype("float32"), rng.rand(1, 3, 1, 1).astype("float32")
+    y = sync_bn.sync_batch_norm(megengine.tensor(x0), megengine.tensor(mean),
+                                megengine.tensor(var), eps=0.5, eps_mode="max")
+    np.testing.assert_allclose(y.numpy(), (x0 - mean) / np.sqrt(np.maximum(var, 0.5)),
+                               rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------ a recording with nothing attached
 _GUESSED = """
 import torch

@@ -14,7 +14,7 @@ is installed, so the names it holds are MegEngine's own functions: they are made
 they lead rather than only replaced by name. Every MegEngine collective calls
 ``megengine.distributed.functional.collective_comm`` (looked up when called), which is replaced
 here; ``make_allreduce_cb`` is MegEngine's ``AllreduceCallback`` class, whose construction gives
-gradmgr's callback here.
+gradmgr's callback here. ``SyncBatchNorm``'s function is replaced too (:mod:`.sync_bn`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from megengine.core.autodiff.grad import Function
 from megengine.distributed import functional as dfunc
 from megengine.distributed import group as mgroup
 from megengine.distributed import helper
+
+from . import sync_bn
 
 GLOO_WORLD = "gradmgr-gloo"
 """What ``megengine.distributed.get_backend()`` reports on such ranks."""
@@ -57,6 +59,7 @@ def install(rank: int, world: int) -> None:
         module.bcast_list_, module.make_allreduce_cb = _bcast_list_, _make_allreduce_cb
     helper.AllreduceCallback.__new__ = _new_allreduce_cb  # (the class a script may hold)
     dfunc.collective_comm = _collective_comm  # what every MegEngine collective calls
+    sync_bn.install()  # MegEngine's own goes wrong now and then on a CPU (see there)
     for module in (dfunc, fdist):
         module.all_reduce_sum = _all_reduce_sum
         for name in _REFUSED:
