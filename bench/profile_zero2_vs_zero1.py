@@ -21,7 +21,13 @@ clock, the main thread's CPU and the whole process's CPU (gloo's threads too):
 Then one more step of each runs under ``torch.profiler`` on every rank: rank 0's collectives
 (counted as bench/bench_scaling.py counts them) and the aten ops with the most self CPU time.
 
+The allocator matters here: ``bench_zero.py`` sets ``MALLOC_MMAP_THRESHOLD_=131072`` (so that
+freed memory leaves the process and its peak RSS is measurable), which gives every large
+allocation fresh pages to fault in; ``--mmap-threshold 131072`` runs under that setting, the
+default under glibc's own (bench/RESULTS.md, "wt/zprofile").
+
     python bench/profile_zero2_vs_zero1.py [--world 2] [--rounds 3] [--steps 4]
+                                           [--mmap-threshold 131072]
 """
 
 from __future__ import annotations
@@ -196,7 +202,9 @@ def report(names: List[str], spent: Dict[str, Any], totals: Dict[str, List[float
     lines = [machine_info(["torch"]),
              f"{world} gloo ranks, {rounds} interleaved rounds x {steps} timed steps, rank 0; "
              f"1-minute load average at the start and after each round: "
-             + ", ".join(f"{v:.2f}" for v in loads), "",
+             + ", ".join(f"{v:.2f}" for v in loads)
+             + f"; MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}",
+             "",
              "median ms a step, per phase: " + " | ".join(f"{n}" for n in names)]
     header = f"{'phase':<20}" + "".join(f"{c + ' ' + n:>24}" for c, _ in CLOCKS for n in names)
     lines.append(header)
@@ -212,11 +220,12 @@ def report(names: List[str], spent: Dict[str, Any], totals: Dict[str, List[float
         lines.append(row)
     for n in names:
         bwd = [s[1][0] - s[1][1] for s in spent[n]]
+        per_round = [statistics.median(totals[n][i * steps:(i + 1) * steps]) * 1e3
+                     for i in range(rounds)]
         lines.append(f"{n}: backward's main thread idle (wall - thread CPU) median "
                      f"{statistics.median(bwd) * 1e3:.1f} ms; step wall median "
                      f"{statistics.median(totals[n]) * 1e3:.1f} ms, per round "
-                     + ", ".join(f"{statistics.median(totals[n][i * steps:(i + 1) * steps]) * 1e3:.0f}"
-                                 for i in range(rounds)))
+                     + ", ".join(f"{t:.0f}" for t in per_round))
     lines.append("")
     for n in names:
         p = prof[n]
@@ -238,7 +247,12 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--variants", default="zero1,sharded")
+    parser.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                        help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks (bench_zero.py "
+                             "sets 131072 to measure peak RSS; unset: glibc's default)")
     args = parser.parse_args(argv)
+    if args.mmap_threshold is not None:  # read by the spawned processes
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     text = ranks_output(rank_main, args.world, args.variants.split(","), args.rounds,
                         args.steps)
     if text is None:
