@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import time
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -202,13 +203,26 @@ _SECOND = (
 _MANAGERS: Dict[int, Tuple[Any, Any]] = {}
 
 
+_DROPPED_PATIENCE_S = 1.0
+"""How long a dropped manager may take to be freed before a second one on its model is refused."""
+
+
 def _refuse_second_manager(module: Any) -> None:
     """A model's live manager keeps its forward watch and buffer broadcasts: a second one on
     the same model would fight it (its watch refuses the new manager's steps)."""
-    if _manager_of(module) is not None:
-        gc.collect()  # a manager dropped by the user but held in a cycle is not in the way
-        if _manager_of(module) is not None:
+    # A manager the user dropped can still be held for a moment: in a cycle (hence the
+    # collection), or by something still finishing a failed step (seen on torch 2.13 under
+    # load: 2 of 200 re-wraps right after a comm hook's error found the dropped manager alive,
+    # and freed a moment later; what held it was not found). Only a manager still alive after
+    # that patience is in the way.
+    deadline = time.monotonic() + _DROPPED_PATIENCE_S
+    while _manager_of(module) is not None:
+        gc.collect()
+        if _manager_of(module) is None:
+            return
+        if time.monotonic() > deadline:
             raise RuntimeError(_SECOND)
+        time.sleep(0.01)
 
 
 def _manager_of(module: Any) -> Any:
