@@ -58,6 +58,17 @@ def _count_chunks(n: int) -> List[int]:
     return [(n >> (8 * i)) & 0xFF for i in range(_COUNT_CHUNKS)]
 
 
+_VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
+
+
+def verify_mode(verify: Any) -> Optional[str]:
+    """``verify=`` as the check's mode: ``"step"`` (``True`` too: every synced step),
+    ``"plan"`` (the first and where a plan changed) or None (``False``); else ValueError."""
+    if not isinstance(verify, (bool, str)) or verify not in _VERIFY:
+        raise ValueError(f"verify must be True, 'step', 'plan' or False, got {verify!r}")
+    return _VERIFY[verify]
+
+
 def plan_fingerprint(ops: TensorOps, tensors: Sequence[Any], mode: str) -> List[int]:
     """What the ranks compare: the count, then shape and dtype of each tensor in order, and
     how they are reduced; a list of small ints, the same length for any plan."""

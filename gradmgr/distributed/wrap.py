@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..registry import backend_for
 from .broadcasting import broadcast, broadcast_tensors
-from .consistency import PlanCheck, every_rank, names_from, plan_fingerprint
+from .consistency import PlanCheck, every_rank, names_from, plan_fingerprint, verify_mode
 from .contract import TensorOps
 from .errors import RankMismatchError, RanksOutOfStepError
 from .join.joinable import DataParallelManager
@@ -19,7 +19,7 @@ from .join.joining import Joining
 from .reduce.allreduce import AllreduceCallback, Compression, Reduce, ReduceScatterCallback, Verify
 from .reduce.no_sync import is_paused
 from .sharded.full import SPELLINGS, FullSharding, check_options, spelling_problem
-from .sharded.full_check import full_shard_check, verify_mode
+from .sharded.full_check import full_shard_check
 from .transport import TransportSpec, control_transport, resolve_transport
 
 

@@ -14,7 +14,7 @@ from typing import Any, Iterator, List, Literal, Optional, Union
 
 from ...hooks import set_backward_delegate
 from ...manager import get_backwarding_grad_manager
-from ..consistency import names_from
+from ..consistency import names_from, verify_mode
 from ..contract import Transport
 from ..sharded.shard_grads import StandIns
 from ..sharded.sharding import GradientShards
@@ -28,7 +28,6 @@ Compression = Literal["fp16", "bf16"]
 Verify = Union[bool, Literal["step", "plan"]]
 
 _REDUCE = ("mean", "sum")
-_VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
 _COMPRESSION = (None, "fp16", "bf16")
 
 
@@ -188,8 +187,7 @@ class AllreduceCallback:
             bucket_bytes = self.DEFAULT_BUCKET_BYTES
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        if not isinstance(verify, (bool, str)) or verify not in _VERIFY:
-            raise ValueError(f"verify must be True, 'step', 'plan' or False, got {verify!r}")
+        mode = verify_mode(verify)
         check_transport(transport)
         self.reduce = reduce
         self.group = group
@@ -197,7 +195,7 @@ class AllreduceCallback:
         self.compression = compression
         self.broadcast = broadcast
         self.src = src
-        self.verify: Optional[str] = _VERIFY[verify]
+        self.verify: Optional[str] = mode
         self.native = reducer_from_environment() if native is None else native
         self.transport_spec = transport
         self.comm_hook, self.comm_state = comm_hook, comm_state

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
-from ..consistency import PlanCheck, names_from, plan_fingerprint
+from ..consistency import PlanCheck, names_from, plan_fingerprint, verify_mode
 from ..transport import control_transport
 
 MODE = "full sharding (FSDP2): gathered and reduce-scattered by the framework"
-_VERIFY = {True: "step", "step": "step", "plan": "plan", False: None}
 
 
 class FullShardCheck:
@@ -72,14 +71,6 @@ class FullShardCheck:
         return True
 
 
-def verify_mode(verify: Any) -> Optional[str]:
-    """``verify=`` as a mode ("step", "plan" or None), or ValueError."""
-    if not isinstance(verify, (bool, str)) or verify not in _VERIFY:
-        raise ValueError(f"data_parallel(shard='full'): verify must be True, 'step', 'plan' "
-                         f"or False, got {verify!r}")
-    return _VERIFY[verify]
-
-
 def full_shard_check(ops: Any, transport: Any, module: Any, params: Sequence[Any],
                      verify: Any) -> Optional[FullShardCheck]:
     """The check over ``transport``'s checks (its ``control()``, see
@@ -90,4 +81,4 @@ def full_shard_check(ops: Any, transport: Any, module: Any, params: Sequence[Any
     return FullShardCheck(ops, control_transport(transport), module, params, verify)
 
 
-__all__: List[str] = ["FullShardCheck", "full_shard_check", "verify_mode"]
+__all__: List[str] = ["FullShardCheck", "full_shard_check"]
