@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tupl
 from .backend import Backend
 from .errors import AttachError
 from .registry import backend_for
+from .weak_keys import forgetting_ref
 
 Callback = Callable[[Any, Any], Any]
 """``cb(tensor, grad) -> grad`` (or a Future of a grad)."""
@@ -78,7 +79,8 @@ class Attachments:
         key = id(tensor)
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = AttachSpec(self._weak(tensor, key), list(callbacks))
+            spec = AttachSpec(forgetting_ref(tensor, self, Attachments._forget), list(callbacks))
+            self._specs[key] = spec
             self.epoch += 1
             return spec, True
         spec.callbacks.extend(callbacks)
@@ -86,18 +88,11 @@ class Attachments:
             self.epoch += 1
         return spec, False
 
-    def _weak(self, tensor: Any, key: int) -> weakref.ref:
-        attachments = weakref.ref(self)  # tensors outlive managers: no cycle through them
-
-        def forget(ref: weakref.ref) -> None:
-            owner = attachments()
-            if owner is not None:
-                spec = owner._specs.get(key)
-                if spec is not None and spec.tensor is ref:
-                    del owner._specs[key]
-                    owner.epoch += 1
-
-        return weakref.ref(tensor, forget)
+    def _forget(self, key: int, dead: weakref.ref) -> None:
+        spec = self._specs.get(key)
+        if spec is not None and spec.tensor is dead:  # not a tensor that reused the id
+            del self._specs[key]
+            self.epoch += 1
 
     def live(self) -> List[Tuple[Any, AttachSpec]]:
         """``(tensor, spec)`` of every live attached tensor, in first-attach order (a list:

@@ -169,6 +169,22 @@ def test_no_sync_accumulation_is_bit_identical_to_ddp_on_every_rank(torch_ranks)
             np.testing.assert_array_equal(out[f"switch_gm{i}"], out[f"switch_ddp{i}"])
 
 
+def test_an_attached_input_gets_ddps_gradients(torch_ranks):
+    """An input with requires_grad=True, not a parameter, attached to data_parallel()'s
+    manager before and inside the recording: its .grad is this rank's own gradient and the
+    parameters' the mean, as under DDP, bit for bit (the Paddle counterpart:
+    test_paddle_distributed.py)."""
+    for rank, out in enumerate(torch_ranks):
+        for step in range(2):
+            keys = sorted(k for k in out if k.startswith(f"input{step}_ddp"))
+            assert len(keys) == len(MLP) + 1, keys  # the MLP's and the input's
+            for key in keys:
+                np.testing.assert_array_equal(out[key.replace("_ddp", "_gm")], out[key],
+                                              err_msg=f"rank {rank} {key}")
+    inputs = [out[f"input0_gm{MLP.stop}"] for out in torch_ranks]  # after Net's 8 parameters
+    assert not np.array_equal(*inputs)  # each rank's own, not reduced
+
+
 def test_initial_broadcast_and_buffers_match_ddp(torch_ranks):
     """Ranks seeded differently: without the broadcast they would train different models."""
     r0, r1 = torch_ranks

@@ -155,3 +155,43 @@ def test_which_recordings_are_checked(verify, expected):
     check.record(True)
     check.record(True)
     assert checks.checks == expected
+
+
+class _RankOneSynced:
+    """Rank 0's side of a check transport of 2 ranks where rank 1 always starts a synced
+    recording after none inside no_sync: each sum is this rank's row (the first half) and
+    that row again with its last 3 numbers, the stage, as rank 1's (1: synced, 0 before)."""
+
+    def world_size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+    def allreduce_async(self, flat):
+        width = len(flat) // 2
+        other = flat[:width].clone()
+        other[-3:] = torch.tensor([1.0, 0.0, 0.0])
+        summed = torch.cat([flat[:width], other, flat[2 * width:]])
+        return type("Done", (), {"wait": lambda _: summed})()
+
+
+def test_a_no_sync_mismatch_says_what_full_sharding_offers():
+    """Rank 0 records inside no_sync where rank 1 syncs: the error speaks of recordings (the
+    check runs at every one) and of no_sync(gm), not of a callback's cb.no_sync(), which full
+    sharding has none of; nor of empty recordings, which meet no gather of FSDP2's. (The same
+    message on 2 gloo ranks: tests/test_out_of_step.py.)"""
+    from gradmgr.backends.torch.ops import TorchOps
+    from gradmgr.distributed import RankMismatchError
+    from gradmgr.distributed.sharded.full_check import FullShardCheck
+
+    net = torch.nn.Linear(2, 2)
+    check = FullShardCheck(TorchOps(), _RankOneSynced(), net, list(net.parameters()), True)
+    with pytest.raises(RankMismatchError) as raised:
+        check.record(synced=False)
+    message = str(raised.value)
+    assert ("at this recording rank 0 records inside no_sync; rank 1 starts a synced "
+            "recording after 0 recording(s) inside no_sync") in message, message
+    assert "Enter no_sync(gm) for the same recordings" in message, message
+    assert "cb.no_sync" not in message and "record empty ones" not in message, message
+    assert message.endswith("Nothing was gathered or reduced at this recording"), message

@@ -122,6 +122,28 @@ def test_equals_the_full_batch_gradient_mean(ranks, case):
                                            atol=1e-3 if case == "bf16" else tol, err_msg=where)
 
 
+def test_an_attached_input_gets_this_ranks_gradient_as_under_paddle_data_parallel(ranks):
+    """An input with ``stop_gradient=False`` that is not a parameter, attached before and
+    inside the recording (dist_workers/paddle_suite.py: ``attached_input``): as with PyTorch's
+    ``requires_grad=True`` input, its ``.grad`` is this rank's own gradient and the
+    parameters' the mean over the ranks: what ``paddle.DataParallel`` gives, bit for bit,
+    and this rank's gradient of its own loss in one process (``paddle.grad``)."""
+    model = suite.net(0)  # rank 0's weights: the ones both sides broadcast
+    for rank, out in enumerate(ranks):
+        ours, theirs = out["input"]["ours"], out["input"]["paddle"]
+        for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
+            for i, (got, want) in enumerate(zip(a, b)):
+                where = f"rank {rank} step {step} [{i}]"
+                assert got is not None and want is not None, where
+                np.testing.assert_array_equal(got, want, err_msg=where)
+            x, y = suite.local(step, rank, 2)
+            x.stop_gradient = False
+            local = paddle.grad(suite.loss_of(model, x, y), [x])[0].numpy()
+            np.testing.assert_allclose(a[-1], local, rtol=REL, atol=ABS, err_msg=f"rank {rank}")
+        assert not np.array_equal(out["input"]["ours"]["grads"][0][-1],
+                                  ranks[1 - rank]["input"]["ours"]["grads"][0][-1])
+
+
 def test_what_the_paddle_path_cannot_do_raises_on_every_rank(ranks):
     for rank, out in enumerate(ranks):
         errors = out["refusals"]

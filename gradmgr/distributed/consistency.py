@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .contract import TensorOps
@@ -43,6 +44,44 @@ _NAME_BYTES = 48  # a tensor's name (a module's parameter or buffer), truncated,
 
 NameOf = Optional[Callable[[Any], Optional[str]]]
 """``name_of(tensor)``: its name where known (a module's parameter), for messages."""
+
+
+@dataclass(frozen=True)
+class CheckTerms:
+    """How the check's messages speak of where the ranks are, on the path that checks: what
+    the ranks go through (``unit``), which of those start with a check (``checked``), how to
+    enter ``no_sync``, what was not done (``nothing``), what a rank with fewer micro-batches
+    can do (``fewer``) and how ranks with different numbers of steps get in step
+    (``even_out``, the remedy of :class:`~.errors.RanksOutOfStepError`)."""
+
+    unit: str
+    checked: str
+    no_sync: str
+    nothing: str
+    fewer: str
+    even_out: str
+
+
+STEPS = CheckTerms(
+    unit="step", checked="synced step", no_sync="no_sync(gm) (or cb.no_sync())",
+    nothing="Nothing was reduced at this step",
+    fewer="a rank with fewer micro-batches can record empty ones "
+          "(`with no_sync(gm), gm: gm.backward()`)",
+    even_out="Wrap the loop in `with Join([gm]):` (torch.distributed.algorithms.join; "
+             "Join([gm, opt]) with a ShardedOptimizer), or take every step on every rank: a "
+             "rank with nothing to contribute records an empty step, `with gm: gm.backward()`")
+"""The allreduce callback's and ``shard=True``'s terms: a check starts every synced step."""
+
+RECORDINGS = CheckTerms(
+    unit="recording", checked="recording", no_sync="no_sync(gm)",
+    nothing="Nothing was gathered or reduced at this recording",
+    fewer="every rank needs as many micro-batches (FSDP2 gathers the parameters in every "
+          "forward, inside no_sync too)",
+    even_out="Give every rank the same number of batches (DistributedSampler(..., "
+             "drop_last=True)): full sharding has no Join, as FSDP2 has none, and every "
+             "forward gathers parameters from every rank; or use data_parallel(model) or "
+             "shard=True, which take `with Join([gm]):`")
+"""Full sharding's (``shard="full"``): a check starts every recording, inside no_sync too."""
 
 
 def describe(ops: TensorOps, tensor: Any) -> str:
@@ -103,13 +142,15 @@ class PlanCheck:
     """
 
     __slots__ = ("_transport", "_ops", "_like", "_world", "_rank", "_width", "_handle",
-                 "_accumulation", "requested")
+                 "_accumulation", "_terms", "requested")
 
     def __init__(self, transport: Any, ops: TensorOps, fingerprint: Sequence[int],
-                 like: Any, request: bool = False, accumulated: Optional[int] = 0) -> None:
+                 like: Any, request: bool = False, accumulated: Optional[int] = 0,
+                 terms: CheckTerms = STEPS) -> None:
         if getattr(transport, "on_host", False):
             like = None  # (see TensorOps.vector)
         self._transport, self._ops, self._like = transport, ops, like
+        self._terms = terms
         self._world = world = transport.world_size()
         rank_of = getattr(transport, "rank", None)
         self._rank = rank_of() if rank_of is not None else None
@@ -160,8 +201,8 @@ class PlanCheck:
             return None
         codes = [_code(row) for row in rows]
         if _OPTIMIZER_CODE in codes:
-            return RankMismatchError(_sharding_message(codes))
-        return RankMismatchError(_accumulation_message(codes))
+            return RankMismatchError(_sharding_message(codes, self._terms))
+        return RankMismatchError(_accumulation_message(codes, self._terms))
 
 
 _OPTIMIZER_CODE = 2**(8 * _COUNT_CHUNKS) - 1  # MAKING_OPTIMIZER's
@@ -180,16 +221,20 @@ def _code(row: Sequence[float]) -> int:
     return sum(int(b) << (8 * i) for i, b in enumerate(row))
 
 
-def _read_accumulation(code: int) -> str:
+def _read_accumulation(code: int, terms: CheckTerms) -> str:
     if code == _OPTIMIZER_CODE:
         return "makes a ShardedOptimizer"
     if code == 0:
         return "records inside no_sync"
-    return f"starts a synced step after {code - 1} recording(s) inside no_sync"
+    return f"starts a synced {terms.unit} after {code - 1} recording(s) inside no_sync"
 
 
-def _sharding_message(codes: List[int]) -> str:
-    per_rank = "; ".join(f"rank {r} {_read_accumulation(c)}" for r, c in enumerate(codes))
+def _per_rank(codes: List[int], terms: CheckTerms) -> str:
+    return "; ".join(f"rank {r} {_read_accumulation(c, terms)}" for r, c in enumerate(codes))
+
+
+def _sharding_message(codes: List[int], terms: CheckTerms) -> str:
+    per_rank = _per_rank(codes, terms)
     return (f"the ranks disagree about sharding: {per_rank}. A ShardedOptimizer steps the "
             f"slices of reduce-scattered gradients (data_parallel(model, shard=True), or "
             f"make_reduce_scatter_cb), so the ranks that make none reduce their gradients "
@@ -197,16 +242,15 @@ def _sharding_message(codes: List[int]) -> str:
             f"every rank, with a ShardedOptimizer on each, or on none. Nothing was reduced")
 
 
-def _accumulation_message(codes: List[int]) -> str:
-    per_rank = "; ".join(f"rank {r} {_read_accumulation(c)}" for r, c in enumerate(codes))
-    return (f"the ranks disagree about no_sync (gradient accumulation): at this step {per_rank}. "
+def _accumulation_message(codes: List[int], terms: CheckTerms) -> str:
+    return (f"the ranks disagree about no_sync (gradient accumulation): at this {terms.unit} "
+            f"{_per_rank(codes, terms)}. "
             f"Collectives pair by their order alone, so a rank that reduces a micro-batch "
             f"that another only accumulates would pair its reductions with another step of "
-            f"the others: gradients silently mixed, then a crash or a hang. Enter no_sync(gm) "
-            f"(or cb.no_sync()) for the same recordings on every rank, e.g. "
+            f"the others: gradients silently mixed, then a crash or a hang. Enter "
+            f"{terms.no_sync} for the same recordings on every rank, e.g. "
             f"`with (no_sync(gm) if micro < k - 1 else contextlib.nullcontext()), gm:` with "
-            f"the same k everywhere; a rank with fewer micro-batches can record empty ones "
-            f"(`with no_sync(gm), gm: gm.backward()`). Nothing was reduced at this step")
+            f"the same k everywhere; {terms.fewer}. {terms.nothing}")
 
 
 def every_rank(transport: Any, ops: TensorOps, row: Sequence[float],

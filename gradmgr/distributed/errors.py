@@ -71,7 +71,9 @@ class RanksOutOfStepError(RankMismatchError):
     is still usable for a program that catches the error. The ranks that finished their loop
     are not told: the error stops the job on the rank that can know. The remedy is ``with
     Join([gm]):`` (the guide "Uneven inputs") or a step on every rank (``with gm:
-    gm.backward()`` records an empty one); after the error, start a new process group.
+    gm.backward()`` records an empty one); under full sharding (``shard="full"``), which has
+    no ``Join`` and checks every recording, the same number of batches on every rank. After
+    the error, start a new process group.
 
     Example:
         >>> from gradmgr.distributed import RanksOutOfStepError

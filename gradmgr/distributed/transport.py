@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from ..backend import Backend
+from .consistency import STEPS, CheckTerms
 from .contract import Transport
 
 TransportSpec = Union[None, str, Transport]
@@ -38,11 +39,12 @@ def resolve_transport(spec: TransportSpec, backend: Backend, group: Any) -> Tran
     return backend.transport(group, spec)
 
 
-def control_transport(transport: Transport) -> Transport:
-    """The transport of the plan checks: ``transport.control()`` where it has one (a group of
-    their own, see :class:`~gradmgr.distributed.contract.Transport`), else ``transport``."""
+def control_transport(transport: Transport, terms: CheckTerms = STEPS) -> Transport:
+    """The transport of the plan checks: ``transport.control(terms)`` where it has one (a
+    group of their own, whose errors speak of the checking path's ``terms``), else
+    ``transport``."""
     control = getattr(transport, "control", None)
-    return transport if control is None else control()
+    return transport if control is None else control(terms)
 
 
 __all__ = ["TransportSpec", "check_transport", "control_transport", "resolve_transport"]

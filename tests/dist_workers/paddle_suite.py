@@ -147,6 +147,36 @@ def paddles(kind: str, rank: int, world: int, frozen: bool = False, micro: int =
     return out
 
 
+def attached_input(rank: int, world: int, ours_side: bool) -> dict:
+    """An input with ``stop_gradient=False``, not a parameter, a new tensor each step: attached
+    to ``data_parallel``'s manager before the recording (step 0) and inside it (step 1); on
+    the other side, the same script on ``paddle.DataParallel``. Each step's gradients of the
+    parameters, then of the input."""
+    import paddle
+
+    from gradmgr.distributed import data_parallel
+
+    model = net(rank)
+    gm = data_parallel(model) if ours_side else None
+    dp = None if ours_side else paddle.DataParallel(model)
+    out: dict = {"grads": []}
+    for step in range(2):
+        x, y = local(step, rank, world)
+        x.stop_gradient = False
+        if gm is None:
+            loss_of(dp, x, y).backward()
+        else:
+            if step == 0:
+                gm.attach(x)
+            with gm:
+                if step == 1:
+                    gm.attach(x)
+                gm.backward(loss_of(model, x, y))
+        out["grads"].append(grads(model) + [None if x.grad is None else x.grad.numpy().copy()])
+        model.clear_gradients()
+    return out
+
+
 def refusals(rank: int, world: int) -> dict:
     """What the Paddle path cannot do: each raises on every rank, and the ranks go on."""
     from gradmgr.distributed import data_parallel
@@ -218,6 +248,8 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
         out[case] = {"ours": ours(kind, rank, world, **kwargs),
                      "paddle": paddles(kind, rank, world, **kwargs)}
     out["bf16"] = {"ours": ours("sgd", rank, world, compression="bf16")}
+    out["input"] = {"ours": attached_input(rank, world, True),
+                    "paddle": attached_input(rank, world, False)}
     out["by_hand"] = {"ours": by_hand(rank, world), "paddle": out["sgd"]["paddle"]}
     out["refusals"] = refusals(rank, world)
     out["one_fails"] = one_rank_fails(rank, world)

@@ -222,6 +222,29 @@ def accumulation_manager_switch(out: dict, rank: int, world: int) -> None:
     save(out, "switch_ddp", grads(net_ddp))
 
 
+def attached_input(out: dict, rank: int, world: int) -> None:
+    """An input with requires_grad=True, not a parameter, a new tensor each step, attached to
+    data_parallel()'s manager before the recording (step 0) and inside it (step 1), next to
+    DDP: the parameters' gradients and the input's (``{name}_gm``/``_ddp``, the input last)."""
+    net_gm, net_ddp = Net(), Net()
+    ddp = DDP(net_ddp, find_unused_parameters=True)
+    gm = data_parallel(net_gm)
+    for step in range(2):
+        x, y = local_batch(step, rank, world)
+        x_gm, x_ddp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        if step == 0:
+            gm.attach(x_gm)
+        with gm:
+            if step == 1:
+                gm.attach(x_gm)
+            gm.backward(net_gm(x_gm, y))
+        ddp(x_ddp, y).backward()
+        save(out, f"input{step}_gm", grads(net_gm) + [x_gm.grad.numpy()])
+        save(out, f"input{step}_ddp", grads(net_ddp) + [x_ddp.grad.numpy()])
+        for m in (net_gm, net_ddp):
+            m.zero_grad(set_to_none=True)
+
+
 def initial_sync(out: dict, rank: int, world: int) -> None:
     """Ranks start from different weights (and BatchNorm statistics): the callback's first
     record() and data_parallel() broadcast rank 0's, as DDP does when it wraps a model; three
@@ -608,6 +631,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     unused(out, rank, world)
     accumulation(out, rank, world)
     accumulation_manager_switch(out, rank, world)
+    attached_input(out, rank, world)
     initial_sync(out, rank, world)
     mismatches(out, rank, world)
     recovery(out, rank, world)

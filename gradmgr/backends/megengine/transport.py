@@ -10,6 +10,7 @@ import megengine
 import megengine.distributed as mdist
 import numpy as np
 
+from gradmgr.distributed.consistency import STEPS, CheckTerms
 from gradmgr.distributed.contract import Done
 
 from .world import is_gloo_world
@@ -139,9 +140,10 @@ class MegEngineViaTorchTransport:
     def arrive(self, key: str, waiting: Optional[str] = None) -> Any:
         return self._torch.arrive(key, waiting)
 
-    def control(self) -> MegEngineViaTorchTransport:
-        """The plan checks' transport: torch's, in a gloo group of their own."""
-        return MegEngineViaTorchTransport(self.group, self._torch.control())
+    def control(self, terms: CheckTerms = STEPS) -> MegEngineViaTorchTransport:
+        """The plan checks' transport: torch's, in a gloo group of their own (its errors in
+        the checking path's ``terms``)."""
+        return MegEngineViaTorchTransport(self.group, self._torch.control(terms))
 
     def allreduce_async(self, flat: Any) -> _HostWork:
         buffer = _host_copy(flat)

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import UnsupportedGraphError
+from gradmgr.weak_keys import forgetting_ref
 
 from . import flags
 from .order import ready_order
@@ -80,7 +81,7 @@ class PaddleTape(Tape):
         key = id(tensor)
         entry = self._watched.get(key)
         if entry is None or entry.tensor() is not tensor:  # new, or a dead tensor's id reused
-            entry = _Watched(weakref.ref(tensor, self._forget_for(key)), sink)
+            entry = _Watched(forgetting_ref(tensor, self, PaddleTape._forget), sink)
             self._watched[key] = entry
         entry.sink = sink
         if not entry.input and flags.is_input(tensor):
@@ -88,17 +89,11 @@ class PaddleTape(Tape):
         if self._recording and entry.input and not entry.lifted:
             entry.lifted = flags.lift(tensor)
 
-    def _forget_for(self, key: int) -> Any:
-        """The weakref callback that drops a dead tensor's entry (the tape held weakly)."""
-        tape = weakref.ref(self)
-
-        def forget(dead: weakref.ref) -> None:
-            owner = tape()
-            entry = None if owner is None else owner._watched.get(key)
-            if entry is not None and entry.tensor is dead:
-                del owner._watched[key]  # type: ignore[union-attr]
-
-        return forget
+    def _forget(self, key: int, dead: weakref.ref) -> None:
+        """A dead tensor's entry goes (not a tensor's that reused the id)."""
+        entry = self._watched.get(key)
+        if entry is not None and entry.tensor is dead:
+            del self._watched[key]
 
     def backward(
         self, ys: Sequence[Any], dys: Sequence[Any], *, create_graph: bool, retain_graph: bool,

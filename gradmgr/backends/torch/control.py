@@ -31,6 +31,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from gradmgr.distributed.consistency import STEPS, CheckTerms
 from gradmgr.distributed.errors import RanksOutOfStepError
 
 from .arrival import group_store
@@ -39,14 +40,12 @@ _log = logging.getLogger(__name__)
 _LATEST_S = 60.0  # give up at most this long before the user group's timeout
 
 _OUT_OF_STEP = (
-    "data parallel: not every rank started this synced step: this rank waited {waited:.0f} s "
-    "(of the process group's {timeout:.0f} s timeout) for the others' plan check{why}. The "
+    "data parallel: not every rank started this {terms.checked}: this rank waited {waited:.0f} "
+    "s (of the process group's {timeout:.0f} s timeout) for the others' plan check{why}. The "
     "ranks ran different numbers of steps: a rank skipped a batch (`continue`) or ran out of "
-    "data while the others trained on, and its steps have been paired with the others' "
-    "next ones since. Wrap the loop in `with Join([gm]):` (torch.distributed.algorithms.join; "
-    "Join([gm, opt]) with a ShardedOptimizer), or take every step on every rank: a rank with "
-    "nothing to contribute records an empty step, `with gm: gm.backward()`. Then start a new "
-    "process group (this one's plan checks were given up on)"
+    "data while the others trained on, and its {terms.unit}s have been paired with the "
+    "others' next ones since. {terms.even_out}. Then start a new process group (this one's "
+    "plan checks were given up on)"
 )
 _LEFT = (", and another rank left the checks meanwhile (its process ended, or it gave up on "
          "an earlier step's check: see its RanksOutOfStepError)")
@@ -57,7 +56,7 @@ _NO_GLOO = (
     "gradients go over nccl"
 )
 _EARLIER = (
-    "data parallel: this rank gave up on an earlier synced step's plan check (the "
+    "data parallel: this rank gave up on an earlier {terms.checked}'s plan check (the "
     "RanksOutOfStepError raised then), so its checks in this process group would pair with "
     "the wrong steps. Start a new process group (dist.destroy_process_group(), then "
     "init_process_group) before training again. The earlier error: {cause}"
@@ -80,7 +79,7 @@ class CheckGroup:
         self.group: Any = None
         self.broken: Optional[Tuple[type, str]] = None
 
-    def make(self, parent: Any) -> None:
+    def make(self, parent: Any, terms: CheckTerms) -> None:
         started = time.monotonic()
         try:
             ranks = dist.get_process_group_ranks(parent)
@@ -92,26 +91,27 @@ class CheckGroup:
                       ranks, self.patience_s)
         except RuntimeError as error:
             if _timed_out(error):  # a rank never came: its first step is the one missing
-                self.give_up(error, started)
+                self.give_up(error, started, terms)
             message = _NO_GLOO.format(error=error)
             self.broken = (RuntimeError, message)
             raise RuntimeError(message) from error
 
-    def start_sum(self, flat: Any) -> CheckWork:
+    def start_sum(self, flat: Any, terms: CheckTerms = STEPS) -> CheckWork:
         if self.broken is not None:
             kind, message = self.broken
             raise kind(message)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return CheckWork(work, flat, self, time.monotonic())
+        return CheckWork(work, flat, self, time.monotonic(), terms)
 
-    def give_up(self, error: BaseException, started: float) -> None:
+    def give_up(self, error: BaseException, started: float, terms: CheckTerms) -> None:
         """Raise :class:`RanksOutOfStepError` for ``error`` (the transport's timeout, or a peer
-        gone), now and at every later check; the group is destroyed, so that a rank that
-        comes late, or whose next check would have met the abandoned one, is told at once."""
+        gone), worded in the checking path's ``terms``, now and at every later check; the
+        group is destroyed, so that a rank that comes late, or whose next check would have met
+        the abandoned one, is told at once."""
         message = _OUT_OF_STEP.format(waited=time.monotonic() - started,
-                                      timeout=self.timeout_s,
+                                      timeout=self.timeout_s, terms=terms,
                                       why="" if _timed_out(error) else _LEFT)
-        self.broken = (RanksOutOfStepError, _EARLIER.format(cause=message))
+        self.broken = (RanksOutOfStepError, _EARLIER.format(cause=message, terms=terms))
         if self.group is not None:
             dist.destroy_process_group(self.group)
         raise RanksOutOfStepError(message) from error
@@ -129,7 +129,7 @@ _MAKING = threading.Lock()  # one check group per user group, whichever thread a
 atexit.register(_GROUPS.clear)
 
 
-def check_group(group: Any) -> CheckGroup:
+def check_group(group: Any, terms: CheckTerms = STEPS) -> CheckGroup:
     """The check group of ``group`` (None: the default group), made where there is none yet
     (a collective of ``group``'s ranks). One given up on stays: a new one would be made on
     this rank alone; a new user group (``init_process_group`` again) gets a new one."""
@@ -138,25 +138,27 @@ def check_group(group: Any) -> CheckGroup:
         found = _GROUPS.get(parent)
         if found is None or parent not in dist.distributed_c10d._world.pg_map:  # (private)
             found = _GROUPS[parent] = CheckGroup(parent)
-            found.make(parent)
+            found.make(parent, terms)
     return found
 
 
 class CheckWork:
     """A check in flight: ``wait()`` returns the summed buffer, or gives up after the
-    check group's timeout (:meth:`CheckGroup.give_up`)."""
+    check group's timeout (:meth:`CheckGroup.give_up`, in ``terms``)."""
 
-    __slots__ = ("_work", "_flat", "_group", "_started")
+    __slots__ = ("_work", "_flat", "_group", "_started", "_terms")
 
-    def __init__(self, work: Any, flat: Any, group: CheckGroup, started: float) -> None:
+    def __init__(self, work: Any, flat: Any, group: CheckGroup, started: float,
+                 terms: CheckTerms) -> None:
         self._work, self._flat, self._group, self._started = work, flat, group, started
+        self._terms = terms
 
     def wait(self) -> Any:
         if self._work is not None:
             try:
                 self._work.wait()
             except RuntimeError as error:  # timed out, or a peer closed its connection
-                self._group.give_up(error, self._started)
+                self._group.give_up(error, self._started, self._terms)
             self._work = None
         return self._flat
 
@@ -164,12 +166,13 @@ class CheckWork:
 class CheckTransport:
     """The plan check's transport over ``group`` (None: the default group): sums host
     buffers in :func:`check_group`'s group, made by :meth:`open` or at the first check. Its
-    buffers are on the host (``on_host``), so a check of CUDA tensors waits for no stream."""
+    buffers are on the host (``on_host``), so a check of CUDA tensors waits for no stream.
+    ``terms``: how its errors speak of the checking path's steps (``RanksOutOfStepError``)."""
 
     on_host = True
 
-    def __init__(self, group: Any = None) -> None:
-        self._group = group
+    def __init__(self, group: Any = None, terms: CheckTerms = STEPS) -> None:
+        self._group, self._terms = group, terms
 
     def world_size(self) -> int:
         return dist.get_world_size(self._group)
@@ -181,11 +184,11 @@ class CheckTransport:
         """Make the check group now, where every rank is (``data_parallel()``): a rank with no
         batch at all never reaches a first check."""
         if self.world_size() > 1:
-            check_group(self._group)
+            check_group(self._group, self._terms)
 
     def start_sum(self, flat: torch.Tensor) -> CheckWork:
         """Start summing ``flat``, a host buffer (PlanCheck builds its vector there, asked by
         ``on_host``; MegEngine's transport copies its own there)."""
-        return check_group(self._group).start_sum(flat)
+        return check_group(self._group, self._terms).start_sum(flat, self._terms)
 
     allreduce_async = start_sum

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from gradmgr.distributed.consistency import STEPS, CheckTerms
 from gradmgr.errors import GradMgrWarning
 
 from .arrival import arrived, group_store
@@ -96,9 +97,10 @@ class TorchTransport(TorchCollective):
         self.broadcast_in_place(flat, src)
         return flat
 
-    def control(self) -> Any:
-        """The transport of the plan checks: a gloo group of their own (:mod:`.control`)."""
-        return CheckTransport(self.group) if dist.is_gloo_available() else self
+    def control(self, terms: CheckTerms = STEPS) -> Any:
+        """The transport of the plan checks: a gloo group of their own (:mod:`.control`),
+        whose errors speak of the checking path's ``terms``."""
+        return CheckTransport(self.group, terms) if dist.is_gloo_available() else self
 
     def reduce_scatter_async(self, flat: Any) -> Any:
         d = initialised_dist()

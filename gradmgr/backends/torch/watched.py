@@ -11,6 +11,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from gradmgr.backend import GradSink
+from gradmgr.weak_keys import forgetting_ref
 
 from .flags import FLAGS
 
@@ -78,22 +79,12 @@ class Watched:
             since: Optional[int]) -> Entry:
         key = id(tensor)
         edge = None if tensor.grad_fn is None else GradientEdge(tensor.grad_fn, tensor.output_nr)
-        entry = Entry(weakref.ref(tensor, self._forget_for(key)), sink, eager, since, edge)
+        entry = Entry(forgetting_ref(tensor, self, Watched._forget), sink, eager, since, edge)
         self.entries[key] = entry
         if edge is not None:
             self.snapshots += 1
         self.order = None
         return entry
-
-    def _forget_for(self, key: int) -> Any:
-        watched = weakref.ref(self)
-
-        def forget(dead: weakref.ref) -> None:
-            owner = watched()
-            if owner is not None:
-                owner._forget(key, dead)
-
-        return forget
 
     def _forget(self, key: int, dead: weakref.ref) -> None:
         entry = self.entries.get(key)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
-from ..consistency import PlanCheck, names_from, plan_fingerprint, verify_mode
+from ..consistency import RECORDINGS, PlanCheck, names_from, plan_fingerprint, verify_mode
 from ..transport import control_transport
 
 MODE = "full sharding (FSDP2): gathered and reduce-scattered by the framework"
@@ -53,7 +53,7 @@ class FullShardCheck:
         if not self._replan() and self._verify == "plan":
             return
         check = PlanCheck(self._checks, self._ops, self._fingerprint, self._params[0],
-                          accumulated=accumulated)
+                          accumulated=accumulated, terms=RECORDINGS)
         if not check.agreed():
             self._unsynced = 0  # every rank starts counting afresh (see PlanCheck)
             raise check.error(self._tensors, MODE, "their modules' trainable parameters",
@@ -78,7 +78,7 @@ def full_shard_check(ops: Any, transport: Any, module: Any, params: Sequence[Any
     verify_mode(verify)
     if transport.world_size() < 2:
         return None
-    return FullShardCheck(ops, control_transport(transport), module, params, verify)
+    return FullShardCheck(ops, control_transport(transport, RECORDINGS), module, params, verify)
 
 
 __all__: List[str] = ["FullShardCheck", "full_shard_check"]
