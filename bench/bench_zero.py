@@ -22,13 +22,14 @@ tables give medians over the rounds (and the least), the ratios are taken within
 
 Time and memory come from separate runs, each under its own allocator. The timing rounds' ranks
 run under glibc's default allocator, the one users run, and give the step times and the
-parameter checks. The memory runs (``--memory-rounds``, 1 by default: the rounds of the runs
-bench/RESULTS.md records agreed to 0.1 MiB; more rounds print their largest spread) start their
-ranks with ``MALLOC_MMAP_THRESHOLD_=131072``: every block of 128 KiB and more is then a mapping
-of its own, so a freed tensor leaves the resident set and the peaks below are exact. That
-setting also gives every such block fresh pages to fault in, which charged a step that allocates
-afresh (ZeRO-2's) with page faults when the times came from these runs too (bench/RESULTS.md,
-wt/zprofile). A memory run skips the back-to-back steps.
+parameter checks. The memory runs (``--memory-rounds``, 1 by default: memory moves by less than
+1 MiB from one round to the next, 0.1 MiB in the runs bench/RESULTS.md records and 0.4 MiB in
+wt/benchzero's check; more rounds print their largest spread) start their ranks with
+``MALLOC_MMAP_THRESHOLD_=131072``: every block of 128 KiB and more is then a mapping of its own,
+so a freed tensor leaves the resident set and the peaks below are exact. That setting also gives
+every such block fresh pages to fault in, which charged a step that allocates afresh (ZeRO-2's)
+with page faults when the times came from these runs too (bench/RESULTS.md, wt/zprofile). A
+memory run skips the back-to-back steps.
 
 Per rank, in the order a run does it: imports, process group, a warm-up of the same variant on
 a small model (library code loads, lazily built state of the process group), the model and the
@@ -300,7 +301,7 @@ def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str,
 
     variant = Variant(name, net, world)
     del net
-    counted: Dict[str, int] = {}
+    counted: Dict[str, float] = {}
 
     def probe() -> None:
         counted["grads"] = variant.grads()
