@@ -8,6 +8,7 @@ Set-up work (clearing ``.grad``) is outside the timed region.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
@@ -15,10 +16,40 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 RESULT_PREFIX = "RESULT"
 """Lines starting with this are collected by run_all.py into its summary."""
+
+
+MMAP_THRESHOLD = 128 * 1024
+"""glibc's ``MALLOC_MMAP_THRESHOLD_`` for ranks whose peak RSS is measured: every block of 128
+KiB and more is a mapping of its own, so a freed tensor leaves the resident set at once (under
+glibc's default, adaptive threshold freed blocks stay in the heap, and a peak taken after them
+counts them). It also gives every such block fresh pages to fault in, which slows a step that
+allocates afresh each time: time steps under glibc's default (bench/RESULTS.md, wt/zprofile)."""
+
+
+def allocator_label(threshold: Optional[int]) -> str:
+    return "glibc's default allocator" if threshold is None else \
+        f"MALLOC_MMAP_THRESHOLD_={threshold}"
+
+
+@contextlib.contextmanager
+def allocator(threshold: Optional[int]) -> Iterator[str]:
+    """Processes started inside run with glibc's ``MALLOC_MMAP_THRESHOLD_=threshold`` (None:
+    unset, glibc's default allocator); yields :func:`allocator_label`. glibc reads it when a
+    process starts, so this process keeps its own; ``os.environ`` is restored on the way out."""
+    key = "MALLOC_MMAP_THRESHOLD_"
+    before = os.environ.pop(key, None)
+    if threshold is not None:
+        os.environ[key] = str(threshold)
+    try:
+        yield allocator_label(threshold)
+    finally:
+        os.environ.pop(key, None)
+        if before is not None:
+            os.environ[key] = before
 
 
 def ranks_output(rank_main: Callable[..., Any], world: int, *args: Any) -> Optional[str]:

@@ -20,14 +20,25 @@ every variant once, in a new random order, so that load from other jobs hits the
 tables give medians over the rounds (and the least), the ratios are taken within each round
 (variant / DDP of the same round) and then their median.
 
+Time and memory come from separate runs, each under its own allocator. The timing rounds' ranks
+run under glibc's default allocator, the one users run, and give the step times and the
+parameter checks. The memory runs (``--memory-rounds``, 1 by default: memory moves by less than
+1 MiB from one round to the next, 0.1 MiB in the runs bench/RESULTS.md records and 0.4 MiB in
+wt/benchzero's check; more rounds print their largest spread) start their ranks with
+``MALLOC_MMAP_THRESHOLD_=131072``: every block of 128 KiB and more is then a mapping of its own,
+so a freed tensor leaves the resident set and the peaks below are exact. That setting also gives
+every such block fresh pages to fault in, which charged a step that allocates afresh (ZeRO-2's)
+with page faults when the times came from these runs too (bench/RESULTS.md, wt/zprofile). A
+memory run skips the back-to-back steps.
+
 Per rank, in the order a run does it: imports, process group, a warm-up of the same variant on
 a small model (library code loads, lazily built state of the process group), the model and the
 batches; then **base** (the resident set, RSS, and the peak RSS ``VmHWM`` reset to it by writing
 5 to ``/proc/self/clear_refs``); wrapping, the optimizer, the warm-up step(s); then **warm**
 (RSS again, the peak reset again); then the timed steps, each behind a barrier (the time of a
-step is the slowest rank's). glibc is told to mmap blocks of 128 KiB and more, so that freed
-tensors leave the resident set. Columns:
+step is the slowest rank's). Columns:
 
+- ``grads``, ``optim``, ``held``, ``peak``, ``peak/warm``: from the memory runs;
 - ``grads``, ``optim``: bytes of ``.grad`` (the local shard of a DTensor; for sharded the
   gradient shards, ``opt.memory()``) after a backward, and of the optimizer's state tensors
   after a step, on the busiest rank; ``/(DDP/N)``: their sum over DDP's sum divided by the
@@ -38,25 +49,27 @@ tensors leave the resident set. Columns:
   the variant adds to the process: state, buffers, gradients, activations, transients);
 - ``peak/warm``: the highest RSS during the timed steps minus RSS at warm (the transients of a
   steady step alone);
-- ``step``: median step time (forward, backward, optimizer step, ``zero_grad``);
-- ``params``: the parameters after the last step against DDP's (every rank holds the same):
-  ``==`` bit for bit, else the largest and the mean absolute difference. sharded must equal
-  DDP bit for bit on 2 ranks; elsewhere (4 ranks, where the collectives may sum in another
-  order; FSDP2 on torch 2.8, whose arithmetic differs) the mean difference must stay below
-  lr/10, or the run fails: the table never compares a broken run. (Not the largest: AdamW
-  divides each gradient by its own running norm, so an element whose gradient is rounding
-  noise moves by up to about lr per step either way; a wrong gradient moves almost every
-  element by about lr per step.) AdamW hides a gradient scaled by a constant (the N-times
-  gradients of FSDP2's average over gloo on torch 2.8, which ``fsdp2`` avoids by having
-  FSDP2 sum and divide itself, as gradmgr's full sharding does), so the column also gives
-  the first backward's whole-gradient norm over DDP's, which must be 1 within 1e-3;
-  ``full`` and ``fsdp2`` (the same engine, the same sums) must agree bit for bit, and the
-  largest difference between them is printed.
+- ``step``, ``time/DDP``: from the timing runs; median step time (forward, backward,
+  optimizer step, ``zero_grad``);
+- ``params``: from the timing runs; the parameters after the last step against DDP's (every rank
+  holds the same): ``==`` bit for bit, else the largest and the mean absolute difference.
+  sharded must equal DDP bit for bit on 2 ranks; elsewhere (4 ranks, where the collectives may
+  sum in another order; FSDP2 on torch 2.8, whose arithmetic differs) the mean difference must
+  stay below lr/10, or the run fails: the table never compares a broken run. (Not the largest:
+  AdamW divides each gradient by its own running norm, so an element whose gradient is rounding
+  noise moves by up to about lr per step either way; a wrong gradient moves almost every element
+  by about lr per step.) AdamW hides a gradient scaled by a constant (the N-times gradients of
+  FSDP2's average over gloo on torch 2.8, which ``fsdp2`` avoids by having FSDP2 sum and divide
+  itself, as gradmgr's full sharding does), so the column also gives the first backward's
+  whole-gradient norm over DDP's, which must be 1 within 1e-3; ``full`` and ``fsdp2`` (the same
+  engine, the same sums) must agree bit for bit, and the largest difference between them is
+  printed.
 
 Targets (issue 20, sharded): grads + optimizer per rank <= DDP/N x 1.05; ``peak`` (everything
 above the model) <= 240 MiB on 2 ranks; step time <= 1.05 x DDP.
 
-    python bench/bench_zero.py [--worlds 2 4] [--rounds R] [--steps N] [--warmup W] [--quick]
+    python bench/bench_zero.py [--worlds 2 4] [--rounds R] [--memory-rounds M] [--steps N]
+                               [--warmup W] [--quick]
 """
 
 from __future__ import annotations
@@ -82,7 +95,16 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULT_PREFIX, machine_info, peak_rss, reset_peak_rss, rss  # noqa: E402
+from _common import (  # noqa: E402
+    MMAP_THRESHOLD,
+    RESULT_PREFIX,
+    allocator,
+    allocator_label,
+    machine_info,
+    peak_rss,
+    reset_peak_rss,
+    rss,
+)
 
 from gradmgr.distributed import ShardedOptimizer, data_parallel, spawn_local  # noqa: E402
 
@@ -109,6 +131,8 @@ TIME_TARGET, STATE_TARGET, PEAK_TARGET_MIB = 1.05, 1.05, 240.0
 MEAN_TOLERANCE = LR / 10  # mean |difference| from DDP's parameters (see the docstring)
 NORM_TOLERANCE = 1e-3  # relative: the norm of float32 sums in another order (5e-5 seen)
 MIB = 2**20
+MEMORY = ("grads", "state", "held", "peak", "peak_warm")  # the columns the memory runs give
+TIMING, MEASURING = None, MMAP_THRESHOLD  # the allocators: glibc's default; freed blocks unmapped
 
 
 def model(width: int = WIDTH, layers: int = LAYERS) -> nn.Module:
@@ -244,18 +268,21 @@ class Variant:
 
 # ---------------------------------------------------------------------------------- a run
 def rank_main(rank: int, world: int, port: int, name: str, steps: int, warmup: int,
-              outdir: str) -> None:
+              outdir: str, mode: str) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13's renamed collectives
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        _run(rank, world, name, steps, warmup, outdir)
+        _run(rank, world, name, steps, warmup, outdir, mode)
     finally:
         dist.destroy_process_group()
 
 
-def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str) -> None:
+def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str,
+         mode: str) -> None:
+    """One run; ``mode`` "time" adds the back-to-back steps and saves the parameters, "memory"
+    does neither (its peaks are read before them)."""
     # Library code and the process group's lazily built state load before the baseline: the
     # same variant trains a small model for two steps first.
     small = Variant(name, model(64, 2), world)
@@ -274,7 +301,7 @@ def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str)
 
     variant = Variant(name, net, world)
     del net
-    counted: Dict[str, int] = {}
+    counted: Dict[str, float] = {}
 
     def probe() -> None:
         counted["grads"] = variant.grads()
@@ -297,42 +324,49 @@ def _run(rank: int, world: int, name: str, steps: int, warmup: int, outdir: str)
         variant.step(x, y)
         times.append(time.perf_counter() - start)
     peak_steady = peak_rss()
+    loop = _back_to_back(variant, data[warmup + steps:], steps) if mode == "time" else None
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    flat = variant.params()
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    if rank == 0 and mode == "time":
+        torch.save(flat, os.path.join(outdir, f"params-{name}.pt"))
+    record = {
+        "rank": rank, "grads": counted["grads"], "state": counted["state"],
+        "held": warm - base, "peak": max(peak_first, peak_steady) - base,
+        "peak_warm": peak_steady - warm, "times": slowest.tolist(), "digest": digest,
+        "norm": counted["norm"], "loop": loop,
+    }
+    with open(os.path.join(outdir, f"{mode}-{name}-rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def _back_to_back(variant: Variant, data: List[Tuple[torch.Tensor, torch.Tensor]],
+                  steps: int) -> float:
+    """The mean time of ``steps`` more steps, back to back, on the slowest rank."""
     # The same steps again back to back, one barrier before and one after the last (the
     # gather a deferred step leaves in flight is waited for inside it): the per-step barrier
     # above would wait for that gather outside the timed region (gloo's barrier waits for the
     # work issued before it), so only this time is fair to "deferred".
     dist.barrier()
     start = time.perf_counter()
-    for i in range(warmup + steps, warmup + 2 * steps):
-        variant.step(*data[i])
+    for x, y in data[:steps]:
+        variant.step(x, y)
     variant.settle()
     loop = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
     dist.all_reduce(loop, op=dist.ReduceOp.MAX)
-
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-    flat = variant.params()
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    if rank == 0:
-        torch.save(flat, os.path.join(outdir, f"params-{name}.pt"))
-    record = {
-        "rank": rank, "grads": counted["grads"], "state": counted["state"],
-        "held": warm - base, "peak": max(peak_first, peak_steady) - base,
-        "peak_warm": peak_steady - warm, "times": slowest.tolist(), "digest": digest,
-        "norm": counted["norm"],
-        "loop": float(loop[0]),
-    }
-    with open(os.path.join(outdir, f"{name}-rank{rank}.json"), "w") as f:
-        json.dump(record, f)
+    return float(loop[0])
 
 
 # ---------------------------------------------------------------------------------- parent
 class Runs:
-    """Results of one world size: per variant, one merged record per round."""
+    """Results of one world size: per variant, one record per timing round (``rounds``) and
+    one per memory round (``memory``)."""
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.rounds: Dict[str, List[Dict[str, Any]]] = {v: [] for v in VARIANTS}
+        self.memory: Dict[str, List[Dict[str, int]]] = {v: [] for v in VARIANTS}
         # per round, the largest and the mean |difference| from DDP's parameters
         self.params: Dict[str, List[Tuple[float, float]]] = {v: [] for v in VARIANTS}
         # per round, the first backward's whole-gradient norm over DDP's (1.0: DDP's mean)
@@ -340,50 +374,73 @@ class Runs:
         self.full_vs_fsdp2: List[float] = []  # per round, the largest |difference|
 
 
-def run_world(world: int, variants: List[str], rounds: int, steps: int, warmup: int,
-              log: Callable[[str], None]) -> Runs:
+def spawn_variant(world: int, name: str, mode: str, steps: int, warmup: int,
+                  outdir: str) -> List[Dict[str, Any]]:
+    """One run of ``name`` on fresh ranks, under the allocator of ``mode`` ("time": glibc's
+    default; "memory": freed blocks unmapped); the ranks' records."""
+    with allocator(TIMING if mode == "time" else MEASURING):
+        failed = spawn_local(rank_main, world, name, steps, warmup, outdir, mode)
+    if failed:
+        raise RuntimeError(f"{name} on {world} ranks failed ({mode} run)")
+    ranks = []
+    for rank in range(world):
+        with open(os.path.join(outdir, f"{mode}-{name}-rank{rank}.json")) as f:
+            ranks.append(json.load(f))
+    if len({rec["digest"] for rec in ranks}) != 1:
+        raise RuntimeError(f"{name} on {world} ranks: the ranks' parameters differ")
+    return ranks
+
+
+def run_world(world: int, variants: List[str], rounds: int, memory_rounds: int, steps: int,
+              warmup: int, log: Callable[[str], None]) -> Runs:
     runs = Runs(world)
     for r in range(rounds):
-        order = list(variants)
-        random.Random(1000 * world + r).shuffle(order)
         with tempfile.TemporaryDirectory(prefix="bench_zero-") as outdir:
-            for name in order:
+            for name in _shuffled(variants, 1000 * world + r):
                 start = time.perf_counter()
-                if spawn_local(rank_main, world, name, steps, warmup, outdir):
-                    raise RuntimeError(f"{name} on {world} ranks failed (round {r + 1})")
-                ranks = []
-                for rank in range(world):
-                    with open(os.path.join(outdir, f"{name}-rank{rank}.json")) as f:
-                        ranks.append(json.load(f))
-                if len({rec["digest"] for rec in ranks}) != 1:
-                    raise RuntimeError(f"{name} on {world} ranks: the ranks' parameters differ")
-                merged = {k: max(rec[k] for rec in ranks)
-                          for k in ("grads", "state", "held", "peak", "peak_warm")}
-                merged["step"] = statistics.median(ranks[0]["times"])
-                merged["best"] = min(ranks[0]["times"])
-                merged["norm"] = ranks[0]["norm"]
-                merged["loop"] = ranks[0]["loop"]
-                runs.rounds[name].append(merged)
+                ranks = spawn_variant(world, name, "time", steps, warmup, outdir)
+                rec = {"step": statistics.median(ranks[0]["times"]),
+                       "best": min(ranks[0]["times"]), "norm": ranks[0]["norm"],
+                       "loop": ranks[0]["loop"]}
+                runs.rounds[name].append(rec)
                 log(f"  {world} ranks, round {r + 1}/{rounds}: {name:<8} step "
-                    f"{merged['step'] * 1e3:7.1f} ms, back to back "
-                    f"{merged['loop'] * 1e3:7.1f} ms, peak {merged['peak'] / MIB:6.1f} MiB "
+                    f"{rec['step'] * 1e3:7.1f} ms, back to back {rec['loop'] * 1e3:7.1f} ms "
                     f"({time.perf_counter() - start:.0f} s)")
-            if "ddp" in variants:
-                ref = torch.load(os.path.join(outdir, "params-ddp.pt"))
-                for name in variants:
-                    other = torch.load(os.path.join(outdir, f"params-{name}.pt"))
-                    diff = (ref - other).abs()
-                    runs.params[name].append((float(diff.max()), float(diff.mean())))
-                    del diff
-                    del other
-                    runs.norms[name].append(runs.rounds[name][-1]["norm"]
-                                            / runs.rounds["ddp"][-1]["norm"])
-                del ref
-            if "full" in variants and "fsdp2" in variants:  # the same engine, the same sums
-                full, fsdp2 = (torch.load(os.path.join(outdir, f"params-{n}.pt"))
-                               for n in ("full", "fsdp2"))
-                runs.full_vs_fsdp2.append(float((full - fsdp2).abs().max()))
+            _compare_params(runs, variants, outdir)
+    for r in range(memory_rounds):
+        with tempfile.TemporaryDirectory(prefix="bench_zero-") as outdir:
+            for name in _shuffled(variants, 1000 * world + 500 + r):
+                start = time.perf_counter()
+                ranks = spawn_variant(world, name, "memory", steps, warmup, outdir)
+                mem = {k: max(rec[k] for rec in ranks) for k in MEMORY}
+                runs.memory[name].append(mem)
+                log(f"  {world} ranks, memory run {r + 1}/{memory_rounds}: {name:<8} held "
+                    f"{mem['held'] / MIB:6.1f} MiB, peak {mem['peak'] / MIB:6.1f} MiB "
+                    f"({time.perf_counter() - start:.0f} s)")
     return runs
+
+
+def _shuffled(variants: List[str], seed: int) -> List[str]:
+    order = list(variants)
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _compare_params(runs: Runs, variants: List[str], outdir: str) -> None:
+    """One timing round's parameters against DDP's, and full's against fsdp2's."""
+    if "ddp" in variants:
+        ref = torch.load(os.path.join(outdir, "params-ddp.pt"))
+        for name in variants:
+            diff = (ref - torch.load(os.path.join(outdir, f"params-{name}.pt"))).abs()
+            runs.params[name].append((float(diff.max()), float(diff.mean())))
+            del diff
+            runs.norms[name].append(runs.rounds[name][-1]["norm"]
+                                    / runs.rounds["ddp"][-1]["norm"])
+        del ref
+    if "full" in variants and "fsdp2" in variants:  # the same engine, the same sums
+        full, fsdp2 = (torch.load(os.path.join(outdir, f"params-{n}.pt"))
+                       for n in ("full", "fsdp2"))
+        runs.full_vs_fsdp2.append(float((full - fsdp2).abs().max()))
 
 
 def _med(values: List[float]) -> float:
@@ -395,84 +452,101 @@ def report(runs: Runs, steps: int, warmup: int) -> Tuple[List[str], bool]:
     checks passed."""
     world, rounds = runs.world, runs.rounds
     names = [v for v in VARIANTS if rounds[v]]
-    n = len(rounds[names[0]])
-    ddp = rounds.get("ddp") or []
-    print(f"\n{world} ranks (gloo, 1 thread each), {n} round(s), each a fresh spawn of every "
-          f"variant in a new random order; step: median of {steps} timed steps after "
-          f"{warmup} warm-up; medians over the rounds, min in brackets; MiB per rank "
-          f"(the busiest)")
-    header = (f"{'variant':>9} {'step ms':>15} {'time/DDP':>15} {'grads':>7} {'optim':>7} "
-              f"{'/(DDP/N)':>8} {'held':>7} {'peak':>7} {'peak/warm':>9}  params vs DDP")
-    print(header)
+    n, m = len(rounds[names[0]]), len(runs.memory[names[0]])
+    print(f"\n{world} ranks (gloo, 1 thread each), each run a fresh spawn of one variant, every "
+          f"round in a new random order; step, time/DDP and params: {n} timing round(s) under "
+          f"{allocator_label(TIMING)}, step the median of {steps} timed steps after {warmup} "
+          f"warm-up; grads to peak/warm: {m} memory round(s) under "
+          f"{allocator_label(MEASURING)}, MiB per rank (the busiest); medians over the rounds, "
+          f"min in brackets")
+    print(f"{'variant':>9} {'step ms':>15} {'time/DDP':>15} {'grads':>7} {'optim':>7} "
+          f"{'/(DDP/N)':>8} {'held':>7} {'peak':>7} {'peak/warm':>9}  params vs DDP")
     ok = True
     ratios: Dict[str, List[float]] = {}
     for name in names:
-        recs = rounds[name]
-        step = [r["step"] for r in recs]
-        if ddp:
-            ratios[name] = [r["step"] / d["step"] for r, d in zip(recs, ddp)]
-            best = min(r["best"] for r in recs) / min(d["best"] for d in ddp)
-            time_col = f"{_med(ratios[name]):6.3f} ({best:5.3f})"
-            share = [(r["grads"] + r["state"]) / ((d["grads"] + d["state"]) / world)
-                     for r, d in zip(recs, ddp)]
-            share_col = f"{_med(share):8.3f}"
-        else:
-            time_col, share_col = f"{'-':>15}", f"{'-':>8}"
-        diffs = runs.params[name]
-        if not diffs:
-            params_col = "(no DDP run)"
-        else:
-            worst, mean = max(d[0] for d in diffs), max(d[1] for d in diffs)
-            params_col = "==" if worst == 0 else f"|diff| max {worst:.1e}, mean {mean:.1e}"
-            norm = max(runs.norms[name], key=lambda r: abs(r - 1.0))
-            params_col += f", |grad|/DDP's {norm:.6f}"
-            exact = name in ("sharded", "deferred") and world == 2
-            if (exact and worst != 0) or mean > MEAN_TOLERANCE or abs(norm - 1) > NORM_TOLERANCE:
-                params_col += "  BROKEN"
-                ok = False
-        mib = {k: _med([r[k] for r in recs]) / MIB
-               for k in ("grads", "state", "held", "peak", "peak_warm")}
-        print(f"{name:>9} {_med(step) * 1e3:7.1f} ({min(step) * 1e3:5.1f}) {time_col} "
-              f"{mib['grads']:7.1f} {mib['state']:7.1f} {share_col} {mib['held']:7.1f} "
-              f"{mib['peak']:7.1f} {mib['peak_warm']:9.1f}  {params_col}")
+        ok = _row(runs, name, ratios) and ok
     if runs.full_vs_fsdp2:
         worst = max(runs.full_vs_fsdp2)
         print(f"full against fsdp2 (the same engine, the same sums): parameters' largest "
               f"|difference| {worst:.1e}" + ("" if worst == 0 else "  BROKEN"))
         ok = ok and worst == 0
-    lines = []
-    if "sharded" in names and ddp:
-        recs = rounds["sharded"]
-        share = _med([(r["grads"] + r["state"]) / ((d["grads"] + d["state"]) / world)
-                      for r, d in zip(recs, ddp)])
-        lines.append(_target(f"zero {world} ranks sharded (grads+optimizer)/(DDP/N)", share,
-                             STATE_TARGET, "x"))
-        if world == 2:
-            peak = _med([r["peak"] for r in recs]) / MIB
-            lines.append(_target(f"zero {world} ranks sharded peak RSS above the model", peak,
-                                 PEAK_TARGET_MIB, " MiB"))
-            steady = _med([r["peak_warm"] for r in recs]) / MIB
-            line = (f"{RESULT_PREFIX} zero {world} ranks sharded peak RSS above the resident "
-                    f"set after the warm-up step: {steady:.1f} MiB")
-            print(line)
-            lines.append(line)
-        lines.append(_target(f"zero {world} ranks sharded time/DDP", _med(ratios["sharded"]),
-                             TIME_TARGET, "x"))
-        for name in ("zero1", "fsdp2", "full", "gradmgr"):
-            if name in ratios:
-                line = f"{RESULT_PREFIX} zero {world} ranks {name} time/DDP " \
-                       f"{_med(ratios[name]):.3f}x"
-                print(line)
-                lines.append(line)
-    for name in names:  # back to back: the deferred gather's fair time (see _run)
-        loop = _med([r["loop"] for r in rounds[name]])
-        line = f"{RESULT_PREFIX} zero {world} ranks {name} back-to-back step {loop * 1e3:.1f} ms"
-        print(line)
-        lines.append(line)
+    if m > 1:  # memory is taken to be the same in every round: say how far it is
+        spread = {(name, k): max(r[k] for r in runs.memory[name])
+                  - min(r[k] for r in runs.memory[name]) for name in names for k in MEMORY}
+        (name, k), most = max(spread.items(), key=lambda kv: kv[1])
+        print(f"memory over the {m} memory rounds: largest spread {most / MIB:.2f} MiB "
+              f"({name}, {k})")
+    lines = _result_lines(runs, names, ratios)
     if not ok:
         print(f"BROKEN: a variant's parameters after training are not DDP's ({world} ranks): "
               f"its row compares a broken run")
     return lines, ok
+
+
+def _share(runs: Runs, name: str) -> List[float]:
+    """Per memory round, the variant's gradients + optimizer state over DDP's / N."""
+    return [(r["grads"] + r["state"]) / ((d["grads"] + d["state"]) / runs.world)
+            for r, d in zip(runs.memory[name], runs.memory["ddp"])]
+
+
+def _row(runs: Runs, name: str, ratios: Dict[str, List[float]]) -> bool:
+    """Print the variant's row (its time ratios into ``ratios``); False where it is broken."""
+    recs, ddp = runs.rounds[name], runs.rounds.get("ddp") or []
+    step = [r["step"] for r in recs]
+    if ddp:
+        ratios[name] = [r["step"] / d["step"] for r, d in zip(recs, ddp)]
+        best = min(r["best"] for r in recs) / min(d["best"] for d in ddp)
+        time_col = f"{_med(ratios[name]):6.3f} ({best:5.3f})"
+        share_col = f"{_med(_share(runs, name)):8.3f}"
+    else:
+        time_col, share_col = f"{'-':>15}", f"{'-':>8}"
+    ok, diffs = True, runs.params[name]
+    if not diffs:
+        params_col = "(no DDP run)"
+    else:
+        worst, mean = max(d[0] for d in diffs), max(d[1] for d in diffs)
+        params_col = "==" if worst == 0 else f"|diff| max {worst:.1e}, mean {mean:.1e}"
+        norm = max(runs.norms[name], key=lambda r: abs(r - 1.0))
+        params_col += f", |grad|/DDP's {norm:.6f}"
+        exact = name in ("sharded", "deferred") and runs.world == 2
+        if (exact and worst != 0) or mean > MEAN_TOLERANCE or abs(norm - 1) > NORM_TOLERANCE:
+            params_col += "  BROKEN"
+            ok = False
+    mib = {k: _med([r[k] for r in runs.memory[name]]) / MIB for k in MEMORY}
+    print(f"{name:>9} {_med(step) * 1e3:7.1f} ({min(step) * 1e3:5.1f}) {time_col} "
+          f"{mib['grads']:7.1f} {mib['state']:7.1f} {share_col} {mib['held']:7.1f} "
+          f"{mib['peak']:7.1f} {mib['peak_warm']:9.1f}  {params_col}")
+    return ok
+
+
+def _result_lines(runs: Runs, names: List[str], ratios: Dict[str, List[float]]) -> List[str]:
+    world, lines = runs.world, []
+    if "sharded" in names and runs.rounds.get("ddp"):
+        lines.append(_target(f"zero {world} ranks sharded (grads+optimizer)/(DDP/N)",
+                             _med(_share(runs, "sharded")), STATE_TARGET, "x"))
+        if world == 2:
+            mem = runs.memory["sharded"]
+            lines.append(_target(f"zero {world} ranks sharded peak RSS above the model",
+                                 _med([r["peak"] for r in mem]) / MIB, PEAK_TARGET_MIB, " MiB"))
+            steady = _med([r["peak_warm"] for r in mem]) / MIB
+            lines.append(_said(f"zero {world} ranks sharded peak RSS above the resident set "
+                               f"after the warm-up step: {steady:.1f} MiB"))
+        lines.append(_target(f"zero {world} ranks sharded time/DDP", _med(ratios["sharded"]),
+                             TIME_TARGET, "x"))
+        for name in ("zero1", "fsdp2", "full", "gradmgr"):
+            if name in ratios:
+                lines.append(_said(f"zero {world} ranks {name} time/DDP "
+                                   f"{_med(ratios[name]):.3f}x"))
+    for name in names:  # back to back: the deferred gather's fair time (see _back_to_back)
+        loop = _med([r["loop"] for r in runs.rounds[name]])
+        lines.append(_said(f"zero {world} ranks {name} back-to-back step {loop * 1e3:.1f} ms"))
+    return lines
+
+
+def _said(text: str) -> str:
+    line = f"{RESULT_PREFIX} {text}"
+    print(line)
+    return line
 
 
 def _target(label: str, value: float, target: float, unit: str) -> str:
@@ -488,25 +562,28 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--worlds", nargs="+", default=["2", "4"],
                         help="numbers of ranks (2 4, or 2,4)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory-rounds", type=int, default=1,
+                        help="rounds of memory runs (under MALLOC_MMAP_THRESHOLD_); more than "
+                             "1 prints the largest spread between them")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 ranks, 1 round, 2 timed steps")
+                        help="smoke run: 2 ranks, 1 round (and 1 memory round), 2 timed steps")
     args = parser.parse_args(argv)
     worlds = [int(w) for item in args.worlds for w in item.split(",") if w]
     rounds, steps = args.rounds, args.steps
     if args.quick:
         worlds, rounds, steps = [2], 1, 2
+        args.memory_rounds = 1
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
-    if unknown or args.warmup < 1 or steps < 1:
+    if unknown or min(args.warmup, steps, rounds, args.memory_rounds) < 1:
         parser.error(f"unknown variants {sorted(unknown)}" if unknown
-                     else "--warmup and --steps must be at least 1")
+                     else "--warmup, --steps, --rounds and --memory-rounds must be at least 1")
     if fully_shard is None and "fsdp2" in variants:
         print("fsdp2 left out: this torch has no torch.distributed.fsdp.fully_shard")
         variants.remove("fsdp2")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(__doc__.split("\n\n")[0])
     print(machine_info(["torch"]))
@@ -519,7 +596,7 @@ def main(argv: Optional[list] = None) -> int:
     lines: List[str] = []
     ok = True
     for world in worlds:
-        runs = run_world(world, variants, rounds, steps, args.warmup,
+        runs = run_world(world, variants, rounds, args.memory_rounds, steps, args.warmup,
                          lambda s: print(s, file=sys.stderr, flush=True))
         more, fine = report(runs, steps, args.warmup)
         lines += more

@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_info, ranks_output  # noqa: E402
+from _common import allocator, machine_info, ranks_output  # noqa: E402
 from bench_scaling import collectives_of, summed  # noqa: E402
 from bench_zero import LR, batches, model  # noqa: E402
 
@@ -251,10 +251,9 @@ def main(argv: Any = None) -> int:
                         help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks (bench_zero.py "
                              "sets 131072 to measure peak RSS; unset: glibc's default)")
     args = parser.parse_args(argv)
-    if args.mmap_threshold is not None:  # read by the spawned processes
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    text = ranks_output(rank_main, args.world, args.variants.split(","), args.rounds,
-                        args.steps)
+    with allocator(args.mmap_threshold):
+        text = ranks_output(rank_main, args.world, args.variants.split(","), args.rounds,
+                            args.steps)
     if text is None:
         return 1
     print(text, end="")
