@@ -130,8 +130,6 @@ class ShardWire(Wire):
         if self.in_flight is not None:
             with contextlib.suppress(Exception):  # the error is raised where it is used
                 self.in_flight.chunk()
-        if self.mean:
-            flat = ops.scale(flat, 1.0 / transport.world_size())
         if self.compression is not None:
             flat = ops.compress(flat, self.compression)
         world = transport.world_size()
