@@ -21,6 +21,7 @@ PADDLE_TESTS=(tests/test_contract.py tests/test_edges.py tests/test_paddle_backe
               tests/test_paddle_distributed.py tests/differential/test_paddle_differential.py
               tests/test_env_command.py tests/test_parity_paddle.py tests/test_docstrings.py
               tests/docs/test_doc_blocks.py tests/test_examples.py tests/test_paddle_ports.py
+              tests/test_paddle_bucket_fill.py
               -k paddle)
 FAST_TESTS=(tests/test_core.py tests/test_edges.py tests/test_dp_contract.py
             tests/test_logging.py -m "not slow")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 import threading
 import traceback
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from gradmgr.distributed.contract import TensorOps
 
@@ -190,8 +190,8 @@ class FakeOps(TensorOps):
     def trainable(self, tensor: Any) -> bool:
         return tensor.requires_grad
 
-    def new_buffer(self, bucket: Any, like: Any) -> FakeBuffer:
-        return FakeBuffer(bucket, type(like))
+    def new_buffer(self, bucket: Any, like: Any, factor: Optional[float] = None) -> FakeBuffer:
+        return FakeBuffer(bucket, type(like), factor)
 
     def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
         kind = type(flat)
@@ -323,8 +323,8 @@ class FakeSGD:
 class FakeBuffer:
     """A bucket's parts (values), concatenated by ``finish``."""
 
-    def __init__(self, bucket: Any, kind: type) -> None:
-        self.bucket, self.kind = bucket, kind
+    def __init__(self, bucket: Any, kind: type, factor: Optional[float] = None) -> None:
+        self.bucket, self.kind, self.factor = bucket, kind, factor
         self.parts: List[Any] = [None] * len(bucket.sizes)
 
     def put(self, slot: int, grad: Any, local: Any) -> None:
@@ -344,7 +344,10 @@ class FakeBuffer:
                 values.extend(part if isinstance(part, list) else part.data)
         flags = [0.0 if slot in unused else 1.0 for slot in range(len(bucket.sizes))]
         self.parts = []
-        return self.kind(values + flags + [1.0 if failed else 0.0])
+        values += flags + [1.0 if failed else 0.0]
+        if self.factor is not None:  # as FakeOps.scale scales
+            values = [v * self.factor for v in values]
+        return self.kind(values)
 
 
 FAKE_OPS = FakeOps()

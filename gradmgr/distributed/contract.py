@@ -225,10 +225,15 @@ class TensorOps:
         return snapshot is not None and any(
             self.local_grad(t) is not old for t, old in zip(tensors, snapshot))
 
-    def new_buffer(self, bucket: Any, like: Any) -> BucketBuffer:
+    def new_buffer(self, bucket: Any, like: Any,
+                   factor: Optional[float] = None) -> BucketBuffer:
         """A buffer for one step of ``bucket``, with the dtype and device of ``like``; where
         the framework reuses memory, it may take the start of ``bucket.spare`` (a buffer of
-        that dtype and device, at least the size needed) if nothing else holds it."""
+        that dtype and device, at least the size needed) if nothing else holds it. With a
+        ``factor`` (``1/world`` for a mean; None: none), the finished buffer holds the
+        members' values times ``factor``, flags and failure marker included, exactly (bit for
+        bit) as :meth:`scale` of the whole finished buffer would give them: a backend that
+        copies each gradient in can scale it in the same pass, as DDP's reducer does."""
         raise NotImplementedError
 
     def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:

@@ -26,8 +26,9 @@ class MegEngineOps(TensorOps):
     def any_trainable(self, tensors: Sequence[Any]) -> bool:
         return False  # nothing was left out as frozen
 
-    def new_buffer(self, bucket: Any, like: Any) -> MegEngineBuffer:
-        return MegEngineBuffer(bucket, like)
+    def new_buffer(self, bucket: Any, like: Any,
+                   factor: Optional[float] = None) -> MegEngineBuffer:
+        return MegEngineBuffer(bucket, like, factor)
 
     def flag(self, flags: Any, i: int) -> float:
         return float(flags[i].numpy())
@@ -126,12 +127,13 @@ MEGENGINE_OPS = MegEngineOps()
 
 
 class MegEngineBuffer:
-    """A bucket's parts, concatenated by ``finish`` (MegEngine tensors are values)."""
+    """A bucket's parts, concatenated by ``finish`` (MegEngine tensors are values), then
+    scaled by ``factor`` as ``TensorOps.scale`` scaled the buffer (no cheaper fused op)."""
 
-    __slots__ = ("bucket", "like", "parts")
+    __slots__ = ("bucket", "like", "factor", "parts")
 
-    def __init__(self, bucket: Any, like: Any) -> None:
-        self.bucket, self.like = bucket, like
+    def __init__(self, bucket: Any, like: Any, factor: Optional[float] = None) -> None:
+        self.bucket, self.like, self.factor = bucket, like, factor
         self.parts: List[Any] = [None] * len(bucket.sizes)
 
     def put(self, slot: int, grad: Any, local: Any) -> None:
@@ -153,4 +155,5 @@ class MegEngineBuffer:
         flags[-1] = 1 if failed else 0
         pieces.append(F.copy(megengine.Tensor(flags), like.device))
         self.parts = []
-        return F.concat(pieces)
+        flat = F.concat(pieces)
+        return flat if self.factor is None else flat * self.factor

@@ -56,8 +56,9 @@ class PaddleOps(TensorOps):
         return snapshot is not None and any(
             _memory(t.grad) != old for t, old in zip(tensors, snapshot))
 
-    def new_buffer(self, bucket: Any, like: Any) -> PaddleBuffer:
-        return PaddleBuffer(bucket, like)
+    def new_buffer(self, bucket: Any, like: Any,
+                   factor: Optional[float] = None) -> PaddleBuffer:
+        return PaddleBuffer(bucket, like, factor)
 
     def flag(self, flags: Any, i: int) -> float:
         return float(flags[i])
@@ -119,12 +120,13 @@ PADDLE_OPS = PaddleOps()
 
 class PaddleBuffer:
     """A bucket's parts, concatenated by ``finish`` (as MegEngine's: Paddle has no in-place
-    copy into a slice of a flat buffer that is cheaper than one ``concat``)."""
+    copy into a slice of a flat buffer that is cheaper than one ``concat``), then scaled by
+    ``factor`` as ``TensorOps.scale`` scaled the buffer."""
 
-    __slots__ = ("bucket", "like", "parts")
+    __slots__ = ("bucket", "like", "factor", "parts")
 
-    def __init__(self, bucket: Any, like: Any) -> None:
-        self.bucket, self.like = bucket, like
+    def __init__(self, bucket: Any, like: Any, factor: Optional[float] = None) -> None:
+        self.bucket, self.like, self.factor = bucket, like, factor
         self.parts: List[Any] = [None] * len(bucket.sizes)
 
     def put(self, slot: int, grad: Any, local: Any) -> None:
@@ -146,4 +148,5 @@ class PaddleBuffer:
         flags[-1] = 1 if failed else 0
         pieces.append(paddle.to_tensor(flags, place=like.place))
         self.parts = []
-        return paddle.concat(pieces)
+        flat = paddle.concat(pieces)
+        return flat if self.factor is None else flat * self.factor

@@ -73,8 +73,9 @@ class TorchOps(TensorOps):
         return any(g is not old or (old is not None and old._version != version)
                    for g, old, version in zip(now, before, versions))
 
-    def new_buffer(self, bucket: Any, like: Any) -> TorchBuffer:
-        return TorchBuffer(bucket, like)
+    def new_buffer(self, bucket: Any, like: Any,
+                   factor: Optional[float] = None) -> TorchBuffer:
+        return TorchBuffer(bucket, like, factor)
 
     def unpack(self, flat: Any, bucket: Any) -> Tuple[List[Any], Any]:
         pieces = flat.split([*(bucket.sizes[slot] for slot in bucket.layout),
@@ -88,7 +89,7 @@ class TorchOps(TensorOps):
         return float(flags[i])
 
     def scale(self, flat: Any, factor: float) -> Any:
-        return flat.mul_(factor)  # flat is a fresh buffer from a BucketBuffer
+        return flat.mul_(factor)  # in place: callers' own buffers (a broadcast's, the shards)
 
     def cast(self, flat: Any, dtype: str) -> Any:
         return flat.to(getattr(torch, dtype))
@@ -268,12 +269,14 @@ def _grads(tensors: Sequence[Any]) -> List[Any]:
 class TorchBuffer:
     """A bucket's buffer, allocated when its first member arrives: a large member is copied in
     at once (the engine's gradient is then freed, as with DDP's bucket views), small ones are
-    kept and packed in one copy by ``finish``."""
+    kept and packed in one copy by ``finish``. With a ``factor``, each copy scales too (one
+    pass, as DDP's ``mul_out`` into its bucket view), giving what scaling the finished buffer
+    in place gave: the same multiplication by the same Python float, in the buffer's dtype."""
 
-    __slots__ = ("bucket", "like", "flat", "parts")
+    __slots__ = ("bucket", "like", "factor", "flat", "parts")
 
-    def __init__(self, bucket: Any, like: Any) -> None:
-        self.bucket, self.like = bucket, like
+    def __init__(self, bucket: Any, like: Any, factor: Optional[float] = None) -> None:
+        self.bucket, self.like, self.factor = bucket, like, factor
         self.flat: Any = None
         self.parts: List[Any] = [None] * len(bucket.sizes)
 
@@ -302,11 +305,13 @@ class TorchBuffer:
         view = flat.narrow(0, bucket.offsets[slot], bucket.sizes[slot]).view(bucket.shapes[slot])
         with torch.no_grad():
             if grad is None and local is None:
-                view.zero_()
+                view.zero_()  # zeros scaled are zeros
+            elif grad is not None and local is not None:
+                _sum_into(view, grad, local)
+                if self.factor is not None:
+                    view.mul_(self.factor)  # (grad + local) * factor: two roundings, as before
             else:
-                view.copy_(grad if grad is not None else local)
-                if grad is not None and local is not None:
-                    view.add_(local)
+                _scaled_into(view, grad if grad is not None else local, self.factor)
 
     def finish(self, unused: Sequence[int], failed: bool = False) -> Any:
         bucket = self.bucket
@@ -317,12 +322,36 @@ class TorchBuffer:
                           else torch.zeros(bucket.shapes[slot], dtype=flat.dtype,
                                            device=flat.device)
                           for slot in bucket.small]
-                flat[:bucket.small_numel].copy_(_flatten_dense_tensors(pieces))
+                _scaled_into(flat[:bucket.small_numel], _flatten_dense_tensors(pieces),
+                             self.factor)
             flags = flat[bucket.numel:]
             flags.fill_(1)
             for slot in unused:
                 flags[slot] = 0  # a kernel on the device, no host round trip
             if not failed:
                 flags[-1] = 0
+            if self.factor is not None:
+                flags.mul_(self.factor)  # 1 * factor rounded as the values' scaling rounds it
         self.parts = []
         return flat
+
+
+def _scaled_into(out: Any, values: Any, factor: Optional[float]) -> None:
+    """``out = values * factor`` in one pass where dtypes and shapes agree; else (or without a
+    factor) the copy, then the scaling in ``out``'s dtype, as the whole buffer was scaled."""
+    if factor is not None and values.dtype == out.dtype and values.shape == out.shape:
+        torch.mul(values, factor, out=out)
+        return
+    out.copy_(values)
+    if factor is not None:
+        out.mul_(factor)
+
+
+def _sum_into(out: Any, grad: Any, local: Any) -> None:
+    """``out = grad + local`` rounded once in ``out``'s dtype (a copy then ``add_``, where the
+    dtypes differ)."""
+    if grad.dtype == local.dtype == out.dtype and grad.shape == local.shape == out.shape:
+        torch.add(grad, local, out=out)
+        return
+    out.copy_(grad)
+    out.add_(local)

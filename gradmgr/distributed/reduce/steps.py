@@ -101,7 +101,7 @@ class PendingGradient(Future):
 
 class Wire:
     """How a step's buckets travel: the transport, the ops, and what is done to a buffer
-    before it leaves (divided for a mean, cast for compression)."""
+    (divided for a mean as it is filled, then cast for compression before it leaves)."""
 
     __slots__ = ("ops", "transport", "mean", "compression")
 
@@ -117,10 +117,13 @@ class Wire:
         """Before ``bucket``'s buffer is made: the allreduce path keeps each bucket's own
         (``.grad`` views it), so nothing to do."""
 
+    def factor(self) -> Optional[float]:
+        """What each bucket's buffer is multiplied by as it is filled (``TensorOps.new_buffer``):
+        ``1/world`` for a mean, else None."""
+        return 1.0 / self.transport.world_size() if self.mean else None
+
     def send(self, flat: Any, bucket: Any, last: bool, plan: Any = None) -> Launched:
-        ops = self.ops
-        if self.mean:
-            flat = ops.scale(flat, 1.0 / self.transport.world_size())
+        ops = self.ops  # flat is scaled already (factor()): compress the mean, as DDP does
         if self.compression is not None:
             flat = ops.compress(flat, self.compression)
         handle = self.transport.allreduce_async(flat)
@@ -194,7 +197,7 @@ class Step:
         if buffer is None:
             bucket = self.plan.buckets[b]
             wire.lend(bucket)
-            buffer = self.buffers[b] = wire.ops.new_buffer(bucket, like)
+            buffer = self.buffers[b] = wire.ops.new_buffer(bucket, like, wire.factor())
         return buffer
 
     def _launch_ready(self, wire: Wire) -> None:

@@ -130,9 +130,7 @@ class ShardWire(Wire):
         if self.in_flight is not None:
             with contextlib.suppress(Exception):  # the error is raised where it is used
                 self.in_flight.chunk()
-        if self.mean:
-            flat = ops.scale(flat, 1.0 / transport.world_size())
-        if self.compression is not None:
+        if self.compression is not None:  # the mean's division was done as flat was filled
             flat = ops.compress(flat, self.compression)
         world = transport.world_size()
         data = ops.padded(ops.part(flat, 0, bucket.numel), chunk_numel(bucket, world) * world)
