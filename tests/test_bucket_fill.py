@@ -40,6 +40,29 @@ def _finished(ops, bucket, like, arrivals, unused, failed, factor=None):
     return buffer.finish(unused, failed)
 
 
+def assert_concat_buffer_scales_as_after(ops, to_tensor, dtype, factor, seed):
+    """For a backend whose buffer concatenates in ``finish`` (MegEngine's, Paddle's): made with
+    ``factor``, its finished buffer has the bytes of the one made without, then ``ops.scale``d.
+    ``to_tensor``: a numpy array as the framework's tensor."""
+    rng = np.random.default_rng(seed)
+
+    def make(shape):
+        values = rng.standard_normal(shape) * 10.0 ** rng.integers(-7, 4, shape)
+        return to_tensor(values.astype(dtype))
+
+    shapes = [(300, 300), (3, 5), (7,), (2, 2, 2)] * 2
+    tensors = [to_tensor(np.zeros(s, dtype=dtype)) for s in shapes]
+    bucket = _bucket(ops, tensors)
+    arrivals = _arrivals(bucket, make)
+    for failed in (False, True):
+        before = _finished(ops, bucket, tensors[0], arrivals, [2], failed)
+        if factor is not None:
+            before = ops.scale(before, factor)
+        after = _finished(ops, bucket, tensors[0], arrivals, [2], failed, factor)
+        assert after.numpy().dtype == np.dtype(dtype)
+        assert after.numpy().tobytes() == before.numpy().tobytes(), (dtype, factor, failed)
+
+
 # ------------------------------------------------------------------------------- PyTorch
 def _torch_values(torch, dtype, generator):
     """Values over many magnitudes (fp16 subnormals included), where roundings differ."""
@@ -101,20 +124,4 @@ def test_megengine_buffer_scaled_when_finished_is_the_buffer_scaled_after(dtype,
     megengine = pytest.importorskip("megengine")
     from gradmgr.backends.megengine.ops import MEGENGINE_OPS
 
-    rng = np.random.default_rng(5)
-
-    def make(shape):
-        values = rng.standard_normal(shape) * 10.0 ** rng.integers(-7, 4, shape)
-        return megengine.Tensor(values.astype(dtype))
-
-    shapes = [(300, 300), (3, 5), (7,), (2, 2, 2)] * 2
-    tensors = [megengine.Tensor(np.zeros(s, dtype=dtype)) for s in shapes]
-    bucket = _bucket(MEGENGINE_OPS, tensors)
-    arrivals = _arrivals(bucket, make)
-    for failed in (False, True):
-        before = _finished(MEGENGINE_OPS, bucket, tensors[0], arrivals, [2], failed)
-        if factor is not None:
-            before = MEGENGINE_OPS.scale(before, factor)
-        after = _finished(MEGENGINE_OPS, bucket, tensors[0], arrivals, [2], failed, factor)
-        assert after.numpy().dtype == np.dtype(dtype)
-        assert after.numpy().tobytes() == before.numpy().tobytes(), (dtype, factor, failed)
+    assert_concat_buffer_scales_as_after(MEGENGINE_OPS, megengine.Tensor, dtype, factor, seed=5)
