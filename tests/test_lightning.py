@@ -167,3 +167,42 @@ def test_full_sharding_is_fsdp2s_bit_for_bit(tmp_path):
         assert all(resumed["loaded"]), (rank, resumed)
         assert all(resumed["resumed"]), (rank, resumed)
         assert resumed["step"] == 4 and resumed["remainder"] == [], (rank, resumed)
+
+
+class _Manager:
+    """Just what GradmgrModule asks of a manager, with the calls it got."""
+
+    def __init__(self, calls: list, name: str) -> None:
+        self.calls, self.name, self.is_recording = calls, name, False
+
+    def record(self) -> None:
+        self.is_recording = True
+
+    def release(self) -> None:
+        self.is_recording = False
+        self.calls.append(self.name)  # (ending a step: a collective on the real path)
+
+
+def test_a_dropped_module_whose_step_waits_is_given_up_whatever_the_collector_did():
+    """Which waiting steps a forward ends (each a collective) must not depend on garbage
+    collection: a set-up module dropped in a reference cycle with its recording open is given
+    up at the next forward of another module whether or not this rank's collector freed it
+    (before, a WeakSet held the modules: one rank gave the step up and the other, whose
+    collector had freed the module, did not, and their collectives met inside gloo)."""
+    import gc
+
+    import torch
+
+    from gradmgr.integrations.lightning.strategy import GradmgrModule
+
+    calls: list = []
+    dropped = GradmgrModule(torch.nn.Linear(2, 2), _Manager(calls, "dropped"), None)
+    dropped.cycle = [dropped]  # (not a submodule: a plain attribute)
+    dropped(torch.ones(1, 2))  # its recording opens, and waits for a backward
+    kept = GradmgrModule(torch.nn.Linear(2, 2), _Manager(calls, "kept"), None)
+    del dropped
+    gc.collect()
+    kept(torch.ones(1, 2))
+    assert calls == ["dropped"]
+    kept.end_step()
+    assert calls == ["dropped", "kept"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Literal, Optional
 
@@ -69,7 +68,6 @@ class GradmgrModule(torch.nn.Module):
         self.module = module
         self.gm = gm
         self._buffers_from = buffer_options  # src, group, transport; None: no broadcast
-        _LIVE.add(self)
         self._synced_forward = False  # this recording ran a synced forward with gradients
         # A forward with gradients ran since the last backward: whether it was inside
         # no_backward_sync (None: none is waiting for its backward).
@@ -83,6 +81,7 @@ class GradmgrModule(torch.nn.Module):
             if not gm.is_recording:
                 _make_room(self)
                 gm.record()
+                _RECORDING[self] = None
             self.waiting = is_paused(gm)
             self._synced_forward = not self.waiting
         return self.module(*args, **kwargs)
@@ -105,6 +104,7 @@ class GradmgrModule(torch.nn.Module):
         forward; DDP broadcasts at the next forward only where the last one was synced with
         gradients (not after an evaluation under ``no_grad``, which in training mode updates
         BatchNorm's statistics): elsewhere each rank keeps its own, as with DDP."""
+        _RECORDING.pop(self, None)
         keep = []
         if not self._synced_forward and self._buffers_from is not None:
             keep = [(b, b.clone()) for b in self.module.buffers()]
@@ -117,6 +117,7 @@ class GradmgrModule(torch.nn.Module):
     def end_step(self) -> None:
         """After the backward: nothing waits any more, the recording ends."""
         self._synced_forward, self.waiting = False, None
+        _RECORDING.pop(self, None)
         if self.gm.is_recording:
             self.gm.release()
 
@@ -135,7 +136,13 @@ class _NoBackwardSync(_BackwardSyncControl):
         return _paused(module)
 
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # every GradmgrModule, of every strategy
+# The set-up modules whose recording began in their forward, of every strategy, in the order
+# they began, held until it ends. Which recordings _make_room ends, and in which order, decides
+# collectives (each a step given up), so it must be the same on every rank: not a WeakSet,
+# whose order is by address and whose dropped members go when each rank's garbage collector
+# frees them (a module in a reference cycle lived on one rank and not the other: the ranks'
+# collectives mismatched inside gloo).
+_RECORDING: Dict[GradmgrModule, None] = {}
 
 
 def _make_room(wrapped: GradmgrModule) -> None:
@@ -144,9 +151,11 @@ def _make_room(wrapped: GradmgrModule) -> None:
     raised before it ran). Their forwards still wait, and their backward records again: with
     one manager recording at a time, no backward is taken for a higher-order one (gradmgr's
     rule for a backward while another manager records)."""
-    for other in list(_LIVE):
+    for other in list(_RECORDING):
         if other is not wrapped and other.gm.is_recording:
             other.give_up_step()
+        if not other.gm.is_recording:  # (ended by hand: gm.release())
+            _RECORDING.pop(other, None)
 
 
 @contextlib.contextmanager
