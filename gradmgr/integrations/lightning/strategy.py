@@ -137,11 +137,9 @@ class _NoBackwardSync(_BackwardSyncControl):
 
 
 # The set-up modules whose recording began in their forward, of every strategy, in the order
-# they began, held until it ends. Which recordings _make_room ends, and in which order, decides
-# collectives (each a step given up), so it must be the same on every rank: not a WeakSet,
-# whose order is by address and whose dropped members go when each rank's garbage collector
-# frees them (a module in a reference cycle lived on one rank and not the other: the ranks'
-# collectives mismatched inside gloo).
+# they began, held until it ends. Each recording _make_room ends is a collective, so which and
+# in what order must be the same on every rank: a WeakSet would order them by address and lose
+# a dropped module whenever that rank's garbage collector frees it.
 _RECORDING: Dict[GradmgrModule, None] = {}
 
 
