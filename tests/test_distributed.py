@@ -12,9 +12,11 @@ largest reference magnitude.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -516,6 +518,58 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(RuntimeError, match="during backward"):
         make_allreduce_cb()(torch.ones(1), torch.ones(1))
 
+
+@pytest.mark.parametrize("collect", [False, True], ids=["kept", "collected"])
+def test_no_sync_refuses_alike_whether_a_dropped_recording_manager_was_collected(collect):
+    """A manager dropped in a reference cycle while recording lives on until a rank's garbage
+    collector frees it, which differs between ranks: cb.no_sync() must answer the same either
+    way (it refuses: the recording never ended). One that released is held by nothing."""
+    w = torch.ones(2, requires_grad=True)
+    cb = make_allreduce_cb("mean", transport=MirrorTransport([]), broadcast=False)
+
+    def dropped_while_recording():
+        gm = GradManager().attach(w, callbacks=[cb])
+        gm.register_release_callback(lambda ran: gm)  # the cycle: gm -> its hook -> gm
+        gm.record()
+        return weakref.ref(gm)
+
+    enabled = gc.isenabled()
+    gc.disable()  # the collector runs only where this test says
+    try:
+        dropped = dropped_while_recording()
+        if collect:
+            gc.collect()
+        assert (dropped() is None) == collect  # the two cases the ranks can be in
+        refused = pytest.raises(RuntimeError, match="while a manager it serves is recording")
+        with refused, cb.no_sync():
+            pass
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_a_recording_that_ended_leaves_nothing_holding_its_manager():
+    """However the recording ends (release(), the backward, an error in the block), the
+    callback keeps no reference to the manager, and its no_sync() is free again."""
+    w = torch.ones(2, requires_grad=True)
+    cb = make_allreduce_cb("mean", transport=MirrorTransport([]), broadcast=False)
+    for end in ("release", "backward", "error"):
+        gm = GradManager().attach(w, callbacks=[cb])
+        with contextlib.suppress(ZeroDivisionError), gm:
+            if end == "backward":
+                gm.backward((w * 3).sum())
+            elif end == "error":
+                raise ZeroDivisionError
+        if end == "release":
+            gm.record()
+            gm.release()
+        ended = weakref.ref(gm)
+        del gm
+        gc.collect()
+        assert ended() is None, end
+        with cb.no_sync():
+            pass
+    np.testing.assert_array_equal(w.grad, [3.0, 3.0])  # the mean of ours and a mirrored 3
 
 def test_without_process_group_backward_says_what_to_do():
     if dist.is_initialized():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from typing import Any, Iterator, List, Literal, Optional, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
 from ...hooks import set_backward_delegate
 from ...manager import get_backwarding_grad_manager
@@ -202,6 +202,11 @@ class AllreduceCallback:
         self._names = names_from(names)
         self._sync = True
         self._synchronizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # The served managers' recordings in progress, by their hooks (which hold neither the
+        # manager nor its synchronizer strongly): in at record(), out at release(). no_sync
+        # reads it, not the managers: a manager dropped while recording is freed whenever each
+        # rank's garbage collector gets to it, and the ranks' answers must not differ.
+        self._recording: Dict[_Hooks, None] = {}
 
     def _check_comm_hook(self, hook: Any, state: Any, reduce: str,
                          compression: Optional[str]) -> None:
@@ -245,7 +250,9 @@ class AllreduceCallback:
             raise RuntimeError("allreduce callback: bind a manager once it has tensors")
         synchronizer = Synchronizer(self, gm.backend, self._names, self._shards_for(gm.backend))
         self._synchronizers[gm] = synchronizer
-        hooks = _Hooks(synchronizer, gm)
+        hooks = _Hooks(synchronizer, gm, self._recording)
+        if gm.is_recording:  # (bound in a backward, or attached while recording)
+            self._recording[hooks] = None
         synchronizer.flush_hook = hooks.flush
         gm.register_record_callback(hooks.record)
         gm.register_after_backward_callback(hooks.flush)
@@ -279,7 +286,9 @@ class AllreduceCallback:
         for every manager this callback serves; :func:`gradmgr.distributed.no_sync` does it for
         one manager without a handle on the callback. Read when a recording starts, so it
         must be entered before (``with cb.no_sync(), gm:``): entered while one of the managers
-        records, it raises ``RuntimeError``.
+        records, it raises ``RuntimeError``. A manager dropped while recording counts as
+        recording from then on (when the garbage collector frees it differs between ranks, and
+        their answers must not): release a recording before dropping its manager.
 
         Example:
             Here a process group of one rank:
@@ -303,11 +312,12 @@ class AllreduceCallback:
             >>> del gm, cb
             >>> dist.destroy_process_group()
         """
-        if any(gm.is_recording for gm in list(self._synchronizers)):
+        if self._recording:
             raise RuntimeError(
                 "cb.no_sync() was entered while a manager it serves is recording: it applies "
                 "to recordings that start inside it, so enter it first: "
-                "`with cb.no_sync(), gm:`"
+                "`with cb.no_sync(), gm:`. (A manager dropped while recording counts as "
+                "recording, on every rank alike: release() a recording before dropping it.)"
             )
         previous = self._sync
         self._sync = False
@@ -340,17 +350,22 @@ class AllreduceCallback:
 
 class _Hooks:
     """What a synchronizer registers with its manager; holds both weakly (the manager holds
-    these functions, and the callback the synchronizer)."""
+    these functions, and the callback the synchronizer). Also the token of the manager's
+    recording in progress in its callback's ``recording`` (entered at record, left at
+    release)."""
 
-    __slots__ = ("_synchronizer", "_gm")
+    __slots__ = ("_synchronizer", "_gm", "_recording")
 
-    def __init__(self, synchronizer: Synchronizer, gm: Any) -> None:
+    def __init__(self, synchronizer: Synchronizer, gm: Any,
+                 recording: Dict[_Hooks, None]) -> None:
         self._synchronizer, self._gm = weakref.ref(synchronizer), weakref.ref(gm)
+        self._recording = recording
 
     def _both(self) -> tuple:
         return self._synchronizer(), self._gm()
 
     def record(self) -> None:
+        self._recording[self] = None
         synchronizer, gm = self._both()
         if synchronizer is not None and gm is not None:
             with synchronizer.lock:
@@ -367,6 +382,7 @@ class _Hooks:
             synchronizer.abort(gm)
 
     def release(self, backward_ran: bool) -> None:
+        self._recording.pop(self, None)
         synchronizer, gm = self._both()
         if synchronizer is not None and gm is not None and not backward_ran:
             synchronizer.abandon(gm)
