@@ -195,3 +195,47 @@ def test_a_no_sync_mismatch_says_what_full_sharding_offers():
     assert "Enter no_sync(gm) for the same recordings" in message, message
     assert "cb.no_sync" not in message and "record empty ones" not in message, message
     assert message.endswith("Nothing was gathered or reduced at this recording"), message
+
+
+def test_a_check_group_nobody_comes_to_make_is_told_in_full_sharding_terms(gloo_one_rank,
+                                                                             monkeypatch):
+    """data_parallel(model, shard="full") makes the plan checks' group (its first recording
+    must not be the first collective a rank with no batch misses); where the other rank never
+    comes to make it, the error speaks of recordings and of what full sharding offers, not of
+    a synced step and Join, which it has none of: at once and at every later check. In one
+    process: the user's transport is a 2-rank one whose other rank sends the same (the
+    module check agrees), and the check group's maker times out as gloo's does."""
+    from gradmgr import get_backend
+    from gradmgr.backends.torch import control
+    from gradmgr.distributed import RanksOutOfStepError
+
+    class TwoRankChecks(control.CheckTransport):
+        def world_size(self):
+            return 2
+
+    class Mirrored:
+        def world_size(self):
+            return 2
+
+        def allreduce_async(self, flat):
+            summed = flat * 2
+            return type("Done", (), {"wait": lambda _: summed})()
+
+        def control(self, terms):
+            return TwoRankChecks(None, terms)
+
+    def never_made(*args, **kwargs):
+        raise RuntimeError("Wait timeout")
+
+    monkeypatch.setattr(type(get_backend("torch")), "transport", lambda *a, **k: Mirrored())
+    monkeypatch.setattr(control.dist, "new_group", never_made)
+    with pytest.raises(RanksOutOfStepError) as first:
+        data_parallel(torch.nn.Linear(2, 2), shard="full")
+    with pytest.raises(RanksOutOfStepError) as later:
+        TwoRankChecks().start_sum(torch.zeros(1))
+    for message in (str(first.value), str(later.value)):
+        assert "synced step" not in message, message
+        assert "take every step on every rank" not in message, message  # (STEPS' remedy)
+        assert "full sharding has no Join" in message, message
+    assert "not every rank started this recording" in str(first.value)
+    assert "gave up on an earlier recording's plan check" in str(later.value)

@@ -11,7 +11,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..registry import backend_for
 from .broadcasting import broadcast, broadcast_tensors
-from .consistency import PlanCheck, every_rank, names_from, plan_fingerprint, verify_mode
+from .consistency import (
+    RECORDINGS,
+    STEPS,
+    CheckTerms,
+    PlanCheck,
+    every_rank,
+    names_from,
+    plan_fingerprint,
+    verify_mode,
+)
 from .contract import TensorOps
 from .errors import RankMismatchError, RanksOutOfStepError
 from .join.joinable import DataParallelManager
@@ -265,7 +274,9 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], backend: Any, g
         _refuse_mixed_sharding(chosen, ops, shard, tensors[0])
         raise check.error(tensors, mode, "their modules' parameters and buffers",
                           names_from(module))
-    _open_checks(chosen)
+    # The check group is made here, in the checking path's terms: its errors (a rank that
+    # never comes to make it) are the path's, which under full sharding are recordings.
+    _open_checks(chosen, RECORDINGS if shard == "full" else STEPS)
 
 
 _MIXED = (
@@ -320,11 +331,11 @@ def _ranks(ranks: List[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
 
 
-def _open_checks(transport: Any) -> None:
+def _open_checks(transport: Any, terms: CheckTerms) -> None:
     """Open the transport of the plan checks while every rank is here: torch's makes its
     process group, a collective, which a rank with no batch at all would otherwise never join
-    (the others' first step would wait for it in vain)."""
-    checks = control_transport(transport)
+    (the others' first step would wait for it in vain); its errors speak in ``terms``."""
+    checks = control_transport(transport, terms)
     if checks is not transport and hasattr(checks, "open"):
         checks.open()
 
