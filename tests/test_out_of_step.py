@@ -7,7 +7,7 @@ A rank skips a batch (``continue``); each rank's k-th step meets the others' k-t
 with a step more starts a step nobody else starts. Before, its plan check met the others'
 next collective on the user's group, and gloo aborted a process (``op.preamble.length <=
 op.nbytes``). Now that rank raises ``RanksOutOfStepError`` after half the process group's
-timeout (dist_workers/out_of_step.py: 6 s, so 3 s), saying what to write, and launches
+timeout (dist_workers/out_of_step.py: 10 s, so 5 s), saying what to write, and launches
 nothing more: the others' next allreduce meets its next one. Its later checks raise at once
 (the message says to start a new process group), and a rank waiting for them gives up alike.
 """
@@ -38,7 +38,10 @@ def _skipping() -> list:
     return _frameworks() + ["full"]  # full sharding too (FSDP2's collectives, issue 39)
 
 
-CASES = ([f"skip:{p}:1" for p in _skipping()] + ["skip:buckets:0"]
+# First, untimed, steps in step: the first case's first steps on each rank would otherwise also
+# carry the process's one-off work (lazy imports, the first reducer), which makes the ranks'
+# lag largest where every check must still find the other rank within the patience.
+CASES = (["even:native:-1"] + [f"skip:{p}:1" for p in _skipping()] + ["skip:buckets:0"]
          + [f"idle:{p}:1" for p in TORCH_PATHS] + [f"left:{p}:1" for p in TORCH_PATHS]
          + ["nosync:full:0"])
 
@@ -48,7 +51,7 @@ def seen(tmp_path_factory):
     if "megengine" in _frameworks():
         pytest.importorskip("megengine", reason="GRADMGR_FRAMEWORKS names megengine")
     outdir = tmp_path_factory.mktemp("out_of_step")
-    ranks = spawn("out_of_step", outdir, timeout=240, OUT_OF_STEP_CASES=",".join(CASES))
+    ranks = spawn("out_of_step", outdir, timeout=420, OUT_OF_STEP_CASES=",".join(CASES))
     return {case: [r[case] for r in ranks] for case in CASES}
 
 
@@ -83,7 +86,8 @@ def test_the_rank_with_a_step_more_raises_and_the_group_stays_in_step(seen, path
 def test_training_again_in_that_group_raises_on_every_rank(seen, path):
     ahead, skipper = seen[f"skip:{path}:1"]
     _clear(ahead["again"], "Start a new process group")
-    assert ahead["again"]["seconds"] < 1.0  # at once: its check group is known to be broken
+    # at once (well within a patience): its check group is known to be broken
+    assert ahead["again"]["seconds"] < TIMEOUT_S / 4, ahead["again"]
     _clear(skipper["again"], _started(path))
 
 
