@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_info, peak_rss, reset_peak_rss, rss  # noqa: E402
+from _common import MMAP_THRESHOLD, allocator, machine_info, peak_rss, reset_peak_rss, rss  # noqa: E402
 
 from gradmgr.distributed import (  # noqa: E402
     ShardedOptimizer,
@@ -135,7 +135,6 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
     print(machine_info(["torch"]))
     print(f"{LAYERS} x Linear({WIDTH}), AdamW; rank 0's peak RSS above the base during the "
           f"save, MiB, median of {args.rounds} rounds (least-most)")
@@ -146,7 +145,8 @@ def main() -> None:
         peaks: dict = {"gathered": [], "dcp": [], "full": []}
         for _ in range(args.rounds):
             for variant in peaks:
-                result = measure(variant, world)
+                with allocator(MMAP_THRESHOLD):  # rank 0's peak RSS is measured
+                    result = measure(variant, world)
                 if not result["exact"]:
                     raise SystemExit(f"the DCP checkpoint on {world} ranks did not load back "
                                      "bit for bit")

@@ -39,7 +39,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    MMAP_THRESHOLD,
     RESULT_PREFIX,
+    allocator,
     machine_info,
     peak_rss,
     ranks_output,
@@ -221,13 +223,13 @@ def memory_main(rank: int, world: int, port: int, variant: str, device_name: str
 def measure_memory(runs: int, device: str) -> Dict[str, float]:
     variants = ["ddp", "ddp-bucket-view", "gradmgr"]
     results: Dict[str, List[int]] = {v: [] for v in variants}
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
-    for run in range(runs):
-        for variant in variants[run % 3:] + variants[:run % 3]:  # rotate the order
-            text = ranks_output(memory_main, dist_world(device), variant, device)
-            if text is None:
-                raise RuntimeError(f"memory run of {variant} failed")
-            results[variant].append(int(text))
+    with allocator(MMAP_THRESHOLD):  # the timing ranks ran before, under glibc's default
+        for run in range(runs):
+            for variant in variants[run % 3:] + variants[:run % 3]:  # rotate the order
+                text = ranks_output(memory_main, dist_world(device), variant, device)
+                if text is None:
+                    raise RuntimeError(f"memory run of {variant} failed")
+                results[variant].append(int(text))
     return {v: statistics.median(r) / 2**20 for v, r in results.items()}
 
 

@@ -45,7 +45,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULT_PREFIX, machine_info, peak_rss, reset_peak_rss, rss  # noqa: E402
+from _common import (  # noqa: E402
+    MMAP_THRESHOLD,
+    RESULT_PREFIX,
+    allocator,
+    machine_info,
+    peak_rss,
+    reset_peak_rss,
+    rss,
+)
 
 from gradmgr.distributed import ShardedOptimizer, data_parallel, spawn_local  # noqa: E402
 
@@ -171,10 +179,10 @@ def main(argv: Optional[list] = None) -> int:
     print(f"{WORLD} gloo ranks, 8 x Linear({args.width}) (P = {params_mib:.1f} MiB), AdamW, "
           f"{args.steps} steps; budget per rank: RLIMIT_DATA at the whole model + "
           f"{budget_mib:.1f} MiB")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # freed blocks leave the process
     results = {}
-    for name in args.variants:
-        results[name] = run(name, args.width, int(budget_mib * MIB), args.steps)
+    with allocator(MMAP_THRESHOLD):  # freed blocks leave the process
+        for name in args.variants:
+            results[name] = run(name, args.width, int(budget_mib * MIB), args.steps)
     print(f"\n{'variant':<8} {'outcome':<44} {'steps':>5} {'peak RSS above model (MiB)':>27}")
     for name, r in results.items():
         print(f"{name:<8} {r['outcome']:<44} {r['steps']:>5} {r['peak'] / MIB:>27.1f}")

@@ -470,9 +470,8 @@ def main(argv: Optional[list] = None) -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown or steps < 1:
         parser.error(f"unknown systems {sorted(unknown)}" if unknown else "--steps >= 1")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned processes
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from _common import machine_info
+    from _common import MMAP_THRESHOLD, allocator, machine_info
 
     print(__doc__.split("\n\n")[0])
     print(machine_info(["torch"]))
@@ -481,8 +480,9 @@ def main(argv: Optional[list] = None) -> int:
     print(f"model: {LAYERS} x Linear({WIDTH}, {WIDTH}), {params:,} parameters "
           f"({4 * params / MIB:.1f} MiB fp32); batch {BATCH} x {WIDTH} per rank; AdamW; gloo")
     start = time.perf_counter()
-    raw = run_all(worlds, variants, args.rounds, steps, args.fresh,
-                  lambda s: print(s, file=sys.stderr, flush=True))
+    with allocator(MMAP_THRESHOLD):  # every rank's peak RSS is measured
+        raw = run_all(worlds, variants, args.rounds, steps, args.fresh,
+                      lambda s: print(s, file=sys.stderr, flush=True))
     rows = summarise(raw, cores)
     print_table(rows)
     save({"steps": steps, "rounds": args.rounds, "rows": rows, "raw": raw}, name)

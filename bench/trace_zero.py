@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ranks_output  # noqa: E402
+from _common import MMAP_THRESHOLD, allocator, ranks_output  # noqa: E402
 from bench_zero import Variant, batches, model  # noqa: E402
 
 MIB = 2**20
@@ -168,9 +168,9 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--variants", default="sharded,fsdp2")
     parser.add_argument("--min-mib", type=float, default=1.0)
     args = parser.parse_args(argv)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     for name in args.variants.split(","):
-        text = ranks_output(rank_main, args.world, name, args.min_mib)
+        with allocator(MMAP_THRESHOLD):  # freed blocks leave the ranks, as they are traced
+            text = ranks_output(rank_main, args.world, name, args.min_mib)
         if text is None:
             raise RuntimeError(f"{name} on {args.world} ranks failed")
         print(text, flush=True)
