@@ -17,8 +17,7 @@ from typing import Any, Dict, List
 
 from paddle.base.framework import EagerParamBase
 
-_lock = threading.RLock()  # the weakref callback may run during a collection inside lift()
-_lifted: Dict[int, List[Any]] = {}  # id -> [weakref to the tensor, how many recordings lift it]
+from gradmgr.weak_keys import forgetting_ref
 
 
 def is_input(tensor: Any) -> bool:
@@ -28,52 +27,58 @@ def is_input(tensor: Any) -> bool:
     return not isinstance(tensor, EagerParamBase) and (tensor.stop_gradient or lifted(tensor))
 
 
-def lifted(tensor: Any) -> bool:
-    """A recording holds ``tensor``'s flag lifted now (the user's flag is off)."""
-    with _lock:
-        entry = _lifted.get(id(tensor))
-        return entry is not None and entry[0]() is tensor
+class LiftedFlags:
+    """The flags recordings hold lifted: by ``id(tensor)``, the tensor's weak reference (whose
+    entry goes when a tensor dropped while lifted dies) and how many recordings lift it."""
 
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # the weakref callback may run in a collection in lift()
+        self._lifted: Dict[int, List[Any]] = {}  # id -> [weakref to the tensor, count]
 
-def lift(tensor: Any) -> bool:
-    """Make the input ``tensor`` differentiable for one recording; True if this call lifted it
-    (the recording must call :func:`restore` once for it)."""
-    with _lock:
-        entry = _lifted.get(id(tensor))
-        if entry is not None and entry[0]() is tensor:
-            entry[1] += 1
+    def lifted(self, tensor: Any) -> bool:
+        """A recording holds ``tensor``'s flag lifted now (the user's flag is off)."""
+        with self._lock:
+            entry = self._lifted.get(id(tensor))
+            return entry is not None and entry[0]() is tensor
+
+    def lift(self, tensor: Any) -> bool:
+        """Make the input ``tensor`` differentiable for one recording; True if this call lifted
+        it (the recording must call :meth:`restore` once for it)."""
+        with self._lock:
+            entry = self._lifted.get(id(tensor))
+            if entry is not None and entry[0]() is tensor:
+                entry[1] += 1
+                return True
+            if not tensor.stop_gradient:
+                return False  # the user turned it on since: nothing to restore
+            ref = forgetting_ref(tensor, self, LiftedFlags._forget)
+            self._lifted[id(tensor)] = [ref, 1]
+            tensor.stop_gradient = False
             return True
-        if not tensor.stop_gradient:
-            return False  # the user turned it on since: nothing to restore
-        _lifted[id(tensor)] = [weakref.ref(tensor, _forget(id(tensor))), 1]
-        tensor.stop_gradient = False
-        return True
+
+    def _forget(self, key: int, dead: weakref.ref) -> None:
+        with self._lock:
+            entry = self._lifted.get(key)
+            if entry is not None and entry[0] is dead:
+                del self._lifted[key]
+
+    def restore(self, tensor: Any) -> None:
+        """One recording that lifted ``tensor`` ended; the last one gives the user's flag
+        back."""
+        with self._lock:
+            entry = self._lifted.get(id(tensor))
+            if entry is None or entry[0]() is not tensor:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._lifted[id(tensor)]
+                tensor.stop_gradient = True
+
+    def count(self) -> int:
+        """How many tensors recordings hold lifted now (0 once every recording ended)."""
+        with self._lock:
+            return len(self._lifted)
 
 
-def _forget(key: int) -> Any:
-    """A tensor dropped while a recording held its flag lifted: its entry goes with it."""
-    def forget(ref: Any) -> None:
-        with _lock:
-            entry = _lifted.get(key)
-            if entry is not None and entry[0] is ref:
-                del _lifted[key]
-
-    return forget
-
-
-def restore(tensor: Any) -> None:
-    """One recording that lifted ``tensor`` ended; the last one gives the user's flag back."""
-    with _lock:
-        entry = _lifted.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _lifted[id(tensor)]
-            tensor.stop_gradient = True
-
-
-def lifted_count() -> int:
-    """How many tensors recordings hold lifted now (0 once every recording ended)."""
-    with _lock:
-        return len(_lifted)
+LIFTED = LiftedFlags()
+lifted, lift, restore, lifted_count = LIFTED.lifted, LIFTED.lift, LIFTED.restore, LIFTED.count
