@@ -16,7 +16,12 @@ called about 1,000 times a step is a per-tensor cost. It also prints the step-ti
 no assertion) and the total Python function calls per step of each variant, which are not
 noisy.
 
-    python bench/profile_per_tensor.py [--steps N] [--top K] [--mode single|dist|both]
+``costs`` (also in ``all``) times the two things the profiles point at, without a profiler:
+one sweep over the 1,000 tensors reading ``.grad`` / ``dtype`` / ``requires_grad`` right
+after a step and again at once, and the engine run alone with and without ``inputs=`` the
+1,000 parameters (what ``gm.backward`` passes, DDP's backward does not).
+
+    python bench/profile_per_tensor.py [--steps N] [--top K] [--mode single|dist|costs|all]
                                        [--dump PREFIX]
 """
 
@@ -26,6 +31,7 @@ import argparse
 import cProfile
 import datetime
 import io
+import operator
 import os
 import pstats
 import statistics
@@ -155,6 +161,55 @@ def single(n: int, top: int) -> str:
     return text + "".join(report(k, profs[k], n, top) for k in profs)
 
 
+def passes(n: int) -> str:
+    """What one C-level sweep over the 1,000 tensors costs (``list(map(attrgetter(a), ...))``,
+    the form gradmgr's snapshots and plan checks take), timed right after a training step
+    (the step has pushed the tensors out of the caches) and again at once (warm)."""
+    torch.set_num_threads(1)
+    net = models(["one"])["one"]
+    params = list(net.parameters())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    lines = ["## one sweep over the 1,000 parameters (medians)"]
+    for attr in ("grad", "dtype", "requires_grad"):
+        get = operator.attrgetter(attr)
+        cold, warm = [], []
+        for _ in range(n):
+            zero_grads({"one": net})
+            loss_of(net, x, y).backward()
+            for samples in (cold, warm):
+                start = time.perf_counter()
+                list(map(get, params))
+                samples.append(time.perf_counter() - start)
+        lines.append(f"{attr:>14}: after a step {1e3 * statistics.median(cold):.3f} ms, "
+                     f"again at once {1e3 * statistics.median(warm):.3f} ms")
+    return "\n".join(lines)
+
+
+def engine_inputs(n: int) -> str:
+    """The engine run alone (thread CPU time), without ``inputs`` (``loss.backward()``) and
+    with the 1,000 parameters as ``inputs`` (what gradmgr passes: only attached tensors get
+    ``.grad``), interleaved."""
+    from torch.autograd.graph import _engine_run_backward as run_backward
+    torch.set_num_threads(1)
+    net = models(["one"])["one"]
+    params = tuple(net.parameters())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    times: Dict[str, List[float]] = {"no inputs": [], "inputs=params": []}
+    for i in range(WARMUP + n):
+        for name in (sorted(times) if i % 2 else sorted(times, reverse=True)):
+            zero_grads({"one": net})
+            loss = loss_of(net, x, y)
+            start = time.thread_time()
+            run_backward((loss,), (torch.ones_like(loss),), False, False,
+                         params if name == "inputs=params" else (),
+                         allow_unreachable=True, accumulate_grad=True)
+            if i >= WARMUP:
+                times[name].append(time.thread_time() - start)
+    return "## the engine run alone, thread CPU time\n" + ratios(times, "no inputs")
+
+
 def rank_main(rank: int, world: int, port: int, n: int, top: int, dump: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -194,15 +249,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--mode", choices=("single", "dist", "both"), default="both")
+    parser.add_argument("--mode", choices=("single", "dist", "costs", "all"), default="all")
     parser.add_argument("--dump", default="", help="write rank 0's profiles to DUMP.<variant> "
                         "(pstats files, for print_callees)")
     args = parser.parse_args()
-    print(machine_info())
+    print(machine_info(["torch"]))
     print(f"load (1 min) at start: {load()}")
-    if args.mode in ("single", "both"):
+    if args.mode in ("single", "all"):
         print(single(args.steps, args.top))
-    if args.mode in ("dist", "both"):
+    if args.mode in ("costs", "all"):
+        print(passes(args.steps))
+        print(engine_inputs(args.steps))
+    if args.mode in ("dist", "all"):
         text = ranks_output(rank_main, 2, args.steps, args.top, args.dump)
         print(text if text is not None else "a rank failed")
 
