@@ -536,3 +536,15 @@ def test_cuda_second_order():
         x.grad = None
         outer.backward(g)
     torch.testing.assert_close(x.grad, 6 * torch.tensor([1.5, -0.5], device="cuda"))
+
+
+def test_grad_presence_tests_compare_by_identity_not_equality():
+    # The .grad snapshots ask "is any None / any not None" of every attached tensor each step,
+    # in one C-level pass: by identity, never by == (a tensor's == is elementwise).
+    from gradmgr.backends.torch.grads import any_missing, any_present
+
+    zero, one = torch.zeros(3), torch.ones(2)
+    assert not any_present([]) and not any_missing([])
+    assert not any_present([None, None]) and any_missing([None, None])
+    assert any_present([None, zero]) and any_missing([None, zero])
+    assert any_present([zero, one]) and not any_missing([zero, one])

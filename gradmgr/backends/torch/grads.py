@@ -10,9 +10,11 @@ post-accumulate-grad hooks run, all as AccumulateGrad does for ``loss.backward()
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import warnings
+from itertools import repeat
 from typing import Any, Optional, Sequence
 
 import torch
@@ -20,6 +22,18 @@ import torch
 # Managers in different threads may accumulate into one shared tensor; AccumulateGrad holds a
 # lock for the same reason.
 _LOCK = threading.Lock()
+
+
+def any_present(grads: Sequence[Any]) -> bool:
+    """Whether some item of ``grads`` is not None. One C-level pass (no generator frame
+    resumed per item): the snapshots of ``.grad`` around every step call it on every attached
+    tensor (bench/RESULTS.md, wt/pertensor)."""
+    return not all(map(operator.is_, grads, repeat(None)))
+
+
+def any_missing(grads: Sequence[Any]) -> bool:
+    """Whether some item of ``grads`` is None (one C-level pass, as :func:`any_present`)."""
+    return any(map(operator.is_, grads, repeat(None)))
 
 
 def zeros_like_cheaply(grad: torch.Tensor) -> torch.Tensor:

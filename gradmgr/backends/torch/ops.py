@@ -11,7 +11,7 @@ from torch._utils import _flatten_dense_tensors
 
 from gradmgr.distributed.contract import PostBackwardPath, ReducerPath, TensorOps
 
-from .grads import storage_unshared
+from .grads import any_present, storage_unshared
 from .shard_grad import ShardedGradient, stand_in_grad
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -59,7 +59,7 @@ class TorchOps(TensorOps):
         """``(.grad of each tensor, the versions of those that have one)``: an in-place
         accumulation keeps the object and changes its version."""
         grads = _grads(tensors)
-        if not any(g is not None for g in grads):
+        if not any_present(grads):
             return grads, None  # the usual step (after zero_grad(set_to_none=True))
         return grads, [None if g is None else g._version for g in grads]
 
@@ -69,7 +69,7 @@ class TorchOps(TensorOps):
         before, versions = snapshot
         now = _grads(tensors)
         if versions is None:
-            return any(g is not None for g in now)
+            return any_present(now)
         return any(g is not old or (old is not None and old._version != version)
                    for g, old, version in zip(now, before, versions))
 

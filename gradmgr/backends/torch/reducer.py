@@ -31,6 +31,7 @@ from gradmgr.distributed.contract import RANK_FAILED, ReducerPath
 from gradmgr.distributed.errors import RankFailedError, SparseGradientError, sparse_message
 
 from .engine import EngineAccumulates
+from .grads import any_missing, any_present
 from .transport import TorchTransport
 
 
@@ -268,7 +269,7 @@ def _snapshot(tensors: Sequence[torch.Tensor], own_views: bool = False) -> tuple
     """``(.grad of each tensor, its version)``; versions None when no tensor has a ``.grad``.
     ``own_views``: first replace each ``.grad`` that is a view by a copy of its own."""
     grads = list(map(_GRAD, tensors))
-    if not any(g is not None for g in grads):
+    if not any_present(grads):
         return grads, None  # the usual step (after zero_grad(set_to_none=True))
     if own_views:
         for i, old in enumerate(grads):
@@ -282,7 +283,10 @@ def _unchanged(tensors: Sequence[torch.Tensor], snapshot: tuple) -> List[int]:
     """Positions of the tensors whose ``.grad`` is the same object, unmodified, as then."""
     before, versions = snapshot
     if versions is None:
-        return [i for i, g in enumerate(map(_GRAD, tensors)) if g is None]
+        grads = list(map(_GRAD, tensors))
+        if not any_missing(grads):
+            return []  # the usual step: every tensor got a gradient
+        return [i for i, g in enumerate(grads) if g is None]
     return [i for i, (g, old) in enumerate(zip(map(_GRAD, tensors), before))
             if g is old and (old is None or old._version == versions[i])]
 
