@@ -406,8 +406,8 @@ def plot(results: Dict[str, Any], path: str) -> None:
     axes[0].legend(fontsize=8)
     load = results["machine"]["load"][0]
     fig.suptitle(f"bench_scaling.py: 8 x Linear(1024), AdamW, batch {BATCH} per rank; "
-                 f"{results['machine']['cpu']}, {cores} cores, load average {load:.1f} at the "
-                 f"start; torch {results['machine']['torch']}", fontsize=10)
+                 f"{results['machine']['cpu']}, {cores} cores, 1-minute load {load:.1f} as the "
+                 f"run ended (its ranks' own); torch {results['machine']['torch']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

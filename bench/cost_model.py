@@ -125,7 +125,8 @@ def bytes_per_rank(system: str, param_bytes: float, world: int, backend: str = "
                    tensors: Optional[Sequence[int]] = None) -> float:
     """Bytes each rank sends per step (data collectives). ``tensors``: the parameters' element
     counts, for the small terms: gradmgr's reducer path reduces one "used" flag per tensor
-    and a failure marker with the last bucket; gradmgr sharded pads each bucket to a multiple
+    and a failure marker with the last bucket, padded to a whole number of 64-byte lines
+    (:func:`reducer_flags`); gradmgr sharded pads each bucket to a multiple
     of ``world`` elements (nothing when each bucket's length divides, as for whole Linear
     layers of even width)."""
     total = 0.0
@@ -135,9 +136,17 @@ def bytes_per_rank(system: str, param_bytes: float, world: int, backend: str = "
         if system == "gradmgr-sharded" and tensors is not None and kind != "all_gather":
             nbytes += _padding_bytes(tensors, world, elem)
         if system == "gradmgr" and tensors is not None:  # its reducer's used-flags member
-            nbytes += (len(tensors) + 1) * elem
+            nbytes += reducer_flags(len(tensors), elem) * elem
         total += ring_bytes_per_rank(kind, nbytes, world)
     return total
+
+
+def reducer_flags(tensors: int, elem: float) -> int:
+    """The elements of gradmgr's reducer flags for ``tensors`` tensors of ``elem``-byte
+    elements: a "used" flag each and a failure marker, padded to whole 64-byte lines (so that
+    a communication hook's view of the last bucket starts where DDP's does)."""
+    per_line = max(1, int(64 // elem)) if elem else 1
+    return -(-(tensors + 1) // per_line) * per_line
 
 
 def _padding_bytes(tensors: Sequence[int], world: int, elem: float,

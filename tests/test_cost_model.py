@@ -60,7 +60,8 @@ def test_bench_formula_by_hand():
         ("ddp", 2): p,  # 2 (N-1)/N = 1
         ("ddp", 4): 3 * p // 2,
         ("ddp", 8): 7 * p // 4,
-        ("gradmgr", 4): 3 * (p + 17 * 4) // 2,  # 16 "used" flags + a marker in the last bucket
+        # 16 "used" flags + a marker in the last bucket, padded to 64-byte lines: 32 floats
+        ("gradmgr", 4): 3 * (p + 32 * 4) // 2,
         ("zero1", 8): 21 * p // 8,  # 2 (7/8) + 7/8
         ("fsdp2-noreshard", 4): 3 * p // 2,  # 3/4 + 3/4
         ("fsdp2", 4): 9 * p // 4,  # 3 x 3/4
@@ -253,3 +254,35 @@ def test_docs_scaling_ratios_are_the_models():
     for system in ("fsdp2", "fsdp2-noreshard"):
         low, high = span(system, 8)
         assert (round(low, 3), round(high, 3)) == (0.985, 0.99)
+
+
+def test_formula_counts_the_bytes_the_reducer_path_sends():
+    """The formula's small term for gradmgr's default path (its reducer's "used" flags and
+    failure marker, padded to 64-byte lines) is what one step of ``data_parallel`` sends: a
+    profiled step on a process group of one rank, bench_scaling's 16 tensors at width 64.
+    (The flags' padding came after the formula once, and the committed run hid it.)"""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from gradmgr.distributed import data_parallel, free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(bench_scaling.LAYERS)])
+        sizes = [p.numel() for p in net.parameters()]
+        assert len(sizes) == len(bench_scaling.layer_sizes())
+        gm = data_parallel(net)
+        for _ in range(2):  # the second step is profiled: the first also checks and plans
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                with gm:
+                    gm.backward(net(torch.ones(4, 64)).sum())
+        called = bench_scaling.collectives_of(list(prof.profiler.kineto_results.events()), 1)
+        payload = bench_scaling.summed(called["called"])["data_payload"]
+        assert payload == 4 * (sum(sizes) + cost_model.reducer_flags(len(sizes), 4))
+        assert cost_model.reducer_flags(len(sizes), 4) == 32  # 17 floats, padded to 2 lines
+        del gm
+    finally:
+        dist.destroy_process_group()
