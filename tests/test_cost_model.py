@@ -276,9 +276,8 @@ def test_formula_counts_the_bytes_the_reducer_path_sends():
         assert len(sizes) == len(bench_scaling.layer_sizes())
         gm = data_parallel(net)
         for _ in range(2):  # the second step is profiled: the first also checks and plans
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                with gm:
-                    gm.backward(net(torch.ones(4, 64)).sum())
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, gm:
+                gm.backward(net(torch.ones(4, 64)).sum())
         called = bench_scaling.collectives_of(list(prof.profiler.kineto_results.events()), 1)
         payload = bench_scaling.summed(called["called"])["data_payload"]
         assert payload == 4 * (sum(sizes) + cost_model.reducer_flags(len(sizes), 4))
