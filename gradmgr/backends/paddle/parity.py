@@ -19,7 +19,9 @@ import paddle
 from paddle import nn
 
 from gradmgr.parity.contract import Post, Pre, Slot
-from gradmgr.parity.modules import NamedModules, as_tuple, tied_names
+from gradmgr.parity.modules import NamedModules, as_tuple, hooked_too, tied_names
+
+from .parity_functions import watch_functions
 
 # Paddle's names of BatchNorm's running statistics, and the contract's roles for them.
 _STATS = {"_mean": "running_mean", "_variance": "running_var"}
@@ -141,6 +143,12 @@ class PaddleParity(NamedModules):
             p.clear_gradient(False)  # False: no .grad at all, not a zero one
 
     def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
+        """The leaf layers' hooks, and the functional calls that branch
+        (:mod:`.parity_functions`)."""
+        return hooked_too(self._hook_layers(pre, post),
+                          lambda: watch_functions(self.model, self.leaves, pre, post))
+
+    def _hook_layers(self, pre: Pre, post: Post) -> Callable[[], None]:
         handles = []
         for name, m in self.leaves.items():
             handles.append(m.register_forward_pre_hook(
