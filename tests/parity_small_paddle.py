@@ -66,3 +66,42 @@ class Block(nn.Layer):
 
 def cross_entropy(output, target):
     return F.cross_entropy(output, target.astype("int64"))
+
+
+class TiedLinear(nn.Layer):
+    """An output layer on an embedding's weight ([vocab, dim]), as Paddle ports write it
+    (PaddleNLP's LM heads): ``x @ W.T`` by ``transpose_y``, no nn.Linear ([in, out])."""
+
+    def __init__(self, weight=None) -> None:
+        super().__init__()
+        self.weight = self.create_parameter([10, 8]) if weight is None else weight
+
+    def forward(self, x):
+        return paddle.matmul(x, self.weight, transpose_y=True)
+
+
+class TiedLM(nn.Layer):
+    """tests/parity_small_torch.py's TiedLM: the output layer reuses the embedding's weight
+    (``tied``), or has its own."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(10, 8), nn.Linear(8, 8)
+        self.head = TiedLinear(self.emb.weight if tied else None)
+
+    def forward(self, t):
+        return self.head(paddle.tanh(self.mid(self.emb(t))))
+
+
+class Shared(nn.Layer):
+    """tests/parity_small_torch.py's Shared: two Linears on one weight (``tied``), each with
+    its own bias, or on their own weights."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        if tied:
+            self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(paddle.tanh(self.a(x)))

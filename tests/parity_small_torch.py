@@ -66,3 +66,31 @@ class Block(nn.Module):
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, target.long())
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight the output layer reuses (GPT's wte / lm_head: ``tied``), or
+    not."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(10, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(t))))
+
+
+class Shared(nn.Module):
+    """Two Linears on one weight (``tied``), each with its own bias, or on their own."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        if tied:
+            self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))

@@ -31,6 +31,9 @@ from gradmgr.parity import (  # noqa: E402
     train_drift,
     transfer_weights,
 )
+from gradmgr.parity.contract import adapter_for  # noqa: E402
+from gradmgr.parity.errors import MappingError  # noqa: E402
+from gradmgr.parity.mapping import TIED as TIE  # noqa: E402
 
 RS = np.random.RandomState(0)
 XIMG = RS.randn(4, 3, 8, 8).astype(np.float32)
@@ -327,3 +330,160 @@ def test_a_paddle_dump_keeps_the_weights_paddle_stores_transposed(case, tmp_path
     assert recorded.header["framework_version"] == paddle.__version__
     flipped = {p["src"] for p in live["pairs"] if p["transform"] == "transpose"}
     assert flipped == linear_names(pm) and len(flipped) >= 1
+
+
+# Tied weights (docs/paddle.md): an LM head on its embedding's weight, as Paddle ports write it
+# (a matmul with transpose_y, tests/parity_small_paddle.py), and two nn.Linear on one weight
+# (stored [in, out] under both names).
+TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared},
+        "paddle": {"lm": P.TiedLM, "shared": P.Shared}}
+TIED_BATCHES = {"lm": RS.randint(0, 10, (4, 5)), "shared": RS.randn(4, 8).astype(np.float32)}
+TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight")}
+
+
+def tied_model(framework: str, case: str, tied: bool, seed: int):
+    torch.manual_seed(seed)
+    paddle.seed(seed)
+    return TIED[framework][case](tied=tied)
+
+
+def grads_by_name(model) -> dict:
+    """Each name's gradient as the tool's adapter reads it ([out, in] for Paddle's Linear)."""
+    adapter = adapter_for(model)
+    return {s.name: adapter.grad(s.name) for s in adapter.slots() if s.trainable}
+
+
+def untied_paddle_grads(pm, case: str, batch) -> dict:
+    """The gradients Paddle's own loss.backward() gives an untied copy of ``pm`` (each name
+    its own parameter, the tied values copied to both), as Paddle stores them."""
+    copy = tied_model("paddle", case, False, 2)
+    copy.set_state_dict({n: paddle.to_tensor(p.numpy())
+                         for n, p in pm.named_parameters(remove_duplicate=False)})
+    copy(paddle.to_tensor(batch)).mean().backward()  # compare_step's loss: the output's mean
+    return {n: p.grad.numpy() for n, p in copy.named_parameters()}
+
+
+@pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
+@pytest.mark.parametrize("case", ["lm", "shared"])
+def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction):
+    src, dst = direction.split("->")
+    a, b, x = tied_model(src, case, True, 0), tied_model(dst, case, True, 1), TIED_BATCHES[case]
+    alias, first = TIES[case]
+    pm, tm = (a, b) if src == "paddle" else (b, a)
+    assert adapter_for(pm).aliases == {alias: first}
+    mapping = transfer_weights(a, b, probe=x)
+    assert mapping.ok and not mapping.findings
+    assert {(alias, alias), (first, first)} <= {(p.src, p.dst) for p in mapping.pairs}
+    report = compare_step(a, b, x)
+    assert report.ok, report.text()
+    assert {alias, first} <= {e.name.split(" / ")[0] for e in report.entries if e.what == "grad"}
+    # the tied gradient sums both uses on both sides: Paddle's is what Paddle's own backward
+    # gives an untied copy's two parameters together (1e-6 of its largest: the sum's order),
+    # and torch's within 1e-5 of its largest (two frameworks' float32 kernels)
+    mine, theirs = grads_by_name(pm), grads_by_name(tm)
+    own = untied_paddle_grads(pm, case, x)
+    stored = dict(pm.named_parameters())[first].grad.numpy()
+    np.testing.assert_allclose(stored, own[first] + own[alias], rtol=0,
+                               atol=1e-6 * np.abs(stored).max())
+    for name in (first, alias):
+        np.testing.assert_allclose(mine[name], theirs[name], rtol=0,
+                                   atol=1e-5 * np.abs(theirs[name]).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("tied_side", ["paddle", "torch"])
+@pytest.mark.parametrize("case", ["lm", "shared"])
+def test_tied_weights_on_one_side_only_are_a_finding_at_the_gradients(case, tied_side):
+    """The tied side is the reference: its values copied to both of the other's tensors, every
+    forward agrees, and the verdict names the tie and the gradients."""
+    other = "torch" if tied_side == "paddle" else "paddle"
+    a, b = tied_model(tied_side, case, True, 0), tied_model(other, case, False, 1)
+    x, (alias, first) = TIED_BATCHES[case], TIES[case]
+    with pytest.raises(MappingError, match="tied to"):
+        transfer_weights(a, b, probe=x)
+    mapping = transfer_weights(a, b, probe=x, strict=False)
+    assert not mapping.unmapped and [f.key for f in mapping.findings] == [TIE]
+    report = compare_step(a, b, x)
+    assert not report.ok and report.first_forward is None
+    assert all(e.ok for e in report.entries if e.what in ("forward", "loss"))
+    assert f"{alias} / {alias}: tied to is '{first}'" in str(report)
+    assert report.first_grad is not None and report.first_grad.what == "grad"
+    # the tied gradient is the sum of the untied side's two (1e-5 of its largest)
+    ga, gb = grads_by_name(a), grads_by_name(b)
+    np.testing.assert_allclose(ga[first], gb[first] + gb[alias], rtol=0,
+                               atol=1e-5 * np.abs(ga[first]).max())
+
+
+class _LinearOnEmbedding(paddle.nn.Layer):
+    """An nn.Linear (10 -> 8) on an embedding's weight: stored [10, 8], the embedding's
+    [vocab, dim] and the Linear's [in, out] at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = paddle.nn.Embedding(10, 8), paddle.nn.Linear(10, 8, bias_attr=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, t):
+        return self.emb(t) * self.head(paddle.nn.functional.one_hot(t, 10))
+
+
+def test_a_linear_tied_to_an_embedding_is_transposed_as_the_linear_its_dump_too(tmp_path):
+    from gradmgr.parity import dump
+
+    paddle.seed(0)
+    model, t = _LinearOnEmbedding(), TIED_BATCHES["lm"]
+    adapter = adapter_for(model)
+    assert adapter.aliases == {"head.weight": "emb.weight"}
+    slots = {s.name: (s.shape, s.transposed) for s in adapter.slots()}
+    assert slots == {"emb.weight": ((10, 8), False), "head.weight": ((8, 10), True)}
+    assert np.array_equal(adapter.read("head.weight"), model.emb.weight.numpy().T)
+    value = RS.randn(8, 10).astype(np.float32)
+    adapter.write("head.weight", value)
+    assert np.array_equal(model.emb.weight.numpy(), value.T)
+    recorded = dump(model, t, str(tmp_path / "run.npz"))
+    g = model.emb.weight.grad.numpy()
+    assert np.array_equal(adapter.grad("emb.weight"), g)
+    assert np.array_equal(adapter.grad("head.weight"), g.T)
+    for name in ("emb.weight", "head.weight"):  # the dump reads each name in its own layout
+        assert np.array_equal(recorded.read(name), adapter.read(name)), name
+        assert np.array_equal(recorded.grad(name), adapter.grad(name)), name
+
+
+class _LMHead(paddle.nn.Layer):
+    """PaddleNLP's LM head: the embedding's weight held as ``decoder_weight``."""
+
+    def __init__(self, weight) -> None:
+        super().__init__()
+        self.decoder_weight = weight
+
+    def forward(self, x):
+        return paddle.matmul(x, self.decoder_weight, transpose_y=True)
+
+
+class _HeadOrInline(paddle.nn.Layer):
+    """T.TiedLM's port with the head in an _LMHead (``head``), or written inline in the
+    model's forward: a second use under no second name."""
+
+    def __init__(self, head: bool) -> None:
+        super().__init__()
+        self.emb, self.mid = paddle.nn.Embedding(10, 8), paddle.nn.Linear(8, 8)
+        self.head = _LMHead(self.emb.weight) if head else None
+
+    def forward(self, t):
+        x = paddle.tanh(self.mid(self.emb(t)))
+        return (self.head(x) if self.head is not None
+                else paddle.matmul(x, self.emb.weight, transpose_y=True))
+
+
+def test_a_tie_under_another_name_pairs_by_name_map_and_one_under_none_is_unmapped():
+    x = TIED_BATCHES["lm"]
+    a = tied_model("torch", "lm", True, 0)
+    with pytest.raises(MappingError, match="unmapped \\(src\\) head.weight: no linear layer"):
+        transfer_weights(a, _HeadOrInline(head=False), probe=x)
+    b = _HeadOrInline(head=True)
+    with pytest.raises(MappingError, match="unmapped \\(dst\\) head.decoder_weight"):
+        transfer_weights(a, b, probe=x)
+    name_map = {"head.weight": "head.decoder_weight"}
+    assert transfer_weights(a, b, name_map, probe=x).ok
+    report = compare_step(a, b, x, name_map=name_map)
+    assert report.ok, report.text()
+    assert "head.weight / head.decoder_weight" in {e.name for e in report.entries}

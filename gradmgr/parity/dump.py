@@ -163,6 +163,12 @@ class Dump:
         """Itself: a dump is its own adapter (gradmgr.parity.contract.adapter_for)."""
         return self
 
+    def _own(self, table: Dict[str, Any], name: str) -> str:
+        """The name ``name`` is recorded under in ``table``: its own where it is (a Paddle
+        Linear's weight tied to an Embedding's is that tensor in another layout), else that
+        of the parameter it is tied to."""
+        return name if name in table else self.aliases.get(name, name)
+
     def _array(self, key: Optional[str]) -> Optional[np.ndarray]:
         return None if key is None else self._arrays[key].copy()
 
@@ -173,7 +179,8 @@ class Dump:
         return list(self._slots)
 
     def read(self, name: str) -> np.ndarray:
-        value = self._array(self.header["values"][self.aliases.get(name, name)])
+        values = self.header["values"]
+        value = self._array(values[self._own(values, name)])
         assert value is not None  # (every slot's value is written)
         return value
 
@@ -184,7 +191,8 @@ class Dump:
                               f"transfer the weights from the dump into the live model")
 
     def grad(self, name: str) -> Optional[np.ndarray]:
-        return self._array(self.header["grads"].get(self.aliases.get(name, name)))
+        grads = self.header["grads"]
+        return self._array(grads.get(self._own(grads, name)))
 
     def clear_grads(self) -> None:
         pass

@@ -7,7 +7,7 @@ kind and configuration read, and how tensors are made, copied and written.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -46,6 +46,14 @@ def nearest_kind(module: Any, package: str) -> str:
         if cls.__module__.startswith(package) and cls.__name__ != "Module":
             return cls.__name__.lower()
     return type(module).__name__.lower()
+
+
+def tied_names(unique: Mapping[str, Any], every: Iterable[Tuple[str, Any]]) -> Dict[str, str]:
+    """The other names of tied parameters, ``{other name: its name in unique}``: ``every`` is
+    the model's ``(name, parameter)`` list with the duplicates kept, ``unique`` without
+    (both frameworks keep a parameter's first name)."""
+    first = {id(p): name for name, p in unique.items()}
+    return {name: first[id(p)] for name, p in every if name not in unique and id(p) in first}
 
 
 # Configuration a port's own module keeps under another name (a BERT port's LayerNorm keeps

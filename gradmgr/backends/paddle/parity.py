@@ -19,7 +19,9 @@ import paddle
 from paddle import nn
 
 from gradmgr.parity.contract import Post, Pre, Slot
-from gradmgr.parity.modules import NamedModules, as_tuple
+from gradmgr.parity.modules import NamedModules, as_tuple, hooked_too, tied_names
+
+from .parity_functions import watch_functions
 
 # Paddle's names of BatchNorm's running statistics, and the contract's roles for them.
 _STATS = {"_mean": "running_mean", "_variance": "running_var"}
@@ -91,9 +93,13 @@ class PaddleParity(NamedModules):
         params = {n: p for n, p in named.items() if n not in stats}
         buffers = {n: p for n, p in named.items() if n in stats}
         buffers.update(dict(model.named_buffers()))
-        super().__init__(model, leaves, params, buffers)
+        # a tied parameter's other names (head.weight -> emb.weight); a statistic has none
+        aliases = tied_names(params, model.named_parameters(remove_duplicate=False))
+        super().__init__(model, leaves, params, buffers, aliases)
         self.place = next(iter(params.values())).place
-        # Linear weights, stored [in, out]: read, written and differentiated as [out, in]
+        # Linear weights, stored [in, out]: read, written and differentiated as [out, in].
+        # By name: a Linear's weight tied to an Embedding's ([vocab, dim]) is transposed as
+        # the Linear's name, not as the Embedding's.
         self.transposed = {f"{name}.weight".lstrip(".") for name, m in leaves.items()
                            if isinstance(m, nn.Linear) and m.weight is not None}
 
@@ -129,7 +135,7 @@ class PaddleParity(NamedModules):
         target.set_value(array.astype(target.numpy().dtype).reshape(target.shape))
 
     def grad(self, name: str) -> Optional[np.ndarray]:
-        g = self.params[name].grad
+        g = self.params[self.aliases.get(name, name)].grad
         return None if g is None else self._layout(name, self.numpy(g))
 
     def clear_grads(self) -> None:
@@ -137,6 +143,12 @@ class PaddleParity(NamedModules):
             p.clear_gradient(False)  # False: no .grad at all, not a zero one
 
     def hook(self, pre: Pre, post: Post) -> Callable[[], None]:
+        """The leaf layers' hooks, and the functional calls that branch
+        (:mod:`.parity_functions`)."""
+        return hooked_too(self._hook_layers(pre, post),
+                          lambda: watch_functions(self.model, self.leaves, pre, post))
+
+    def _hook_layers(self, pre: Pre, post: Post) -> Callable[[], None]:
         handles = []
         for name, m in self.leaves.items():
             handles.append(m.register_forward_pre_hook(

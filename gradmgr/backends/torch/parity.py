@@ -8,7 +8,13 @@ import numpy as np
 import torch
 
 from gradmgr.parity.contract import Post, Pre
-from gradmgr.parity.modules import NamedModules, as_tuple, hooked_too, nearest_kind
+from gradmgr.parity.modules import (
+    NamedModules,
+    as_tuple,
+    hooked_too,
+    nearest_kind,
+    tied_names,
+)
 
 from .parity_functions import watch_functions
 
@@ -58,10 +64,7 @@ class TorchParity(NamedModules):
                   or any(True for _ in m.parameters(recurse=False))
                   or any(True for _ in m.buffers(recurse=False))}
         params = dict(model.named_parameters())
-        first = {id(p): name for name, p in params.items()}
-        aliases = {name: first[id(p)]
-                   for name, p in model.named_parameters(remove_duplicate=False)
-                   if name not in params and id(p) in first}
+        aliases = tied_names(params, model.named_parameters(remove_duplicate=False))
         super().__init__(model, leaves, params, dict(model.named_buffers()), aliases)
 
     def kind(self, module: Any) -> str:
