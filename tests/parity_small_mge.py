@@ -61,3 +61,32 @@ class Block(M.Module):
 
 def cross_entropy(output, target):
     return F.nn.cross_entropy(output, target.astype("int32"))
+
+
+class TiedLM(M.Module):
+    """tests/parity_small_torch.py's TiedLM: the output layer reuses the embedding's weight
+    (``tied``), or has its own."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.emb, self.mid = M.Embedding(10, 8), M.Linear(8, 8)
+        self.head = M.Linear(8, 10, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, t):
+        return self.head(F.tanh(self.mid(self.emb(t))))
+
+
+class Shared(M.Module):
+    """tests/parity_small_torch.py's Shared: two Linears on one weight (``tied``), each with
+    its own bias, or on their own weights."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.a, self.b = M.Linear(8, 8), M.Linear(8, 8)
+        if tied:
+            self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(F.tanh(self.a(x)))

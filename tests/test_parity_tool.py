@@ -312,3 +312,193 @@ def test_a_float64_torch_reference_against_a_megengine_port_fed_a_megengine_tens
     assert report.ok, report.text()
     worst = max(e.max_abs for e in report.entries if e.what == "forward")
     assert 0 < worst < 1e-5  # float32 rounding seen, and accepted
+
+
+# Tied weights (docs/megengine.md): an LM head on its embedding's weight and two Linears on
+# one weight. MegEngine's named_parameters lists a tied parameter once, under its first name
+# in sorted order; the adapter finds its other names itself.
+TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared},
+        "megengine": {"lm": G.TiedLM, "shared": G.Shared}}
+_TRS = np.random.RandomState(3)
+TIED_BATCHES = {"lm": _TRS.randint(0, 10, (4, 5)), "shared": _TRS.randn(4, 8).astype(np.float32)}
+TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight")}
+
+
+def tied_model(framework: str, case: str, tied: bool, seed: int):
+    torch.manual_seed(seed)
+    mge.random.seed(seed)
+    return TIED[framework][case](tied=tied)
+
+
+def grads_by_name(model) -> dict:
+    """Each name's gradient as the tool's adapter reads it."""
+    from gradmgr.parity.contract import adapter_for
+
+    adapter = adapter_for(model)
+    return {s.name: adapter.grad(s.name) for s in adapter.slots() if s.trainable}
+
+
+def untied_mge_grads(mm, case: str, batch) -> dict:
+    """The gradients MegEngine's own GradManager gives an untied copy of ``mm`` (each name its
+    own parameter, the tied values copied to both)."""
+    import megengine.autodiff as ad
+
+    copy_ = tied_model("megengine", case, False, 2)
+    params = dict(mm.named_parameters())
+    values = {n: params[n].numpy() for n in params}
+    values.update({alias: params[first].numpy() for alias, first in [TIES[case]]})
+    copy_.load_state_dict(values)
+    gm = ad.GradManager().attach(copy_.parameters())
+    with gm:
+        gm.backward(copy_(mge.tensor(batch)).mean())  # compare_step's loss: the output's mean
+    return {n: p.grad.numpy() for n, p in copy_.named_parameters()}
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", ["lm", "shared"])
+def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction):
+    from gradmgr.parity.contract import adapter_for
+
+    src, dst = direction.split("->")
+    a, b, x = tied_model(src, case, True, 0), tied_model(dst, case, True, 1), TIED_BATCHES[case]
+    alias, first = TIES[case]
+    mm, tm = (a, b) if src == "megengine" else (b, a)
+    assert adapter_for(mm).aliases == {alias: first}
+    mapping = transfer_weights(a, b, probe=x)
+    assert mapping.ok and not mapping.findings
+    assert {(alias, alias), (first, first)} <= {(p.src, p.dst) for p in mapping.pairs}
+    report = compare_step(a, b, x)
+    assert report.ok, report.text()
+    assert {alias, first} <= {e.name.split(" / ")[0] for e in report.entries if e.what == "grad"}
+    # the tied gradient sums both uses: MegEngine's is what its own GradManager gives an
+    # untied copy's two parameters together (1e-6 of its largest: the sum's order), and
+    # torch's to 1e-4 of its largest (this file's cross-framework bound)
+    mine, theirs = grads_by_name(mm), grads_by_name(tm)
+    own = untied_mge_grads(mm, case, x)
+    stored = dict(mm.named_parameters())[first].grad.numpy()
+    np.testing.assert_allclose(stored, own[first] + own[alias], rtol=0,
+                               atol=1e-6 * np.abs(stored).max())
+    for name in (first, alias):
+        np.testing.assert_allclose(mine[name], theirs[name], rtol=0,
+                                   atol=1e-4 * np.abs(theirs[name]).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("tied_side", ["megengine", "torch"])
+@pytest.mark.parametrize("case", ["lm", "shared"])
+def test_tied_weights_on_one_side_only_are_a_finding_at_the_gradients(case, tied_side):
+    """The tied side is the reference: its values copied to both of the other's tensors, every
+    forward agrees, and the verdict names the tie and the gradients."""
+    from gradmgr.parity.mapping import TIED as TIE
+
+    other = "torch" if tied_side == "megengine" else "megengine"
+    a, b = tied_model(tied_side, case, True, 0), tied_model(other, case, False, 1)
+    x, (alias, first) = TIED_BATCHES[case], TIES[case]
+    with pytest.raises(MappingError, match="tied to"):
+        transfer_weights(a, b, probe=x)
+    mapping = transfer_weights(a, b, probe=x, strict=False)
+    assert not mapping.unmapped and [f.key for f in mapping.findings] == [TIE]
+    report = compare_step(a, b, x)
+    assert not report.ok and report.first_forward is None
+    assert all(e.ok for e in report.entries if e.what in ("forward", "loss"))
+    assert f"{alias} / {alias}: tied to is '{first}'" in str(report)
+    assert report.first_grad is not None and report.first_grad.what == "grad"
+    # the tied gradient is the sum of the untied side's two (1e-4 of its largest)
+    ga, gb = grads_by_name(a), grads_by_name(b)
+    np.testing.assert_allclose(ga[first], gb[first] + gb[alias], rtol=0,
+                               atol=1e-4 * np.abs(ga[first]).max())
+
+
+def test_a_tie_under_another_name_pairs_by_name_map_and_one_under_none_is_unmapped():
+    import megengine.functional as F
+    import megengine.module as M
+
+    class LMHead(M.Module):  # an LM head holding the embedding's weight as decoder_weight
+        def __init__(self, weight) -> None:
+            super().__init__()
+            self.decoder_weight = weight
+
+        def forward(self, x):
+            return F.matmul(x, self.decoder_weight, transpose_b=True)
+
+    class HeadOrInline(M.Module):  # T.TiedLM's port, its head in LMHead or inline
+        def __init__(self, head: bool) -> None:
+            super().__init__()
+            self.emb, self.mid = M.Embedding(10, 8), M.Linear(8, 8)
+            self.head = LMHead(self.emb.weight) if head else None
+
+        def forward(self, t):
+            x = F.tanh(self.mid(self.emb(t)))
+            return (self.head(x) if self.head is not None
+                    else F.matmul(x, self.emb.weight, transpose_b=True))
+
+    x = TIED_BATCHES["lm"]
+    a = tied_model("torch", "lm", True, 0)
+    with pytest.raises(MappingError, match="unmapped \\(src\\) head.weight: no linear layer"):
+        transfer_weights(a, HeadOrInline(head=False), probe=x)
+    b = HeadOrInline(head=True)
+    with pytest.raises(MappingError, match="unmapped \\(dst\\) head.decoder_weight"):
+        transfer_weights(a, b, probe=x)
+    name_map = {"head.weight": "head.decoder_weight"}
+    assert transfer_weights(a, b, name_map, probe=x).ok
+    report = compare_step(a, b, x, name_map=name_map)
+    assert report.ok, report.text()
+    assert "head.weight / head.decoder_weight" in {e.name for e in report.entries}
+
+
+def test_a_tie_whose_first_name_differs_between_the_frameworks_is_still_one_tie():
+    """torch keeps a tied parameter's first name as registered (``wte``), MegEngine its first
+    in sorted order (``lm_head``): the tie is the same on both sides, no finding."""
+    import megengine.functional as F
+    import megengine.module as M
+
+    class TorchGPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.lm_head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, t):
+            return self.lm_head(torch.tanh(self.wte(t)))
+
+    class MgeGPT(M.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.lm_head = M.Embedding(10, 8), M.Linear(8, 10, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, t):
+            return self.lm_head(F.tanh(self.wte(t)))
+
+    from gradmgr.parity.contract import adapter_for
+
+    torch.manual_seed(0)
+    a, b, x = TorchGPT(), MgeGPT(), TIED_BATCHES["lm"]
+    assert adapter_for(a).aliases == {"lm_head.weight": "wte.weight"}
+    assert adapter_for(b).aliases == {"wte.weight": "lm_head.weight"}
+    mapping = transfer_weights(a, b, probe=x)
+    assert mapping.ok and not mapping.findings
+    np.testing.assert_array_equal(b.wte.weight.numpy(), a.wte.weight.detach().numpy())
+    report = compare_step(a, b, x)
+    assert report.ok, report.text()
+    np.testing.assert_allclose(b.wte.weight.grad.numpy(), a.wte.weight.grad.numpy(), rtol=0,
+                               atol=1e-4 * np.abs(a.wte.weight.grad.numpy()).max())
+
+
+def test_a_tied_megengine_model_dumped_keeps_its_tie(tmp_path):
+    """The dump records the tie (its header's aliases): against a tied torch port it is
+    parity, against an untied one the tie finding, as live."""
+    from gradmgr.parity import dump, load
+    from gradmgr.parity.mapping import TIED as TIE
+
+    x = TIED_BATCHES["lm"]
+    dump(tied_model("megengine", "lm", True, 0), x, str(tmp_path / "tied.npz"))
+    recorded = load(str(tmp_path / "tied.npz"))
+    assert recorded.aliases == {"head.weight": "emb.weight"}
+    np.testing.assert_array_equal(recorded.grad("head.weight"), recorded.grad("emb.weight"))
+    tied, untied = tied_model("torch", "lm", True, 1), tied_model("torch", "lm", False, 1)
+    assert transfer_weights(recorded, tied, probe=recorded.batch).ok
+    report = compare_step(recorded, tied, recorded.batch)
+    assert report.ok, report.text()
+    mapping = transfer_weights(recorded, untied, probe=recorded.batch, strict=False)
+    assert [f.key for f in mapping.findings] == [TIE]
+    assert not compare_step(recorded, untied, recorded.batch).ok

@@ -51,7 +51,8 @@ def nearest_kind(module: Any, package: str) -> str:
 def tied_names(unique: Mapping[str, Any], every: Iterable[Tuple[str, Any]]) -> Dict[str, str]:
     """The other names of tied parameters, ``{other name: its name in unique}``: ``every`` is
     the model's ``(name, parameter)`` list with the duplicates kept, ``unique`` without
-    (both frameworks keep a parameter's first name)."""
+    (each framework keeps one name: torch and Paddle the first registered, MegEngine the
+    first in sorted order)."""
     first = {id(p): name for name, p in unique.items()}
     return {name: first[id(p)] for name, p in every if name not in unique and id(p) in first}
 

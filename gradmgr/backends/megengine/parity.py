@@ -11,7 +11,13 @@ import megengine.module as M
 import numpy as np
 
 from gradmgr.parity.contract import Post, Pre
-from gradmgr.parity.modules import NamedModules, as_tuple, hooked_too, nearest_kind
+from gradmgr.parity.modules import (
+    NamedModules,
+    as_tuple,
+    hooked_too,
+    nearest_kind,
+    tied_names,
+)
 
 from .parity_functions import watch_functions
 
@@ -58,6 +64,20 @@ def _natural(pairs: Iterable[Tuple[str, Any]]) -> Dict[str, Any]:
     return dict(sorted(pairs, key=key))
 
 
+def _every_parameter(module: M.Module, prefix: str = "",
+                     above: Tuple[int, ...] = ()) -> Iterable[Tuple[str, Any]]:
+    """Every ``(name, parameter)`` of ``module``, a tied parameter under each of its names:
+    MegEngine's ``named_parameters`` lists one once and has no option to list duplicates
+    (torch's ``remove_duplicate=False``), so each module's own are listed without recursion
+    and its children walked by hand (``above``: the modules on the path, against a cycle)."""
+    above = above + (id(module),)
+    for name, p in module.named_parameters(recursive=False):
+        yield prefix + name, p
+    for name, child in module.named_children():
+        if id(child) not in above:
+            yield from _every_parameter(child, f"{prefix}{name}.", above)
+
+
 class MegEngineParity(NamedModules):
     """A ``megengine.module.Module`` for gradmgr.parity."""
 
@@ -68,8 +88,10 @@ class MegEngineParity(NamedModules):
                           if not any(True for _ in m.children())
                           or any(True for _ in m.parameters(recursive=False))
                           or any(True for _ in m.buffers(recursive=False)))
-        super().__init__(model, leaves, _natural(model.named_parameters()),
-                         _natural(model.named_buffers()))
+        params = _natural(model.named_parameters())
+        # a tied parameter's other names (head.weight -> emb.weight)
+        aliases = tied_names(params, _every_parameter(model))
+        super().__init__(model, leaves, params, _natural(model.named_buffers()), aliases)
 
     def kind(self, module: Any) -> str:
         return nearest_kind(module, "megengine.module.")
