@@ -344,10 +344,9 @@ def untied_mge_grads(mm, case: str, batch) -> dict:
     import megengine.autodiff as ad
 
     copy_ = tied_model("megengine", case, False, 2)
-    params = dict(mm.named_parameters())
-    values = {n: params[n].numpy() for n in params}
-    values.update({alias: params[first].numpy() for alias, first in [TIES[case]]})
-    copy_.load_state_dict(values)
+    values = {n: p.numpy() for n, p in mm.named_parameters()}
+    alias, first = TIES[case]
+    copy_.load_state_dict({**values, alias: values[first]})
     gm = ad.GradManager().attach(copy_.parameters())
     with gm:
         gm.backward(copy_(mge.tensor(batch)).mean())  # compare_step's loss: the output's mean
