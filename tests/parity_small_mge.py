@@ -90,3 +90,16 @@ class Shared(M.Module):
 
     def forward(self, x):
         return self.b(F.tanh(self.a(x)))
+
+
+class SharedLayer(M.Module):
+    """tests/parity_small_torch.py's SharedLayer: one Linear under two names (``shared``), or
+    two Linears."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.a = M.Linear(8, 8)
+        self.b = self.a if shared else M.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(F.tanh(self.a(x)))

@@ -105,3 +105,16 @@ class Shared(nn.Layer):
 
     def forward(self, x):
         return self.b(paddle.tanh(self.a(x)))
+
+
+class SharedLayer(nn.Layer):
+    """tests/parity_small_torch.py's SharedLayer: one Linear under two names (``shared``), or
+    two Linears."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = self.a if shared else nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(paddle.tanh(self.a(x)))

@@ -94,3 +94,16 @@ class Shared(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)))
+
+
+class SharedLayer(nn.Module):
+    """One Linear under two names, called twice (ALBERT-style sharing: ``self.b = self.a``,
+    ``shared``), or two Linears."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = self.a if shared else nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))

@@ -487,3 +487,56 @@ def test_a_tie_under_another_name_pairs_by_name_map_and_one_under_none_is_unmapp
     report = compare_step(a, b, x, name_map=name_map)
     assert report.ok, report.text()
     assert "head.weight / head.decoder_weight" in {e.name for e in report.entries}
+
+
+# One Linear under two names (``self.b = self.a``), as tests/test_parity_tool.py's against
+# MegEngine: stored [in, out] under both names.
+SHARED_LAYER = {"torch": T.SharedLayer, "paddle": P.SharedLayer}
+
+
+def shared_layer(framework: str, shared: bool, seed: int):
+    torch.manual_seed(seed)
+    paddle.seed(seed)
+    return SHARED_LAYER[framework](shared=shared)
+
+
+@pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
+def test_a_layer_shared_under_two_names_on_both_sides_is_parity_with_paddle(direction):
+    src, dst = direction.split("->")
+    a, b, x = shared_layer(src, True, 0), shared_layer(dst, True, 1), TIED_BATCHES["shared"]
+    mapping = transfer_weights(a, b, probe=x)
+    assert mapping.ok and not mapping.unmapped, mapping.text()
+    report = compare_step(a, b, x)
+    assert report.ok and not report.unmatched, report.text()
+    assert sum(e.what == "forward" for e in report.entries) == 2
+    # the shared gradient sums both uses: what Paddle's own backward gives an unshared copy
+    pm = a if src == "paddle" else b
+    copy = shared_layer("paddle", False, 2)
+    values = {n: paddle.to_tensor(p.numpy()) for n, p in pm.named_parameters()}
+    copy.set_state_dict({**values, "b.weight": values["a.weight"], "b.bias": values["a.bias"]})
+    copy(paddle.to_tensor(x)).mean().backward()
+    own = {n: p.grad.numpy() for n, p in copy.named_parameters()}
+    stored = pm.a.weight.grad.numpy()
+    np.testing.assert_allclose(stored, own["a.weight"] + own["b.weight"], rtol=0,
+                               atol=1e-6 * np.abs(stored).max())
+    ga, gb = grads_by_name(a), grads_by_name(b)
+    for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
+        np.testing.assert_allclose(ga[name], gb[name], rtol=0,
+                                   atol=1e-5 * np.abs(gb[name]).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("shared_side", ["paddle", "torch"])
+def test_a_layer_shared_on_one_side_only_is_a_tie_finding_with_paddle(shared_side):
+    other = "torch" if shared_side == "paddle" else "paddle"
+    a, b, x = shared_layer(shared_side, True, 0), shared_layer(other, False, 1), \
+        TIED_BATCHES["shared"]
+    mapping = transfer_weights(a, b, probe=x, strict=False)
+    assert not mapping.unmapped and [f.key for f in mapping.findings] == [TIE, TIE], \
+        mapping.text()
+    report = compare_step(a, b, x)
+    assert not report.ok and report.first_forward is None and not report.unmatched
+    assert all(e.ok for e in report.entries if e.what in ("forward", "loss"))
+    assert "b.weight / b.weight: tied to is 'a.weight'" in str(report)
+    ga, gb = grads_by_name(a), grads_by_name(b)
+    np.testing.assert_allclose(ga["a.weight"], gb["a.weight"] + gb["b.weight"], rtol=0,
+                               atol=1e-5 * np.abs(ga["a.weight"]).max())

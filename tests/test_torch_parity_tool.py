@@ -689,3 +689,39 @@ def test_tied_weights_on_both_sides_are_parity():
     mapping = transfer_weights(a, b, probe=t.numpy())
     assert mapping.ok and not mapping.findings
     assert compare_step(a, b, t.numpy()).ok
+
+
+def _sequential_of_one_block(shared: bool, seed: int) -> nn.Module:
+    """``nn.Sequential(block, block)`` (``shared``: one block under the names 0 and 1, whose
+    Linear is called twice) or two blocks, then a head."""
+    torch.manual_seed(seed)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    return nn.Sequential(block, block if shared else copy.deepcopy(block), nn.Linear(4, 2))
+
+
+def test_a_block_shared_in_a_sequential_is_parity_and_shared_on_one_side_a_tie_finding():
+    a, b = _sequential_of_one_block(True, 0), _sequential_of_one_block(True, 1)
+    assert transfer_weights(a, b, probe=X).ok  # strict: raised before (unmapped 1.0.*)
+    report = compare_step(a, b, X)
+    assert report.ok and not report.unmatched, report.text()
+    assert sum(e.what == "forward" for e in report.entries) == 5  # 2 Linear, 2 Tanh, head
+    # the shared Linear's gradient sums both uses: plain backward on an unshared copy
+    unshared = _sequential_of_one_block(False, 2)
+    unshared.load_state_dict(a.state_dict())  # (a's state dict names the block twice)
+    unshared(torch.as_tensor(X)).mean().backward()
+    want = unshared[0][0].weight.grad + unshared[1][0].weight.grad
+    a.zero_grad(set_to_none=True)
+    a(torch.as_tensor(X)).mean().backward()  # compare_step's loss: the output's mean
+    torch.testing.assert_close(a[0][0].weight.grad, want, rtol=0, atol=1e-6)
+    from gradmgr.parity.contract import adapter_for
+
+    np.testing.assert_array_equal(adapter_for(a).grad("1.0.weight"), want.numpy())
+
+    c = _sequential_of_one_block(False, 3)
+    with pytest.raises(MappingError, match="tied to"):
+        transfer_weights(a, c, probe=X)
+    mapping = transfer_weights(a, c, probe=X, strict=False)
+    assert not mapping.unmapped and len(mapping.findings) == 2, mapping.text()
+    report = compare_step(a, c, X)
+    assert not report.ok and report.first_forward is None and not report.unmatched
+    assert "1.0.weight / 1.0.weight: tied to is '0.0.weight'" in str(report)

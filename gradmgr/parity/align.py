@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import List, Optional, Set, Tuple
+from typing import List, Mapping, Optional, Set, Tuple
 
 from .contract import family
 from .report import StepReport
@@ -12,17 +12,19 @@ from .trace import Call
 
 
 def align_calls(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
-                report: StepReport) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+                report: StepReport, second: Tuple[Mapping[str, str], Mapping[str, str]] = ({}, {})
+                ) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
     """Pair the two forwards' calls: the k-th call of a mapped layer with the k-th call of its
     counterpart; between those anchors, the calls of layers without tensors (activations,
     pooling) by kind, as ``diff`` pairs lines, and as many calls of other kinds at the same
     place on both sides (an average pool where the original has a max pool) as a
     substitution, compared like any pair. The rest are listed as without counterpart.
-    Returns every pair, and those of the same kind."""
+    ``second``: each side's layers shared under two names (modules.second_names), whose
+    calls are all under the first name. Returns every pair, and those of the same kind."""
     anchors: List[Tuple[int, int]] = []
-    for la, lb in layers:
-        anchors += zip([i for i, c in enumerate(ca) if c.layer == la],
-                       [j for j, c in enumerate(cb) if c.layer == lb])
+    for names_a, names_b in _shared_groups(layers, second):
+        anchors += zip([i for i, c in enumerate(ca) if c.layer in names_a],
+                       [j for j, c in enumerate(cb) if c.layer in names_b])
     anchors.sort()
     chain, last = [], -1  # the anchors in the same order on both sides bound the segments
     for i, j in anchors:
@@ -50,6 +52,24 @@ def align_calls(ca: List[Call], cb: List[Call], layers: List[Tuple[str, str]],
     report.unmatched += [f"a {ca[i].layer} ({ca[i].kind}), call {i}" for i in left_a]
     report.unmatched += [f"b {cb[j].layer} ({cb[j].kind}), call {j}" for j in left_b]
     return sorted(pairs), sorted(pairs - swapped)
+
+
+def _shared_groups(layers: List[Tuple[str, str]],
+                   second: Tuple[Mapping[str, str], Mapping[str, str]]
+                   ) -> List[Tuple[Set[str], Set[str]]]:
+    """The mapped layer pairs, those of one shared layer merged: a layer called under one
+    name on one side (``a`` twice) against two layers on the other (``a``, then ``b``) pairs
+    its calls in order with theirs together. Without sharing, each pair alone."""
+    groups: List[Tuple[Set[str], Set[str]]] = []
+    for la, lb in sorted(layers, key=lambda p: p[0] in second[0] or p[1] in second[1]):
+        na, nb = second[0].get(la, la), second[1].get(lb, lb)
+        joined = [g for g in groups if na in g[0] or nb in g[1]]
+        if not (la in second[0] or lb in second[1]) or not joined:
+            groups.append(({na}, {nb}))
+            continue
+        joined[0][0].add(na)
+        joined[0][1].add(nb)
+    return groups
 
 
 def _unambiguous(ca: List[Call], cb: List[Call], seg_a: List[int], seg_b: List[int],

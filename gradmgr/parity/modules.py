@@ -57,6 +57,20 @@ def tied_names(unique: Mapping[str, Any], every: Iterable[Tuple[str, Any]]) -> D
     return {name: first[id(p)] for name, p in every if name not in unique and id(p) in first}
 
 
+def second_names(aliases: Mapping[str, str], hooked: Iterable[str]) -> Dict[str, str]:
+    """A layer shared under two names (``self.b = self.a``): ``{its other name: the name it is
+    hooked under}``, from its parameters' aliases (``b.weight -> a.weight``). Each framework
+    lists a module once, so the other name is no leaf, never hooked and never called: the
+    one layer's calls are all under its first name."""
+    hooked = set(hooked)
+    found = {}
+    for alias, name in aliases.items():
+        (other, _, role), (first, _, own) = alias.rpartition("."), name.rpartition(".")
+        if role == own and other != first and other not in hooked and first in hooked:
+            found[other] = first
+    return found
+
+
 # Configuration a port's own module keeps under another name (a BERT port's LayerNorm keeps
 # its eps as ``variance_epsilon``): read where the framework's config reader knows no class.
 ALIASES = {"eps": ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")}
@@ -92,6 +106,8 @@ class NamedModules:
         # emb.weight). A slot of its own, so that its layer pairs with the other model's and
         # the mapping sees the tie (mapping.tie_findings); one parameter all the same.
         self.aliases = dict(aliases or {})
+        # a whole layer shared: its other name a layer of its own in the map, like a tie's
+        self.second = second_names(self.aliases, leaves)
         self.device = next(iter(params.values())).device
 
     def kind(self, module: Any) -> str:
@@ -110,6 +126,9 @@ class NamedModules:
             if kind.startswith(MODAL):
                 config["training"] = bool(m.training)
             found.append(Layer(name, kind, config))
+        first = {layer.name: layer for layer in found}
+        found += [Layer(other, first[name].kind, first[name].config)
+                  for other, name in self.second.items()]
         return found
 
     def slots(self) -> List[Slot]:

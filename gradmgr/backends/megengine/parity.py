@@ -64,16 +64,25 @@ def _natural(pairs: Iterable[Tuple[str, Any]]) -> Dict[str, Any]:
     return dict(sorted(pairs, key=key))
 
 
+class _NothingSeen(set):
+    """The ``seen`` of MegEngine's module walk that has seen nothing: its ``named_children``
+    skips a module already listed under another name (``self.b = self.a``)."""
+
+    def __contains__(self, item: object) -> bool:
+        return False
+
+
 def _every_parameter(module: M.Module, prefix: str = "",
                      above: Tuple[int, ...] = ()) -> Iterable[Tuple[str, Any]]:
     """Every ``(name, parameter)`` of ``module``, a tied parameter under each of its names:
     MegEngine's ``named_parameters`` lists one once and has no option to list duplicates
     (torch's ``remove_duplicate=False``), so each module's own are listed without recursion
-    and its children walked by hand (``above``: the modules on the path, against a cycle)."""
+    and its children (a shared one under each name) walked by hand (``above``: the modules
+    on the path, against a cycle)."""
     above = above + (id(module),)
     for name, p in module.named_parameters(recursive=False):
         yield prefix + name, p
-    for name, child in module.named_children():
+    for name, child in module.named_children(seen=_NothingSeen()):
         if id(child) not in above:
             yield from _every_parameter(child, f"{prefix}{name}.", above)
 

@@ -102,6 +102,8 @@ class PaddleParity(NamedModules):
         # the Linear's name, not as the Embedding's.
         self.transposed = {f"{name}.weight".lstrip(".") for name, m in leaves.items()
                            if isinstance(m, nn.Linear) and m.weight is not None}
+        self.transposed |= {f"{other}.weight" for other, first in self.second.items()
+                            if f"{first}.weight" in self.transposed}  # a shared Linear
 
     def kind(self, module: Any) -> str:
         return _kind(module)
