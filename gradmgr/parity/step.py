@@ -93,8 +93,8 @@ def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
     report.weights = _weights_differ(mapping, weights_a, weights_b)
     report.findings += [f for f in mapping.findings if f.key == TIED]  # (layers': forward_entries)
-    second = tuple(second_names(getattr(ad, "aliases", {}), {c.layer for c in t.calls})
-                   for ad, t in ((ad_a, ta), (ad_b, tb)))
+    second = (second_names(getattr(ad_a, "aliases", {}), {c.layer for c in ta.calls}),
+              second_names(getattr(ad_b, "aliases", {}), {c.layer for c in tb.calls}))
     aligned, same_kind = align_calls(ta.calls, tb.calls, mapping.layers, report, second)
     depth = depths(ta.calls)
     kinks = forward_entries(ta, tb, aligned, depth, tol_factor, report)
