@@ -106,6 +106,67 @@ class FlatFunctions(Functions):
         return self.fc2(self.relu(self.fc1(x) - self.shift))
 
 
+# What the MegEngine and Paddle ports of these models (tests/test_parity_mge_functional.py,
+# tests/test_parity_paddle_functional.py) assert alike, each with its own port.
+
+
+def check_paired_call_by_call(a, b, forward):  # noqa: ANN001, ANN201
+    """``a`` and ``b`` compared both ways agree, every call paired, the forward entries named
+    ``forward`` (or its pairs reversed); the reports, for more checks."""
+    transfer_weights(a, b, probe=X)
+    reports = compare_step(a, b, X), compare_step(b, a, X)
+    for report in reports:
+        names = [e.name for e in report.entries if e.what == "forward"]
+        assert report.ok and report.unmatched == [], report.text()
+        assert names in (forward, [" / ".join(n.split(" / ")[::-1]) for n in forward]), names
+    return reports
+
+
+def check_flip_pinned(port, place):  # noqa: ANN001, ANN201
+    """fc1's unit 3 gives +1e-8 on side a (torch, ``Flat``'s ``nn.ReLU``), -1e-8 on side b
+    (``port(shift)``, its ReLU a function called at ``place``): a flip, within rounding of the
+    kink, pinned at b's call and every gradient verified; unpinned, fc1's gradients move."""
+    shift = np.zeros(WIDTH, np.float32)
+    shift[3] = 2e-8
+    torch.manual_seed(0)
+    a, b = Flat(), port(shift)
+    with torch.no_grad():
+        a.fc1.weight[3] = 0
+        a.fc1.bias[3] = 1e-8
+    transfer_weights(a, b, probe=X)
+    report = compare_step(a, b, X)
+    assert [(f.layer_a, f.layer_b, f.count, f.pinned, f.seen) for f in report.flips] == [
+        ("act", place, len(X), True, True)], report.text()
+    assert report.ok and report.unverified == [], report.text()
+    unpinned = compare_step(a, b, X, pin=False)  # the flip moves fc1's gradients: measured
+    assert not unpinned.ok and unpinned.failures() == [], unpinned.text()
+    assert {e.name for e in unpinned.unverified} == {"fc1.weight / fc1.weight",
+                                                      "fc1.bias / fc1.bias"}
+
+
+def check_torch_backward_only_bug_named(reference):  # noqa: ANN001, ANN201
+    """``reference`` (another framework's port, ``F.relu`` a function) against the torch port
+    whose ReLU forgets its mask in backward, 64 of fc1's outputs exactly at the kink: the
+    calls pair, nothing flips, and fc1's gradients DIFFER. The report, for more checks."""
+    torch.manual_seed(0)
+    a, b = Modules(), Functions(relu=MaskLessReLU.apply)
+    with torch.no_grad():
+        a.fc1.weight[:8] = 0
+        a.fc1.bias[:8] = 0
+    transfer_weights(a, reference, probe=X)
+    transfer_weights(reference, b, probe=X)
+    report = compare_step(reference, b, X)
+    assert report.first_forward is None and report.flips == [], report.text()
+    assert report.unverified == [], report.text()
+    assert report.first_grad is not None and report.first_grad.layer == "fc1", report.text()
+    # measured: fc1.weight off by 0.05 abs (about 0.6 relative); the tolerance is ~1e-6
+    assert report.first_grad.max_rel > 0.1
+    assert {e.name for e in report.failures()} == {"fc1.weight / fc1.weight",
+                                                   "fc1.bias / fc1.bias"}
+    assert "possible kink flip" not in report.text() and "unverified" not in report.text()
+    return report
+
+
 def straight_through_relu(h: torch.Tensor) -> torch.Tensor:
     """A port's ReLU written straight-through: the forward a ReLU's, the backward the
     identity (no mask): a backward-only bug in a functional call."""

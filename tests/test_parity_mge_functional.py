@@ -7,7 +7,6 @@ MegEngine's modules only (the calls were 'no counterpart', their flips unverifie
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,8 +15,14 @@ mge = pytest.importorskip("megengine")
 import megengine.functional as F  # noqa: E402
 import megengine.module as M  # noqa: E402
 from megengine.functional import relu as bound_relu  # noqa: E402  (bound at import time)
-from parity_ports_torch import MaskLessReLU  # noqa: E402
-from test_parity_functional import WIDTH, Flat, Functions, Modules, X  # noqa: E402
+from test_parity_functional import (  # noqa: E402
+    WIDTH,
+    Modules,
+    X,
+    check_flip_pinned,
+    check_paired_call_by_call,
+    check_torch_backward_only_bug_named,
+)
 
 from gradmgr.parity import ParityError, compare_step, transfer_weights  # noqa: E402
 
@@ -58,63 +63,27 @@ class ImportBound(MgeFunctions):
 @pytest.mark.parametrize("port", [MgeFunctions, ImportBound])
 def test_a_megengine_port_of_functions_is_compared_call_by_call(port):
     torch.manual_seed(0)
-    a, b = Modules(), port()
-    transfer_weights(a, b, probe=X)
-    for report in (compare_step(a, b, X), compare_step(b, a, X)):
-        names = [e.name for e in report.entries if e.what == "forward"]
-        assert report.ok and report.unmatched == [], report.text()
-        assert names in (FORWARD, [" / ".join(n.split(" / ")[::-1]) for n in FORWARD])
+    b = port()
+    check_paired_call_by_call(Modules(), b, FORWARD)
     # the functions are MegEngine's own again once the step is over
     assert F.relu is F.nn.relu and b.relu is F.relu and bound_relu is F.relu
 
 
 def test_a_flip_at_a_megengine_functional_relu_is_pinned_and_the_port_verified():
-    """fc1's unit 3 gives +1e-8 on side a (torch, an ``nn.ReLU``), -1e-8 on side b (MegEngine,
-    ``F.relu``): a flip, within rounding of the kink. It used to be a possible flip at a ReLU
-    watched on one side only, fc1's gradients 'unverified'; now it is pinned at b's call."""
-    shift = np.zeros(WIDTH, np.float32)
-    shift[3] = 2e-8
-    torch.manual_seed(0)
-    a, b = Flat(), MgeFunctions(shift=shift, pool=False)
-    transfer_weights(a, b, probe=X)
-    with torch.no_grad():
-        a.fc1.weight[3] = 0
-        a.fc1.bias[3] = 1e-8
-    transfer_weights(a, b, probe=X)
-    report = compare_step(a, b, X)
-    assert [(f.layer_a, f.layer_b, f.count, f.pinned, f.seen) for f in report.flips] == [
-        ("act", "relu()", len(X), True, True)], report.text()
-    assert report.ok and report.unverified == [], report.text()
-    unpinned = compare_step(a, b, X, pin=False)  # the flip moves fc1's gradients: measured
-    assert not unpinned.ok and unpinned.failures() == [], unpinned.text()
-    assert {e.name for e in unpinned.unverified} == {"fc1.weight / fc1.weight",
-                                                      "fc1.bias / fc1.bias"}
+    """The flip at ``F.relu`` (test_parity_functional.check_flip_pinned). It used to be a
+    possible flip at a ReLU watched on one side only, fc1's gradients 'unverified'; now it is
+    pinned at b's call."""
+    check_flip_pinned(lambda shift: MgeFunctions(shift=shift, pool=False), "relu()")
 
 
 def test_a_backward_only_bug_on_the_torch_side_is_named_not_called_a_flip():
     """The reference is MegEngine with ``F.relu``, the torch port's ReLU forgets its mask in
-    backward; 64 of fc1's outputs sit exactly at the kink. With the MegEngine call unwatched
-    they were possible flips at a one-sided ReLU, too many to size: every gradient
-    'unverified'. Now the calls pair, nothing flips, and fc1's gradients DIFFER."""
-    torch.manual_seed(0)
-    a, b = Modules(), Functions(relu=MaskLessReLU.apply)
-    with torch.no_grad():
-        a.fc1.weight[:8] = 0
-        a.fc1.bias[:8] = 0
-    reference = MgeFunctions()
-    transfer_weights(a, reference, probe=X)
-    transfer_weights(reference, b, probe=X)
-    report = compare_step(reference, b, X)
-    assert report.first_forward is None and report.flips == [], report.text()
-    assert report.unverified == [], report.text()
-    assert report.first_grad is not None and report.first_grad.layer == "fc1", report.text()
-    # measured: fc1.weight off by 0.05 abs (about 0.6 relative); the tolerance is ~1e-6
-    assert report.first_grad.max_rel > 0.1
-    assert {e.name for e in report.failures()} == {"fc1.weight / fc1.weight",
-                                                   "fc1.bias / fc1.bias"}
+    backward (test_parity_functional.check_torch_backward_only_bug_named). With the MegEngine
+    call unwatched they were possible flips at a one-sided ReLU, too many to size: every
+    gradient 'unverified'. Now the calls pair, nothing flips, and fc1's gradients DIFFER."""
+    report = check_torch_backward_only_bug_named(MgeFunctions())
     assert report.suspects[0] == "relu() / clamp() (relu)", report.suspects
     assert "every forward agrees but a gradient differs" in report.text()
-    assert "possible kink flip" not in report.text() and "unverified" not in report.text()
 
 
 def test_maximum_with_zero_is_a_relu_and_other_calls_are_compared():

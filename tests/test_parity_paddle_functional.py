@@ -10,7 +10,6 @@ Runs in .venv-paddle with GRADMGR_FRAMEWORKS=paddle,torch,megengine."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,8 +17,14 @@ paddle = pytest.importorskip("paddle")
 
 import paddle.nn.functional as F  # noqa: E402
 from paddle.nn.functional import relu as bound_relu  # noqa: E402  (bound at import time)
-from parity_ports_torch import MaskLessReLU  # noqa: E402
-from test_parity_functional import WIDTH, Flat, Functions, Modules, X  # noqa: E402
+from test_parity_functional import (  # noqa: E402
+    WIDTH,
+    Modules,
+    X,
+    check_flip_pinned,
+    check_paired_call_by_call,
+    check_torch_backward_only_bug_named,
+)
 
 from gradmgr.parity import ParityError, compare_step, transfer_weights  # noqa: E402
 
@@ -70,13 +75,9 @@ class Clipped(PdFunctions):
 @pytest.mark.parametrize("port", [PdFunctions, ImportBound, Clipped])
 def test_a_paddle_port_of_functions_is_compared_call_by_call(port):
     torch.manual_seed(0)
-    a, b = Modules(), port()
-    transfer_weights(a, b, probe=X)
+    b = port()
     forward = [n.replace("relu()", "clip()") for n in FORWARD] if port is Clipped else FORWARD
-    for report in (compare_step(a, b, X), compare_step(b, a, X)):
-        names = [e.name for e in report.entries if e.what == "forward"]
-        assert report.ok and report.unmatched == [], report.text()
-        assert names in (forward, [" / ".join(n.split(" / ")[::-1]) for n in forward]), names
+    for report in check_paired_call_by_call(Modules(), b, forward):
         kinds = {e.name: e.kind for e in report.entries if e.what == "forward"}
         assert {"relu", "maxpool2d"} <= set(kinds.values()), kinds
     # the functions are Paddle's own again once the step is over
@@ -90,47 +91,15 @@ def clip_at_zero(h):  # noqa: ANN001, ANN201
 
 @pytest.mark.parametrize("relu, place", [(F.relu, "relu()"), (clip_at_zero, "clip()")])
 def test_a_flip_at_a_paddle_functional_relu_is_pinned_and_the_port_verified(relu, place):
-    """fc1's unit 3 gives +1e-8 on side a (torch, an ``nn.ReLU``), -1e-8 on side b (Paddle,
-    ``F.relu`` or ``paddle.clip(h, min=0)``): a flip, within rounding of the kink, pinned at
-    b's call."""
-    shift = np.zeros(WIDTH, np.float32)
-    shift[3] = 2e-8
-    torch.manual_seed(0)
-    a, b = Flat(), PdFunctions(relu=relu, shift=shift, pool=False)
-    with torch.no_grad():
-        a.fc1.weight[3] = 0
-        a.fc1.bias[3] = 1e-8
-    transfer_weights(a, b, probe=X)
-    report = compare_step(a, b, X)
-    assert [(f.layer_a, f.layer_b, f.count, f.pinned, f.seen) for f in report.flips] == [
-        ("act", place, len(X), True, True)], report.text()
-    assert report.ok and report.unverified == [], report.text()
-    unpinned = compare_step(a, b, X, pin=False)  # the flip moves fc1's gradients: measured
-    assert not unpinned.ok and unpinned.failures() == [], unpinned.text()
-    assert {e.name for e in unpinned.unverified} == {"fc1.weight / fc1.weight",
-                                                      "fc1.bias / fc1.bias"}
+    """The flip (test_parity_functional.check_flip_pinned) at Paddle's ``F.relu`` or
+    ``paddle.clip(h, min=0)``, pinned at b's call."""
+    check_flip_pinned(lambda shift: PdFunctions(relu=relu, shift=shift, pool=False), place)
 
 
 def test_a_backward_only_bug_on_the_torch_side_is_named_not_called_a_flip():
     """The reference is Paddle with ``F.relu``, the torch port's ReLU forgets its mask in
-    backward; 64 of fc1's outputs sit exactly at the kink. The calls pair, nothing flips,
-    and fc1's gradients DIFFER."""
-    torch.manual_seed(0)
-    a, b = Modules(), Functions(relu=MaskLessReLU.apply)
-    with torch.no_grad():
-        a.fc1.weight[:8] = 0
-        a.fc1.bias[:8] = 0
-    reference = PdFunctions()
-    transfer_weights(a, reference, probe=X)
-    transfer_weights(reference, b, probe=X)
-    report = compare_step(reference, b, X)
-    assert report.first_forward is None and report.flips == [], report.text()
-    assert report.unverified == [], report.text()
-    assert report.first_grad is not None and report.first_grad.layer == "fc1", report.text()
-    assert report.first_grad.max_rel > 0.1  # (the tolerance is ~1e-6)
-    assert {e.name for e in report.failures()} == {"fc1.weight / fc1.weight",
-                                                   "fc1.bias / fc1.bias"}
-    assert "possible kink flip" not in report.text() and "unverified" not in report.text()
+    backward (test_parity_functional.check_torch_backward_only_bug_named)."""
+    check_torch_backward_only_bug_named(PdFunctions())
 
 
 def test_each_watched_function_is_watched_under_torchs_kind():
