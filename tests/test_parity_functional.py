@@ -167,6 +167,21 @@ def check_torch_backward_only_bug_named(reference):  # noqa: ANN001, ANN201
     return report
 
 
+def port_after_its_error(port_class):  # noqa: ANN001, ANN201
+    """A ``port_class`` whose forward raises after its ReLU call, once its weights transfer
+    failed with that error: the model, to check that every replaced name is put back."""
+
+    class Failing(port_class):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            self.relu(self.fc1(x))
+            raise RuntimeError("a port's bug")
+
+    b = Failing()
+    with pytest.raises(ParityError, match="a port's bug"):
+        transfer_weights(Modules(), b, probe=X)
+    return b
+
+
 def straight_through_relu(h: torch.Tensor) -> torch.Tensor:
     """A port's ReLU written straight-through: the forward a ReLU's, the backward the
     identity (no mask): a backward-only bug in a functional call."""

@@ -22,9 +22,10 @@ from test_parity_functional import (  # noqa: E402
     check_flip_pinned,
     check_paired_call_by_call,
     check_torch_backward_only_bug_named,
+    port_after_its_error,
 )
 
-from gradmgr.parity import ParityError, compare_step, transfer_weights  # noqa: E402
+from gradmgr.parity import compare_step, transfer_weights  # noqa: E402
 
 FORWARD = ["fc1 / fc1", "act / relu()", "pool / max_pool2d()", "fc2 / fc2"]
 
@@ -106,14 +107,7 @@ def test_maximum_with_zero_is_a_relu_and_other_calls_are_compared():
 
 
 def test_every_function_is_put_back_after_an_error():
-    class Failing(MgeFunctions):
-        def forward(self, x):  # noqa: ANN001, ANN201
-            self.relu(self.fc1(x))
-            raise RuntimeError("a port's bug")
-
-    b = Failing()
-    with pytest.raises(ParityError, match="a port's bug"):
-        transfer_weights(Modules(), b, probe=X)
+    b = port_after_its_error(MgeFunctions)
     assert F.relu is F.nn.relu and F.max_pool2d is F.nn.max_pool2d
     assert getattr(F.relu, "__wrapped__", None) is None and b.relu is F.relu
     assert bound_relu is F.relu and F.maximum is F.elemwise.maximum

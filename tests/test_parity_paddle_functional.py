@@ -24,9 +24,10 @@ from test_parity_functional import (  # noqa: E402
     check_flip_pinned,
     check_paired_call_by_call,
     check_torch_backward_only_bug_named,
+    port_after_its_error,
 )
 
-from gradmgr.parity import ParityError, compare_step, transfer_weights  # noqa: E402
+from gradmgr.parity import compare_step  # noqa: E402
 
 FORWARD = ["fc1 / fc1", "act / relu()", "pool / max_pool2d()", "fc2 / fc2"]
 RELU = paddle.nn.functional.activation.relu  # Paddle's own, under its defining module
@@ -129,14 +130,7 @@ def test_each_watched_function_is_watched_under_torchs_kind():
 
 
 def test_every_function_is_put_back_after_an_error():
-    class Failing(PdFunctions):
-        def forward(self, x):  # noqa: ANN001, ANN201
-            self.relu(self.fc1(x))
-            raise RuntimeError("a port's bug")
-
-    b = Failing()
-    with pytest.raises(ParityError, match="a port's bug"):
-        transfer_weights(Modules(), b, probe=X)
+    b = port_after_its_error(PdFunctions)
     assert F.relu is RELU and F.max_pool2d is paddle.nn.functional.pooling.max_pool2d
     assert getattr(F.relu, "__wrapped__", None) is None and b.relu is F.relu
     assert bound_relu is F.relu and paddle.maximum is paddle.tensor.maximum
