@@ -22,6 +22,11 @@ import megengine.optimizer  # noqa: E402,F401
 import parity_small_mge as G  # noqa: E402
 import parity_small_paddle as P  # noqa: E402
 import parity_small_torch as T  # noqa: E402
+from parity_tied_checks import (  # noqa: E402
+    check_tied_on_both_sides,
+    check_tied_on_one_side,
+    grads_by_name,
+)
 
 from gradmgr.parity import (  # noqa: E402
     assert_parity,
@@ -347,12 +352,6 @@ def tied_model(framework: str, case: str, tied: bool, seed: int):
     return TIED[framework][case](tied=tied)
 
 
-def grads_by_name(model) -> dict:
-    """Each name's gradient as the tool's adapter reads it ([out, in] for Paddle's Linear)."""
-    adapter = adapter_for(model)
-    return {s.name: adapter.grad(s.name) for s in adapter.slots() if s.trainable}
-
-
 def untied_paddle_grads(pm, case: str, batch) -> dict:
     """The gradients Paddle's own loss.backward() gives an untied copy of ``pm`` (each name
     its own parameter, the tied values copied to both), as Paddle stores them."""
@@ -369,48 +368,25 @@ def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction
     src, dst = direction.split("->")
     a, b, x = tied_model(src, case, True, 0), tied_model(dst, case, True, 1), TIED_BATCHES[case]
     alias, first = TIES[case]
-    pm, tm = (a, b) if src == "paddle" else (b, a)
-    assert adapter_for(pm).aliases == {alias: first}
-    mapping = transfer_weights(a, b, probe=x)
-    assert mapping.ok and not mapping.findings
-    assert {(alias, alias), (first, first)} <= {(p.src, p.dst) for p in mapping.pairs}
-    report = compare_step(a, b, x)
-    assert report.ok, report.text()
-    assert {alias, first} <= {e.name.split(" / ")[0] for e in report.entries if e.what == "grad"}
-    # the tied gradient sums both uses on both sides: Paddle's is what Paddle's own backward
-    # gives an untied copy's two parameters together (1e-6 of its largest: the sum's order),
-    # and torch's within 1e-5 of its largest (two frameworks' float32 kernels)
-    mine, theirs = grads_by_name(pm), grads_by_name(tm)
+    pm = a if src == "paddle" else b
+    # the tied gradient sums both uses on both sides: torch's within 1e-5 of its largest (two
+    # frameworks' float32 kernels), and Paddle's is what Paddle's own backward gives an untied
+    # copy's two parameters together (1e-6 of its largest: the sum's order)
+    check_tied_on_both_sides(a, b, x, pm, alias, first, rel=1e-5)
     own = untied_paddle_grads(pm, case, x)
     stored = dict(pm.named_parameters())[first].grad.numpy()
     np.testing.assert_allclose(stored, own[first] + own[alias], rtol=0,
                                atol=1e-6 * np.abs(stored).max())
-    for name in (first, alias):
-        np.testing.assert_allclose(mine[name], theirs[name], rtol=0,
-                                   atol=1e-5 * np.abs(theirs[name]).max(), err_msg=name)
 
 
 @pytest.mark.parametrize("tied_side", ["paddle", "torch"])
 @pytest.mark.parametrize("case", ["lm", "shared"])
 def test_tied_weights_on_one_side_only_are_a_finding_at_the_gradients(case, tied_side):
-    """The tied side is the reference: its values copied to both of the other's tensors, every
-    forward agrees, and the verdict names the tie and the gradients."""
+    """The tied side is the reference (parity_tied_checks.check_tied_on_one_side); the tied
+    gradient within 1e-5 of its largest of the sum of the untied side's two."""
     other = "torch" if tied_side == "paddle" else "paddle"
     a, b = tied_model(tied_side, case, True, 0), tied_model(other, case, False, 1)
-    x, (alias, first) = TIED_BATCHES[case], TIES[case]
-    with pytest.raises(MappingError, match="tied to"):
-        transfer_weights(a, b, probe=x)
-    mapping = transfer_weights(a, b, probe=x, strict=False)
-    assert not mapping.unmapped and [f.key for f in mapping.findings] == [TIE]
-    report = compare_step(a, b, x)
-    assert not report.ok and report.first_forward is None
-    assert all(e.ok for e in report.entries if e.what in ("forward", "loss"))
-    assert f"{alias} / {alias}: tied to is '{first}'" in str(report)
-    assert report.first_grad is not None and report.first_grad.what == "grad"
-    # the tied gradient is the sum of the untied side's two (1e-5 of its largest)
-    ga, gb = grads_by_name(a), grads_by_name(b)
-    np.testing.assert_allclose(ga[first], gb[first] + gb[alias], rtol=0,
-                               atol=1e-5 * np.abs(ga[first]).max())
+    check_tied_on_one_side(a, b, TIED_BATCHES[case], *TIES[case], rel=1e-5)
 
 
 class _LinearOnEmbedding(paddle.nn.Layer):

@@ -19,6 +19,11 @@ torch = pytest.importorskip("torch")
 import megengine.optimizer as mge_optim  # noqa: E402
 import parity_small_mge as G  # noqa: E402
 import parity_small_torch as T  # noqa: E402
+from parity_tied_checks import (  # noqa: E402
+    check_tied_on_both_sides,
+    check_tied_on_one_side,
+    grads_by_name,
+)
 
 from gradmgr.parity import (  # noqa: E402
     MappingError,
@@ -330,14 +335,6 @@ def tied_model(framework: str, case: str, tied: bool, seed: int):
     return TIED[framework][case](tied=tied)
 
 
-def grads_by_name(model) -> dict:
-    """Each name's gradient as the tool's adapter reads it."""
-    from gradmgr.parity.contract import adapter_for
-
-    adapter = adapter_for(model)
-    return {s.name: adapter.grad(s.name) for s in adapter.slots() if s.trainable}
-
-
 def untied_mge_grads(mm, case: str, batch) -> dict:
     """The gradients MegEngine's own GradManager gives an untied copy of ``mm`` (each name its
     own parameter, the tied values copied to both)."""
@@ -356,55 +353,28 @@ def untied_mge_grads(mm, case: str, batch) -> dict:
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("case", ["lm", "shared"])
 def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction):
-    from gradmgr.parity.contract import adapter_for
-
     src, dst = direction.split("->")
     a, b, x = tied_model(src, case, True, 0), tied_model(dst, case, True, 1), TIED_BATCHES[case]
     alias, first = TIES[case]
-    mm, tm = (a, b) if src == "megengine" else (b, a)
-    assert adapter_for(mm).aliases == {alias: first}
-    mapping = transfer_weights(a, b, probe=x)
-    assert mapping.ok and not mapping.findings
-    assert {(alias, alias), (first, first)} <= {(p.src, p.dst) for p in mapping.pairs}
-    report = compare_step(a, b, x)
-    assert report.ok, report.text()
-    assert {alias, first} <= {e.name.split(" / ")[0] for e in report.entries if e.what == "grad"}
-    # the tied gradient sums both uses: MegEngine's is what its own GradManager gives an
-    # untied copy's two parameters together (1e-6 of its largest: the sum's order), and
-    # torch's to 1e-4 of its largest (this file's cross-framework bound)
-    mine, theirs = grads_by_name(mm), grads_by_name(tm)
+    mm = a if src == "megengine" else b
+    # the tied gradient sums both uses: torch's to 1e-4 of its largest (this file's
+    # cross-framework bound), and MegEngine's is what its own GradManager gives an untied
+    # copy's two parameters together (1e-6 of its largest: the sum's order)
+    check_tied_on_both_sides(a, b, x, mm, alias, first, rel=1e-4)
     own = untied_mge_grads(mm, case, x)
     stored = dict(mm.named_parameters())[first].grad.numpy()
     np.testing.assert_allclose(stored, own[first] + own[alias], rtol=0,
                                atol=1e-6 * np.abs(stored).max())
-    for name in (first, alias):
-        np.testing.assert_allclose(mine[name], theirs[name], rtol=0,
-                                   atol=1e-4 * np.abs(theirs[name]).max(), err_msg=name)
 
 
 @pytest.mark.parametrize("tied_side", ["megengine", "torch"])
 @pytest.mark.parametrize("case", ["lm", "shared"])
 def test_tied_weights_on_one_side_only_are_a_finding_at_the_gradients(case, tied_side):
-    """The tied side is the reference: its values copied to both of the other's tensors, every
-    forward agrees, and the verdict names the tie and the gradients."""
-    from gradmgr.parity.mapping import TIED as TIE
-
+    """The tied side is the reference (parity_tied_checks.check_tied_on_one_side); the tied
+    gradient within 1e-4 of its largest of the sum of the untied side's two."""
     other = "torch" if tied_side == "megengine" else "megengine"
     a, b = tied_model(tied_side, case, True, 0), tied_model(other, case, False, 1)
-    x, (alias, first) = TIED_BATCHES[case], TIES[case]
-    with pytest.raises(MappingError, match="tied to"):
-        transfer_weights(a, b, probe=x)
-    mapping = transfer_weights(a, b, probe=x, strict=False)
-    assert not mapping.unmapped and [f.key for f in mapping.findings] == [TIE]
-    report = compare_step(a, b, x)
-    assert not report.ok and report.first_forward is None
-    assert all(e.ok for e in report.entries if e.what in ("forward", "loss"))
-    assert f"{alias} / {alias}: tied to is '{first}'" in str(report)
-    assert report.first_grad is not None and report.first_grad.what == "grad"
-    # the tied gradient is the sum of the untied side's two (1e-4 of its largest)
-    ga, gb = grads_by_name(a), grads_by_name(b)
-    np.testing.assert_allclose(ga[first], gb[first] + gb[alias], rtol=0,
-                               atol=1e-4 * np.abs(ga[first]).max())
+    check_tied_on_one_side(a, b, TIED_BATCHES[case], *TIES[case], rel=1e-4)
 
 
 def test_a_tie_under_another_name_pairs_by_name_map_and_one_under_none_is_unmapped():
