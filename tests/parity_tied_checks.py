@@ -60,3 +60,45 @@ def check_tied_on_one_side(a: Any, b: Any, x: Any, alias: str, first: str,
     ga, gb = grads_by_name(a), grads_by_name(b)
     np.testing.assert_allclose(ga[first], gb[first] + gb[alias], rtol=0,
                                atol=rel * np.abs(ga[first]).max())
+
+
+# One Linear under two names (``self.b = self.a``, tests/parity_small_*.py's SharedLayer)
+SHARED = ("a.weight", "a.bias", "b.weight", "b.bias")
+
+
+def check_shared_layer_on_both_sides(a: Any, b: Any, x: Any, rel: float) -> None:
+    """Both models call one Linear under the names ``a`` and ``b``: every name pairs (strict),
+    the step is parity with both calls compared, and each name's gradient (the sum of both
+    uses) is the other side's within ``rel`` of its largest."""
+    mapping = transfer_weights(a, b, probe=x)
+    assert mapping.ok and not mapping.unmapped, mapping.text()
+    assert {(n, n) for n in SHARED} <= {(p.src, p.dst) for p in mapping.pairs}
+    report = compare_step(a, b, x)
+    assert report.ok, report.text()
+    assert not report.unmatched and not report.unmapped
+    assert sum(e.what == "forward" for e in report.entries) == 2  # both calls compared
+    ga, gb = grads_by_name(a), grads_by_name(b)
+    for name in SHARED:
+        np.testing.assert_allclose(ga[name], gb[name], rtol=0,
+                                   atol=rel * np.abs(gb[name]).max(), err_msg=name)
+
+
+def check_shared_layer_on_one_side(a: Any, b: Any, x: Any, rel: float) -> None:
+    """``a`` shares its Linear under two names, ``b`` has two: a tie finding for each of the
+    Linear's tensors (not an unmapped one), every forward agrees, and the shared gradient is
+    the sum of the other side's two (within ``rel`` of its largest)."""
+    with pytest.raises(MappingError, match="tied to"):
+        transfer_weights(a, b, probe=x)
+    mapping = transfer_weights(a, b, probe=x, strict=False)
+    assert not mapping.unmapped, mapping.text()
+    assert [f.key for f in mapping.findings] == [TIE, TIE]
+    report = compare_step(a, b, x)
+    assert not report.ok and report.first_forward is None and not report.unmatched
+    forwards = [e for e in report.entries if e.what in ("forward", "loss")]
+    assert len(forwards) == 3 and all(e.ok for e in forwards)
+    assert "b.weight / b.weight: tied to is 'a.weight'" in str(report)
+    assert report.first_grad is not None and report.first_grad.what == "grad"
+    ga, gb = grads_by_name(a), grads_by_name(b)
+    for role in ("weight", "bias"):
+        np.testing.assert_allclose(ga[f"a.{role}"], gb[f"a.{role}"] + gb[f"b.{role}"], rtol=0,
+                                   atol=rel * np.abs(ga[f"a.{role}"]).max())

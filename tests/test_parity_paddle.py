@@ -23,9 +23,10 @@ import parity_small_mge as G  # noqa: E402
 import parity_small_paddle as P  # noqa: E402
 import parity_small_torch as T  # noqa: E402
 from parity_tied_checks import (  # noqa: E402
+    check_shared_layer_on_both_sides,
+    check_shared_layer_on_one_side,
     check_tied_on_both_sides,
     check_tied_on_one_side,
-    grads_by_name,
 )
 
 from gradmgr.parity import (  # noqa: E402
@@ -38,7 +39,6 @@ from gradmgr.parity import (  # noqa: E402
 )
 from gradmgr.parity.contract import adapter_for  # noqa: E402
 from gradmgr.parity.errors import MappingError  # noqa: E402
-from gradmgr.parity.mapping import TIED as TIE  # noqa: E402
 
 RS = np.random.RandomState(0)
 XIMG = RS.randn(4, 3, 8, 8).astype(np.float32)
@@ -478,13 +478,11 @@ def shared_layer(framework: str, shared: bool, seed: int):
 
 @pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
 def test_a_layer_shared_under_two_names_on_both_sides_is_parity_with_paddle(direction):
+    """parity_tied_checks.check_shared_layer_on_both_sides, torch's gradients to 1e-5 of
+    their largest."""
     src, dst = direction.split("->")
     a, b, x = shared_layer(src, True, 0), shared_layer(dst, True, 1), TIED_BATCHES["shared"]
-    mapping = transfer_weights(a, b, probe=x)
-    assert mapping.ok and not mapping.unmapped, mapping.text()
-    report = compare_step(a, b, x)
-    assert report.ok and not report.unmatched, report.text()
-    assert sum(e.what == "forward" for e in report.entries) == 2
+    check_shared_layer_on_both_sides(a, b, x, rel=1e-5)
     # the shared gradient sums both uses: what Paddle's own backward gives an unshared copy
     pm = a if src == "paddle" else b
     copy = shared_layer("paddle", False, 2)
@@ -495,24 +493,11 @@ def test_a_layer_shared_under_two_names_on_both_sides_is_parity_with_paddle(dire
     stored = pm.a.weight.grad.numpy()
     np.testing.assert_allclose(stored, own["a.weight"] + own["b.weight"], rtol=0,
                                atol=1e-6 * np.abs(stored).max())
-    ga, gb = grads_by_name(a), grads_by_name(b)
-    for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
-        np.testing.assert_allclose(ga[name], gb[name], rtol=0,
-                                   atol=1e-5 * np.abs(gb[name]).max(), err_msg=name)
 
 
 @pytest.mark.parametrize("shared_side", ["paddle", "torch"])
 def test_a_layer_shared_on_one_side_only_is_a_tie_finding_with_paddle(shared_side):
+    """parity_tied_checks.check_shared_layer_on_one_side, the gradients to 1e-5."""
     other = "torch" if shared_side == "paddle" else "paddle"
-    a, b, x = shared_layer(shared_side, True, 0), shared_layer(other, False, 1), \
-        TIED_BATCHES["shared"]
-    mapping = transfer_weights(a, b, probe=x, strict=False)
-    assert not mapping.unmapped and [f.key for f in mapping.findings] == [TIE, TIE], \
-        mapping.text()
-    report = compare_step(a, b, x)
-    assert not report.ok and report.first_forward is None and not report.unmatched
-    assert all(e.ok for e in report.entries if e.what in ("forward", "loss"))
-    assert "b.weight / b.weight: tied to is 'a.weight'" in str(report)
-    ga, gb = grads_by_name(a), grads_by_name(b)
-    np.testing.assert_allclose(ga["a.weight"], gb["a.weight"] + gb["b.weight"], rtol=0,
-                               atol=1e-5 * np.abs(ga["a.weight"]).max())
+    a, b = shared_layer(shared_side, True, 0), shared_layer(other, False, 1)
+    check_shared_layer_on_one_side(a, b, TIED_BATCHES["shared"], rel=1e-5)
