@@ -260,7 +260,7 @@ def test_formula_counts_the_bytes_the_reducer_path_sends():
     """The formula's small term for gradmgr's default path (its reducer's "used" flags and
     failure marker, padded to 64-byte lines) is what one step of ``data_parallel`` sends: a
     profiled step on a process group of one rank, bench_scaling's 16 tensors at width 64.
-    (The flags' padding came after the formula once, and the committed run hid it.)"""
+    The committed run alone cannot tell: it holds the bytes of the code that made it."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
