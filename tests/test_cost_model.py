@@ -4,6 +4,7 @@ the committed results of a real run where they exist."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -263,7 +264,6 @@ def test_formula_counts_the_bytes_the_reducer_path_sends():
     The committed run alone cannot tell: it holds the bytes of the code that made it."""
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
     from gradmgr.distributed import data_parallel, free_port
 
@@ -274,20 +274,19 @@ def test_formula_counts_the_bytes_the_reducer_path_sends():
         net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(bench_scaling.LAYERS)])
         sizes = [p.numel() for p in net.parameters()]
         assert len(sizes) == len(bench_scaling.layer_sizes())
-        gm = data_parallel(net)
-        with gm:  # the first step also checks and plans
-            gm.backward(net(torch.ones(4, 64)).sum())
-        payloads = []
-        # The bucket's allreduce is sized from gloo's event, which ends on gloo's worker thread:
-        # now and then the step has returned (and the profiler stopped) just before it ended,
-        # and the step's data reads 0 bytes. Such a step counts nothing; the next one is read.
-        while len(payloads) < 5 and not any(payloads):
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, gm:
-                gm.backward(net(torch.ones(4, 64)).sum())
-            called = bench_scaling.collectives_of(list(prof.profiler.kineto_results.events()), 1)
-            payloads.append(bench_scaling.summed(called["called"])["data_payload"])
-        assert payloads[-1] == 4 * (sum(sizes) + cost_model.reducer_flags(len(sizes), 4)), payloads
+        step = functools.partial(_train_step, data_parallel(net), net)
+        step()  # the first step also checks and plans
+        called = bench_scaling.profiled_step(step, 1)["called"]
+        payload = bench_scaling.summed(called)["data_payload"]
+        assert payload == 4 * (sum(sizes) + cost_model.reducer_flags(len(sizes), 4)), called
         assert cost_model.reducer_flags(len(sizes), 4) == 32  # 17 floats, padded to 2 lines
-        del gm
+        del step
     finally:
         dist.destroy_process_group()
+
+
+def _train_step(gm, net) -> None:
+    import torch
+
+    with gm:
+        gm.backward(net(torch.ones(4, 64)).sum())
