@@ -8,6 +8,8 @@ frameworks' float32 kernels)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,11 @@ from parity_tied_checks import (  # noqa: E402
     check_edited_tied_checkpoint,
     check_tied_checkpoint,
     check_untied_into_tied,
+    load_strictly,
+    save_state,
 )
+
+from gradmgr.parity import convert_checkpoint, dump, save_map  # noqa: E402
 
 RS = np.random.RandomState(0)
 BATCHES = {"lm": RS.randint(0, 10, (4, 5)), "shared": RS.randn(4, 8).astype(np.float32),
@@ -70,11 +76,26 @@ def test_a_tied_checkpoint_whose_two_names_differ_is_refused(src, dst, case, tmp
 
 
 def test_a_megengine_dump_keeps_the_names_its_state_dict_lists_once(tmp_path):
-    from gradmgr.parity import dump, save_map
-
     x, make = BATCHES["shared_layer"], maker("megengine", "shared_layer", True)
     recorded = dump(make(0), x, str(tmp_path / "run.npz"))
     port = maker("torch", "shared_layer", True)
     live = save_map(make(0), port(1), str(tmp_path / "live.json"), probe=x)
     offline = save_map(recorded, port(1), str(tmp_path / "dump.json"), probe=x)
     assert offline == live and live["unlisted"]["src"] == ["b.bias", "b.weight"]
+
+
+def test_a_map_written_before_ties_were_recorded_converts_as_it_did(tmp_path):
+    """No ``tied`` or ``unlisted`` in the file (a map from before they were recorded): read
+    as no ties, each name converted on its own; a tied checkpoint still converts."""
+    make = maker("torch", "lm", True)
+    path = str(tmp_path / "map.json")
+    written = save_map(make(0), make(1), path, probe=BATCHES["lm"])
+    old = {k: v for k, v in written.items() if k not in ("tied", "unlisted")}
+    with open(path, "w") as file:
+        json.dump(old, file)
+    source, target = make(2), make(3)
+    save_state(source, str(tmp_path / "in.pth"))
+    convert_checkpoint(str(tmp_path / "in.pth"), str(tmp_path / "out.pth"), path)
+    load_strictly(target, str(tmp_path / "out.pth"))
+    assert target.head.weight is target.emb.weight
+    assert torch.equal(target.emb.weight, source.emb.weight)
