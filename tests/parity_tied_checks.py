@@ -1,16 +1,20 @@
 """What the parity tool's tests of tied weights (an LM head on its embedding's weight, two
 Linears on one weight) assert alike on MegEngine (tests/test_parity_tool.py) and Paddle
 (tests/test_parity_paddle.py) against PyTorch: each file builds its framework's models and
-passes its own tolerance between two frameworks' float32 kernels."""
+passes its own tolerance between two frameworks' float32 kernels; and what checkpoint files of
+tied models converted between frameworks must be (tests/test_parity_checkpoint_ties.py on
+PyTorch and MegEngine, tests/test_parity_paddle.py on Paddle)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import importlib
+import os
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import pytest
 
-from gradmgr.parity import compare_step, transfer_weights
+from gradmgr.parity import compare_step, convert_checkpoint, save_map, transfer_weights
 from gradmgr.parity.contract import adapter_for
 from gradmgr.parity.errors import MappingError
 from gradmgr.parity.mapping import TIED as TIE
@@ -102,3 +106,122 @@ def check_shared_layer_on_one_side(a: Any, b: Any, x: Any, rel: float) -> None:
     for role in ("weight", "bias"):
         np.testing.assert_allclose(ga[f"a.{role}"], gb[f"a.{role}"] + gb[f"b.{role}"], rtol=0,
                                    atol=rel * np.abs(ga[f"a.{role}"]).max())
+
+
+# Checkpoint files (gradmgr.parity.convert_checkpoint) of tied models: a converted tensor
+# moves no bits, so values are compared for equality; the forwards within ``rel``.
+
+def save_state(model: Any, path: str, state: Any = None) -> None:
+    """``model.state_dict()`` (or ``state``) saved its framework's way."""
+    framework = adapter_for(model).framework
+    state = model.state_dict() if state is None else state
+    engine = importlib.import_module(framework)
+    engine.save(state, path)
+
+
+def load_strictly(model: Any, path: str) -> None:
+    """The file at ``path`` loaded into ``model``: every key, none extra."""
+    framework = adapter_for(model).framework
+    engine = importlib.import_module(framework)
+    if framework == "paddle":
+        missing, unexpected = model.set_state_dict(engine.load(path))
+        assert not missing and not unexpected, (missing, unexpected)
+    else:
+        model.load_state_dict(engine.load(path), strict=True)
+
+
+def forward(model: Any, x: np.ndarray) -> np.ndarray:
+    adapter = adapter_for(model)
+    return adapter.numpy(model(adapter.tensor(x)))
+
+
+def _converted(make_src: Callable[[int], Any], make_dst: Callable[[int], Any],
+               seeds: Tuple[int, int], folder: str, reverse: bool) -> Tuple[Any, Any]:
+    """A ``make_src`` model's checkpoint converted into a ``make_dst`` model, loaded
+    strictly (``reverse``: through the map backwards); both models."""
+    source, target = make_src(seeds[0]), make_dst(seeds[1])
+    save_state(source, f"{folder}/in")
+    convert_checkpoint(f"{folder}/in", f"{folder}/out", f"{folder}/map.json", reverse=reverse)
+    load_strictly(target, f"{folder}/out")
+    return source, target
+
+
+def _assert_copied(source: Any, target: Any, pairs: List[Tuple[str, str]], x: np.ndarray,
+                   rel: float) -> None:
+    """Every pair's value bit for bit (as the adapters read them, [out, in]), and the
+    forwards within ``rel`` of the largest."""
+    ad_s, ad_t = adapter_for(source), adapter_for(target)
+    for s, t in pairs:
+        np.testing.assert_array_equal(ad_t.read(t), ad_s.read(s), err_msg=f"{s} -> {t}")
+    y_s, y_t = forward(source, x), forward(target, x)
+    assert np.abs(y_s - y_t).max() <= rel * np.abs(y_s).max()
+
+
+def check_tied_checkpoint(make_a: Callable[[int], Any], make_b: Callable[[int], Any],
+                          x: np.ndarray, folder: str, rel: float) -> Dict[str, Any]:
+    """Both sides tied: ``save_map``, then an ``a`` checkpoint converted into ``b``'s format
+    and one of ``b`` back (``reverse``), each loaded strictly into a fresh model of other
+    values: every value the source's bit for bit, the tie kept (the loaded model's
+    parameters still one object under both names), the forwards within ``rel``. Returns the
+    map."""
+    written = save_map(make_a(0), make_b(1), f"{folder}/map.json", probe=x)
+    ties = {"src": adapter_for(make_a(0)).aliases, "dst": adapter_for(make_b(1)).aliases}
+    assert written["tied"] == ties and ties["src"] and ties["dst"]
+    pairs = [(p["src"], p["dst"]) for p in written["pairs"]]
+    assert set(ties["src"]) <= {s for s, _ in pairs} and set(ties["dst"]) <= {d for _, d in pairs}
+    for reverse, makers, seeds in ((False, (make_a, make_b), (2, 3)),
+                                   (True, (make_b, make_a), (4, 5))):
+        source, target = _converted(*makers, seeds, folder, reverse)
+        assert adapter_for(target).aliases == ties["src" if reverse else "dst"]
+        _assert_copied(source, target, [(d, s) if reverse else (s, d) for s, d in pairs],
+                       x, rel)
+    return written
+
+
+def check_untied_into_tied(make_tied: Callable[[int], Any],
+                           make_untied: Callable[[int], Any], x: np.ndarray, folder: str,
+                           alias: str, first: str, rel: float) -> None:
+    """Tied on one side only. Untied -> tied: the two tensors differ, so the conversion is
+    refused naming both and nothing is written; made equal, they convert into the one
+    parameter. Tied -> untied (``reverse``): the one value is written to both names."""
+    written = save_map(make_untied(0), make_tied(1), f"{folder}/map.json", probe=x)
+    ties = adapter_for(make_tied(1)).aliases  # a shared layer ties its bias too
+    assert written["tied"] == {"src": {}, "dst": ties} and ties[alias] == first
+    untied = make_untied(2)
+    save_state(untied, f"{folder}/in")
+    with pytest.raises(MappingError, match=rf"{first}, {alias}: one parameter in the "
+                                           rf"{adapter_for(make_tied(0)).framework} model "
+                                           rf"\(tied\), but the checkpoint's {first} and "
+                                           rf"{alias}, converted into them, differ"):
+        convert_checkpoint(f"{folder}/in", f"{folder}/out", f"{folder}/map.json")
+    assert not os.path.exists(f"{folder}/out")
+    adapter = adapter_for(untied)
+    for other, name in ties.items():  # an untied model that holds each value twice
+        adapter.write(other, adapter.read(name))
+    save_state(untied, f"{folder}/in")
+    convert_checkpoint(f"{folder}/in", f"{folder}/out", f"{folder}/map.json")
+    tied = make_tied(3)
+    load_strictly(tied, f"{folder}/out")
+    assert adapter_for(tied).aliases == ties
+    pairs = [(p["src"], p["dst"]) for p in written["pairs"]]
+    _assert_copied(untied, tied, pairs, x, rel)
+    tied, untied = _converted(make_tied, make_untied, (4, 5), folder, reverse=True)
+    _assert_copied(tied, untied, [(d, s) for s, d in pairs], x, rel)
+    assert adapter_for(untied).aliases == {}
+
+
+def check_edited_tied_checkpoint(make_a: Callable[[int], Any], make_b: Callable[[int], Any],
+                                 x: np.ndarray, folder: str, alias: str, first: str) -> None:
+    """A checkpoint of the tied ``a`` whose two names were given different values (edited,
+    or saved after untying) converted through a map of tied models: refused, naming both
+    names, nothing written."""
+    save_map(make_a(0), make_b(1), f"{folder}/map.json", probe=x)
+    model = make_a(2)
+    state = model.state_dict()
+    state[alias] = state[alias] * 2
+    save_state(model, f"{folder}/in", state)
+    with pytest.raises(MappingError, match=rf"{first}, {alias}: one parameter in the map's "
+                                           rf"\w+ model \(tied\), but the checkpoint holds "
+                                           rf"different values under the two names"):
+        convert_checkpoint(f"{folder}/in", f"{folder}/out", f"{folder}/map.json")
+    assert not os.path.exists(f"{folder}/out")

@@ -23,10 +23,13 @@ import parity_small_mge as G  # noqa: E402
 import parity_small_paddle as P  # noqa: E402
 import parity_small_torch as T  # noqa: E402
 from parity_tied_checks import (  # noqa: E402
+    check_edited_tied_checkpoint,
     check_shared_layer_on_both_sides,
     check_shared_layer_on_one_side,
+    check_tied_checkpoint,
     check_tied_on_both_sides,
     check_tied_on_one_side,
+    check_untied_into_tied,
 )
 
 from gradmgr.parity import (  # noqa: E402
@@ -343,7 +346,8 @@ def test_a_paddle_dump_keeps_the_weights_paddle_stores_transposed(case, tmp_path
 TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared},
         "paddle": {"lm": P.TiedLM, "shared": P.Shared}}
 TIED_BATCHES = {"lm": RS.randint(0, 10, (4, 5)), "shared": RS.randn(4, 8).astype(np.float32)}
-TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight")}
+TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight"),
+        "shared_layer": ("b.weight", "a.weight")}
 
 
 def tied_model(framework: str, case: str, tied: bool, seed: int):
@@ -501,3 +505,56 @@ def test_a_layer_shared_on_one_side_only_is_a_tie_finding_with_paddle(shared_sid
     other = "torch" if shared_side == "paddle" else "paddle"
     a, b = shared_layer(shared_side, True, 0), shared_layer(other, False, 1)
     check_shared_layer_on_one_side(a, b, TIED_BATCHES["shared"], rel=1e-5)
+
+
+# Checkpoints of tied models (tests/parity_tied_checks.py; tests/test_parity_checkpoint_ties.py
+# on PyTorch and MegEngine alone): a converted tensor moves no bits; forwards within 1e-5.
+TIED_CLASSES = {"lm": "TiedLM", "shared": "Shared", "shared_layer": "SharedLayer"}
+TIED_PORTS = {"torch": T, "megengine": G, "paddle": P}
+
+
+def tied_maker(framework: str, case: str, tied: bool):
+    def make(seed: int):
+        torch.manual_seed(seed)
+        paddle.seed(seed)
+        mge.random.seed(seed)
+        return getattr(TIED_PORTS[framework], TIED_CLASSES[case])(tied)
+    return make
+
+
+def _batch(case: str) -> np.ndarray:
+    return TIED_BATCHES["shared" if case == "shared_layer" else case]
+
+
+@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer"])
+@pytest.mark.parametrize("other", ["torch", "megengine", "paddle"])
+def test_a_tied_paddle_checkpoint_converts_to_the_other_and_back_bit_for_bit(other, case,
+                                                                             tmp_path):
+    check_tied_checkpoint(tied_maker("paddle", case, True), tied_maker(other, case, True),
+                          _batch(case), str(tmp_path), rel=1e-5)
+
+
+def test_a_paddle_linear_tied_to_an_embedding_converts_in_its_stored_layout(tmp_path):
+    def make(seed: int):
+        paddle.seed(seed)
+        return _LinearOnEmbedding()
+    written = check_tied_checkpoint(make, make, TIED_BATCHES["lm"], str(tmp_path), rel=1e-5)
+    head = next(p for p in written["pairs"] if p["src"] == "head.weight")
+    assert head["src_shape"] == head["dst_shape"] == [10, 8] and head["transform"] is None
+
+
+@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer"])
+@pytest.mark.parametrize("tied,untied", [("paddle", "torch"), ("torch", "paddle"),
+                                         ("paddle", "megengine"), ("megengine", "paddle")])
+def test_tied_on_one_side_with_paddle_never_picks_one_of_two_values(tied, untied, case,
+                                                                     tmp_path):
+    check_untied_into_tied(tied_maker(tied, case, True), tied_maker(untied, case, False),
+                           _batch(case), str(tmp_path), *TIES[case], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["lm", "shared"])
+@pytest.mark.parametrize("other", ["torch", "megengine"])
+def test_a_paddle_checkpoint_whose_tied_names_differ_is_refused(other, case, tmp_path):
+    check_edited_tied_checkpoint(tied_maker("paddle", case, True),
+                                 tied_maker(other, case, True), _batch(case), str(tmp_path),
+                                 *TIES[case])

@@ -6,7 +6,9 @@ The map file: ``format`` (:data:`FORMAT`), ``version`` (:data:`VERSION`), ``src`
 (the frameworks), ``pairs`` (``src``, ``dst``, their shapes and dtypes, ``how``, and
 ``transform``: ``"transpose"`` or null), and ``ignored`` per side: the tensors one framework
 keeps and the other has no use for (PyTorch's ``num_batches_tracked``), with the value written
-where the converted file needs one. Each framework's backend reads and writes its own files
+where the converted file needs one; per side, ``tied`` and ``unlisted``: the names of tied
+parameters, and those its state dict leaves out (:mod:`~gradmgr.parity.checkpoint_ties`).
+Each framework's backend reads and writes its own files
 (``load_state`` and ``save_state`` in ``gradmgr/backends/<name>/parity.py``).
 """
 
@@ -20,6 +22,7 @@ import numpy as np
 
 from ..errors import BackendNotFoundError
 from ..registry import get_backend
+from .checkpoint_ties import listed, read_tied, recorded, write_tied
 from .contract import adapter_for, squeezed
 from .errors import MappingError, ParityError
 from .mapping import Pair, Transform, build_map, convert
@@ -64,6 +67,7 @@ def save_map(src: Any, dst: Any, path: str, name_map: Optional[Mapping[str, str]
                   for p in report.pairs],
     }
     _split_ignored(written, a, b, report.ignored)
+    written.update(recorded(a, b))
     with open(path, "w", encoding="utf-8") as file:
         json.dump(written, file, indent=1)
     return written
@@ -126,8 +130,11 @@ def convert_checkpoint(src_path: str, dst_path: str, map_path: str, *,
     ``reverse`` the map is read backwards (its ``dst`` file into its ``src`` format).
 
     Every tensor of the file must be in the map (or skipped by it), and every tensor the map
-    names must be in the file, with the shape it records: otherwise :class:`MappingError`
-    names it, and nothing is written. Returns the names written.
+    names must be in the file (but a tied name the file's framework does not list), with the
+    shape it records: otherwise :class:`MappingError` names it, and nothing is written. So
+    too where one tied parameter would hold two values: two names of one parameter whose
+    values in the file differ, or two tensors of the file that differ and are converted into
+    one tied parameter. Returns the names written.
 
     Example:
         >>> import os, tempfile, torch
@@ -152,17 +159,21 @@ def convert_checkpoint(src_path: str, dst_path: str, map_path: str, *,
         raise ParityError(f"cannot read {src_path} as a {written[sides[0]]} state dict "
                           f"file: {error}") from error
     skipped = written["ignored"][sides[0]]
+    tied = read_tied(source, written, sides[0])
     extra = sorted(set(source) - {p.src for p in pairs} - set(skipped))
     missing = [p.src for p in pairs if p.src not in source]
     wrong = [f"{p.src} {source[p.src].shape} (the map says {p.src_shape})" for p in pairs
              if p.src in source and squeezed(source[p.src].shape) != squeezed(p.src_shape)]
-    if extra or missing or wrong:
-        raise MappingError(_refusal(src_path, map_path, extra, missing, wrong))
-    values: Dict[str, np.ndarray] = {}
-    for pair in pairs:  # "transpose" is its own inverse: a reversed map applies it as is
-        # (a framework may save a tensor without its size-1 dims: MegEngine's BatchNorm)
-        value = source[pair.src].reshape(pair.src_shape)
-        values[pair.dst] = convert(pair, value).astype(np.dtype(dtypes[pair.dst]))
+    if extra or missing or wrong or tied:
+        raise MappingError(_refusal(src_path, map_path, extra, missing, wrong, tied))
+    # "transpose" is its own inverse: a reversed map applies it as is (a framework may save
+    # a tensor without its size-1 dims: MegEngine's BatchNorm)
+    values = {p.dst: convert(p, source[p.src].reshape(p.src_shape)) for p in pairs}
+    tied = write_tied(values, {p.dst: p.src for p in pairs}, written, sides[1])
+    if tied:
+        raise MappingError(_refusal(src_path, map_path, [], [], [], tied))
+    values = {n: v.astype(np.dtype(dtypes[n])) for n, v in listed(values, written,
+                                                                   sides[1]).items()}
     for name, kept in written["ignored"][sides[1]].items():
         values[name] = np.full(kept["shape"], kept["value"], dtype=np.dtype(kept["dtype"]))
     _io(written[sides[1]]).save_state(values, dst_path)
@@ -170,13 +181,13 @@ def convert_checkpoint(src_path: str, dst_path: str, map_path: str, *,
 
 
 def _refusal(src_path: str, map_path: str, extra: List[str], missing: List[str],
-             wrong: List[str]) -> str:
+             wrong: List[str], tied: List[str]) -> str:
     lines = [f"cannot convert {src_path} through {map_path}; nothing written:"]
     lines += [f"  {n}: in the checkpoint, not in the map (add its pair to the map file, or "
               f"write the map again from the models this checkpoint belongs to)" for n in extra]
     lines += [f"  {n}: in the map, not in the checkpoint" for n in missing]
     lines += [f"  {w}: the checkpoint's shape is not the map's" for w in wrong]
-    return "\n".join(lines)
+    return "\n".join(lines + tied)
 
 
 def _io(framework: str) -> Any:

@@ -82,6 +82,7 @@ def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
                    "trainable": s.trainable, "transposed": s.transposed, "note": s.note}
                   for s in slots],
         "aliases": dict(getattr(adapter, "aliases", {})),
+        "unlisted": list(getattr(adapter, "unlisted", [])),
         "batch": [key(a) for a in arrays],
         "values": {name: key(v) for name, v in values.items()},
         "grads": {name: key(g) for name, g in trace.grads.items()},
@@ -147,6 +148,7 @@ class Dump:
         self.model = self
         self.device = header["device"]
         self.aliases = dict(header["aliases"])
+        self.unlisted = list(header.get("unlisted", []))  # (a dump from before it was kept)
         self.batch: Tuple[np.ndarray, ...] = tuple(arrays[k] for k in header["batch"])
         self._layers = [Layer(y["name"], y["kind"], _tuples(y["config"]))
                         for y in header["layers"]]

@@ -108,6 +108,8 @@ class NamedModules:
         self.aliases = dict(aliases or {})
         # a whole layer shared: its other name a layer of its own in the map, like a tie's
         self.second = second_names(self.aliases, leaves)
+        # the tied names the framework's state dict leaves out (gradmgr.parity.checkpoint)
+        self.unlisted: List[str] = []
         self.device = next(iter(params.values())).device
 
     def kind(self, module: Any) -> str:

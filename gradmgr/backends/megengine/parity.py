@@ -101,6 +101,9 @@ class MegEngineParity(NamedModules):
         # a tied parameter's other names (head.weight -> emb.weight)
         aliases = tied_names(params, _every_parameter(model))
         super().__init__(model, leaves, params, _natural(model.named_buffers()), aliases)
+        if aliases:  # a layer shared under two names is listed once (keep_var: no copies)
+            tied = set(aliases) | set(aliases.values())
+            self.unlisted = sorted(tied - set(model.state_dict(keep_var=True)))
 
     def kind(self, module: Any) -> str:
         return nearest_kind(module, "megengine.module.")

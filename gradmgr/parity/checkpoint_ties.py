@@ -1,0 +1,96 @@
+"""Tied weights in checkpoint files (:func:`~gradmgr.parity.checkpoint.convert_checkpoint`):
+one parameter under two names (an LM head on its embedding's weight, one layer under two
+attribute names). The map file records per side ``tied`` (``{other name: first name}``, the
+adapter's ``aliases``) and ``unlisted`` (the tied names that side's state dict leaves out:
+MegEngine lists a layer shared under two names once). A file never gives one parameter two
+values: two names of one parameter that hold different values are refused, never picked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping
+
+import numpy as np
+
+
+def recorded(a: Any, b: Any) -> Dict[str, Any]:
+    """The map file's ``tied`` and ``unlisted`` of the adapters ``a`` (src) and ``b`` (dst)."""
+    return {"tied": {"src": dict(getattr(a, "aliases", {})),
+                     "dst": dict(getattr(b, "aliases", {}))},
+            "unlisted": {"src": sorted(getattr(a, "unlisted", [])),
+                         "dst": sorted(getattr(b, "unlisted", []))}}
+
+
+def _groups(written: Mapping[str, Any], side: str) -> List[List[str]]:
+    """The names of each tied parameter of ``side``, its first name first (a map written
+    before ties were recorded has none)."""
+    found: Dict[str, List[str]] = {}
+    for other, first in written.get("tied", {}).get(side, {}).items():
+        found.setdefault(first, [first]).append(other)
+    return list(found.values())
+
+
+def _unlisted(written: Mapping[str, Any], side: str) -> List[str]:
+    return list(written.get("unlisted", {}).get(side, []))
+
+
+def _same(x: np.ndarray, y: np.ndarray) -> bool:
+    """Bit for bit: one parameter's value read under two names."""
+    return (x.shape == y.shape and x.dtype == y.dtype
+            and np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes())
+
+
+def _difference(x: np.ndarray, y: np.ndarray) -> str:
+    if x.shape != y.shape:
+        return f"shapes {x.shape} and {y.shape}"
+    return f"largest difference {np.abs(x.astype(np.float64) - y.astype(np.float64)).max():.3g}"
+
+
+def read_tied(source: Dict[str, np.ndarray], written: Mapping[str, Any],
+              side: str) -> List[str]:
+    """Check the checkpoint ``source`` of the map's ``side``: every tied parameter must hold
+    one value under all the names the file has; a name its framework leaves out is filled
+    in (in place) from another. Returns the refusals."""
+    refused = []
+    unlisted = _unlisted(written, side)
+    for names in _groups(written, side):
+        present = [n for n in names if n in source]
+        for name in present[1:]:
+            if not _same(source[present[0]], source[name]):
+                refused.append(
+                    f"  {present[0]}, {name}: one parameter in the map's {written[side]} "
+                    f"model (tied), but the checkpoint holds different values under the two "
+                    f"names ({_difference(source[present[0]], source[name])}): nothing is "
+                    f"picked; write the map again from models that do not tie them, or make "
+                    f"the two equal in the checkpoint")
+        source.update({n: source[present[0]] for n in names
+                       if present and n not in source and n in unlisted})
+    return refused
+
+
+def write_tied(values: Mapping[str, np.ndarray], origin: Mapping[str, str],
+               written: Mapping[str, Any], side: str) -> List[str]:
+    """Check the converted ``values`` of the map's ``side`` (``origin``: each one's name in
+    the checkpoint): a tied parameter must receive one value from all its names. Returns
+    the refusals."""
+    refused = []
+    for names in _groups(written, side):
+        present = [n for n in names if n in values]
+        for name in present[1:]:
+            if not _same(values[present[0]], values[name]):
+                a, b = origin[present[0]], origin[name]
+                refused.append(
+                    f"  {present[0]}, {name}: one parameter in the {written[side]} model "
+                    f"(tied), but the checkpoint's {a} and {b}, converted into them, differ "
+                    f"({_difference(values[present[0]], values[name])}): nothing is picked; "
+                    f"convert into a model that does not tie them, or make {a} and {b} equal "
+                    f"in the checkpoint")
+    return refused
+
+
+def listed(values: Dict[str, np.ndarray], written: Mapping[str, Any],
+           side: str) -> Dict[str, np.ndarray]:
+    """``values`` without the names ``side``'s state dict leaves out (its strict load
+    refuses them)."""
+    unlisted = set(_unlisted(written, side))
+    return {name: value for name, value in values.items() if name not in unlisted}
