@@ -79,10 +79,10 @@ def test_a_tensor_the_map_does_not_name_is_refused_never_guessed(tmp_path):
     with pytest.raises(MappingError, match=r"fc1.weight \(32, 8\) \(the map says \(32, 16\)"):
         convert_checkpoint(paths["a.pth"], paths["b.pth"], paths["map.json"])
     assert not (tmp_path / "b.pth").exists()
-    written["version"] = 2
+    written["version"] = 3
     with open(paths["map.json"], "w") as file:
         json.dump(written, file)
-    with pytest.raises(ParityError, match="format version 2; this gradmgr reads version 1"):
+    with pytest.raises(ParityError, match="format version 3; this gradmgr reads version 2"):
         convert_checkpoint(paths["a.pth"], paths["b.pth"], paths["map.json"])
 
 

@@ -22,11 +22,10 @@ from parity_tied_checks import (  # noqa: E402
     check_edited_tied_checkpoint,
     check_tied_checkpoint,
     check_untied_into_tied,
-    load_strictly,
     save_state,
 )
 
-from gradmgr.parity import convert_checkpoint, dump, save_map  # noqa: E402
+from gradmgr.parity import ParityError, convert_checkpoint, dump, save_map  # noqa: E402
 
 RS = np.random.RandomState(0)
 BATCHES = {"lm": RS.randint(0, 10, (4, 5)), "shared": RS.randn(4, 8).astype(np.float32),
@@ -84,18 +83,19 @@ def test_a_megengine_dump_keeps_the_names_its_state_dict_lists_once(tmp_path):
     assert offline == live and live["unlisted"]["src"] == ["b.bias", "b.weight"]
 
 
-def test_a_map_written_before_ties_were_recorded_converts_as_it_did(tmp_path):
-    """No ``tied`` or ``unlisted`` in the file (a map from before they were recorded): read
-    as no ties, each name converted on its own; a tied checkpoint still converts."""
+def test_a_map_written_before_ties_were_recorded_is_refused(tmp_path):
+    """Version 1 (no ``tied`` or ``unlisted``) cannot tell an untied checkpoint's two tensors
+    from one tied parameter's: refused, as is a version 2 map that lost either key."""
     make = maker("torch", "lm", True)
     path = str(tmp_path / "map.json")
     written = save_map(make(0), make(1), path, probe=BATCHES["lm"])
-    old = {k: v for k, v in written.items() if k not in ("tied", "unlisted")}
-    with open(path, "w") as file:
-        json.dump(old, file)
-    source, target = make(2), make(3)
-    save_state(source, str(tmp_path / "in.pth"))
-    convert_checkpoint(str(tmp_path / "in.pth"), str(tmp_path / "out.pth"), path)
-    load_strictly(target, str(tmp_path / "out.pth"))
-    assert target.head.weight is target.emb.weight
-    assert torch.equal(target.emb.weight, source.emb.weight)
+    save_state(make(2), str(tmp_path / "in.pth"))
+    for version, lost, message in ((1, ("tied", "unlisted"), "format version 1; this gradmgr "
+                                    "reads version 2 only: write the map again"),
+                                   (2, ("tied",), "lacks tied: write the map again")):
+        old = {k: v for k, v in written.items() if k not in lost}
+        with open(path, "w") as file:
+            json.dump({**old, "version": version}, file)
+        with pytest.raises(ParityError, match=message):
+            convert_checkpoint(str(tmp_path / "in.pth"), str(tmp_path / "out.pth"), path)
+    assert not (tmp_path / "out.pth").exists()

@@ -28,8 +28,11 @@ from .errors import MappingError, ParityError
 from .mapping import Pair, Transform, build_map, convert
 
 FORMAT = "gradmgr.parity.map"
-VERSION = 1
-"""The map file format this gradmgr writes and the only one it reads."""
+VERSION = 2
+"""The map file format this gradmgr writes and the only one it reads. Version 1 recorded no
+tied weights, so a conversion through it could give one tied parameter two values unseen."""
+REQUIRED = ("src", "dst", "pairs", "ignored", "tied", "unlisted")
+"""The keys every map file has (a hand-edited one that lost one is refused)."""
 
 
 def save_map(src: Any, dst: Any, path: str, name_map: Optional[Mapping[str, str]] = None, *,
@@ -118,6 +121,9 @@ def read_map(path: str) -> Dict[str, Any]:
         raise ParityError(f"{path} is a weight map of format version "
                           f"{written.get('version')!r}; this gradmgr reads version {VERSION} "
                           f"only: write the map again with save_map")
+    lost = [key for key in REQUIRED if key not in written]
+    if lost:
+        raise ParityError(f"{path} lacks {', '.join(lost)}: write the map again with save_map")
     return written
 
 

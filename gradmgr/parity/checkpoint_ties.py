@@ -22,16 +22,15 @@ def recorded(a: Any, b: Any) -> Dict[str, Any]:
 
 
 def _groups(written: Mapping[str, Any], side: str) -> List[List[str]]:
-    """The names of each tied parameter of ``side``, its first name first (a map written
-    before ties were recorded has none)."""
+    """The names of each tied parameter of ``side``, its first name first."""
     found: Dict[str, List[str]] = {}
-    for other, first in written.get("tied", {}).get(side, {}).items():
+    for other, first in written["tied"][side].items():
         found.setdefault(first, [first]).append(other)
     return list(found.values())
 
 
 def _unlisted(written: Mapping[str, Any], side: str) -> List[str]:
-    return list(written.get("unlisted", {}).get(side, []))
+    return list(written["unlisted"][side])
 
 
 def _same(x: np.ndarray, y: np.ndarray) -> bool:
