@@ -1,13 +1,16 @@
 """The data-parallel contract as scenarios that run unchanged on every backend.
 
 Each scenario runs on one rank (``rank`` of ``world``) with the backend's default transport
-(the fake framework's threads, or torch.distributed gloo for PyTorch and MegEngine tensors) and
-returns plain values: what gradmgr gave (``got...``) and what it must give (``want...``,
-computed on the same rank without data parallelism, from every rank's data; for the sharded
+(the fake framework's threads, torch.distributed gloo for PyTorch and MegEngine tensors,
+Paddle's own collectives for Paddle's) and returns plain values: what gradmgr gave
+(``got...``) and what it must give (``want...``, computed on the same rank without data
+parallelism, from every rank's data; for the sharded
 scenarios, which reduce-scatter and step a ShardedOptimizer over the framework's own SGD, the
 values plain SGD gives on the mean gradient). The tests compare them
 (``tests/test_dp_contract.py``); every scenario runs on the fake backend in threads and on
-PyTorch and MegEngine in processes (``dist_workers/contract_suite.py``).
+PyTorch, MegEngine and Paddle in processes (``dist_workers/contract_suite.py``). A path a
+framework cannot take is still run there, for its refusal: a split backward where the engine
+cannot split (``split_steps``), every sharded scenario on Paddle (:func:`run_all`).
 
 The model only uses what every framework table has: elementwise ``*`` and ``+``, ``sin`` and
 ``sum``, on vectors of 4 (2 for ``c``).
@@ -16,11 +19,12 @@ The model only uses what every framework table has: elementwise ``*`` and ``+``,
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Dict, List
 
 import numpy as np
 
-from gradmgr import GradManager
+from gradmgr import GradManager, UnsupportedGraphError
 from gradmgr.distributed import (
     RankFailedError,
     RankMismatchError,
@@ -56,19 +60,23 @@ def grads(fw: Any, ps: List[Any]) -> List[Any]:
 
 
 def local_grads(fw: Any, rank: int, micros=(0,), offset: float = 0.0,
-                start: Any = None) -> List[Any]:
-    """The gradients one rank computes alone (no data parallelism), summed over micro-batches."""
+                start: Any = None, loss_fn: Any = None) -> List[Any]:
+    """The gradients one rank computes alone (no data parallelism), summed over micro-batches
+    (``loss_fn(fw, ps, x, rank)``: the step's loss, :func:`loss` by default)."""
     ps = params(fw, offset, start)
     gm = GradManager().attach(ps)
     for m in micros:
         with gm:
-            gm.backward(loss(fw, ps, data(fw, rank, m)))
+            x = data(fw, rank, m)
+            gm.backward(loss(fw, ps, x) if loss_fn is None else loss_fn(fw, ps, x, rank))
     return grads(fw, ps)
 
 
 def mean_over_ranks(fw: Any, world: int, **kwargs: Any) -> List[Any]:
     per_rank = [local_grads(fw, r, **kwargs) for r in range(world)]
-    return [None if g[0] is None else sum(g) / np.float32(world) for g in zip(*per_rank)]
+    # a tensor some ranks' losses do not use: their share is zero (None on every rank: None)
+    return [None if all(x is None for x in g) else
+            sum(x for x in g if x is not None) / np.float32(world) for g in zip(*per_rank)]
 
 
 def step(gm: Any, fw: Any, ps: List[Any], x: Any) -> None:
@@ -238,6 +246,79 @@ def frozen_on_one_rank(fw: Any, rank: int, world: int) -> Result:
     return {"errors": errors, "refused": grads(fw, ps)}
 
 
+def _twice(fw: Any, ps: List[Any], x: Any, rank: int) -> Any:
+    """A loss that uses ``a`` twice (a tied weight): its gradient is the sum of both uses."""
+    a, b, c = ps
+    return fw.sum(fw.sin(a * x) * b) + fw.sum(fw.sin(a * b) * x) + fw.sum(c * c) * 0.5
+
+
+def used_twice(fw: Any, rank: int, world: int) -> Result:
+    """A tensor used twice in the forward is reduced once, with both uses' gradient."""
+    ps = params(fw)
+    gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    with gm:
+        gm.backward(_twice(fw, ps, data(fw, rank), rank))
+    return {"got": grads(fw, ps), "want": mean_over_ranks(fw, world, loss_fn=_twice)}
+
+
+def no_sync_on_one_rank(fw: Any, rank: int, world: int) -> Result:
+    """Rank 0 alone records a micro-batch inside no_sync: every rank refuses that step with
+    RankMismatchError (not a hang, nor rank 1's gradient reduced with nothing), keeps no
+    gradient, and a step the ranks agree on then gives the mean."""
+    ps = params(fw)
+    gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    errors = []
+    try:
+        with no_sync(gm) if rank == 0 else contextlib.nullcontext():
+            step(gm, fw, ps, data(fw, rank))
+    except RankMismatchError as error:
+        errors.append(str(error))
+    refused = grads(fw, ps)
+    step(gm, fw, ps, data(fw, rank))
+    return {"errors": errors, "refused": refused, "got": grads(fw, ps),
+            "want": mean_over_ranks(fw, world)}
+
+
+def _some(fw: Any, ps: List[Any], x: Any, rank: int) -> Any:
+    """:func:`_use_some`'s loss: ``a`` on rank 0 only, ``b`` everywhere, ``c`` nowhere."""
+    a, b, _ = ps
+    y = fw.sum(fw.sin(b * x))
+    return y + fw.sum(a * x) if rank == 0 else y
+
+
+def split_steps(fw: Any, rank: int, world: int) -> Result:
+    """Two micro-batches, the first under no_sync, each a split backward: the input ``x``
+    (attached while recording, no callback) first, the parameters at ``finish()``, with
+    :func:`_some`'s loss. The parameters get the mean over ranks of both micro-batches'
+    gradients (``c`` none), ``x`` this rank's own gradient. A backend whose engine cannot
+    split refuses it on every rank before anything runs (``refused``)."""
+    ps = params(fw)
+    gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    inputs = []
+    for m in range(2):
+        with no_sync(gm) if m == 0 else contextlib.nullcontext(), gm:
+            x = fw.tensor(fw.numpy(data(fw, rank, m)), requires_grad=True)
+            gm.attach(x)
+            try:
+                rest = gm.backward_split(_some(fw, ps, x, rank), first=[x])
+            except UnsupportedGraphError as error:
+                return {"refused": f"{type(error).__name__}: {error}", "got": grads(fw, ps)}
+            inputs.append(fw.grad(x))
+            rest.finish()
+    want_inputs = [_input_grad(fw, rank, m) for m in range(2)]
+    return {"got": grads(fw, ps), "got_inputs": inputs, "want_inputs": want_inputs,
+            "want": mean_over_ranks(fw, world, micros=(0, 1), loss_fn=_some)}
+
+
+def _input_grad(fw: Any, rank: int, micro: int) -> Any:
+    """The gradient of :func:`_some`'s loss at this rank's input, in one process."""
+    x = fw.tensor(fw.numpy(data(fw, rank, micro)), requires_grad=True)
+    gm = GradManager().attach(x)
+    with gm:
+        gm.backward(_some(fw, params(fw), x, rank))
+    return fw.grad(x)
+
+
 # ------------------------------------------------------------------ sharded (ZeRO-2)
 LR = 0.25
 """The sharded scenarios' learning rate, with the framework's own plain SGD."""
@@ -384,11 +465,25 @@ def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
 
 
 SCENARIOS = [mean_in_buckets, summed, accumulated_without_sync, broadcast_first, unused_tensors,
-             ranks_that_differ, a_failing_rank, sharded_steps, sharded_without_sync,
-             sharded_unused, sharded_broadcast_first, sharded_failing_rank, sharded_state_dict]
-FREEZING = [frozen_tensors, frozen_on_one_rank, sharded_frozen]
+             ranks_that_differ, a_failing_rank, used_twice, no_sync_on_one_rank, split_steps]
+SHARDED = [sharded_steps, sharded_without_sync, sharded_unused, sharded_broadcast_first,
+           sharded_failing_rank, sharded_state_dict]
+FREEZING = [frozen_tensors, frozen_on_one_rank]
 
 
 def run_all(fw: Any, rank: int, world: int) -> Dict[str, Result]:
-    chosen = SCENARIOS + (FREEZING if fw.can_freeze else [])
-    return {scenario.__name__: scenario(fw, rank, world) for scenario in chosen}
+    """Every scenario the framework can run; on one that cannot shard, each sharded scenario's
+    refusal (``{"refused": "Type: message"}``) instead."""
+    sharded = SHARDED + ([sharded_frozen] if fw.can_freeze else [])
+    run = {s: s for s in SCENARIOS + (FREEZING if fw.can_freeze else [])}
+    run.update({s: s if fw.can_shard else functools.partial(_refused, s) for s in sharded})
+    return {scenario.__name__: call(fw, rank, world) for scenario, call in run.items()}
+
+
+def _refused(scenario: Any, fw: Any, rank: int, world: int) -> Result:
+    """What ``scenario`` raised on a framework that cannot shard (None: nothing)."""
+    try:
+        scenario(fw, rank, world)
+    except NotImplementedError as error:
+        return {"refused": f"{type(error).__name__}: {error}"}
+    return {"refused": None}

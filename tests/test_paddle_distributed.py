@@ -11,16 +11,11 @@ Runs only where PaddlePaddle is installed (conftest.py: FRAMEWORK_FILES).
 
 from __future__ import annotations
 
-import os
-import pickle
-import subprocess
-import sys
-
 import numpy as np
 import paddle
 import pytest
 from dist_workers import paddle_suite as suite
-from ranks import TESTS, rank_env
+from ranks import spawn_local_ranks
 
 from gradmgr import GradManager
 
@@ -29,25 +24,12 @@ from gradmgr import GradManager
 CASES = ("sgd", "adam", "no_sync", "frozen", "by_hand", "skipped")
 REL, ABS = 1e-5, 1e-6
 
-_LAUNCH = ("import sys; from gradmgr.distributed import spawn_local; "
-           "from dist_workers import paddle_suite; "
-           "sys.exit(spawn_local(paddle_suite.main, 2, sys.argv[1]))")
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("paddle_dp")
-    try:  # generous: two Paddle imports and three gloo groups on a loaded 2-core machine
-        done = subprocess.run([sys.executable, "-c", _LAUNCH, str(out)], cwd=TESTS,
-                              env=rank_env(), capture_output=True, text=True, timeout=400)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the Paddle ranks did not finish in 400 s:\n{str(e.stderr)[-4000:]}")
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = []
-    for r in range(2):
-        with open(os.path.join(out, f"rank{r}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    # generous: two Paddle imports and three gloo groups on a loaded 2-core machine
+    return spawn_local_ranks("paddle_suite", "main", tmp_path_factory.mktemp("paddle_dp"),
+                             "Paddle", timeout=400)
 
 
 def full_batch_grads(model, steps) -> list:
