@@ -254,6 +254,9 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     out["refusals"] = refusals(rank, world)
     out["one_fails"] = one_rank_fails(rank, world)
     out["mismatch"] = mismatch(rank, world)
+    from . import paddle_habits  # (it imports this module)
+
+    out["habits"] = paddle_habits.run(rank, world)
     example = runpy.run_path(os.path.join(EXAMPLES, "paddle_data_parallel.py"), run_name="ex")
     example["fit"](rank, world, 3)  # docs/paddle.md's example (it asserts the ranks agree)
     out["example"] = "ran"
