@@ -294,6 +294,16 @@ def split_steps(fw: Any, rank: int, world: int) -> Result:
     split refuses it on every rank before anything runs (``refused``)."""
     ps = params(fw)
     gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    out = _split_micro_batches(gm, fw, ps, rank)
+    out["got"] = grads(fw, ps)
+    if "refused" not in out:
+        out["want"] = mean_over_ranks(fw, world, micros=(0, 1), loss_fn=_some)
+    return out
+
+
+def _split_micro_batches(gm: Any, fw: Any, ps: List[Any], rank: int) -> Result:
+    """:func:`split_steps`' two micro-batches: each input's gradient and what it must be
+    (``got_inputs``, ``want_inputs``), or ``refused``: the first split's error."""
     inputs = []
     for m in range(2):
         with no_sync(gm) if m == 0 else contextlib.nullcontext(), gm:
@@ -302,12 +312,10 @@ def split_steps(fw: Any, rank: int, world: int) -> Result:
             try:
                 rest = gm.backward_split(_some(fw, ps, x, rank), first=[x])
             except UnsupportedGraphError as error:
-                return {"refused": f"{type(error).__name__}: {error}", "got": grads(fw, ps)}
+                return {"refused": f"{type(error).__name__}: {error}"}
             inputs.append(fw.grad(x))
             rest.finish()
-    want_inputs = [_input_grad(fw, rank, m) for m in range(2)]
-    return {"got": grads(fw, ps), "got_inputs": inputs, "want_inputs": want_inputs,
-            "want": mean_over_ranks(fw, world, micros=(0, 1), loss_fn=_some)}
+    return {"got_inputs": inputs, "want_inputs": [_input_grad(fw, rank, m) for m in range(2)]}
 
 
 def _input_grad(fw: Any, rank: int, micro: int) -> Any:
@@ -452,6 +460,22 @@ def _numpy_state(fw: Any, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any
             for i, state in state_dict["state"].items()}
 
 
+def sharded_split(fw: Any, rank: int, world: int) -> Result:
+    """:func:`split_steps`' micro-batches on the sharded path, then SGD: plain SGD's values on
+    the mean gradient (``c`` kept); where the engine cannot split, ``refused`` on every
+    rank and the values unchanged."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps)
+    out = _split_micro_batches(gm, fw, ps, rank)
+    out["got"] = sgd_step(opt, fw, ps)
+    mean = None if "refused" in out else mean_over_ranks(fw, world, micros=(0, 1),
+                                                         loss_fn=_some)
+    out["want"] = sgd_reference(fw, world, steps=0)
+    if mean is not None:
+        out["want"] = after_sgd(out["want"], mean)
+    return out
+
+
 def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
     """``b`` frozen on every rank before the optimizer is made: left out of the buckets and
     of the optimizer, it keeps its value; ``a`` and ``c`` are stepped."""
@@ -467,7 +491,7 @@ def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
 SCENARIOS = [mean_in_buckets, summed, accumulated_without_sync, broadcast_first, unused_tensors,
              ranks_that_differ, a_failing_rank, used_twice, no_sync_on_one_rank, split_steps]
 SHARDED = [sharded_steps, sharded_without_sync, sharded_unused, sharded_broadcast_first,
-           sharded_failing_rank, sharded_state_dict]
+           sharded_failing_rank, sharded_state_dict, sharded_split]
 FREEZING = [frozen_tensors, frozen_on_one_rank]
 
 

@@ -164,19 +164,31 @@ def test_split_backward_steps_are_the_mean_or_refused_on_every_rank(backend):
     """Under no_sync then synced, with a tensor used on rank 0 only and one on none: the
     parameters' mean over ranks, the input's own gradient; where the engine cannot split,
     ``UnsupportedGraphError`` on every rank before any gradient is written."""
+    split_as_wanted(backend, "split_steps", [None, None, None])
+
+
+def split_as_wanted(backend, scenario: str, untouched) -> None:
+    """``scenario`` (a split backward's) as wanted on every rank, with each input's own
+    gradient; or, where the backend cannot split, refused on every rank, the parameters'
+    ``got`` left ``untouched``."""
     name, results = backend
     for rank, out in enumerate(results):
-        scenario = out["split_steps"]
+        split = out[scenario]
         if not SPLITS[name]:
-            assert scenario["refused"].startswith(
+            assert split["refused"].startswith(
                 f"UnsupportedGraphError: the {name} backend cannot split a backward"), (
-                name, rank, scenario["refused"])
-            assert scenario["got"] == [None, None, None], (name, rank)
+                name, rank, split["refused"])
+            if untouched is None:  # the values the scenario started from
+                untouched = split["want"]
+            for got, want in zip(split["got"], untouched):
+                assert (got is None) == (want is None), (name, rank)
+                if got is not None:
+                    np.testing.assert_array_equal(got, want, err_msg=f"{name} rank {rank}")
             continue
-        assert "refused" not in scenario, (name, rank, scenario.get("refused"))
-        close(scenario["got_inputs"], scenario["want_inputs"], f"{name} input rank {rank}")
+        assert "refused" not in split, (name, rank, split.get("refused"))
+        close(split["got_inputs"], split["want_inputs"], f"{name} input rank {rank}")
     if SPLITS[name]:
-        as_wanted_on_every_rank(results, "split_steps", f"{name} split")
+        as_wanted_on_every_rank(results, scenario, f"{name} {scenario}")
 
 
 # ---------------------------------------------------------------------- sharded (ZeRO-2)
@@ -274,3 +286,11 @@ def test_a_frozen_tensor_is_left_out_of_the_shards_and_keeps_its_value(backend):
         np.testing.assert_array_equal(scenario["got"][1], scenario["want"][1], err_msg=name)
         assert scenario["memory"]["gradients"] == 4 * (4 + 2) // WORLD, name  # a and c
     as_wanted_on_every_rank(results, "sharded_frozen", name)
+
+
+def test_sharded_split_backward_steps_or_refused_on_every_rank(backend):
+    """:func:`test_split_backward_steps_are_the_mean_or_refused_on_every_rank` on the sharded
+    path, then SGD: plain SGD's values on the mean gradient; refused, the start values."""
+    if not can_shard(backend, "sharded_split"):
+        return
+    split_as_wanted(backend, "sharded_split", None)
