@@ -243,3 +243,18 @@ def test_data_parallel_without_paddle_collectives_says_what_to_do():
     with pytest.raises(RuntimeError, match=r"(?s)paddle.distributed is not initialised: call "
                                            r"paddle.distributed.init_parallel_env\(\).*spawn_local"):
         data_parallel(suite.net(0))
+
+
+@pytest.mark.xfail(strict=True, reason="on Paddle the plan check of the step nobody else "
+                                       "starts meets the others' next collective: gloo aborts "
+                                       "a rank (op.preamble.length <= op.nbytes)")
+def test_the_rank_with_a_step_more_raises_and_the_group_stays_in_step(tmp_path):
+    """The habit table's "one rank skips a batch before its forward" on Paddle ranks: as on
+    every PyTorch path and MegEngine (tests/test_out_of_step.py), the rank with a step more
+    must raise ``RanksOutOfStepError`` and the others end their loop, the next allreduce
+    pairing on both (its own spawn: today a rank dies)."""
+    ranks = spawn_local_ranks("paddle_habits", "skip_a_batch", tmp_path, "Paddle", timeout=120)
+    assert ranks[0]["error"] is not None and ranks[0]["error"].startswith(
+        "RanksOutOfStepError"), ranks[0]["error"]
+    assert ranks[1]["error"] is None, ranks[1]["error"]
+    assert [out["after"] for out in ranks] == [2.0, 2.0]

@@ -120,3 +120,34 @@ def run(rank: int, world: int) -> dict:
                    "paddle": train(habit, rank, world, False)} for habit in HABITS}
     out["forgotten_with"] = forgotten_with(rank, world)
     return out
+
+
+def skip_a_batch(rank: int, world: int, port: int, outdir: str) -> None:
+    """A rank skips a batch before its forward (``continue``): rank 0 has a step more.
+    After the loop every rank makes one allreduce; each rank pickles what it raised (None)
+    and that allreduce's result to ``OUTDIR/rank{RANK}.pkl``. A separate spawn: today it
+    aborts a rank inside gloo."""
+    import os
+    import pickle
+
+    import paddle.distributed as dist
+
+    from gradmgr.distributed import data_parallel
+
+    dist.init_parallel_env()
+    model = suite.net(rank)
+    gm = data_parallel(model)
+    out: dict = {"error": None}
+    for step in range(STEPS):
+        if rank == 1 and step == 1:
+            continue
+        try:
+            with gm:
+                gm.backward(suite.loss_of(model, *suite.local(step, rank, world)))
+        except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+            out["error"] = f"{type(e).__name__}: {e}"
+    total = paddle.ones([1])
+    dist.all_reduce(total)
+    out["after"] = float(total.numpy()[0])
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
