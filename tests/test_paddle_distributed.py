@@ -190,6 +190,10 @@ def test_what_the_paddle_path_cannot_do_raises_on_every_rank(ranks):
             "ValueError: unknown transport 'gloo' for paddle tensors; choose one of "
             "['paddle']"), rank
         assert errors["join"].startswith("NotImplementedError: uneven inputs"), rank
+        assert errors.get("wrapper", "").startswith(
+            "TypeError: data_parallel() was given a paddle.DataParallel wrapper"), (
+            rank, errors.get("wrapper", "no error: every gradient reduced twice"))
+        assert "(net._layers)" in errors["wrapper"], rank
 
 
 def test_the_example_of_docs_paddle_md_trains_alike_on_both_ranks(ranks):
