@@ -14,12 +14,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
-# The Paddle suite (.venv-paddle): its contract leg, its backend's tests, its data parallel,
+# The Paddle suite (.venv-paddle): its contract leg, its backend's tests, its data parallel
+# (the data-parallel contract's Paddle leg too),
 # the parity tool against torch and MegEngine (which .venv-paddle imports too), its example
 # training loop and demo, and its doc blocks.
 PADDLE_TESTS=(tests/test_contract.py tests/test_edges.py tests/test_paddle_backend.py
-              tests/test_paddle_distributed.py tests/differential/test_paddle_differential.py
-              tests/test_env_command.py tests/test_parity_paddle.py
+              tests/test_paddle_distributed.py tests/test_dp_contract.py
+              tests/differential/test_paddle_differential.py tests/test_env_command.py tests/test_parity_paddle.py
               tests/test_parity_paddle_functional.py tests/test_docstrings.py
               tests/docs/test_doc_blocks.py tests/test_examples.py tests/test_paddle_ports.py
               tests/test_paddle_bucket_fill.py

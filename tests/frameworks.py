@@ -18,6 +18,7 @@ class Framework:
     name: str  # the gradmgr backend name
     supports_cuda = False
     can_freeze = False  # tensors have a requires_grad flag that freezes them
+    can_shard = True  # gradmgr's sharded path (make_reduce_scatter_cb) takes its tensors
 
     def freeze(self, t: Any) -> None:
         raise NotImplementedError(f"{self.name} tensors cannot be frozen")

@@ -14,6 +14,7 @@ from frameworks import Framework
 class PaddleFramework(Framework):
     name = "paddle"
     can_freeze = True
+    can_shard = False  # gradmgr shards no Paddle model yet: NotImplementedError
 
     def __init__(self, device: str = "cpu") -> None:
         import paddle

@@ -82,6 +82,28 @@ def spawn(suite: str, outdir, world: int = 2, backend: str = "gloo", timeout: fl
     return [_load(outdir, r) for r in range(world)]
 
 
+def spawn_local_ranks(module: str, function: str, outdir, what: str, timeout: float = 400,
+                      world: int = 2) -> list:
+    """Run ``dist_workers.<module>.<function>(rank, world, port, outdir)`` on ``world`` ranks
+    started as a user starts them, by ``gradmgr.distributed.spawn_local`` (it sets what
+    ``paddle.distributed.init_parallel_env()`` reads); return what each rank pickled to
+    ``OUTDIR/rank{r}.pkl``. ``what`` names the ranks in a failure."""
+    launch = (f"import sys; from gradmgr.distributed import spawn_local; "
+              f"from dist_workers import {module}; "
+              f"sys.exit(spawn_local({module}.{function}, {world}, sys.argv[1]))")
+    try:
+        done = subprocess.run([sys.executable, "-c", launch, str(outdir)], cwd=TESTS,
+                              env=rank_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the {what} ranks did not finish in {timeout} s:\n{str(e.stderr)[-4000:]}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = []
+    for r in range(world):
+        with open(os.path.join(outdir, f"rank{r}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
 def _load(outdir, rank: int):
     pickled = os.path.join(outdir, f"rank{rank}.pkl")
     if os.path.exists(pickled):

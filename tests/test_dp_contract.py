@@ -1,6 +1,10 @@
 """The data-parallel contract, the same scenarios (``dp_scenarios.py``) on every backend: the
 pure-Python fake one (ranks are threads, its transport is in-process: no framework at all),
-PyTorch and MegEngine (ranks are processes over torch.distributed gloo).
+PyTorch and MegEngine (ranks are processes over torch.distributed gloo), and Paddle (ranks
+started by ``spawn_local`` over Paddle's own collectives; only where Paddle is installed, in
+.venv-paddle). Where a backend cannot take a path (a split backward on the fake backend and
+MegEngine, sharding on Paddle), each scenario of that path must be refused on every rank with
+a clear error, and that is tested too.
 
 Tolerances: against references computed without data parallelism from every rank's data,
 ``rtol=2e-6, atol=1e-7`` (float32 summed in another order; the fake framework computes in
@@ -14,7 +18,7 @@ import pytest
 from dp_scenarios import run_all
 from fake_distributed import run_ranks
 from frameworks import make_framework
-from ranks import spawn
+from ranks import spawn, spawn_local_ranks
 
 WORLD = 2
 REL, ABS = 2e-6, 1e-7
@@ -46,7 +50,7 @@ def as_wanted_on_every_rank(results, scenario: str, name: str) -> None:
     same_on_every_rank(results, scenario)
 
 
-@pytest.fixture(scope="module", params=["fake", "torch", "megengine"])
+@pytest.fixture(scope="module", params=["fake", "torch", "megengine", "paddle"])
 def backend(request, tmp_path_factory):
     """Every rank's results of every scenario, for one backend."""
     name = request.param
@@ -54,8 +58,11 @@ def backend(request, tmp_path_factory):
         fw = make_framework("fake")
         return name, run_ranks(WORLD, lambda rank, world: run_all(fw, rank, WORLD))
     pytest.importorskip(name, reason=f"{name} is not installed in this environment")
-    pytest.importorskip("torch", reason="the ranks talk over torch.distributed (gloo)")
     out = tmp_path_factory.mktemp(f"contract_{name}")
+    if name == "paddle":
+        return name, spawn_local_ranks("contract_suite", "paddle_main", out, "Paddle",
+                                       world=WORLD)
+    pytest.importorskip("torch", reason="the ranks talk over torch.distributed (gloo)")
     return name, spawn("contract_suite", out, WORLD, GRADMGR_CONTRACT_FRAMEWORK=name)
 
 
@@ -132,10 +139,78 @@ def test_frozen_tensors_are_left_out_and_a_freeze_on_one_rank_is_refused(backend
         assert alone["refused"] == [None, None, None]
 
 
+def test_a_tensor_used_twice_is_reduced_once_with_both_uses(backend):
+    name, results = backend
+    as_wanted_on_every_rank(results, "used_twice", name)
+
+
+def test_ranks_that_disagree_about_no_sync_fail_on_every_rank(backend):
+    """Rank 0 alone inside no_sync: RankMismatchError on every rank, no gradient kept, and
+    the next agreed step is the mean."""
+    name, results = backend
+    for rank, out in enumerate(results):
+        scenario = out["no_sync_on_one_rank"]
+        assert len(scenario["errors"]) == 1, f"{name} rank {rank}: no RankMismatchError"
+        assert scenario["errors"][0].startswith("the ranks disagree about no_sync"), (
+            name, rank, scenario["errors"][0])
+        assert scenario["refused"] == [None, None, None], (name, rank)
+    as_wanted_on_every_rank(results, "no_sync_on_one_rank", f"{name} after the refusal")
+
+
+SPLITS = {"torch": True, "paddle": True, "fake": False, "megengine": False}  # capabilities
+
+
+def test_split_backward_steps_are_the_mean_or_refused_on_every_rank(backend):
+    """Under no_sync then synced, with a tensor used on rank 0 only and one on none: the
+    parameters' mean over ranks, the input's own gradient; where the engine cannot split,
+    ``UnsupportedGraphError`` on every rank before any gradient is written."""
+    split_as_wanted(backend, "split_steps", [None, None, None])
+
+
+def split_as_wanted(backend, scenario: str, untouched) -> None:
+    """``scenario`` (a split backward's) as wanted on every rank, with each input's own
+    gradient; or, where the backend cannot split, refused on every rank, the parameters'
+    ``got`` left ``untouched``."""
+    name, results = backend
+    for rank, out in enumerate(results):
+        split = out[scenario]
+        if not SPLITS[name]:
+            assert split["refused"].startswith(
+                f"UnsupportedGraphError: the {name} backend cannot split a backward"), (
+                name, rank, split["refused"])
+            if untouched is None:  # the values the scenario started from
+                untouched = split["want"]
+            for got, want in zip(split["got"], untouched):
+                assert (got is None) == (want is None), (name, rank)
+                if got is not None:
+                    np.testing.assert_array_equal(got, want, err_msg=f"{name} rank {rank}")
+            continue
+        assert "refused" not in split, (name, rank, split.get("refused"))
+        close(split["got_inputs"], split["want_inputs"], f"{name} input rank {rank}")
+    if SPLITS[name]:
+        as_wanted_on_every_rank(results, scenario, f"{name} {scenario}")
+
+
 # ---------------------------------------------------------------------- sharded (ZeRO-2)
+def can_shard(backend, scenario: str) -> bool:
+    """False on Paddle, which gradmgr shards in no way yet, after checking that every rank
+    refused the scenario with the error saying so."""
+    name, results = backend
+    if name != "paddle":
+        return True
+    for rank, out in enumerate(results):
+        refused = out[scenario]["refused"]
+        assert refused is not None and refused.startswith(
+            "NotImplementedError: gradmgr shards Paddle models in no way yet"), (
+            scenario, rank, refused)
+    return False
+
+
 def test_sharded_steps_give_every_rank_sgds_values_on_the_mean_gradient(backend):
     """One bucket of 10 float32 elements: each of the 2 ranks holds a chunk of 5 (20 bytes)."""
     name, results = backend
+    if not can_shard(backend, "sharded_steps"):
+        return
     for out in results:
         scenario = out["sharded_steps"]
         close(scenario["got_first"], scenario["want_first"], f"{name} first step")
@@ -148,21 +223,29 @@ def test_sharded_steps_give_every_rank_sgds_values_on_the_mean_gradient(backend)
 
 def test_sharded_no_sync_accumulates_and_the_synced_steps_reduce_scatter_it_all(backend):
     name, results = backend
+    if not can_shard(backend, "sharded_without_sync"):
+        return
     as_wanted_on_every_rank(results, "sharded_without_sync", name)
 
 
 def test_sharded_tensors_unused_on_some_or_all_ranks(backend):
     name, results = backend
+    if not can_shard(backend, "sharded_unused"):
+        return
     as_wanted_on_every_rank(results, "sharded_unused", name)
 
 
 def test_sharded_segments_start_from_the_broadcast_values(backend):
     name, results = backend
+    if not can_shard(backend, "sharded_broadcast_first"):
+        return
     as_wanted_on_every_rank(results, "sharded_broadcast_first", name)
 
 
 def test_a_rank_whose_backward_raises_fails_the_sharded_step_everywhere(backend):
     name, results = backend
+    if not can_shard(backend, "sharded_failing_rank"):
+        return
     assert [out["sharded_failing_rank"]["raised"] for out in results] == [
         ["RankFailedError"], ["ValueError"]], name
     for out in results:
@@ -177,6 +260,8 @@ def test_the_consolidated_state_is_the_unsharded_optimizers_even_from_a_rank_wit
     it: it must still take part in every collective of state_dict); MegEngine's makes one for
     every parameter at once (zeros for ``b`` and ``c``)."""
     name, results = backend
+    if not can_shard(backend, "sharded_state_dict"):
+        return
     for rank, out in enumerate(results):
         got, want = out["sharded_state_dict"]["got"], out["sharded_state_dict"]["want"]
         assert sorted(got) == sorted(want) == ([0, 1, 2] if name == "megengine" else [0]), name
@@ -192,6 +277,8 @@ def test_the_consolidated_state_is_the_unsharded_optimizers_even_from_a_rank_wit
 
 def test_a_frozen_tensor_is_left_out_of_the_shards_and_keeps_its_value(backend):
     name, results = backend
+    if not can_shard(backend, "sharded_frozen"):
+        return
     if not can_freeze(backend, "sharded_frozen"):
         return
     for out in results:
@@ -199,3 +286,11 @@ def test_a_frozen_tensor_is_left_out_of_the_shards_and_keeps_its_value(backend):
         np.testing.assert_array_equal(scenario["got"][1], scenario["want"][1], err_msg=name)
         assert scenario["memory"]["gradients"] == 4 * (4 + 2) // WORLD, name  # a and c
     as_wanted_on_every_rank(results, "sharded_frozen", name)
+
+
+def test_sharded_split_backward_steps_or_refused_on_every_rank(backend):
+    """:func:`test_split_backward_steps_are_the_mean_or_refused_on_every_rank` on the sharded
+    path, then SGD: plain SGD's values on the mean gradient; refused, the start values."""
+    if not can_shard(backend, "sharded_split"):
+        return
+    split_as_wanted(backend, "sharded_split", None)

@@ -18,6 +18,8 @@ that breaks the process group on today's code costs only itself and the ones aft
   BatchNorm whose buffers data_parallel broadcasts): every rank must raise RankMismatchError,
   and once the ranks agree again a step equals DDP's. ``uneven_padded``: rank 1 has one
   micro-batch fewer and records an empty one inside ``no_sync``, as the error advises.
+* ``input_one_rank``: rank 0 alone attaches its input inside the recording (last: on torch's
+  reducer path a rank aborts inside gloo today).
 """
 
 from __future__ import annotations
@@ -296,9 +298,33 @@ def uneven_padded(out: dict, rank: int, world: int) -> None:
         side.after_sync(out, f"uneven_{'gm' if side is ours else 'ddp'}")
 
 
+# ---------------------------------------------------------------- an input on one rank
+def input_one_rank(out: dict, rank: int, world: int) -> None:
+    """Rank 0 alone attaches its input (``requires_grad``, no callback: a saliency map)
+    inside the recording, at two synced steps: the parameters' gradients (sharded: the
+    parameters) equal DDP's, and rank 0's input gets its own gradient, as under DDP."""
+    net = Plain()
+    ours = Side(net, gm=wrap(net))
+    theirs = Side(Plain(), ddp=True)
+    for step in range(2):
+        for side in (ours, theirs):
+            name = f"input_{'gm' if side is ours else 'ddp'}{step}_"
+            x = batch(50 + step, rank).requires_grad_(True)
+            if side is theirs:
+                side.step(x)
+            else:
+                with ours.gm:
+                    if rank == 0:
+                        ours.gm.attach(x)
+                    ours.gm.backward(net(x))
+            if rank == 0:  # (under DDP every rank's input gets one; here rank 0 asked)
+                save(out, f"{name}x", values([x.grad]))
+            side.after_sync(out, name)
+
+
 SCENARIOS = {f.__name__: f for f in (
     none_all, none_one, double, double_one_rank, uneven_padded, disagree_first,
-    disagree_later, disagree_buffers,
+    disagree_later, disagree_buffers, input_one_rank,
 )}
 
 

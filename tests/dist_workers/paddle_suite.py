@@ -179,6 +179,8 @@ def attached_input(rank: int, world: int, ours_side: bool) -> dict:
 
 def refusals(rank: int, world: int) -> dict:
     """What the Paddle path cannot do: each raises on every rank, and the ranks go on."""
+    import paddle
+
     from gradmgr.distributed import data_parallel
 
     errors: dict = {}
@@ -195,6 +197,10 @@ def refusals(rank: int, world: int) -> dict:
             errors[name] = f"{type(e).__name__}: {e}"
         gm = None
     model = net(0)
+    try:
+        data_parallel(paddle.DataParallel(model))  # a kept wrapper: two reducers
+    except Exception as e:  # noqa: BLE001
+        errors["wrapper"] = f"{type(e).__name__}: {e}"
     gm = data_parallel(model)
     try:
         gm.join()
@@ -254,6 +260,9 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     out["refusals"] = refusals(rank, world)
     out["one_fails"] = one_rank_fails(rank, world)
     out["mismatch"] = mismatch(rank, world)
+    from . import paddle_habits  # (it imports this module)
+
+    out["habits"] = paddle_habits.run(rank, world)
     example = runpy.run_path(os.path.join(EXAMPLES, "paddle_data_parallel.py"), run_name="ex")
     example["fit"](rank, world, 3)  # docs/paddle.md's example (it asserts the ranks agree)
     out["example"] = "ran"

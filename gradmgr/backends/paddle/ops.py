@@ -30,6 +30,14 @@ def _memory(grad: Any) -> Optional[int]:
 def dtype_name(tensor: Any) -> str:
     return str(tensor.dtype).replace("paddle.", "")
 
+DATA_PARALLEL_WRAPPER = (
+    "data_parallel() was given a paddle.DataParallel wrapper: Paddle's reducer reduces every "
+    "gradient over the ranks, and gradmgr's manager would reduce it again. Drop the wrapper "
+    "and pass the model itself (net._layers): data_parallel(model) does what "
+    "paddle.DataParallel did; then call model(x) itself and gm.backward(loss) inside "
+    "`with gm:`"
+)
+
 
 class PaddleOps(TensorOps):
     """Paddle tensors are frozen by ``stop_gradient=True``; a frozen one is left out of the
@@ -107,6 +115,9 @@ class PaddleOps(TensorOps):
 
     def sum_squares(self, tensors: Sequence[Any]) -> float:
         return float(sum(float((t.astype("float32") ** 2).sum()) for t in tensors))
+
+    def wrapper_problem(self, module: Any) -> Optional[str]:
+        return DATA_PARALLEL_WRAPPER if isinstance(module, paddle.DataParallel) else None
 
     def segment(self, param: Any, start: int, stop: int, master_dtype: Optional[str]) -> Any:
         raise NotImplementedError(NO_SHARDING)
