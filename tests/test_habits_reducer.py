@@ -11,8 +11,8 @@ buckets (``python``) and the sharded path (``shard``), next to DDP:
   with fewer micro-batches that pads with an empty ``no_sync`` recording equals DDP.
 
 And an input attached on one rank only, inside the recording (a saliency map): DDP's
-gradients on every path (``xfail(strict=True)`` on the reducer's, where a rank aborts inside
-gloo today).
+gradients on every path (on the reducer's, a rank used to abort inside gloo: that rank took
+gradmgr's buckets while the others took the reducer).
 
 The ranks run dist_workers/habits_reducer.py as subprocesses, one spawn per path, gloo's
 timeout 60 s and the spawn's 200 s (pytest's is 300 s): a rank that hangs or dies fails its
@@ -109,15 +109,12 @@ def test_a_rank_padding_with_an_empty_no_sync_recording_equals_ddp(ranks):
 
 
 # ---------------------------------------------------------------- an input on one rank
-def test_an_input_attached_on_one_rank_inside_the_recording_equals_ddp(ranks, request):
+def test_an_input_attached_on_one_rank_inside_the_recording_equals_ddp(ranks):
     """Rank 0 alone attaches its input (a saliency map) inside ``with gm:``: the ranks still
     agree on what they reduce, so every path must give DDP's gradients (and rank 0's input
-    its own); on torch's reducer path today a rank aborts inside gloo (``op.preamble.length
-    <= op.nbytes``), which the paths of gradmgr's buckets do not."""
-    if request.node.callspec.params["ranks"] == "native":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the reducer path: rank 0's input attached inside the recording, a rank aborts "
-            "inside gloo")))
+    its own). On torch's reducer path rank 0 used to leave the reducer for gradmgr's buckets
+    (something was attached since the recording began) and gloo aborted a rank
+    (``op.preamble.length <= op.nbytes``)."""
     for rank, out in enumerate(ranks.scenario("input_one_rank")):
         for step in (0, 1):
             same(out, f"input_gm{step}_", f"input_ddp{step}_")

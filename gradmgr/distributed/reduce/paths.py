@@ -17,7 +17,7 @@ import logging
 from typing import Any, List, Optional, Tuple
 
 from ...hooks import after_backward_callbacks
-from ...manager import attach_epoch, callback_chains
+from ...manager import callback_chains
 from ..consistency import plan_fingerprint
 from .post_backward import PostBackwardStep
 from .steps import Step
@@ -133,9 +133,10 @@ def still_delegable(synchronizer: Any, gm: Any, tensors: List[Any], path: Any) -
 def delegate(synchronizer: Any, gm: Any) -> Any:
     """The backward delegate: this step is reduced after the backward where its recording
     chose that (:mod:`.post_backward`), else goes to the reducer when the plan says so;
-    neither where something was attached since the recording started."""
+    neither where what was attached since the recording started changes the plan or the path
+    (an input attached for its own gradient does not: the other ranks take the delegate)."""
     with synchronizer.lock:
-        if synchronizer.epoch != attach_epoch(gm):
+        if not synchronizer.plan_holds(gm):
             return None
         step = synchronizer.steps.get(gm.step)
         if step is None:
