@@ -3,6 +3,7 @@ writes them in MegEngine (BatchNorm momentum 0.9 is PyTorch's 0.1)."""
 
 from __future__ import annotations
 
+import megengine as mge
 import megengine.functional as F
 import megengine.module as M
 
@@ -103,3 +104,32 @@ class SharedLayer(M.Module):
 
     def forward(self, x):
         return self.b(F.tanh(self.a(x)))
+
+
+def _weight():
+    return mge.Parameter(mge.random.normal(0.0, 0.3, (8, 8)))
+
+
+class TwoAttributes(M.Module):
+    """tests/parity_small_torch.py's TwoAttributes: one module holding its weight under two
+    attribute names (``tied``), or two weights."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.w = _weight()
+        self.w2 = self.w if tied else _weight()
+
+    def forward(self, x):
+        return F.matmul(F.tanh(F.matmul(x, self.w, transpose_b=True)), self.w2,
+                        transpose_b=True)
+
+
+class TiedInOneModule(M.Module):
+    """tests/parity_small_torch.py's TiedInOneModule."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.core, self.head = TwoAttributes(tied), M.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.core(x))

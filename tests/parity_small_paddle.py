@@ -118,3 +118,28 @@ class SharedLayer(nn.Layer):
 
     def forward(self, x):
         return self.b(paddle.tanh(self.a(x)))
+
+
+class TwoAttributes(nn.Layer):
+    """tests/parity_small_torch.py's TwoAttributes: one layer holding its weight under two
+    attribute names (``tied``), or two weights."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.w = self.create_parameter([8, 8])
+        self.w2 = self.w if tied else self.create_parameter([8, 8])
+
+    def forward(self, x):
+        return paddle.matmul(paddle.tanh(paddle.matmul(x, self.w, transpose_y=True)), self.w2,
+                             transpose_y=True)
+
+
+class TiedInOneModule(nn.Layer):
+    """tests/parity_small_torch.py's TiedInOneModule."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.core, self.head = TwoAttributes(tied), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.core(x))

@@ -107,3 +107,27 @@ class SharedLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)))
+
+
+class TwoAttributes(nn.Module):
+    """One module holding its weight under two attribute names (``self.w2 = self.w``,
+    ``tied``), used once under each, or two weights."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.w2 = self.w if tied else nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w.T) @ self.w2.T
+
+
+class TiedInOneModule(nn.Module):
+    """TwoAttributes (``core``) and a Linear head."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.core, self.head = TwoAttributes(tied), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.core(x))

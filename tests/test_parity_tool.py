@@ -320,14 +320,18 @@ def test_a_float64_torch_reference_against_a_megengine_port_fed_a_megengine_tens
     assert 0 < worst < 1e-5  # float32 rounding seen, and accepted
 
 
-# Tied weights (docs/megengine.md): an LM head on its embedding's weight and two Linears on
-# one weight. MegEngine's named_parameters lists a tied parameter once, under its first name
-# in sorted order; the adapter finds its other names itself.
-TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared},
-        "megengine": {"lm": G.TiedLM, "shared": G.Shared}}
+# Tied weights (docs/megengine.md): an LM head on its embedding's weight, two Linears on
+# one weight, and one module holding its weight under two attribute names ("own": MegEngine
+# listed it once, under one name, before the fix: the tie unseen, a tied port unmapped).
+# MegEngine's named_parameters lists a tied parameter once, under its first name in sorted
+# order; the adapter finds its other names itself.
+TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared, "own": T.TiedInOneModule},
+        "megengine": {"lm": G.TiedLM, "shared": G.Shared, "own": G.TiedInOneModule}}
 _TRS = np.random.RandomState(3)
 TIED_BATCHES = {"lm": _TRS.randint(0, 10, (4, 5)), "shared": _TRS.randn(4, 8).astype(np.float32)}
-TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight")}
+TIED_BATCHES["own"] = TIED_BATCHES["shared"]
+TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight"),
+        "own": ("core.w2", "core.w")}
 
 
 def tied_model(framework: str, case: str, tied: bool, seed: int):
@@ -352,7 +356,7 @@ def untied_mge_grads(mm, case: str, batch) -> dict:
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("case", ["lm", "shared"])
+@pytest.mark.parametrize("case", ["lm", "shared", "own"])
 def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction):
     src, dst = direction.split("->")
     a, b, x = tied_model(src, case, True, 0), tied_model(dst, case, True, 1), TIED_BATCHES[case]
@@ -369,7 +373,7 @@ def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction
 
 
 @pytest.mark.parametrize("tied_side", ["megengine", "torch"])
-@pytest.mark.parametrize("case", ["lm", "shared"])
+@pytest.mark.parametrize("case", ["lm", "shared", "own"])
 def test_tied_weights_on_one_side_only_are_a_finding_at_the_gradients(case, tied_side):
     """The tied side is the reference (parity_tied_checks.check_tied_on_one_side); the tied
     gradient within 1e-4 of its largest of the sum of the untied side's two."""
