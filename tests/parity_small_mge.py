@@ -133,3 +133,34 @@ class TiedInOneModule(M.Module):
 
     def forward(self, x):
         return self.head(self.core(x))
+
+
+def _block() -> M.Module:
+    return M.Sequential(M.Linear(8, 8), M.Sigmoid(), M.Linear(8, 8))
+
+
+class SharedBlock(M.Module):
+    """tests/parity_small_torch.py's SharedBlock: one block under two names (``shared``),
+    or two blocks."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.first = _block()
+        self.second = self.first if shared else _block()
+        self.head = M.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+class BlockCalledTwice(M.Module):
+    """tests/parity_small_torch.py's BlockCalledTwice."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.block, self.head = _block(), M.Linear(8, 4)
+        self.again = None if shared else _block()
+
+    def forward(self, x):
+        again = self.block if self.again is None else self.again
+        return self.head(again(self.block(x)))

@@ -23,6 +23,8 @@ import parity_small_mge as G  # noqa: E402
 import parity_small_paddle as P  # noqa: E402
 import parity_small_torch as T  # noqa: E402
 from parity_tied_checks import (  # noqa: E402
+    BLOCK,
+    check_block_called_twice_on_one_side,
     check_edited_tied_checkpoint,
     check_shared_layer_on_both_sides,
     check_shared_layer_on_one_side,
@@ -560,3 +562,50 @@ def test_a_paddle_checkpoint_whose_tied_names_differ_is_refused(other, case, tmp
     check_edited_tied_checkpoint(tied_maker("paddle", case, True),
                                  tied_maker(other, case, True), _batch(case), str(tmp_path),
                                  *TIES[case])
+
+
+# One block of three layers shared, as tests/test_parity_tool.py's against MegEngine: under
+# two names (SharedBlock) or called twice under one (BlockCalledTwice); every pair of
+# frameworks with Paddle, MegEngine's too.
+BLOCKS = {"torch": {"named": T.SharedBlock, "called": T.BlockCalledTwice},
+          "megengine": {"named": G.SharedBlock, "called": G.BlockCalledTwice},
+          "paddle": {"named": P.SharedBlock, "called": P.BlockCalledTwice}}
+
+
+def block_model(framework: str, case: str, shared: bool, seed: int):
+    torch.manual_seed(seed)
+    paddle.seed(seed)
+    mge.random.seed(seed)
+    return BLOCKS[framework][case](shared=shared)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", ["named", "called"])
+def test_a_block_shared_on_both_sides_pairs_its_layers_and_is_parity_with_paddle(case,
+                                                                                 direction):
+    """parity_tied_checks.check_shared_layer_on_both_sides: seven calls each paired with its
+    namesake; the gradients to 1e-5 of their largest."""
+    src, dst = direction.split("->")
+    a, b = block_model(src, case, True, 0), block_model(dst, case, True, 1)
+    check_shared_layer_on_both_sides(a, b, TIED_BATCHES["shared"], rel=1e-5, forwards=7)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_block_under_two_names_on_one_side_only_is_a_tie_finding_with_paddle(direction):
+    """parity_tied_checks.check_shared_layer_on_one_side (the shared side first): a tie
+    finding for each of the block's four tensors, the gradients to 1e-5."""
+    src, dst = direction.split("->")
+    a, b = block_model(src, "named", True, 0), block_model(dst, "named", False, 1)
+    check_shared_layer_on_one_side(a, b, TIED_BATCHES["shared"], rel=1e-5, tied=BLOCK,
+                                   forwards=7)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("shared_side", ["src", "dst"])
+def test_a_block_called_twice_on_one_side_only_is_refused_with_paddle(shared_side,
+                                                                      direction):
+    """parity_tied_checks.check_block_called_twice_on_one_side."""
+    src, dst = direction.split("->")
+    a = block_model(src, "called", shared_side == "src", 0)
+    b = block_model(dst, "called", shared_side == "dst", 1)
+    check_block_called_twice_on_one_side(a, b, TIED_BATCHES["shared"])

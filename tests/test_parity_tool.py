@@ -20,6 +20,8 @@ import megengine.optimizer as mge_optim  # noqa: E402
 import parity_small_mge as G  # noqa: E402
 import parity_small_torch as T  # noqa: E402
 from parity_tied_checks import (  # noqa: E402
+    BLOCK,
+    check_block_called_twice_on_one_side,
     check_shared_layer_on_both_sides,
     check_shared_layer_on_one_side,
     check_tied_on_both_sides,
@@ -521,3 +523,46 @@ def test_a_layer_shared_on_one_side_only_is_a_tie_finding_not_unmapped(shared_si
     other = "torch" if shared_side == "megengine" else "megengine"
     a, b = shared_layer(shared_side, True, 0), shared_layer(other, False, 1)
     check_shared_layer_on_one_side(a, b, TIED_BATCHES["shared"], rel=1e-4)
+
+
+# One block of three layers shared (tests/parity_small_*.py): under two names (SharedBlock,
+# its second name's tensors tied to its first's) or called twice under one (BlockCalledTwice).
+BLOCKS = {"torch": {"named": T.SharedBlock, "called": T.BlockCalledTwice},
+          "megengine": {"named": G.SharedBlock, "called": G.BlockCalledTwice}}
+
+
+def block_model(framework: str, case: str, shared: bool, seed: int):
+    torch.manual_seed(seed)
+    mge.random.seed(seed)
+    return BLOCKS[framework][case](shared=shared)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", ["named", "called"])
+def test_a_block_shared_on_both_sides_pairs_its_layers_and_is_parity(case, direction):
+    """parity_tied_checks.check_shared_layer_on_both_sides: the block's three layers called
+    twice and the head, seven calls each paired with its namesake; torch's gradients to 1e-4
+    of their largest."""
+    src, dst = direction.split("->")
+    a, b = block_model(src, case, True, 0), block_model(dst, case, True, 1)
+    check_shared_layer_on_both_sides(a, b, TIED_BATCHES["shared"], rel=1e-4, forwards=7)
+
+
+@pytest.mark.parametrize("shared_side", ["megengine", "torch"])
+def test_a_block_under_two_names_on_one_side_only_is_a_tie_finding(shared_side):
+    """parity_tied_checks.check_shared_layer_on_one_side: a tie finding for each of the
+    block's four tensors, the gradients to 1e-4."""
+    other = "torch" if shared_side == "megengine" else "megengine"
+    a, b = block_model(shared_side, "named", True, 0), block_model(other, "named", False, 1)
+    check_shared_layer_on_one_side(a, b, TIED_BATCHES["shared"], rel=1e-4, tied=BLOCK,
+                                   forwards=7)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("shared_side", ["src", "dst"])
+def test_a_block_called_twice_on_one_side_only_is_refused_not_parity(shared_side, direction):
+    """parity_tied_checks.check_block_called_twice_on_one_side."""
+    src, dst = direction.split("->")
+    a = block_model(src, "called", shared_side == "src", 0)
+    b = block_model(dst, "called", shared_side == "dst", 1)
+    check_block_called_twice_on_one_side(a, b, TIED_BATCHES["shared"])
