@@ -566,3 +566,27 @@ def test_a_block_called_twice_on_one_side_only_is_refused_not_parity(shared_side
     a = block_model(src, "called", shared_side == "src", 0)
     b = block_model(dst, "called", shared_side == "dst", 1)
     check_block_called_twice_on_one_side(a, b, TIED_BATCHES["shared"])
+
+
+def test_a_dumped_shared_block_keeps_its_second_names(tmp_path):
+    """A dump has no modules: its layers' second names come from its aliases and recorded
+    calls (the adapter contract's ``second``). Against a shared MegEngine port it is parity
+    with the seven calls paired, against an unshared one a tie finding per tensor."""
+    from gradmgr.parity import dump, load
+    from gradmgr.parity.contract import adapter_for
+    from gradmgr.parity.mapping import TIED as TIE
+
+    x = TIED_BATCHES["shared"]
+    live = block_model("torch", "named", True, 0)
+    dump(live, x, str(tmp_path / "block.npz"))
+    recorded = load(str(tmp_path / "block.npz"))
+    assert recorded.second == adapter_for(live).second == {"second.0": "first.0",
+                                                           "second.2": "first.2"}
+    shared, unshared = (block_model("megengine", "named", s, 1) for s in (True, False))
+    assert transfer_weights(recorded, shared, probe=recorded.batch).ok
+    report = compare_step(recorded, shared, recorded.batch)
+    assert report.ok and not report.unmatched, report.text()
+    assert sum(e.what == "forward" for e in report.entries) == 7
+    transfer_weights(recorded, unshared, probe=recorded.batch, strict=False)
+    report = compare_step(recorded, unshared, recorded.batch)
+    assert not report.ok and [f.key for f in report.findings] == [TIE] * 4
