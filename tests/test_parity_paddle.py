@@ -513,7 +513,8 @@ def test_a_layer_shared_on_one_side_only_is_a_tie_finding_with_paddle(shared_sid
 
 # Checkpoints of tied models (tests/parity_tied_checks.py; tests/test_parity_checkpoint_ties.py
 # on PyTorch and MegEngine alone): a converted tensor moves no bits; forwards within 1e-5.
-TIED_CLASSES = {"lm": "TiedLM", "shared": "Shared", "shared_layer": "SharedLayer"}
+TIED_CLASSES = {"lm": "TiedLM", "shared": "Shared", "shared_layer": "SharedLayer",
+                "own": "TiedInOneModule"}
 TIED_PORTS = {"torch": T, "megengine": G, "paddle": P}
 
 
@@ -530,7 +531,7 @@ def _batch(case: str) -> np.ndarray:
     return TIED_BATCHES["shared" if case == "shared_layer" else case]
 
 
-@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer"])
+@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer", "own"])
 @pytest.mark.parametrize("other", ["torch", "megengine", "paddle"])
 def test_a_tied_paddle_checkpoint_converts_to_the_other_and_back_bit_for_bit(other, case,
                                                                              tmp_path):
@@ -547,7 +548,7 @@ def test_a_paddle_linear_tied_to_an_embedding_converts_in_its_stored_layout(tmp_
     assert head["src_shape"] == head["dst_shape"] == [10, 8] and head["transform"] is None
 
 
-@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer"])
+@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer", "own"])
 @pytest.mark.parametrize("tied,untied", [("paddle", "torch"), ("torch", "paddle"),
                                          ("paddle", "megengine"), ("megengine", "paddle")])
 def test_tied_on_one_side_with_paddle_never_picks_one_of_two_values(tied, untied, case,
