@@ -3,6 +3,7 @@ writes them in MegEngine (BatchNorm momentum 0.9 is PyTorch's 0.1)."""
 
 from __future__ import annotations
 
+import megengine as mge
 import megengine.functional as F
 import megengine.module as M
 
@@ -103,3 +104,63 @@ class SharedLayer(M.Module):
 
     def forward(self, x):
         return self.b(F.tanh(self.a(x)))
+
+
+def _weight():
+    return mge.Parameter(mge.random.normal(0.0, 0.3, (8, 8)))
+
+
+class TwoAttributes(M.Module):
+    """tests/parity_small_torch.py's TwoAttributes: one module holding its weight under two
+    attribute names (``tied``), or two weights."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.w = _weight()
+        self.w2 = self.w if tied else _weight()
+
+    def forward(self, x):
+        return F.matmul(F.tanh(F.matmul(x, self.w, transpose_b=True)), self.w2,
+                        transpose_b=True)
+
+
+class TiedInOneModule(M.Module):
+    """tests/parity_small_torch.py's TiedInOneModule."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.core, self.head = TwoAttributes(tied), M.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.core(x))
+
+
+def _block() -> M.Module:
+    return M.Sequential(M.Linear(8, 8), M.Sigmoid(), M.Linear(8, 8))
+
+
+class SharedBlock(M.Module):
+    """tests/parity_small_torch.py's SharedBlock: one block under two names (``shared``),
+    or two blocks."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.first = _block()
+        self.second = self.first if shared else _block()
+        self.head = M.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+class BlockCalledTwice(M.Module):
+    """tests/parity_small_torch.py's BlockCalledTwice."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.block, self.head = _block(), M.Linear(8, 4)
+        self.again = None if shared else _block()
+
+    def forward(self, x):
+        again = self.block if self.again is None else self.again
+        return self.head(again(self.block(x)))

@@ -118,3 +118,59 @@ class SharedLayer(nn.Layer):
 
     def forward(self, x):
         return self.b(paddle.tanh(self.a(x)))
+
+
+class TwoAttributes(nn.Layer):
+    """tests/parity_small_torch.py's TwoAttributes: one layer holding its weight under two
+    attribute names (``tied``), or two weights."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.w = self.create_parameter([8, 8])
+        self.w2 = self.w if tied else self.create_parameter([8, 8])
+
+    def forward(self, x):
+        return paddle.matmul(paddle.tanh(paddle.matmul(x, self.w, transpose_y=True)), self.w2,
+                             transpose_y=True)
+
+
+class TiedInOneModule(nn.Layer):
+    """tests/parity_small_torch.py's TiedInOneModule."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.core, self.head = TwoAttributes(tied), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.core(x))
+
+
+def _block() -> nn.Layer:
+    return nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 8))
+
+
+class SharedBlock(nn.Layer):
+    """tests/parity_small_torch.py's SharedBlock: one block under two names (``shared``),
+    or two blocks."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.first = _block()
+        self.second = self.first if shared else _block()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+class BlockCalledTwice(nn.Layer):
+    """tests/parity_small_torch.py's BlockCalledTwice."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.block, self.head = _block(), nn.Linear(8, 4)
+        self.again = None if shared else _block()
+
+    def forward(self, x):
+        again = self.block if self.again is None else self.again
+        return self.head(again(self.block(x)))

@@ -107,3 +107,59 @@ class SharedLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)))
+
+
+class TwoAttributes(nn.Module):
+    """One module holding its weight under two attribute names (``self.w2 = self.w``,
+    ``tied``), used once under each, or two weights."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.w2 = self.w if tied else nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w.T) @ self.w2.T
+
+
+class TiedInOneModule(nn.Module):
+    """TwoAttributes (``core``) and a Linear head."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.core, self.head = TwoAttributes(tied), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.core(x))
+
+
+def _block() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 8))
+
+
+class SharedBlock(nn.Module):
+    """One block of three layers under two names (``second = first``, ``shared``), called
+    once under each, or two blocks; then a head."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.first = _block()
+        self.second = self.first if shared else _block()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.first(x)))
+
+
+class BlockCalledTwice(nn.Module):
+    """One block called twice under its one name (``shared``), or a second block
+    (``again``) called the second time; then a head."""
+
+    def __init__(self, shared: bool = True) -> None:
+        super().__init__()
+        self.block, self.head = _block(), nn.Linear(8, 4)
+        self.again = None if shared else _block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        again = self.block if self.again is None else self.again
+        return self.head(again(self.block(x)))

@@ -66,46 +66,85 @@ def check_tied_on_one_side(a: Any, b: Any, x: Any, alias: str, first: str,
                                atol=rel * np.abs(ga[first]).max())
 
 
-# One Linear under two names (``self.b = self.a``, tests/parity_small_*.py's SharedLayer)
-SHARED = ("a.weight", "a.bias", "b.weight", "b.bias")
+# A layer under two names: {each tensor's other name: its first}. One Linear (``self.b =
+# self.a``, tests/parity_small_*.py's SharedLayer), and one block of three layers, its two
+# Linears' tensors (``self.second = self.first``, SharedBlock).
+SHARED = {"b.weight": "a.weight", "b.bias": "a.bias"}
+BLOCK = {f"second.{i}.{role}": f"first.{i}.{role}" for i in (0, 2) for role in ("weight", "bias")}
 
 
-def check_shared_layer_on_both_sides(a: Any, b: Any, x: Any, rel: float) -> None:
-    """Both models call one Linear under the names ``a`` and ``b``: every name pairs (strict),
-    the step is parity with both calls compared, and each name's gradient (the sum of both
-    uses) is the other side's within ``rel`` of its largest."""
+def torch_reference(model: Any, x: Any, rel: float) -> None:
+    """A torch ``model``'s gradients after compare_step (gradmgr's GradManager) are what
+    plain ``torch.autograd.grad`` of the output's mean gives (within ``rel`` of the largest);
+    a model of another framework is left alone."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return
+    params = dict(model.named_parameters())
+    want = torch.autograd.grad(model(torch.as_tensor(x)).mean(), list(params.values()))
+    for (name, p), g in zip(params.items(), want):
+        np.testing.assert_allclose(p.grad.numpy(), g.numpy(), rtol=0,
+                                   atol=rel * float(g.abs().max()), err_msg=name)
+
+
+def check_shared_layer_on_both_sides(a: Any, b: Any, x: Any, rel: float,
+                                     forwards: int = 2) -> None:
+    """Both models share one layer (or block: under two names, or called twice under one):
+    every tensor pairs with its namesake (strict), the step is parity with all ``forwards``
+    calls compared, each with its namesake's, and each name's gradient (the sum of both uses)
+    is the other side's within ``rel`` of its largest, torch's plain autograd's."""
+    names = {s.name for s in adapter_for(a).slots()}
     mapping = transfer_weights(a, b, probe=x)
     assert mapping.ok and not mapping.unmapped, mapping.text()
-    assert {(n, n) for n in SHARED} <= {(p.src, p.dst) for p in mapping.pairs}
+    assert {(p.src, p.dst) for p in mapping.pairs} == {(n, n) for n in names}
     report = compare_step(a, b, x)
     assert report.ok, report.text()
     assert not report.unmatched and not report.unmapped
-    assert sum(e.what == "forward" for e in report.entries) == 2  # both calls compared
+    calls = [e.name.split(" / ") for e in report.entries if e.what == "forward"]
+    assert len(calls) == forwards and all(la == lb for la, lb in calls), calls
     ga, gb = grads_by_name(a), grads_by_name(b)
-    for name in SHARED:
+    assert ga.keys() == gb.keys()
+    for name in ga:
         np.testing.assert_allclose(ga[name], gb[name], rtol=0,
                                    atol=rel * np.abs(gb[name]).max(), err_msg=name)
+    for model in (a, b):
+        torch_reference(model, x, 1e-6)
 
 
-def check_shared_layer_on_one_side(a: Any, b: Any, x: Any, rel: float) -> None:
-    """``a`` shares its Linear under two names, ``b`` has two: a tie finding for each of the
-    Linear's tensors (not an unmapped one), every forward agrees, and the shared gradient is
-    the sum of the other side's two (within ``rel`` of its largest)."""
+def check_shared_layer_on_one_side(a: Any, b: Any, x: Any, rel: float,
+                                   tied: Dict[str, str] = SHARED, forwards: int = 2) -> None:
+    """``a`` shares a layer (or block) under two names (``tied``: its tensors'), ``b`` has
+    two: a tie finding for each tensor (not an unmapped one), all ``forwards`` calls and the
+    loss agree, and each shared gradient is the sum of the other side's two (within ``rel``
+    of its largest)."""
     with pytest.raises(MappingError, match="tied to"):
         transfer_weights(a, b, probe=x)
     mapping = transfer_weights(a, b, probe=x, strict=False)
     assert not mapping.unmapped, mapping.text()
-    assert [f.key for f in mapping.findings] == [TIE, TIE]
+    assert [f.key for f in mapping.findings] == [TIE] * len(tied)
     report = compare_step(a, b, x)
     assert not report.ok and report.first_forward is None and not report.unmatched
-    forwards = [e for e in report.entries if e.what in ("forward", "loss")]
-    assert len(forwards) == 3 and all(e.ok for e in forwards)
-    assert "b.weight / b.weight: tied to is 'a.weight'" in str(report)
+    agreed = [e for e in report.entries if e.what in ("forward", "loss")]
+    assert len(agreed) == forwards + 1 and all(e.ok for e in agreed)
+    for other, first in tied.items():
+        assert f"{other} / {other}: tied to is '{first}'" in str(report)
     assert report.first_grad is not None and report.first_grad.what == "grad"
     ga, gb = grads_by_name(a), grads_by_name(b)
-    for role in ("weight", "bias"):
-        np.testing.assert_allclose(ga[f"a.{role}"], gb[f"a.{role}"] + gb[f"b.{role}"], rtol=0,
-                                   atol=rel * np.abs(ga[f"a.{role}"]).max())
+    for other, first in tied.items():
+        np.testing.assert_allclose(ga[first], gb[first] + gb[other], rtol=0,
+                                   atol=rel * np.abs(ga[first]).max(), err_msg=first)
+
+
+def check_block_called_twice_on_one_side(a: Any, b: Any, x: Any) -> None:
+    """One model calls its block twice under its one name, the other has a block for each
+    call: no name carries the sharing, so no tie to find; strict transfer refuses (a block's
+    tensors unmapped, never copied on a guess) and the step is not parity."""
+    with pytest.raises(MappingError, match="unmapped"):
+        transfer_weights(a, b, probe=x)
+    transfer_weights(a, b, probe=x, strict=False)
+    report = compare_step(a, b, x)
+    assert not report.ok and report.unmapped, report.text()
 
 
 # Checkpoint files (gradmgr.parity.convert_checkpoint) of tied models: a converted tensor

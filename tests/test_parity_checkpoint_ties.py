@@ -1,7 +1,8 @@
 """Checkpoint conversion of tied weights (gradmgr.parity.save_map / convert_checkpoint,
 docs/porting.md "Converting checkpoints") between PyTorch and MegEngine, and within each: an
 LM head on its embedding's weight (``lm``), two Linears on one weight (``shared``), one Linear
-under two names (``shared_layer``, which MegEngine's state dict lists once). Every case ends
+under two names (``shared_layer``, which MegEngine's state dict lists once), one module's
+weight under two attribute names (``own``, listed once too). Every case ends
 in a conversion checked bit for bit and loaded strictly, or in a MappingError naming the two
 tensors (tests/parity_tied_checks.py); forwards within 1e-5 of the largest output (two
 frameworks' float32 kernels)."""
@@ -29,11 +30,16 @@ from gradmgr.parity import ParityError, convert_checkpoint, dump, save_map  # no
 
 RS = np.random.RandomState(0)
 BATCHES = {"lm": RS.randint(0, 10, (4, 5)), "shared": RS.randn(4, 8).astype(np.float32),
-           "shared_layer": RS.randn(4, 8).astype(np.float32)}
-CLASSES = {"torch": {"lm": T.TiedLM, "shared": T.Shared, "shared_layer": T.SharedLayer},
-           "megengine": {"lm": G.TiedLM, "shared": G.Shared, "shared_layer": G.SharedLayer}}
+           "shared_layer": RS.randn(4, 8).astype(np.float32),
+           "own": RS.randn(4, 8).astype(np.float32)}
+CLASSES = {"torch": {"lm": T.TiedLM, "shared": T.Shared, "shared_layer": T.SharedLayer,
+                     "own": T.TiedInOneModule},
+           "megengine": {"lm": G.TiedLM, "shared": G.Shared, "shared_layer": G.SharedLayer,
+                         "own": G.TiedInOneModule}}
 TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight"),
-        "shared_layer": ("b.weight", "a.weight")}
+        "shared_layer": ("b.weight", "a.weight"), "own": ("core.w2", "core.w")}
+# the tied names MegEngine's state dict lists once
+LISTED_ONCE = {"shared_layer": ["b.bias", "b.weight"], "own": ["core.w2"]}
 REL = 1e-5
 
 
@@ -45,7 +51,7 @@ def maker(framework: str, case: str, tied: bool):
     return make
 
 
-@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer"])
+@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer", "own"])
 @pytest.mark.parametrize("src,dst", [("torch", "torch"), ("torch", "megengine"),
                                      ("megengine", "megengine")])
 def test_tied_on_both_sides_converts_bit_for_bit_and_keeps_the_tie(src, dst, case, tmp_path):
@@ -54,12 +60,12 @@ def test_tied_on_both_sides_converts_bit_for_bit_and_keeps_the_tie(src, dst, cas
     # MegEngine's state dict lists a layer shared under two names once: so does its file
     listed_once = {"src": [], "dst": []}
     for side, framework in (("src", src), ("dst", dst)):
-        if framework == "megengine" and case == "shared_layer":
-            listed_once[side] = ["b.bias", "b.weight"]
+        if framework == "megengine":
+            listed_once[side] = LISTED_ONCE.get(case, [])
     assert written["unlisted"] == listed_once
 
 
-@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer"])
+@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer", "own"])
 @pytest.mark.parametrize("tied,untied", [("torch", "torch"), ("torch", "megengine"),
                                          ("megengine", "torch")])
 def test_tied_on_one_side_never_picks_one_of_two_values(tied, untied, case, tmp_path):

@@ -23,6 +23,8 @@ import parity_small_mge as G  # noqa: E402
 import parity_small_paddle as P  # noqa: E402
 import parity_small_torch as T  # noqa: E402
 from parity_tied_checks import (  # noqa: E402
+    BLOCK,
+    check_block_called_twice_on_one_side,
     check_edited_tied_checkpoint,
     check_shared_layer_on_both_sides,
     check_shared_layer_on_one_side,
@@ -342,12 +344,14 @@ def test_a_paddle_dump_keeps_the_weights_paddle_stores_transposed(case, tmp_path
 
 # Tied weights (docs/paddle.md): an LM head on its embedding's weight, as Paddle ports write it
 # (a matmul with transpose_y, tests/parity_small_paddle.py), and two nn.Linear on one weight
-# (stored [in, out] under both names).
-TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared},
-        "paddle": {"lm": P.TiedLM, "shared": P.Shared}}
+# (stored [in, out] under both names), and one layer holding its weight under two attribute
+# names (tests/test_parity_tool.py's "own", there a MegEngine fix).
+TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared, "own": T.TiedInOneModule},
+        "paddle": {"lm": P.TiedLM, "shared": P.Shared, "own": P.TiedInOneModule}}
 TIED_BATCHES = {"lm": RS.randint(0, 10, (4, 5)), "shared": RS.randn(4, 8).astype(np.float32)}
+TIED_BATCHES["own"] = TIED_BATCHES["shared"]
 TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight"),
-        "shared_layer": ("b.weight", "a.weight")}
+        "shared_layer": ("b.weight", "a.weight"), "own": ("core.w2", "core.w")}
 
 
 def tied_model(framework: str, case: str, tied: bool, seed: int):
@@ -367,7 +371,7 @@ def untied_paddle_grads(pm, case: str, batch) -> dict:
 
 
 @pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
-@pytest.mark.parametrize("case", ["lm", "shared"])
+@pytest.mark.parametrize("case", ["lm", "shared", "own"])
 def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction):
     src, dst = direction.split("->")
     a, b, x = tied_model(src, case, True, 0), tied_model(dst, case, True, 1), TIED_BATCHES[case]
@@ -384,7 +388,7 @@ def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction
 
 
 @pytest.mark.parametrize("tied_side", ["paddle", "torch"])
-@pytest.mark.parametrize("case", ["lm", "shared"])
+@pytest.mark.parametrize("case", ["lm", "shared", "own"])
 def test_tied_weights_on_one_side_only_are_a_finding_at_the_gradients(case, tied_side):
     """The tied side is the reference (parity_tied_checks.check_tied_on_one_side); the tied
     gradient within 1e-5 of its largest of the sum of the untied side's two."""
@@ -509,7 +513,8 @@ def test_a_layer_shared_on_one_side_only_is_a_tie_finding_with_paddle(shared_sid
 
 # Checkpoints of tied models (tests/parity_tied_checks.py; tests/test_parity_checkpoint_ties.py
 # on PyTorch and MegEngine alone): a converted tensor moves no bits; forwards within 1e-5.
-TIED_CLASSES = {"lm": "TiedLM", "shared": "Shared", "shared_layer": "SharedLayer"}
+TIED_CLASSES = {"lm": "TiedLM", "shared": "Shared", "shared_layer": "SharedLayer",
+                "own": "TiedInOneModule"}
 TIED_PORTS = {"torch": T, "megengine": G, "paddle": P}
 
 
@@ -526,7 +531,7 @@ def _batch(case: str) -> np.ndarray:
     return TIED_BATCHES["shared" if case == "shared_layer" else case]
 
 
-@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer"])
+@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer", "own"])
 @pytest.mark.parametrize("other", ["torch", "megengine", "paddle"])
 def test_a_tied_paddle_checkpoint_converts_to_the_other_and_back_bit_for_bit(other, case,
                                                                              tmp_path):
@@ -543,7 +548,7 @@ def test_a_paddle_linear_tied_to_an_embedding_converts_in_its_stored_layout(tmp_
     assert head["src_shape"] == head["dst_shape"] == [10, 8] and head["transform"] is None
 
 
-@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer"])
+@pytest.mark.parametrize("case", ["lm", "shared", "shared_layer", "own"])
 @pytest.mark.parametrize("tied,untied", [("paddle", "torch"), ("torch", "paddle"),
                                          ("paddle", "megengine"), ("megengine", "paddle")])
 def test_tied_on_one_side_with_paddle_never_picks_one_of_two_values(tied, untied, case,
@@ -558,3 +563,50 @@ def test_a_paddle_checkpoint_whose_tied_names_differ_is_refused(other, case, tmp
     check_edited_tied_checkpoint(tied_maker("paddle", case, True),
                                  tied_maker(other, case, True), _batch(case), str(tmp_path),
                                  *TIES[case])
+
+
+# One block of three layers shared, as tests/test_parity_tool.py's against MegEngine: under
+# two names (SharedBlock) or called twice under one (BlockCalledTwice); every pair of
+# frameworks with Paddle, MegEngine's too.
+BLOCKS = {"torch": {"named": T.SharedBlock, "called": T.BlockCalledTwice},
+          "megengine": {"named": G.SharedBlock, "called": G.BlockCalledTwice},
+          "paddle": {"named": P.SharedBlock, "called": P.BlockCalledTwice}}
+
+
+def block_model(framework: str, case: str, shared: bool, seed: int):
+    torch.manual_seed(seed)
+    paddle.seed(seed)
+    mge.random.seed(seed)
+    return BLOCKS[framework][case](shared=shared)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", ["named", "called"])
+def test_a_block_shared_on_both_sides_pairs_its_layers_and_is_parity_with_paddle(case,
+                                                                                 direction):
+    """parity_tied_checks.check_shared_layer_on_both_sides: seven calls each paired with its
+    namesake; the gradients to 1e-5 of their largest."""
+    src, dst = direction.split("->")
+    a, b = block_model(src, case, True, 0), block_model(dst, case, True, 1)
+    check_shared_layer_on_both_sides(a, b, TIED_BATCHES["shared"], rel=1e-5, forwards=7)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_block_under_two_names_on_one_side_only_is_a_tie_finding_with_paddle(direction):
+    """parity_tied_checks.check_shared_layer_on_one_side (the shared side first): a tie
+    finding for each of the block's four tensors, the gradients to 1e-5."""
+    src, dst = direction.split("->")
+    a, b = block_model(src, "named", True, 0), block_model(dst, "named", False, 1)
+    check_shared_layer_on_one_side(a, b, TIED_BATCHES["shared"], rel=1e-5, tied=BLOCK,
+                                   forwards=7)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("shared_side", ["src", "dst"])
+def test_a_block_called_twice_on_one_side_only_is_refused_with_paddle(shared_side,
+                                                                      direction):
+    """parity_tied_checks.check_block_called_twice_on_one_side."""
+    src, dst = direction.split("->")
+    a = block_model(src, "called", shared_side == "src", 0)
+    b = block_model(dst, "called", shared_side == "dst", 1)
+    check_block_called_twice_on_one_side(a, b, TIED_BATCHES["shared"])

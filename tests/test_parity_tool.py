@@ -20,6 +20,8 @@ import megengine.optimizer as mge_optim  # noqa: E402
 import parity_small_mge as G  # noqa: E402
 import parity_small_torch as T  # noqa: E402
 from parity_tied_checks import (  # noqa: E402
+    BLOCK,
+    check_block_called_twice_on_one_side,
     check_shared_layer_on_both_sides,
     check_shared_layer_on_one_side,
     check_tied_on_both_sides,
@@ -320,14 +322,18 @@ def test_a_float64_torch_reference_against_a_megengine_port_fed_a_megengine_tens
     assert 0 < worst < 1e-5  # float32 rounding seen, and accepted
 
 
-# Tied weights (docs/megengine.md): an LM head on its embedding's weight and two Linears on
-# one weight. MegEngine's named_parameters lists a tied parameter once, under its first name
-# in sorted order; the adapter finds its other names itself.
-TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared},
-        "megengine": {"lm": G.TiedLM, "shared": G.Shared}}
+# Tied weights (docs/megengine.md): an LM head on its embedding's weight, two Linears on
+# one weight, and one module holding its weight under two attribute names ("own": MegEngine
+# listed it once, under one name, before the fix: the tie unseen, a tied port unmapped).
+# MegEngine's named_parameters lists a tied parameter once, under its first name in sorted
+# order; the adapter finds its other names itself.
+TIED = {"torch": {"lm": T.TiedLM, "shared": T.Shared, "own": T.TiedInOneModule},
+        "megengine": {"lm": G.TiedLM, "shared": G.Shared, "own": G.TiedInOneModule}}
 _TRS = np.random.RandomState(3)
 TIED_BATCHES = {"lm": _TRS.randint(0, 10, (4, 5)), "shared": _TRS.randn(4, 8).astype(np.float32)}
-TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight")}
+TIED_BATCHES["own"] = TIED_BATCHES["shared"]
+TIES = {"lm": ("head.weight", "emb.weight"), "shared": ("b.weight", "a.weight"),
+        "own": ("core.w2", "core.w")}
 
 
 def tied_model(framework: str, case: str, tied: bool, seed: int):
@@ -352,7 +358,7 @@ def untied_mge_grads(mm, case: str, batch) -> dict:
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("case", ["lm", "shared"])
+@pytest.mark.parametrize("case", ["lm", "shared", "own"])
 def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction):
     src, dst = direction.split("->")
     a, b, x = tied_model(src, case, True, 0), tied_model(dst, case, True, 1), TIED_BATCHES[case]
@@ -369,7 +375,7 @@ def test_tied_weights_on_both_sides_are_parity_and_sum_both_uses(case, direction
 
 
 @pytest.mark.parametrize("tied_side", ["megengine", "torch"])
-@pytest.mark.parametrize("case", ["lm", "shared"])
+@pytest.mark.parametrize("case", ["lm", "shared", "own"])
 def test_tied_weights_on_one_side_only_are_a_finding_at_the_gradients(case, tied_side):
     """The tied side is the reference (parity_tied_checks.check_tied_on_one_side); the tied
     gradient within 1e-4 of its largest of the sum of the untied side's two."""
@@ -517,3 +523,70 @@ def test_a_layer_shared_on_one_side_only_is_a_tie_finding_not_unmapped(shared_si
     other = "torch" if shared_side == "megengine" else "megengine"
     a, b = shared_layer(shared_side, True, 0), shared_layer(other, False, 1)
     check_shared_layer_on_one_side(a, b, TIED_BATCHES["shared"], rel=1e-4)
+
+
+# One block of three layers shared (tests/parity_small_*.py): under two names (SharedBlock,
+# its second name's tensors tied to its first's) or called twice under one (BlockCalledTwice).
+BLOCKS = {"torch": {"named": T.SharedBlock, "called": T.BlockCalledTwice},
+          "megengine": {"named": G.SharedBlock, "called": G.BlockCalledTwice}}
+
+
+def block_model(framework: str, case: str, shared: bool, seed: int):
+    torch.manual_seed(seed)
+    mge.random.seed(seed)
+    return BLOCKS[framework][case](shared=shared)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", ["named", "called"])
+def test_a_block_shared_on_both_sides_pairs_its_layers_and_is_parity(case, direction):
+    """parity_tied_checks.check_shared_layer_on_both_sides: the block's three layers called
+    twice and the head, seven calls each paired with its namesake; torch's gradients to 1e-4
+    of their largest."""
+    src, dst = direction.split("->")
+    a, b = block_model(src, case, True, 0), block_model(dst, case, True, 1)
+    check_shared_layer_on_both_sides(a, b, TIED_BATCHES["shared"], rel=1e-4, forwards=7)
+
+
+@pytest.mark.parametrize("shared_side", ["megengine", "torch"])
+def test_a_block_under_two_names_on_one_side_only_is_a_tie_finding(shared_side):
+    """parity_tied_checks.check_shared_layer_on_one_side: a tie finding for each of the
+    block's four tensors, the gradients to 1e-4."""
+    other = "torch" if shared_side == "megengine" else "megengine"
+    a, b = block_model(shared_side, "named", True, 0), block_model(other, "named", False, 1)
+    check_shared_layer_on_one_side(a, b, TIED_BATCHES["shared"], rel=1e-4, tied=BLOCK,
+                                   forwards=7)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("shared_side", ["src", "dst"])
+def test_a_block_called_twice_on_one_side_only_is_refused_not_parity(shared_side, direction):
+    """parity_tied_checks.check_block_called_twice_on_one_side."""
+    src, dst = direction.split("->")
+    a = block_model(src, "called", shared_side == "src", 0)
+    b = block_model(dst, "called", shared_side == "dst", 1)
+    check_block_called_twice_on_one_side(a, b, TIED_BATCHES["shared"])
+
+
+def test_a_dumped_shared_block_keeps_its_second_names(tmp_path):
+    """A dump has no modules: its layers' second names come from its aliases and recorded
+    calls (the adapter contract's ``second``). Against a shared MegEngine port it is parity
+    with the seven calls paired, against an unshared one a tie finding per tensor."""
+    from gradmgr.parity import dump, load
+    from gradmgr.parity.contract import adapter_for
+    from gradmgr.parity.mapping import TIED as TIE
+
+    x = TIED_BATCHES["shared"]
+    live = block_model("torch", "named", True, 0)
+    dump(live, x, str(tmp_path / "block.npz"))
+    recorded = load(str(tmp_path / "block.npz"))
+    assert recorded.second == adapter_for(live).second == {"second.0": "first.0",
+                                                           "second.2": "first.2"}
+    shared, unshared = (block_model("megengine", "named", s, 1) for s in (True, False))
+    assert transfer_weights(recorded, shared, probe=recorded.batch).ok
+    report = compare_step(recorded, shared, recorded.batch)
+    assert report.ok and not report.unmatched, report.text()
+    assert sum(e.what == "forward" for e in report.entries) == 7
+    transfer_weights(recorded, unshared, probe=recorded.batch, strict=False)
+    report = compare_step(recorded, unshared, recorded.batch)
+    assert not report.ok and [f.key for f in report.findings] == [TIE] * 4

@@ -12,13 +12,13 @@ from typing import Any, Dict, List, Mapping
 
 import numpy as np
 
+from .contract import ModelAdapter
 
-def recorded(a: Any, b: Any) -> Dict[str, Any]:
+
+def recorded(a: ModelAdapter, b: ModelAdapter) -> Dict[str, Any]:
     """The map file's ``tied`` and ``unlisted`` of the adapters ``a`` (src) and ``b`` (dst)."""
-    return {"tied": {"src": dict(getattr(a, "aliases", {})),
-                     "dst": dict(getattr(b, "aliases", {}))},
-            "unlisted": {"src": sorted(getattr(a, "unlisted", [])),
-                         "dst": sorted(getattr(b, "unlisted", []))}}
+    return {"tied": {"src": dict(a.aliases), "dst": dict(b.aliases)},
+            "unlisted": {"src": sorted(a.unlisted), "dst": sorted(b.unlisted)}}
 
 
 def _groups(written: Mapping[str, Any], side: str) -> List[List[str]]:

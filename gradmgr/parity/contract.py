@@ -9,7 +9,7 @@ or as opaque tensors the adapter made itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -64,10 +64,21 @@ Post = Callable[[str, Any], Any]
 
 
 class ModelAdapter(Protocol):
-    """One model of one framework, as the parity tool sees it."""
+    """One model of one framework, as the parity tool sees it.
+
+    ``aliases``: a tied parameter's other names, ``{other name: its name}`` (``head.weight ->
+    emb.weight``), each a slot of its own (:meth:`slots`) so that the weight map sees the tie;
+    empty without ties. ``second``: a layer shared under two names (``self.b = self.a``),
+    ``{its other name: the name its calls are under}``, each a layer of its own
+    (:meth:`layers`); gradmgr.parity.modules.second_names finds them from ``aliases``.
+    ``unlisted``: the tied names the framework's state dict leaves out (MegEngine lists a
+    layer shared under two names once: gradmgr.parity.checkpoint_ties)."""
 
     framework: str
     model: Any
+    aliases: Mapping[str, str]
+    second: Mapping[str, str]
+    unlisted: Sequence[str]
 
     def layers(self) -> List[Layer]:
         """The leaf modules, and the modules that own a parameter or buffer themselves, in

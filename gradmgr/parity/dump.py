@@ -23,6 +23,7 @@ import numpy as np
 
 from .contract import Layer, Slot, adapter_for
 from .errors import ParityError
+from .modules import second_names
 from .trace import Call, Loss, Trace, as_batch, run_step
 
 FORMAT = "gradmgr.parity.dump"
@@ -81,8 +82,8 @@ def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
         "slots": [{"name": s.name, "layer": s.layer, "role": s.role, "shape": list(s.shape),
                    "trainable": s.trainable, "transposed": s.transposed, "note": s.note}
                   for s in slots],
-        "aliases": dict(getattr(adapter, "aliases", {})),
-        "unlisted": list(getattr(adapter, "unlisted", [])),
+        "aliases": dict(adapter.aliases),
+        "unlisted": list(adapter.unlisted),
         "batch": [key(a) for a in arrays],
         "values": {name: key(v) for name, v in values.items()},
         "grads": {name: key(g) for name, g in trace.grads.items()},
@@ -149,6 +150,9 @@ class Dump:
         self.device = header["device"]
         self.aliases = dict(header["aliases"])
         self.unlisted = list(header.get("unlisted", []))  # (a dump from before it was kept)
+        # the recorded calls stand for the hooked layers: a layer shared under two names is
+        # called under its first only
+        self.second = second_names(self.aliases, {c["layer"] for c in header["calls"]})
         self.batch: Tuple[np.ndarray, ...] = tuple(arrays[k] for k in header["batch"])
         self._layers = [Layer(y["name"], y["kind"], _tuples(y["config"]))
                         for y in header["layers"]]

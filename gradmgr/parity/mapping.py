@@ -157,8 +157,7 @@ def build_map(a: ModelAdapter, b: ModelAdapter, name_map: Optional[Mapping[str, 
     pairs += _auto_pairs(a, b, order_a, order_b, report, named_a, named_b)
     for sa, sb in pairs:
         _pair(sa, sb, dict(transforms or {}), report)
-    report.findings.extend(tie_findings(report.pairs, getattr(a, "aliases", {}),
-                                        getattr(b, "aliases", {})))
+    report.findings.extend(tie_findings(report.pairs, a.aliases, b.aliases))
     used_a, used_b = {p[0].name for p in pairs}, {p[1].name for p in pairs}
     for side, slots, used, named in (("src", slots_a, used_a, named_a),
                                      ("dst", slots_b, used_b, named_b)):

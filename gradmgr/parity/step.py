@@ -15,7 +15,6 @@ from .entries import depths, forward_entries, grad_entries, input_grad_entries, 
 from .errors import ParityError
 from .flips import Sides, explain, flip_row, unseen_calls
 from .mapping import TIED, MappingReport, Transform, build_map, convert
-from .modules import second_names
 from .progress import bar, grow
 from .report import StepReport
 from .tolerance import eps
@@ -93,9 +92,8 @@ def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name
     report = StepReport(ad_a.framework, ad_b.framework, unmapped=list(mapping.unmapped))
     report.weights = _weights_differ(mapping, weights_a, weights_b)
     report.findings += [f for f in mapping.findings if f.key == TIED]  # (layers': forward_entries)
-    second = (second_names(getattr(ad_a, "aliases", {}), {c.layer for c in ta.calls}),
-              second_names(getattr(ad_b, "aliases", {}), {c.layer for c in tb.calls}))
-    aligned, same_kind = align_calls(ta.calls, tb.calls, mapping.layers, report, second)
+    aligned, same_kind = align_calls(ta.calls, tb.calls, mapping.layers, report,
+                                     (ad_a.second, ad_b.second))
     depth = depths(ta.calls)
     kinks = forward_entries(ta, tb, aligned, depth, tol_factor, report)
     report.entries.append(loss_entry(ta, tb, depth, tol_factor))

@@ -4,7 +4,7 @@ and the backward under a gradmgr GradManager; all of it kept as numpy arrays."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -83,7 +83,7 @@ def forward_order(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: in
     if recorded is not None:
         return recorded()
     calls = _watch(adapter, batch, inputs, loss=None, pins={}, backward=False)[0]
-    return _first_calls(calls, getattr(adapter, "second", {}))
+    return _first_calls(calls, adapter.second)
 
 
 def run_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
@@ -96,7 +96,7 @@ def run_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
         return replay(batch, inputs, loss, pins)
     calls, value, grads = _watch(adapter, batch, inputs, loss, pins, backward=True)
     dtype = calls[0].output.dtype if calls and calls[0].output is not None else np.float32
-    return Trace(calls, value, grads, dtype, _first_calls(calls, getattr(adapter, "second", {})))
+    return Trace(calls, value, grads, dtype, _first_calls(calls, adapter.second))
 
 
 def train_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
@@ -106,7 +106,7 @@ def train_step(adapter: ModelAdapter, batch: Sequence[np.ndarray], inputs: int,
     return _forward_backward(adapter, batch, inputs, loss, backward=True)[0]
 
 
-def _first_calls(calls: List[Call], second: Dict[str, str]) -> List[str]:
+def _first_calls(calls: List[Call], second: Mapping[str, str]) -> List[str]:
     """The layers by first call; a layer shared under two names (``second``: {other name:
     first name}) is called under its first name only, so its other names take the places of
     its second, third... calls, where the other model calls its counterparts."""

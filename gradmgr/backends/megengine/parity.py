@@ -66,7 +66,11 @@ def _natural(pairs: Iterable[Tuple[str, Any]]) -> Dict[str, Any]:
 
 class _NothingSeen(set):
     """The ``seen`` of MegEngine's module walk that has seen nothing: its ``named_children``
-    skips a module already listed under another name (``self.b = self.a``)."""
+    and ``named_parameters`` skip an object already listed under another name
+    (``self.b = self.a``, ``self.w2 = self.w``). Both hand their keyword arguments to
+    ``Module._flatten``, whose ``seen`` is that set (MegEngine 1.13's module.py, read: its
+    only test is ``id(leaf) in seen``); tests/test_parity_tool.py's shared-layer and
+    one-module tie tests fail if a MegEngine stops honouring it."""
 
     def __contains__(self, item: object) -> bool:
         return False
@@ -77,10 +81,10 @@ def _every_parameter(module: M.Module, prefix: str = "",
     """Every ``(name, parameter)`` of ``module``, a tied parameter under each of its names:
     MegEngine's ``named_parameters`` lists one once and has no option to list duplicates
     (torch's ``remove_duplicate=False``), so each module's own are listed without recursion
-    and its children (a shared one under each name) walked by hand (``above``: the modules
-    on the path, against a cycle)."""
+    (one under two attributes of one module under both) and its children (a shared one under
+    each name) walked by hand (``above``: the modules on the path, against a cycle)."""
     above = above + (id(module),)
-    for name, p in module.named_parameters(recursive=False):
+    for name, p in module.named_parameters(recursive=False, seen=_NothingSeen()):
         yield prefix + name, p
     for name, child in module.named_children(seen=_NothingSeen()):
         if id(child) not in above:
