@@ -35,7 +35,8 @@ from ranks import Ranks, spawn_scenarios  # noqa: E402
 WORLD = 2
 # Those that break the process group on the old code last (see the worker's docstring).
 SCENARIOS = ["none_all", "none_one", "double", "uneven_padded", "double_one_rank",
-             "disagree_first", "disagree_later", "disagree_buffers", "input_one_rank"]
+             "disagree_first", "disagree_later", "disagree_buffers", "input_one_rank",
+             "activation_attached"]
 
 
 @pytest.fixture(scope="module", params=["native", "python", "shard"])
@@ -121,3 +122,18 @@ def test_an_input_attached_on_one_rank_inside_the_recording_equals_ddp(ranks):
             if rank == 0:
                 assert f"input_gm{step}_x0" in out, "rank 0's input got no gradient"
                 same(out, f"input_gm{step}_x", f"input_ddp{step}_x")
+
+
+def test_an_activation_attached_inside_the_recording_equals_ddp(ranks, request):
+    """An activation attached inside ``with gm:`` for its own gradient: by rank 0 alone on
+    gradmgr's buckets and the sharded path, by every rank on torch's reducer path (which
+    takes only leaves: rank 0 alone leaves it for gradmgr's buckets there, and gloo aborts a
+    rank, as docs/data-parallel.md says). DDP's gradients, and the activation's DDP's
+    retained one, bit for bit."""
+    path = request.node.callspec.params["ranks"]
+    for rank, out in enumerate(ranks.scenario("activation_attached")):
+        for step in (0, 1):
+            same(out, f"act_gm{step}_", f"act_ddp{step}_")
+            if rank == 0 or path == "native":
+                assert f"act_gm{step}_h0" in out, "the activation got no gradient"
+                same(out, f"act_gm{step}_h", f"act_ddp{step}_h")

@@ -18,14 +18,16 @@ that breaks the process group on today's code costs only itself and the ones aft
   BatchNorm whose buffers data_parallel broadcasts): every rank must raise RankMismatchError,
   and once the ranks agree again a step equals DDP's. ``uneven_padded``: rank 1 has one
   micro-batch fewer and records an empty one inside ``no_sync``, as the error advises.
-* ``input_one_rank``: rank 0 alone attaches its input inside the recording (last: on torch's
-  reducer path a rank aborts inside gloo today).
+* ``input_one_rank``: rank 0 alone attaches its input inside the recording.
+* ``activation_attached``: an activation attached inside the recording (rank 0 alone, or, on
+  torch's reducer path, every rank).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -165,8 +167,11 @@ class Plain(nn.Module):
         torch.manual_seed(0)
         self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc2(torch.tanh(self.fc1(x)))).pow(2).mean()
+    def forward(self, x: torch.Tensor, keep: Optional[list] = None) -> torch.Tensor:
+        hidden = torch.tanh(self.fc1(x))
+        if keep is not None:  # the activation, for its own gradient
+            keep.append(hidden)
+        return torch.tanh(self.fc2(hidden)).pow(2).mean()
 
 
 def double(out: dict, rank: int, world: int) -> None:
@@ -322,9 +327,38 @@ def input_one_rank(out: dict, rank: int, world: int) -> None:
             side.after_sync(out, name)
 
 
+def activation_attached(out: dict, rank: int, world: int) -> None:
+    """An activation attached inside the recording for its own gradient, at two synced
+    steps: by rank 0 alone on gradmgr's buckets and the sharded path, by every rank on torch's
+    reducer (there rank 0 alone aborts a rank inside gloo: docs/data-parallel.md says so).
+    The parameters' gradients (sharded: the parameters) equal DDP's, and the activation's
+    ``.grad`` the one DDP's backward retains."""
+    net = Plain()
+    ours = Side(net, gm=wrap(net))
+    theirs = Side(Plain(), ddp=True)
+    attaching = rank == 0 or PATH == "native"
+    for step in range(2):
+        for side in (ours, theirs):
+            name = f"act_{'gm' if side is ours else 'ddp'}{step}_"
+            x, keep = batch(60 + step, rank), []
+            if side is theirs:
+                loss = side.ddp(x, keep=keep)
+                keep[0].retain_grad()
+                loss.backward()
+            else:
+                with ours.gm:
+                    loss = net(x, keep=keep)
+                    if attaching:
+                        ours.gm.attach(keep[0])
+                    ours.gm.backward(loss)
+            if attaching:
+                save(out, f"{name}h", values([keep[0].grad]))
+            side.after_sync(out, name)
+
+
 SCENARIOS = {f.__name__: f for f in (
     none_all, none_one, double, double_one_rank, uneven_padded, disagree_first,
-    disagree_later, disagree_buffers, input_one_rank,
+    disagree_later, disagree_buffers, input_one_rank, activation_attached,
 )}
 
 
