@@ -239,3 +239,68 @@ def test_a_check_group_nobody_comes_to_make_is_told_in_full_sharding_terms(gloo_
         assert "full sharding has no Join" in message, message
     assert "not every rank started this recording" in str(first.value)
     assert "gave up on an earlier recording's plan check" in str(later.value)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+def _blocks(share) -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), _Block(), _Block(), torch.nn.Linear(4, 2))
+    share(net)
+    return net
+
+
+def _tie(net):
+    net[2].fc.weight = net[1].fc.weight
+
+
+def _same_module(net):
+    net[2].fc = net[1].fc
+
+
+def _with_root(net):
+    net[0].weight = net[1].fc.weight
+
+
+@pytest.mark.parametrize("share, names, units", [
+    (_tie, "1.fc.weight = 2.fc.weight", "'1' and '2'"),
+    (_same_module, "1.fc.weight = 2.fc.weight", "'1' and '2'"),
+    (_with_root, "0.weight = 1.fc.weight", "'1' and the root"),
+])
+def test_a_parameter_two_wrapped_units_hold_is_refused(gloo_one_rank, share, names, units):
+    """A parameter held by two of the modules fully_shard wraps (two blocks, or a block and
+    the root). Old code: FSDP2 (as alone) gave each its own shard, the model went from 11 to
+    12 parameters and the copies trained apart, silently (2 gloo ranks, 3 AdamW steps: equal
+    to FSDP2 alone bit for bit, the two copies' values no longer equal); a shared module
+    failed on FSDP2's "FSDP requires named DeviceMesh dims" assertion."""
+    net = _blocks(share)
+    with pytest.raises(ValueError) as raised:
+        data_parallel(net, shard="full", blocks=[_Block])
+    message = str(raised.value)
+    assert f"the parameter {names} is held by {units}" in message, message
+    assert "Choose blocks= so that every module holding it is wrapped in the same unit" \
+        in message, message
+    assert not any(type(p).__name__ == "DTensor" for p in net.parameters())  # nothing wrapped
+
+
+def test_a_parameter_shared_inside_one_unit_trains_tied(gloo_one_rank):
+    """The remedy the refusal gives: the root holds the shared parameter (blocks=() here):
+    one parameter, one shard, whose gradient sums both uses, as the unwrapped model's."""
+    net, plain = _blocks(_tie), _blocks(_tie)
+    gm = data_parallel(net, shard="full", blocks=())
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with gm:
+        gm.backward(net(x).square().mean())
+    plain(x).square().mean().backward()
+    assert len(list(net.parameters())) == len(list(plain.parameters())) == 7
+    assert net[1].fc.weight is net[2].fc.weight
+    for ours, theirs in zip(net.parameters(), plain.parameters()):  # 1 rank: the whole grad
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
+

@@ -28,6 +28,14 @@ _POLICY = (
     "data_parallel(shard='full'): mp_policy= takes a "
     "torch.distributed.fsdp.MixedPrecisionPolicy (or None), got {got}"
 )
+_SHARED = (
+    "data_parallel(shard='full'): the parameter {names} is held by {units}, which fully_shard "
+    "wraps separately: under FSDP2 alone each would get its own shard of it, and the copies "
+    "would train apart, the tie silently broken (or, where one module is shared, FSDP2 "
+    "fails on an assertion). Choose blocks= so that every "
+    "module holding it is wrapped in the same unit: leave those modules' classes out of "
+    "blocks= (the root then holds the parameter), or name a class that holds them all"
+)
 _HIGHER = (
     "data_parallel(shard='full'): a backward recorded by an earlier manager (second "
     "derivatives) is not supported under full sharding: FSDP2 frees each block's gathered "
@@ -64,6 +72,7 @@ class FullShardPath:
             seen = sorted({type(m).__name__ for m in module.modules() if m is not module})
             raise ValueError(_NOTHING.format(names=[c.__name__ for c in classes],
                                              seen=", ".join(seen) or "none"))
+        _refuse_shared(module, chosen)
         for block in reversed(chosen):  # modules() lists outer blocks first
             fully_shard(block, reshard_after_forward=reshard_after_forward,
                         mp_policy=mp_policy)
@@ -94,6 +103,39 @@ class FullShardPath:
         from torch.distributed.tensor import DTensor
 
         return isinstance(tensor, DTensor)
+
+
+def _refuse_shared(root: Any, chosen: List[Any]) -> None:
+    """A parameter that two of the units fully_shard makes (each chosen block, and the root
+    for the rest) would both hold: FSDP2 gives each its own shard of it, without a word."""
+    owner: dict = {}
+    for unit in [*chosen, root]:
+        for param in _unit_parameters(unit, chosen):
+            first = owner.setdefault(id(param), (unit, param))[0]
+            if first is not unit:
+                raise ValueError(_shared_message(root, param, first, unit))
+
+
+def _unit_parameters(unit: Any, chosen: List[Any]) -> List[Any]:
+    """The parameters ``fully_shard(unit)`` takes: its modules' own, where no chosen block
+    nested inside it (wrapped before it) took them."""
+    inner = {id(m) for m in chosen if m is not unit}
+    seen, stack, found = set(), [unit], []
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found += list(module.parameters(recurse=False))
+        stack += [c for c in module.children() if id(c) not in inner]
+    return found
+
+
+def _shared_message(root: Any, param: Any, first: Any, second: Any) -> str:
+    names = [n for n, p in root.named_parameters(remove_duplicate=False) if p is param]
+    where = {id(m): repr(n) for n, m in root.named_modules(remove_duplicate=False) if n}
+    units = " and ".join(where.get(id(u), "the root") for u in (first, second))
+    return _SHARED.format(names=" = ".join(names), units=units)
 
 
 def _gloo() -> bool:
