@@ -13,6 +13,8 @@ backward's gradients equal DDP's bit for bit (2 ranks: a sum halved is the halve
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
@@ -304,3 +306,34 @@ def test_a_parameter_shared_inside_one_unit_trains_tied(gloo_one_rank):
     for ours, theirs in zip(net.parameters(), plain.parameters()):  # 1 rank: the whole grad
         torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
 
+
+def test_callbacks_on_parameters_taken_before_wrapping_are_refused(gloo_one_rank):
+    """``kept = list(model.parameters())`` before data_parallel(shard="full"), then
+    ``gm.attach(kept, callbacks=...)``: FSDP2 put new parameters on the model, so no forward
+    uses the kept ones. Old code: the callbacks never ran and training went on without them
+    (2 gloo ranks, 3 SGD steps with a callback halving block 1's gradients: every parameter
+    differed from FSDP2 alone with those gradients halved). Refused at the next recording,
+    before any collective; the model's own parameters are taken."""
+    net = _blocks(lambda net: None)
+    kept = list(net[1].parameters())
+    gm = data_parallel(net, shard="full", blocks=[_Block])
+    gm.attach(kept, callbacks=[lambda t, g: g * 0.5])
+    with pytest.raises(TypeError) as raised, gm:
+        pass
+    message = str(raised.value)
+    assert "was given 2 parameter(s) the model no longer has (1.fc.weight, 1.fc.bias)" \
+        in message, message
+    assert "gm.attach(list(model.parameters()), callbacks=...)" in message, message
+    del kept, raised  # the remedy: the old parameters go, the model's are attached
+    gc.collect()
+    seen = []
+    gm.attach(list(net[1].parameters()), callbacks=[lambda t, g: seen.append(t) or g * 0.5])
+    plain = _blocks(lambda net: None)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with gm:
+        gm.backward(net(x).square().mean())
+    plain(x).square().mean().backward()
+    assert [id(t) for t in seen] == [id(p) for p in net[1].parameters()]
+    for ours, theirs in zip(net[1].parameters(), plain[1].parameters()):
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad * 0.5, rtol=1e-6,
+                                   atol=1e-7)

@@ -19,6 +19,7 @@ from typing import Any, List, Sequence
 from ...hooks import after_backward_callbacks, set_backward_delegate
 from ...manager import callback_chains
 from ..reduce.no_sync import is_paused
+from .replaced import ReplacedParameters
 
 SPELLINGS = (False, True, "full")
 
@@ -89,9 +90,10 @@ class FullSharding:
     """A manager's full sharding: the model wrapped by the path, ``no_sync`` switching the
     engine's gradient sync at each recording, and each backward delegated to the path."""
 
-    def __init__(self, gm: Any, module: Any, path: Any) -> None:
+    def __init__(self, gm: Any, module: Any, path: Any, replaced: ReplacedParameters) -> None:
         self._gm = weakref.ref(gm)
         self._module, self._path = module, path
+        self._replaced = replaced  # the parameters wrapping took off the module
         self._sync = True  # the engine's setting now (FSDP2's default)
         self.check: Any = None  # the ranks compared at each recording (.full_check)
 
@@ -102,8 +104,11 @@ class FullSharding:
         path = None if ops is None else ops.full_shard_path()
         if path is None:
             raise NotImplementedError(_NO_PATH)
+        replaced = ReplacedParameters(list(module.parameters()),
+                                      {id(p): n for n, p in module.named_parameters()})
         path.wrap(module, blocks, reshard_after_forward, mp_policy)
-        sharding = cls(gm, module, path)
+        replaced.keep_only_replaced(list(module.parameters()))
+        sharding = cls(gm, module, path, replaced)
         gm.no_join = _NO_JOIN
         gm.register_record_callback(sharding.record)
         set_backward_delegate(gm, sharding.delegate)
@@ -112,6 +117,8 @@ class FullSharding:
 
     def record(self) -> None:
         gm = self._gm()
+        if gm is not None:  # before the plan check: no collective starts on a rank refusing
+            self._replaced.check(gm)
         sync = gm is not None and not is_paused(gm)
         if self.check is not None:  # before the engine's first gather of this recording
             self.check.record(sync)
