@@ -337,3 +337,31 @@ def test_callbacks_on_parameters_taken_before_wrapping_are_refused(gloo_one_rank
     for ours, theirs in zip(net[1].parameters(), plain[1].parameters()):
         torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad * 0.5, rtol=1e-6,
                                    atol=1e-7)
+
+
+def test_loss_backward_inside_the_recording_with_callbacks_is_refused(gloo_one_rank):
+    """``loss.backward()`` typed inside ``with gm:`` where callbacks are attached: FSDP2
+    reduces the gradients, but the callbacks never ran. Old code: silently (2 gloo ranks, 3
+    SGD steps with a callback halving every gradient: 0 calls, every parameter different from
+    FSDP2 alone with its gradients halved); the other paths raise at the recording's end, as
+    this now does. .grad holds the reduced gradient without the callbacks' change, as said;
+    without callbacks the same step is FSDP2's own (tests/test_habit_harness.py)."""
+    net, plain = _blocks(lambda net: None), _blocks(lambda net: None)
+    gm = data_parallel(net, shard="full", blocks=[_Block])
+    gm.attach(list(net.parameters()), callbacks=[lambda t, g: g * 0.5])
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError) as raised, gm:
+        net(x).square().mean().backward()
+    message = str(raised.value)
+    assert "the gradient callbacks attached to 8 of them never ran" in message, message
+    assert "Call gm.backward(loss) inside `with gm:` instead" in message, message
+    plain(x).square().mean().backward()
+    for ours, theirs in zip(net.parameters(), plain.parameters()):  # 1 rank: the whole grad
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
+    for p in net.parameters():
+        p.grad = None
+    with gm:  # the next recording, as documented, runs the callbacks
+        gm.backward(net(x).square().mean())
+    for ours, theirs in zip(net.parameters(), plain.parameters()):
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad * 0.5, rtol=1e-6,
+                                   atol=1e-7)

@@ -46,6 +46,13 @@ _NO_JOIN = (
     "batches (DistributedSampler(..., drop_last=True), or drop the last incomplete ones), "
     "or use data_parallel(model) or shard=True, whose managers take Join"
 )
+_SKIPPED = (
+    "a recording under full sharding (shard='full') ended without gm.backward(), but the "
+    "attached tensors' .grad changed during it: loss.backward() (typed by habit?) let FSDP2 "
+    "reduce the gradients, but the gradient callbacks attached to {count} of them never ran. "
+    "Call gm.backward(loss) inside `with gm:` instead; .grad now holds FSDP2's reduced "
+    "gradients without the callbacks' changes"
+)
 _WHY = {
     "reduce": "always as a mean over the ranks (reduce='mean')",
     "bucket_bytes": "in one collective per wrapped block (choose blocks= instead)",
@@ -90,10 +97,13 @@ class FullSharding:
     """A manager's full sharding: the model wrapped by the path, ``no_sync`` switching the
     engine's gradient sync at each recording, and each backward delegated to the path."""
 
-    def __init__(self, gm: Any, module: Any, path: Any, replaced: ReplacedParameters) -> None:
+    def __init__(self, gm: Any, module: Any, path: Any, ops: Any,
+                 replaced: ReplacedParameters) -> None:
         self._gm = weakref.ref(gm)
-        self._module, self._path = module, path
+        self._module, self._path, self._ops = module, path, ops
         self._replaced = replaced  # the parameters wrapping took off the module
+        self._watched: List[Any] = []  # the tensors with callbacks, at this recording
+        self._grads: Any = None  # their .grad then (ops.grad_snapshot)
         self._sync = True  # the engine's setting now (FSDP2's default)
         self.check: Any = None  # the ranks compared at each recording (.full_check)
 
@@ -108,9 +118,10 @@ class FullSharding:
                                       {id(p): n for n, p in module.named_parameters()})
         path.wrap(module, blocks, reshard_after_forward, mp_policy)
         replaced.keep_only_replaced(list(module.parameters()))
-        sharding = cls(gm, module, path, replaced)
+        sharding = cls(gm, module, path, ops, replaced)
         gm.no_join = _NO_JOIN
         gm.register_record_callback(sharding.record)
+        gm.register_release_callback(sharding.release)
         set_backward_delegate(gm, sharding.delegate)
         gm.attach([p for p in module.parameters() if p.requires_grad])
         return sharding
@@ -125,6 +136,17 @@ class FullSharding:
         if sync != self._sync:
             self._path.set_sync(self._module, sync)
             self._sync = sync
+        if gm is not None:
+            self._watched = [t for t, chain in callback_chains(gm) if chain]
+            self._grads = self._ops.grad_snapshot(self._watched) if self._watched else None
+
+    def release(self, backward_ran: bool) -> None:
+        """Refuse a recording whose ``.grad`` a backward other than ``gm.backward`` wrote
+        (``loss.backward()``): FSDP2 reduced it, but the callbacks were skipped."""
+        watched, self._watched = self._watched, []
+        grads, self._grads = self._grads, None
+        if not backward_ran and self._ops.grads_changed(watched, grads):
+            raise RuntimeError(_SKIPPED.format(count=len(watched)))
 
     def delegate(self) -> Any:
         gm = self._gm()
