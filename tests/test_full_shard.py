@@ -365,3 +365,24 @@ def test_loss_backward_inside_the_recording_with_callbacks_is_refused(gloo_one_r
     for ours, theirs in zip(net.parameters(), plain.parameters()):
         torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad * 0.5, rtol=1e-6,
                                    atol=1e-7)
+
+
+def test_a_second_data_parallel_says_the_wrapping_stays(gloo_one_rank):
+    """A second data_parallel on a model full sharding wrapped, on any path, the first
+    manager kept or dropped: the error says to keep that manager (old code: "Pass the plain
+    model: data_parallel(model, shard='full', ...) wraps it with fully_shard itself", which
+    the user had done; 2 gloo ranks: both ranks raised it, the group in step). A model the
+    user wrapped keeps its own message (test_bad_input_on_the_ranks)."""
+    net = _blocks(lambda net: None)
+    gm = data_parallel(net, shard="full", blocks=[_Block])
+    for dropped in (False, True):
+        if dropped:
+            del gm
+            gc.collect()
+        for options in ({"shard": "full", "blocks": [_Block]}, {}, {"shard": True}):
+            with pytest.raises(TypeError) as raised:
+                data_parallel(net, **options)
+            message = str(raised.value)
+            assert "an earlier data_parallel(model, shard='full') wrapped" in message, message
+            assert "Keep using the manager that call returned" in message, message
+            assert "Pass the plain model" not in message, message

@@ -9,6 +9,7 @@ runs here (:meth:`FullShardPath.run_engine`)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -44,6 +45,14 @@ _HIGHER = (
 )
 
 
+_WRAPPED: weakref.WeakSet[Any] = weakref.WeakSet()  # the roots wrap() wrapped
+
+
+def wrapped_here(module: Any) -> bool:
+    """``module`` is a root that full sharding's :meth:`FullShardPath.wrap` wrapped."""
+    return module in _WRAPPED
+
+
 def available() -> bool:
     """This torch has FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.6 and later)."""
     try:
@@ -77,6 +86,7 @@ class FullShardPath:
             fully_shard(block, reshard_after_forward=reshard_after_forward,
                         mp_policy=mp_policy)
         fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        _WRAPPED.add(module)
         if _gloo():
             # FSDP2 asks gloo's reduce_scatter_tensor for an average, and on torch 2.8 gloo
             # returns the sum: every gradient N times too large, silently. A sum divided by
@@ -157,4 +167,4 @@ def full_shard_path() -> Optional[FullShardPath]:
     return FullShardPath() if available() else None
 
 
-__all__: List[str] = ["FullShardPath", "available", "full_shard_path"]
+__all__: List[str] = ["FullShardPath", "available", "full_shard_path", "wrapped_here"]
