@@ -1,15 +1,16 @@
 """Full sharding, ``data_parallel(model, shard="full")`` on FSDP2, next to plain FSDP2
 (``fully_shard`` per block and the root, ``loss.backward()``) on 2 gloo ranks
-(dist_workers/full_shard_suite.py; FSDP2 summing, then dividing, as gradmgr has it do over
-gloo: its own average there is the sum on torch 2.8): after 10 AdamW steps on the same data
-every parameter shard and every step's loss is FSDP2's bit for bit (both run the same
-kernels and the same reduce-scatters in the same order; nothing is left to round differently),
-with
-reshard-after-forward on and off, with a bf16 ``MixedPrecisionPolicy``, and with gradmgr's
+(dist_workers/full_shard_suite.py; FSDP2 summing, then dividing, as gradmgr has it do over gloo:
+its own average there is the sum on torch 2.8): after 10 AdamW steps on the same data every
+parameter shard and every step's loss is FSDP2's bit for bit (both run the same kernels and the
+same reduce-scatters in the same order; nothing is left to round differently), with
+reshard-after-forward on and off, with a bf16 ``MixedPrecisionPolicy`` (also with the forward
+under ``torch.autocast("cpu", dtype=torch.bfloat16)``), with activation checkpointing
+(``use_reentrant=True``) or a custom ``autograd.Function`` inside each block, and with gradmgr's
 ``no_sync`` against FSDP2's ``set_requires_gradient_sync(False)``. A callback that scales the
-gradient equals FSDP2 with the same scaling applied to ``.grad`` (SGD, bit for bit). Bad
-input raises a clear error, before any collective where it can be told at once. One
-backward's gradients equal DDP's bit for bit (2 ranks: a sum halved is the halves summed)."""
+gradient equals FSDP2 with the same scaling applied to ``.grad`` (SGD, bit for bit). Bad input
+raises a clear error, before any collective where it can be told at once. One backward's
+gradients equal DDP's bit for bit (2 ranks: a sum halved is the halves summed)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from ranks import spawn  # noqa: E402
 
 from gradmgr.distributed import data_parallel  # noqa: E402
 
-SCENARIOS = ["reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision"]
+SCENARIOS = ["reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision",
+             "autocast_mixed_precision", "checkpoint_inside", "custom_function"]
 
 
 @pytest.fixture(scope="module")
