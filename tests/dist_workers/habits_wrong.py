@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from gradmgr import GradManager
+from gradmgr.distributed import data_parallel
 
 from .habit_sides import STEPS, Side, batch, loss_fn, make_model, state, train
 
@@ -66,6 +67,30 @@ def forward_outside_with(kind, rank, world):
         opt.zero_grad()
     out.update(state(side))
     return out
+
+
+def backward_inside_with(kind, rank, world):
+    """``loss.backward()`` typed inside ``with gm:``, on every rank (the references: DDP's and
+    FSDP2's own step)."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        with side.recording():
+            loss = loss_fn(side.net(x), y)
+            loss.backward() if side.gm is not None else side.backward(loss)
+        out[f"loss {step}"] = np.float32(loss.item())
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side))
+    return out
+
+
+def second_data_parallel(kind, rank, world):
+    """A second ``data_parallel(model)`` on the same model, the first manager kept."""
+    side = Side(kind, rank)
+    data_parallel(side.model, **side.dp_options())
+    return train(side)
 
 
 class _Halve:
