@@ -280,10 +280,11 @@ def _with_root(net):
 ])
 def test_a_parameter_two_wrapped_units_hold_is_refused(gloo_one_rank, share, names, units):
     """A parameter held by two of the modules fully_shard wraps (two blocks, or a block and
-    the root). Old code: FSDP2 (as alone) gave each its own shard, the model went from 11 to
-    12 parameters and the copies trained apart, silently (2 gloo ranks, 3 AdamW steps: equal
-    to FSDP2 alone bit for bit, the two copies' values no longer equal); a shared module
-    failed on FSDP2's "FSDP requires named DeviceMesh dims" assertion."""
+    the root), refused at data_parallel. Old code on torch 2.8: FSDP2 (as alone) gave each its
+    own shard, the model went from 11 to 12 parameters and the copies trained apart, silently
+    (2 gloo ranks, 3 AdamW steps: equal to FSDP2 alone bit for bit, the two copies' values no
+    longer equal); a shared module failed on FSDP2's "FSDP requires named DeviceMesh dims"
+    assertion. On torch 2.13 FSDP2 alone refuses a tied parameter at its first forward."""
     net = _blocks(share)
     with pytest.raises(ValueError) as raised:
         data_parallel(net, shard="full", blocks=[_Block])

@@ -102,7 +102,7 @@ HABITS = [
     Habit("tied_weight",
           'a layer used twice in the forward (tied weights)'),
     Habit("shared_parameter",
-          'a parameter shared by two layers (`head.weight = fc2.weight`)'),
+          'a parameter shared by two layers (`head.weight = fc2.weight`)', fsdp2=False),
     Habit("freeze_before_wrapping",
           '`requires_grad_(False)` on a layer before wrapping'),
     Habit("deepcopy_model",

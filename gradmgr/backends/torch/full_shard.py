@@ -31,11 +31,11 @@ _POLICY = (
 )
 _SHARED = (
     "data_parallel(shard='full'): the parameter {names} is held by {units}, which fully_shard "
-    "wraps separately: under FSDP2 alone each would get its own shard of it, and the copies "
-    "would train apart, the tie silently broken (or, where one module is shared, FSDP2 "
-    "fails on an assertion). Choose blocks= so that every "
-    "module holding it is wrapped in the same unit: leave those modules' classes out of "
-    "blocks= (the root then holds the parameter), or name a class that holds them all"
+    "wraps separately: each would get its own shard of it (FSDP2 alone on torch 2.8 trains "
+    "the copies apart, the tie silently broken; torch 2.13's refuses it at the first "
+    "forward). Choose blocks= so that every module holding it is wrapped in the same unit: "
+    "leave those modules' classes out of blocks= (the root then holds the parameter), or "
+    "name a class that holds them all"
 )
 _HIGHER = (
     "data_parallel(shard='full'): a backward recorded by an earlier manager (second "
