@@ -41,11 +41,18 @@ def data_parallel_then_ddp(kind, rank, world):
 def forgotten_with(kind, rank, world):
     """Issue 25 item 2: ``gm = data_parallel(model)``, but the DDP loop kept: a plain
     ``loss.backward()``, no ``with gm:``."""
-    side = Side(kind, rank)
+    return _typed_backward(Side(kind, rank), rank, inside_with=False)
+
+
+def _typed_backward(side, rank, inside_with: bool) -> dict:
+    """The loop with ``loss.backward()`` typed, inside ``with gm:`` or with none (the
+    references inside it: their own step)."""
     opt, out = side.optimizer(), {}
     for step in range(STEPS):
-        loss = loss_fn(side.net(batch(rank, step)[0]), batch(rank, step)[1])
-        loss.backward()
+        x, y = batch(rank, step)
+        with side.recording() if inside_with else contextlib.nullcontext():
+            loss = loss_fn(side.net(x), y)
+            side.backward(loss) if inside_with and side.gm is None else loss.backward()
         out[f"loss {step}"] = np.float32(loss.item())
         opt.step()
         opt.zero_grad()
@@ -72,18 +79,7 @@ def forward_outside_with(kind, rank, world):
 def backward_inside_with(kind, rank, world):
     """``loss.backward()`` typed inside ``with gm:``, on every rank (the references: DDP's and
     FSDP2's own step)."""
-    side = Side(kind, rank)
-    opt, out = side.optimizer(), {}
-    for step in range(STEPS):
-        x, y = batch(rank, step)
-        with side.recording():
-            loss = loss_fn(side.net(x), y)
-            loss.backward() if side.gm is not None else side.backward(loss)
-        out[f"loss {step}"] = np.float32(loss.item())
-        opt.step()
-        opt.zero_grad()
-    out.update(state(side))
-    return out
+    return _typed_backward(Side(kind, rank), rank, inside_with=True)
 
 
 def second_data_parallel(kind, rank, world):
