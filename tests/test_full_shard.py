@@ -1,17 +1,20 @@
 """Full sharding, ``data_parallel(model, shard="full")`` on FSDP2, next to plain FSDP2
 (``fully_shard`` per block and the root, ``loss.backward()``) on 2 gloo ranks
-(dist_workers/full_shard_suite.py; FSDP2 summing, then dividing, as gradmgr has it do over
-gloo: its own average there is the sum on torch 2.8): after 10 AdamW steps on the same data
-every parameter shard and every step's loss is FSDP2's bit for bit (both run the same
-kernels and the same reduce-scatters in the same order; nothing is left to round differently),
-with
-reshard-after-forward on and off, with a bf16 ``MixedPrecisionPolicy``, and with gradmgr's
+(dist_workers/full_shard_suite.py; FSDP2 summing, then dividing, as gradmgr has it do over gloo:
+its own average there is the sum on torch 2.8): after 10 AdamW steps on the same data every
+parameter shard and every step's loss is FSDP2's bit for bit (both run the same kernels and the
+same reduce-scatters in the same order; nothing is left to round differently), with
+reshard-after-forward on and off, with a bf16 ``MixedPrecisionPolicy`` (also with the forward
+under ``torch.autocast("cpu", dtype=torch.bfloat16)``), with activation checkpointing
+(``use_reentrant=True``) or a custom ``autograd.Function`` inside each block, and with gradmgr's
 ``no_sync`` against FSDP2's ``set_requires_gradient_sync(False)``. A callback that scales the
-gradient equals FSDP2 with the same scaling applied to ``.grad`` (SGD, bit for bit). Bad
-input raises a clear error, before any collective where it can be told at once. One
-backward's gradients equal DDP's bit for bit (2 ranks: a sum halved is the halves summed)."""
+gradient equals FSDP2 with the same scaling applied to ``.grad`` (SGD, bit for bit). Bad input
+raises a clear error, before any collective where it can be told at once. One backward's
+gradients equal DDP's bit for bit (2 ranks: a sum halved is the halves summed)."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 
@@ -20,7 +23,8 @@ from ranks import spawn  # noqa: E402
 
 from gradmgr.distributed import data_parallel  # noqa: E402
 
-SCENARIOS = ["reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision"]
+SCENARIOS = ["reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision",
+             "autocast_mixed_precision", "checkpoint_inside", "custom_function"]
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +243,149 @@ def test_a_check_group_nobody_comes_to_make_is_told_in_full_sharding_terms(gloo_
         assert "full sharding has no Join" in message, message
     assert "not every rank started this recording" in str(first.value)
     assert "gave up on an earlier recording's plan check" in str(later.value)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+def _blocks(share) -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), _Block(), _Block(), torch.nn.Linear(4, 2))
+    share(net)
+    return net
+
+
+def _tie(net):
+    net[2].fc.weight = net[1].fc.weight
+
+
+def _same_module(net):
+    net[2].fc = net[1].fc
+
+
+def _with_root(net):
+    net[0].weight = net[1].fc.weight
+
+
+@pytest.mark.parametrize("share, names, units", [
+    (_tie, "1.fc.weight = 2.fc.weight", "'1' and '2'"),
+    (_same_module, "1.fc.weight = 2.fc.weight", "'1' and '2'"),
+    (_with_root, "0.weight = 1.fc.weight", "'1' and the root"),
+])
+def test_a_parameter_two_wrapped_units_hold_is_refused(gloo_one_rank, share, names, units):
+    """A parameter held by two of the modules fully_shard wraps (two blocks, or a block and
+    the root), refused at data_parallel. Old code on torch 2.8: FSDP2 (as alone) gave each its
+    own shard, the model went from 11 to 12 parameters and the copies trained apart, silently
+    (2 gloo ranks, 3 AdamW steps: equal to FSDP2 alone bit for bit, the two copies' values no
+    longer equal); a shared module failed on FSDP2's "FSDP requires named DeviceMesh dims"
+    assertion. On torch 2.13 FSDP2 alone refuses a tied parameter at its first forward."""
+    net = _blocks(share)
+    with pytest.raises(ValueError) as raised:
+        data_parallel(net, shard="full", blocks=[_Block])
+    message = str(raised.value)
+    assert f"the parameter {names} is held by {units}" in message, message
+    assert "Choose blocks= so that every module holding it is wrapped in the same unit" \
+        in message, message
+    assert not any(type(p).__name__ == "DTensor" for p in net.parameters())  # nothing wrapped
+
+
+def test_a_parameter_shared_inside_one_unit_trains_tied(gloo_one_rank):
+    """The remedy the refusal gives: the root holds the shared parameter (blocks=() here):
+    one parameter, one shard, whose gradient sums both uses, as the unwrapped model's."""
+    net, plain = _blocks(_tie), _blocks(_tie)
+    gm = data_parallel(net, shard="full", blocks=())
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with gm:
+        gm.backward(net(x).square().mean())
+    plain(x).square().mean().backward()
+    assert len(list(net.parameters())) == len(list(plain.parameters())) == 7
+    assert net[1].fc.weight is net[2].fc.weight
+    for ours, theirs in zip(net.parameters(), plain.parameters()):  # 1 rank: the whole grad
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_callbacks_on_parameters_taken_before_wrapping_are_refused(gloo_one_rank):
+    """``kept = list(model.parameters())`` before data_parallel(shard="full"), then
+    ``gm.attach(kept, callbacks=...)``: FSDP2 put new parameters on the model, so no forward
+    uses the kept ones. Old code: the callbacks never ran and training went on without them
+    (2 gloo ranks, 3 SGD steps with a callback halving block 1's gradients: every parameter
+    differed from FSDP2 alone with those gradients halved). Refused at the next recording,
+    before any collective; the model's own parameters are taken."""
+    net = _blocks(lambda net: None)
+    kept = list(net[1].parameters())
+    gm = data_parallel(net, shard="full", blocks=[_Block])
+    gm.attach(kept, callbacks=[lambda t, g: g * 0.5])
+    with pytest.raises(TypeError) as raised, gm:
+        pass
+    message = str(raised.value)
+    assert "was given 2 parameter(s) the model no longer has (1.fc.weight, 1.fc.bias)" \
+        in message, message
+    assert "gm.attach(list(model.parameters()), callbacks=...)" in message, message
+    del kept, raised  # the remedy: the old parameters go, the model's are attached
+    gc.collect()
+    seen = []
+    gm.attach(list(net[1].parameters()), callbacks=[lambda t, g: seen.append(t) or g * 0.5])
+    plain = _blocks(lambda net: None)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with gm:
+        gm.backward(net(x).square().mean())
+    plain(x).square().mean().backward()
+    assert [id(t) for t in seen] == [id(p) for p in net[1].parameters()]
+    for ours, theirs in zip(net[1].parameters(), plain[1].parameters()):
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad * 0.5, rtol=1e-6,
+                                   atol=1e-7)
+
+
+def test_loss_backward_inside_the_recording_with_callbacks_is_refused(gloo_one_rank):
+    """``loss.backward()`` typed inside ``with gm:`` where callbacks are attached: FSDP2
+    reduces the gradients, but the callbacks never ran. Old code: silently (2 gloo ranks, 3
+    SGD steps with a callback halving every gradient: 0 calls, every parameter different from
+    FSDP2 alone with its gradients halved); the other paths raise at the recording's end, as
+    this now does. .grad holds the reduced gradient without the callbacks' change, as said;
+    without callbacks the same step is FSDP2's own (tests/test_habit_harness.py)."""
+    net, plain = _blocks(lambda net: None), _blocks(lambda net: None)
+    gm = data_parallel(net, shard="full", blocks=[_Block])
+    gm.attach(list(net.parameters()), callbacks=[lambda t, g: g * 0.5])
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError) as raised, gm:
+        net(x).square().mean().backward()
+    message = str(raised.value)
+    assert "the gradient callbacks attached to 8 of them never ran" in message, message
+    assert "Call gm.backward(loss) inside `with gm:` instead" in message, message
+    plain(x).square().mean().backward()
+    for ours, theirs in zip(net.parameters(), plain.parameters()):  # 1 rank: the whole grad
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad, rtol=1e-6, atol=1e-7)
+    for p in net.parameters():
+        p.grad = None
+    with gm:  # the next recording, as documented, runs the callbacks
+        gm.backward(net(x).square().mean())
+    for ours, theirs in zip(net.parameters(), plain.parameters()):
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad * 0.5, rtol=1e-6,
+                                   atol=1e-7)
+
+
+def test_a_second_data_parallel_says_the_wrapping_stays(gloo_one_rank):
+    """A second data_parallel on a model full sharding wrapped, on any path, the first
+    manager kept or dropped: the error says to keep that manager (old code: "Pass the plain
+    model: data_parallel(model, shard='full', ...) wraps it with fully_shard itself", which
+    the user had done; 2 gloo ranks: both ranks raised it, the group in step). A model the
+    user wrapped keeps its own message (test_bad_input_on_the_ranks)."""
+    net = _blocks(lambda net: None)
+    gm = data_parallel(net, shard="full", blocks=[_Block])
+    for dropped in (False, True):
+        if dropped:
+            del gm
+            gc.collect()
+        for options in ({"shard": "full", "blocks": [_Block]}, {}, {"shard": True}):
+            with pytest.raises(TypeError) as raised:
+                data_parallel(net, **options)
+            message = str(raised.value)
+            assert "an earlier data_parallel(model, shard='full') wrapped" in message, message
+            assert "Keep using the manager that call returned" in message, message
+            assert "Pass the plain model" not in message, message

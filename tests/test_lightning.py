@@ -143,7 +143,9 @@ def test_misuses_raise_clear_errors_on_every_rank(results):
 
 def test_full_sharding_is_fsdp2s_bit_for_bit(tmp_path):
     """GradmgrStrategy(shard="full") against plain FSDP2 on the same data, 4 Adam steps of
-    two micro-batches each (the first inside fabric.no_backward_sync), clipped by
+    two micro-batches each (the first inside fabric.no_backward_sync), a StepLR made over the
+    optimizer before fabric.setup_optimizers halving its rate at every step (as torch's
+    StepLR on plain FSDP2's, and no warning from it), clipped by
     fabric.clip_gradients (max_norm= in two steps, clip_val= in two) against torch's
     clip_grad_norm_ and clip_grad_value_ on plain FSDP2 (what Fabric's FSDP2 strategy runs):
     every loss, norm, clipped gradient and parameter shard bit for bit (old code raised
@@ -160,6 +162,8 @@ def test_full_sharding_is_fsdp2s_bit_for_bit(tmp_path):
         assert len(result["clipped"]) == 4, (rank, result["clipped"])
         for same_norm, same_grads, cut in result["clipped"]:
             assert same_norm and same_grads and cut, (rank, result["clipped"])
+        assert result["rates"] == [(1e-2 * 0.5 ** k, 1e-2 * 0.5 ** k, []) for k in
+                                   range(1, 5)], (rank, result["rates"])  # its 4 steps
         assert result["optimizer made before"].startswith("ValueError:")
         assert "fabric.setup_module(model)" in result["optimizer made before"]
         resumed = result["resumed"]

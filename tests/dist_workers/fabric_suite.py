@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import traceback
+import warnings
 
 import torch
 
@@ -273,14 +274,17 @@ def full_shard(rank: int) -> dict:
     out = {"optimizer made before": _raised(lambda: fabric.setup(
         early, torch.optim.Adam(early.parameters(), lr=1e-2)))}
     model = fabric.setup_module(_plain(0))
-    opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    made = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(made, 1, 0.5)  # before Fabric's, as usual
+    opt = fabric.setup_optimizers(made)
     ref = _plain(0)
     for layer in (ref.fc1, ref.fc2, ref.fc3, ref):
         fully_shard(layer)
     for layer in (ref.fc1, ref.fc2, ref.fc3, ref):  # FSDP2 averaging correctly over gloo
         layer.set_force_sum_reduction_for_comms(True)  # (its average is the sum on torch 2.8)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    data, losses, clipped = _batches(rank, STEPS * 2), [], []
+    ref_scheduler = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5)
+    data, losses, clipped, rates = _batches(rank, STEPS * 2), [], [], []
     for step in range(STEPS):
         for m in range(2):
             x, y = data[2 * step + m]
@@ -292,11 +296,17 @@ def full_shard(rank: int) -> dict:
             theirs.backward()
             losses.append(torch.equal(loss.detach(), theirs.detach()))
         clipped.append(_clip_both(fabric, model, opt, ref, by_norm=step < 2))
-        opt.step()
-        opt.zero_grad()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
         ref_opt.step()
         ref_opt.zero_grad()
-    out["losses"], out["clipped"] = losses, clipped
+        ref_scheduler.step()
+        rates.append((opt.param_groups[0]["lr"], ref_opt.param_groups[0]["lr"],
+                      [str(w.message) for w in warned]))
+    out["losses"], out["clipped"], out["rates"] = losses, clipped, rates
     out["shards"] = [torch.equal(a.to_local(), b.to_local())
                      for a, b in zip(model.parameters(), ref.parameters())]
     out["moved"] = any(not torch.equal(a.full_tensor(), b)

@@ -1,6 +1,8 @@
 """Rank program: ``data_parallel(model, shard="full")`` next to plain FSDP2 (``fully_shard`` on
 the same blocks, then the root, and ``loss.backward()``), 10 AdamW steps on the same data (SGD
-in the scaled scenario: Adam's step hardly changes when every gradient is scaled);
+in the scaled scenario: Adam's step hardly changes when every gradient is scaled; blocks with
+activation checkpointing or a custom autograd Function inside, and the forward under bf16
+autocast, in the scenarios so named);
 every rank pickles, per scenario, whether each parameter shard and each step's loss equal
 FSDP2's bit for bit, to ``OUTDIR/rank{RANK}.pkl``. ``FULL_SHARD_SCENARIOS`` picks scenarios
 (comma-separated; all by default)."""
@@ -31,9 +33,42 @@ class Block(nn.Module):
         return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
-def model() -> nn.Module:
+class CheckpointedBlock(Block):
+    """Activation checkpointing inside the block (``use_reentrant=True``, the older kind)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.fc1(t)), x,
+                                                  use_reentrant=True)
+        return x + self.fc2(inner)
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ w.T + b`` with a backward of its own."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x, g.sum(0)
+
+
+class FunctionBlock(Block):
+    """A custom autograd Function inside the block's forward, over its own parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(_Linear.apply(x, self.fc1.weight, self.fc1.bias)))
+
+
+BLOCKS = {"checkpoint_inside": CheckpointedBlock, "custom_function": FunctionBlock}
+
+
+def model(block: type = Block) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(8, 16), block(16), block(16), nn.Linear(16, 3))
 
 
 def batch(step: int, micro: int, rank: int) -> torch.Tensor:
@@ -41,10 +76,10 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
                                                                       + rank))
 
 
-def plain_fsdp2(reshard: bool, mp: MixedPrecisionPolicy) -> nn.Module:
+def plain_fsdp2(reshard: bool, mp: MixedPrecisionPolicy, block: type = Block) -> nn.Module:
     """FSDP2 as it averages correctly over gloo: a sum, then divided (its average over gloo
     is the sum on torch 2.8; see :func:`against_ddp`)."""
-    net = model()
+    net = model(block)
     blocks = [m for m in net.modules() if isinstance(m, Block)]
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
@@ -75,12 +110,19 @@ def optimizer(net: nn.Module, scale: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(net.parameters(), lr=LR)
 
 
-def train_fsdp2(net: nn.Module, rank: int, micros: int, scale: float) -> list:
+def loss_of(net: nn.Module, step: int, micro: int, rank: int, autocast: bool):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = net(batch(step, micro, rank))
+    return (out.float() if autocast else out).square().mean()
+
+
+def train_fsdp2(net: nn.Module, rank: int, micros: int, scale: float,
+                autocast: bool = False) -> list:
     opt, losses = optimizer(net, scale), []
     for step in range(STEPS):
         for micro in range(micros):
             net.set_requires_gradient_sync(micro == micros - 1)
-            loss = net(batch(step, micro, rank)).square().mean()
+            loss = loss_of(net, step, micro, rank, autocast)
             loss.backward()
             losses.append(loss.detach().float().clone())
         if scale != 1.0:
@@ -91,13 +133,14 @@ def train_fsdp2(net: nn.Module, rank: int, micros: int, scale: float) -> list:
     return losses
 
 
-def train_gradmgr(net: nn.Module, gm, rank: int, micros: int, scale: float) -> list:
+def train_gradmgr(net: nn.Module, gm, rank: int, micros: int, scale: float,
+                  autocast: bool = False) -> list:
     opt, losses = optimizer(net, scale), []
     for step in range(STEPS):
         for micro in range(micros):
             paused = no_sync(gm) if micro < micros - 1 else contextlib.nullcontext()
             with paused, gm:
-                loss = net(batch(step, micro, rank)).square().mean()
+                loss = loss_of(net, step, micro, rank, autocast)
                 gm.backward(loss)
             losses.append(loss.detach().float().clone())
         opt.step()
@@ -110,7 +153,7 @@ def compare(ours: nn.Module, theirs: nn.Module, our_losses: list, their_losses: 
               for a, b in zip(ours.parameters(), theirs.parameters())]
     losses = [torch.equal(a, b) for a, b in zip(our_losses, their_losses)]
     moved = any(not torch.equal(a.full_tensor(), b)  # (a collective, in order on every rank)
-                for a, b in zip(ours.parameters(), model().parameters()))
+                for a, b in zip(ours.parameters(), model(type(ours[1])).parameters()))
     return {"shards": shards, "losses": losses, "moved": moved,
             "types": sorted({type(p).__name__ for p in ours.parameters()})}
 
@@ -118,10 +161,11 @@ def compare(ours: nn.Module, theirs: nn.Module, our_losses: list, their_losses: 
 def scenario(name: str, rank: int) -> dict:
     reshard = name != "reshard_off"
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if name == "mixed_precision" else MixedPrecisionPolicy())
+          if name in ("mixed_precision", "autocast_mixed_precision") else MixedPrecisionPolicy())
     micros = 2 if name == "no_sync" else 1
     scale = SCALE if name == "scaled" else 1.0
-    ours = model()
+    autocast, block = name == "autocast_mixed_precision", BLOCKS.get(name, Block)
+    ours = model(block)
     gm = data_parallel(ours, shard="full", blocks=[Block], reshard_after_forward=reshard,
                        mp_policy=mp)
     seen = []
@@ -131,9 +175,9 @@ def scenario(name: str, rank: int) -> dict:
                          tuple(grad.to_local().shape) == tuple(tensor.to_local().shape)))
             return grad * scale
         gm.attach(list(ours.parameters()), callbacks=[scaled])
-    our_losses = train_gradmgr(ours, gm, rank, micros, scale)
-    theirs = plain_fsdp2(reshard, mp)
-    their_losses = train_fsdp2(theirs, rank, micros, scale)
+    our_losses = train_gradmgr(ours, gm, rank, micros, scale, autocast)
+    theirs = plain_fsdp2(reshard, mp, block)
+    their_losses = train_fsdp2(theirs, rank, micros, scale, autocast)
     result = compare(ours, theirs, our_losses, their_losses)
     result["seen"] = sorted(set(seen))
     return result
@@ -167,7 +211,7 @@ def refusals(rank: int) -> dict:
 
 
 ALL = ["against_ddp", "reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision",
-       "refusals"]
+       "autocast_mixed_precision", "checkpoint_inside", "custom_function", "refusals"]
 SPECIAL = {"refusals": refusals, "against_ddp": against_ddp}
 
 

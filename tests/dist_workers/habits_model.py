@@ -5,9 +5,11 @@ accumulation, a failed batch."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import numpy as np
 import torch
+from torch import nn
 
 from gradmgr.distributed import RankFailedError
 
@@ -167,6 +169,39 @@ def tied_weight(kind, rank, world):
         h = torch.tanh(m.bn(m.fc1(x)))
         return m.fc2(h) + m.fc2(torch.tanh(h))
     return train_through(side, forward)
+
+
+def shared_parameter(kind, rank, world):
+    """A parameter shared by two layers: a second head whose weight is ``fc2``'s
+    (``head.weight = fc2.weight``), both heads summed."""
+    model = make_model(rank)
+    model.head = nn.Linear(16, 3)
+    model.head.weight = model.fc2.weight
+    side = Side(kind, rank, model=model)
+    m = side.model
+
+    def forward(x):
+        h = torch.tanh(m.bn(m.fc1(x)))
+        return m.fc2(h) + m.head(h)
+    return train_through(side, forward)
+
+
+def freeze_before_wrapping(kind, rank, world):
+    """``model.fc1.requires_grad_(False)`` before wrapping (a frozen layer, fine-tuning)."""
+    model = make_model(rank)
+    model.fc1.requires_grad_(False)
+    return train(Side(kind, rank, model=model))
+
+
+def deepcopy_model(kind, rank, world):
+    """``copy.deepcopy(model)`` after the steps (an EMA or evaluation copy), and the copy's
+    evaluation forward."""
+    side = Side(kind, rank)
+    out = train(side)
+    twin = copy.deepcopy(side.model).eval()
+    with torch.no_grad():
+        out["copy's evaluation output"] = twin(batch(rank, 99)[0]).numpy()
+    return out
 
 
 def checkpointed(kind, rank, world):

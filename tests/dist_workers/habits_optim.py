@@ -3,6 +3,8 @@ clipping, checkpoints (DDP's and ZeRO's), parameter groups, mixed precision."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -100,6 +102,19 @@ def checkpoint_rank0(kind, rank, world):
     finally:  # where rank 0 raised, the program goes on: the group must still work
         dist.barrier()
     return out
+
+
+def model_checkpoint_rank0(kind, rank, world):
+    """``if rank == 0: torch.save(model.state_dict(), path)`` after every step (under DDP,
+    the module's, ``model.module.state_dict()``)."""
+    side = Side(kind, rank)
+
+    def save(step, out):
+        if rank == 0:
+            saved = side.model.state_dict()
+            torch.save(saved, io.BytesIO())
+            out[f"saved entries {step}"] = np.array(len(saved))
+    return loop(side, side.optimizer(), after_step=save)
 
 
 def sharded_groups_differ(kind, rank, world):

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from gradmgr import GradManager
+from gradmgr.distributed import data_parallel
 
 from .habit_sides import STEPS, Side, batch, loss_fn, make_model, state, train
 
@@ -40,11 +41,18 @@ def data_parallel_then_ddp(kind, rank, world):
 def forgotten_with(kind, rank, world):
     """Issue 25 item 2: ``gm = data_parallel(model)``, but the DDP loop kept: a plain
     ``loss.backward()``, no ``with gm:``."""
-    side = Side(kind, rank)
+    return _typed_backward(Side(kind, rank), rank, inside_with=False)
+
+
+def _typed_backward(side, rank, inside_with: bool) -> dict:
+    """The loop with ``loss.backward()`` typed, inside ``with gm:`` or with none (the
+    references inside it: their own step)."""
     opt, out = side.optimizer(), {}
     for step in range(STEPS):
-        loss = loss_fn(side.net(batch(rank, step)[0]), batch(rank, step)[1])
-        loss.backward()
+        x, y = batch(rank, step)
+        with side.recording() if inside_with else contextlib.nullcontext():
+            loss = loss_fn(side.net(x), y)
+            side.backward(loss) if inside_with and side.gm is None else loss.backward()
         out[f"loss {step}"] = np.float32(loss.item())
         opt.step()
         opt.zero_grad()
@@ -66,6 +74,19 @@ def forward_outside_with(kind, rank, world):
         opt.zero_grad()
     out.update(state(side))
     return out
+
+
+def backward_inside_with(kind, rank, world):
+    """``loss.backward()`` typed inside ``with gm:``, on every rank (the references: DDP's and
+    FSDP2's own step)."""
+    return _typed_backward(Side(kind, rank), rank, inside_with=True)
+
+
+def second_data_parallel(kind, rank, world):
+    """A second ``data_parallel(model)`` on the same model, the first manager kept."""
+    side = Side(kind, rank)
+    data_parallel(side.model, **side.dp_options())
+    return train(side)
 
 
 class _Halve:

@@ -9,6 +9,7 @@ runs here (:meth:`FullShardPath.run_engine`)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -28,12 +29,28 @@ _POLICY = (
     "data_parallel(shard='full'): mp_policy= takes a "
     "torch.distributed.fsdp.MixedPrecisionPolicy (or None), got {got}"
 )
+_SHARED = (
+    "data_parallel(shard='full'): the parameter {names} is held by {units}, which fully_shard "
+    "wraps separately: each would get its own shard of it (FSDP2 alone on torch 2.8 trains "
+    "the copies apart, the tie silently broken; torch 2.13's refuses it at the first "
+    "forward). Choose blocks= so that every module holding it is wrapped in the same unit: "
+    "leave those modules' classes out of blocks= (the root then holds the parameter), or "
+    "name a class that holds them all"
+)
 _HIGHER = (
     "data_parallel(shard='full'): a backward recorded by an earlier manager (second "
     "derivatives) is not supported under full sharding: FSDP2 frees each block's gathered "
     "parameters during the backward. Use data_parallel(model) (DDP's path) for higher-order "
     "gradients"
 )
+
+
+_WRAPPED: weakref.WeakSet[Any] = weakref.WeakSet()  # the roots wrap() wrapped
+
+
+def wrapped_here(module: Any) -> bool:
+    """``module`` is a root that full sharding's :meth:`FullShardPath.wrap` wrapped."""
+    return module in _WRAPPED
 
 
 def available() -> bool:
@@ -64,10 +81,12 @@ class FullShardPath:
             seen = sorted({type(m).__name__ for m in module.modules() if m is not module})
             raise ValueError(_NOTHING.format(names=[c.__name__ for c in classes],
                                              seen=", ".join(seen) or "none"))
+        _refuse_shared(module, chosen)
         for block in reversed(chosen):  # modules() lists outer blocks first
             fully_shard(block, reshard_after_forward=reshard_after_forward,
                         mp_policy=mp_policy)
         fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        _WRAPPED.add(module)
         if _gloo():
             # FSDP2 asks gloo's reduce_scatter_tensor for an average, and on torch 2.8 gloo
             # returns the sum: every gradient N times too large, silently. A sum divided by
@@ -96,6 +115,39 @@ class FullShardPath:
         return isinstance(tensor, DTensor)
 
 
+def _refuse_shared(root: Any, chosen: List[Any]) -> None:
+    """A parameter that two of the units fully_shard makes (each chosen block, and the root
+    for the rest) would both hold: FSDP2 gives each its own shard of it, without a word."""
+    owner: dict = {}
+    for unit in [*chosen, root]:
+        for param in _unit_parameters(unit, chosen):
+            first = owner.setdefault(id(param), (unit, param))[0]
+            if first is not unit:
+                raise ValueError(_shared_message(root, param, first, unit))
+
+
+def _unit_parameters(unit: Any, chosen: List[Any]) -> List[Any]:
+    """The parameters ``fully_shard(unit)`` takes: its modules' own, where no chosen block
+    nested inside it (wrapped before it) took them."""
+    inner = {id(m) for m in chosen if m is not unit}
+    seen, stack, found = set(), [unit], []
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found += list(module.parameters(recurse=False))
+        stack += [c for c in module.children() if id(c) not in inner]
+    return found
+
+
+def _shared_message(root: Any, param: Any, first: Any, second: Any) -> str:
+    names = [n for n, p in root.named_parameters(remove_duplicate=False) if p is param]
+    where = {id(m): repr(n) for n, m in root.named_modules(remove_duplicate=False) if n}
+    units = " and ".join(where.get(id(u), "the root") for u in (first, second))
+    return _SHARED.format(names=" = ".join(names), units=units)
+
+
 def _gloo() -> bool:
     import torch.distributed as dist
 
@@ -115,4 +167,4 @@ def full_shard_path() -> Optional[FullShardPath]:
     return FullShardPath() if available() else None
 
 
-__all__: List[str] = ["FullShardPath", "available", "full_shard_path"]
+__all__: List[str] = ["FullShardPath", "available", "full_shard_path", "wrapped_here"]

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
+from .full_shard import wrapped_here
+
 _grad_enabled = torch.is_grad_enabled
 _DDP_MODULE = "torch.nn.parallel.distributed"
 
@@ -53,12 +55,20 @@ _FSDP = (
 )
 
 
+_FULL_AGAIN = (
+    "data_parallel() was given a model that an earlier data_parallel(model, shard='full') "
+    "wrapped with FSDP2's fully_shard, which cannot be undone (its parameters stay shards, "
+    "also after that manager is dropped). Keep using the manager that call returned; to wrap "
+    "the model another way (other blocks=, or another path), build the model again"
+)
+
+
 def wrapper_problem(module: Any) -> Optional[str]:
     """Why ``data_parallel(module)`` cannot take ``module``: it is a DDP wrapper, or
-    already wrapped with FSDP2's ``fully_shard``."""
+    already wrapped with FSDP2's ``fully_shard`` (by full sharding, or by the user)."""
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if fsdp is not None and any(isinstance(m, fsdp) for m in module.modules()):
-        return _FSDP
+        return _FULL_AGAIN if wrapped_here(module) else _FSDP
     ddp = _ddp_class()
     if ddp is None or not isinstance(module, ddp):
         return None

@@ -19,6 +19,7 @@ from typing import Any, List, Sequence
 from ...hooks import after_backward_callbacks, set_backward_delegate
 from ...manager import callback_chains
 from ..reduce.no_sync import is_paused
+from .replaced import ReplacedParameters
 
 SPELLINGS = (False, True, "full")
 
@@ -44,6 +45,13 @@ _NO_JOIN = (
     "parameter gathers and gradient reduce-scatters. Give every rank the same number of "
     "batches (DistributedSampler(..., drop_last=True), or drop the last incomplete ones), "
     "or use data_parallel(model) or shard=True, whose managers take Join"
+)
+_SKIPPED = (
+    "a recording under full sharding (shard='full') ended without gm.backward(), but the "
+    "attached tensors' .grad changed during it: loss.backward() (typed by habit?) let FSDP2 "
+    "reduce the gradients, but the gradient callbacks attached to {count} of them never ran. "
+    "Call gm.backward(loss) inside `with gm:` instead; .grad now holds FSDP2's reduced "
+    "gradients without the callbacks' changes"
 )
 _WHY = {
     "reduce": "always as a mean over the ranks (reduce='mean')",
@@ -89,9 +97,13 @@ class FullSharding:
     """A manager's full sharding: the model wrapped by the path, ``no_sync`` switching the
     engine's gradient sync at each recording, and each backward delegated to the path."""
 
-    def __init__(self, gm: Any, module: Any, path: Any) -> None:
+    def __init__(self, gm: Any, module: Any, path: Any, ops: Any,
+                 replaced: ReplacedParameters) -> None:
         self._gm = weakref.ref(gm)
-        self._module, self._path = module, path
+        self._module, self._path, self._ops = module, path, ops
+        self._replaced = replaced  # the parameters wrapping took off the module
+        self._watched: List[Any] = []  # the tensors with callbacks, at this recording
+        self._grads: Any = None  # their .grad then (ops.grad_snapshot)
         self._sync = True  # the engine's setting now (FSDP2's default)
         self.check: Any = None  # the ranks compared at each recording (.full_check)
 
@@ -102,22 +114,39 @@ class FullSharding:
         path = None if ops is None else ops.full_shard_path()
         if path is None:
             raise NotImplementedError(_NO_PATH)
+        replaced = ReplacedParameters(list(module.parameters()),
+                                      {id(p): n for n, p in module.named_parameters()})
         path.wrap(module, blocks, reshard_after_forward, mp_policy)
-        sharding = cls(gm, module, path)
+        replaced.keep_only_replaced(list(module.parameters()))
+        sharding = cls(gm, module, path, ops, replaced)
         gm.no_join = _NO_JOIN
         gm.register_record_callback(sharding.record)
+        gm.register_release_callback(sharding.release)
         set_backward_delegate(gm, sharding.delegate)
         gm.attach([p for p in module.parameters() if p.requires_grad])
         return sharding
 
     def record(self) -> None:
         gm = self._gm()
+        if gm is not None:  # before the plan check: no collective starts on a rank refusing
+            self._replaced.check(gm)
         sync = gm is not None and not is_paused(gm)
         if self.check is not None:  # before the engine's first gather of this recording
             self.check.record(sync)
         if sync != self._sync:
             self._path.set_sync(self._module, sync)
             self._sync = sync
+        if gm is not None:
+            self._watched = [t for t, chain in callback_chains(gm) if chain]
+            self._grads = self._ops.grad_snapshot(self._watched) if self._watched else None
+
+    def release(self, backward_ran: bool) -> None:
+        """Refuse a recording whose ``.grad`` a backward other than ``gm.backward`` wrote
+        (``loss.backward()``): FSDP2 reduced it, but the callbacks were skipped."""
+        watched, self._watched = self._watched, []
+        grads, self._grads = self._grads, None
+        if not backward_ran and self._ops.grads_changed(watched, grads):
+            raise RuntimeError(_SKIPPED.format(count=len(watched)))
 
     def delegate(self) -> Any:
         gm = self._gm()
