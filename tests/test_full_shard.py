@@ -342,6 +342,40 @@ def test_callbacks_on_parameters_taken_before_wrapping_are_refused(gloo_one_rank
                                    atol=1e-7)
 
 
+def test_an_optimizer_made_before_wrapping_is_refused_at_its_step(gloo_one_rank):
+    """An optimizer made before data_parallel(shard="full") holds the parameters FSDP2
+    replaced, which get no gradient. Old code: its step changed nothing, silently (as under
+    FSDP2 alone). Refused at its first step, naming the parameters and the remedy; one made
+    after the wrapping, and optimizers of other models, step as before."""
+    net = _blocks(lambda net: None)
+    before = torch.optim.SGD(net.parameters(), lr=0.1)
+    other = torch.nn.Linear(2, 2)
+    bystander = torch.optim.SGD(other.parameters(), lr=0.1)
+    gm = data_parallel(net, shard="full", blocks=[_Block])
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    with gm:
+        gm.backward(net(x).square().mean())
+    with pytest.raises(TypeError) as raised:
+        before.step()
+    message = str(raised.value)
+    assert "this optimizer (SGD) holds 8 parameter(s) that data_parallel(model, " \
+        "shard='full') replaced (0.weight, 0.bias, 1.fc.weight, 1.fc.bias, ...)" \
+        in message, message
+    assert "optimizer = SGD(model.parameters(), ...)" in message, message
+    other(torch.ones(1, 2)).sum().backward()
+    old = other.weight.detach().clone()
+    bystander.step()
+    assert not torch.equal(other.weight, old)
+    after = torch.optim.SGD(net.parameters(), lr=0.1)
+    shards = [p.detach().full_tensor().clone() for p in net.parameters()]
+    after.step()
+    assert all(not torch.equal(p.detach().full_tensor(), s)
+               for p, s in zip(net.parameters(), shards))
+    after.add_param_group({"params": [before.param_groups[0]["params"][0]]})
+    with pytest.raises(TypeError, match="holds 1 parameter"):
+        after.step()  # (a group added since: checked again)
+
+
 def test_loss_backward_inside_the_recording_with_callbacks_is_refused(gloo_one_rank):
     """``loss.backward()`` typed inside ``with gm:`` where callbacks are attached: FSDP2
     reduces the gradients, but the callbacks never ran. Old code: silently (2 gloo ranks, 3

@@ -94,6 +94,13 @@ class FullShardPath:
             for wrapped in [*reversed(chosen), module]:
                 wrapped.set_force_sum_reduction_for_comms(True)
 
+    def watch_optimizers(self, replaced: Any) -> None:
+        """Refuse, at its step, an optimizer holding a parameter ``replaced`` lists (one made
+        before the wrapping: it would step nothing)."""
+        from .stale_optimizers import refuse_stale_optimizers
+
+        refuse_stale_optimizers(replaced)
+
     def set_sync(self, module: Any, sync: bool) -> None:
         """FSDP2's ``set_requires_gradient_sync``: off inside ``no_sync`` (each rank
         accumulates its unsharded gradients; the next synced backward reduce-scatters them)."""

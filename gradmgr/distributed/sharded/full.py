@@ -118,6 +118,7 @@ class FullSharding:
                                       {id(p): n for n, p in module.named_parameters()})
         path.wrap(module, blocks, reshard_after_forward, mp_policy)
         replaced.keep_only_replaced(list(module.parameters()))
+        path.watch_optimizers(replaced)
         sharding = cls(gm, module, path, ops, replaced)
         gm.no_join = _NO_JOIN
         gm.register_record_callback(sharding.record)

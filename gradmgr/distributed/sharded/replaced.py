@@ -4,7 +4,9 @@ to them.
 FSDP2's ``fully_shard`` puts new parameters (the shards) on the model. A list of parameters
 taken before ``data_parallel(model, shard="full")`` still holds the old ones, which no forward
 uses: callbacks attached to them with ``gm.attach(old, callbacks=...)`` would never run, and
-training would go on without them, silently. The manager's recording refuses them instead.
+training would go on without them, silently. The manager's recording refuses them instead;
+so does an optimizer made before the wrapping, at its first step, where the framework can see
+it (torch: ``gradmgr/backends/torch/stale_optimizers.py``).
 """
 
 from __future__ import annotations
@@ -51,16 +53,18 @@ class ReplacedParameters:
         epoch = attach_epoch(gm)
         if epoch == self._epoch or not self._refs:
             return
-        stale = [t for t, chain in callback_chains(gm) if chain and self._replaced(t)]
+        stale = [t for t, chain in callback_chains(gm) if chain and self.holds(t)]
         if stale:
-            raise TypeError(_STALE.format(count=len(stale), names=self._named(stale)))
+            raise TypeError(_STALE.format(count=len(stale), names=self.named(stale)))
         self._epoch = epoch
 
-    def _replaced(self, tensor: Any) -> bool:
+    def holds(self, tensor: Any) -> bool:
+        """``tensor`` is one of the parameters wrapping replaced."""
         ref = self._refs.get(id(tensor))
         return ref is not None and ref() is tensor
 
-    def _named(self, stale: List[Any]) -> str:
+    def named(self, stale: List[Any]) -> str:
+        """`` (fc.weight, ...)``: the names the ``stale`` parameters had, or ``""``."""
         names = [self._names[id(t)] for t in stale if id(t) in self._names]
         return f" ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if names else ""
 
