@@ -52,6 +52,7 @@ def pair(case: str, direction: str, **broken):
     built with the bug ``broken`` names, the reference's weights transferred into it."""
     make_t, make_m, x = CASES[case]
     torch.manual_seed(0)
+    mge.random.seed(0)  # (MegEngine's initial weights: without it each run draws its own)
     if direction == "torch->megengine":
         a, b = make_t(), make_m(**broken)
     else:  # MegEngine starts biases at zero: give them values, so that a lost one shows
@@ -275,7 +276,9 @@ def test_drift_is_small_for_a_correct_port_and_its_plot_is_written(tmp_path):
 
 def test_drift_is_large_for_a_broken_port():
     report = train("megengine->torch", bn_eps=1e-3)
-    assert report.rel_l2[-1] > 1e-4 and report.rel_l2[-1] > 100 * report.rel_l2[0] / 100
+    # (measured, seeded: 2.4e-5 after the first step, 2.2e-4 after the last, 2,000 times the
+    # correct port's; the bounds leave a factor of 2 or more)
+    assert report.rel_l2[-1] > 1e-4 and report.rel_l2[-1] > 5 * report.rel_l2[0]
     assert report.rel_l2[-1] > train("megengine->torch").rel_l2[-1] * 100
 
 
