@@ -100,8 +100,8 @@ def test_habits_equal_paddle_data_parallel_bit_for_bit(ranks, habit):
 def test_a_reentrant_recompute_raises_on_every_rank(ranks):
     """Paddle's default ``recompute`` (``use_reentrant=True``) writes the recomputed layer's
     ``.grad`` in its own backward, so data_parallel would leave it this rank's own: each rank
-    raises at the first step, naming fc2's weight and ``use_reentrant=False``, and keeps no
-    gradient gradmgr wrote."""
+    raises at the first step (no step's gradients kept), naming fc2's weight and
+    ``use_reentrant=False``."""
     for rank, out in enumerate(ranks):
         ours = out["habits"]["recompute_reentrant"]["ours"]
         assert ours["grads"] == [], rank
