@@ -305,14 +305,17 @@ def test_split_backward_equals_one_backward_bit_for_bit():
 @pytest.mark.parametrize("removed", [False, True])
 def test_a_parameters_register_hook_runs_as_under_paddles_backward(removed):
     """Two hooks on a weight (one printing-like, returning None), over two steps with .grad
-    kept; ``removed``: the scaling hook removed after the first step, on both sides."""
+    kept; ``removed``: the scaling hook removed after the first step, on both sides. The
+    callbacks see the hooked gradient, outside the graph as paddle.grad gives it."""
     model, native = _mlp(0), _mlp(0)
+    seen = []
     calls = {"ours": 0, "theirs": 0}
     handles = []
     for m, side in ((model, "ours"), (native, "theirs")):
         m[0].weight.register_hook(lambda grad, side=side: calls.__setitem__(side, calls[side] + 1))
         handles.append(m[0].weight.register_hook(lambda grad: grad * 3))
-    gm = GradManager().attach(model.parameters())
+    gm = GradManager().attach(model.parameters(),
+                              callbacks=lambda t, g: (seen.append((t, g)), g)[1])
     for step in range(2):
         if removed and step == 1:
             assert all(h.remove() for h in handles)
@@ -322,7 +325,11 @@ def test_a_parameters_register_hook_runs_as_under_paddles_backward(removed):
         paddle.nn.functional.cross_entropy(native(x), labels).backward()
         for ours, theirs in zip(model.parameters(), native.parameters()):
             np.testing.assert_array_equal(ours.grad.numpy(), theirs.grad.numpy())
-    assert calls == {"ours": 2, "theirs": 2}
+        if step == 0:  # .grad held nothing before: it is the hooked gradient
+            hooked = [g for t, g in seen if t is model[0].weight]
+            np.testing.assert_array_equal(hooked[0].numpy(), native[0].weight.grad.numpy())
+    assert calls == {"ours": 2, "theirs": 2} and len(seen) == 8
+    assert all(g.stop_gradient for _, g in seen)
 
 
 def test_callbacks_see_the_gradients_of_a_recomputed_layer():

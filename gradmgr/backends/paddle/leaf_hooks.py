@@ -49,14 +49,14 @@ class HookProbe:
 def run_hooks(leaf: Any, grad: Any) -> Any:
     """``grad`` after ``leaf``'s hooks, as Paddle's backward gives it to ``.grad``; ``leaf``'s
     ``.grad`` is left as it was (restored from a copy: clearing it frees its memory)."""
-    kept = None if leaf.grad is None else leaf.grad.clone()
+    kept = _copy(leaf.grad)
     frozen = leaf.stop_gradient
     leaf.clear_gradient(False)
     try:
         leaf.stop_gradient = False  # frozen after the forward: its node still runs the hooks
         with paddle.set_grad_enabled(True):
             paddle.autograd.backward([paddle.assign(leaf)], [grad])
-        hooked = leaf.grad.clone()  # the restore below may write into .grad's memory
+        hooked = _copy(leaf.grad)  # the restore below may write into .grad's memory
     finally:
         leaf.stop_gradient = frozen
         if kept is None:
@@ -64,3 +64,12 @@ def run_hooks(leaf: Any, grad: Any) -> Any:
         else:
             leaf.grad = kept
     return hooked
+
+
+def _copy(grad: Optional[Any]) -> Optional[Any]:
+    """A copy outside the graph (``.grad`` has ``stop_gradient=False``: a plain ``clone()``
+    would be recorded), as ``paddle.grad`` returns its gradients."""
+    if grad is None:
+        return None
+    with paddle.no_grad():
+        return grad.clone()
