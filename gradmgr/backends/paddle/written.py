@@ -30,7 +30,8 @@ _written: Optional[List[int]] = None  # the leaves written while watching, else 
 
 def _arm(leaf: Any) -> None:
     """Give ``leaf`` the hook once (Paddle cannot remove it: it holds only the id). Paddle
-    refuses it on a frozen tensor, whose ``.grad`` no backward writes."""
+    refuses it on a frozen tensor (``stop_gradient=True``): :func:`watching` arms such a
+    tensor at the first backward it is not frozen in."""
     key = id(leaf)
     ref = _armed.get(key)
     if ref is not None and ref() is leaf:
