@@ -299,31 +299,43 @@ def test_split_backward_equals_one_backward_bit_for_bit():
     assert len(seen) == 4 and x.stop_gradient is True
 
 
-# The single-process column of two habit rows that are silently wrong on Paddle today (their
-# data-parallel columns: tests/test_paddle_distributed.py). Bit for bit against Paddle's own
-# ``loss.backward()`` on the same program.
-@pytest.mark.xfail(strict=True, reason="gradmgr's Paddle backward is one paddle.grad call, "
-                                       "which runs no hooks on leaves")
-def test_a_parameters_register_hook_runs_as_under_paddles_backward():
+# The single-process column of two habit rows (their data-parallel columns:
+# tests/test_paddle_distributed.py). Bit for bit against Paddle's own ``loss.backward()`` on
+# the same program.
+@pytest.mark.parametrize("removed", [False, True])
+def test_a_parameters_register_hook_runs_as_under_paddles_backward(removed):
+    """Two hooks on a weight (one printing-like, returning None), over two steps with .grad
+    kept; ``removed``: the scaling hook removed after the first step, on both sides. The
+    callbacks see the hooked gradient, outside the graph as paddle.grad gives it."""
     model, native = _mlp(0), _mlp(0)
-    for m in (model, native):
-        m[0].weight.register_hook(lambda grad: grad * 3)
-    x, labels = _batch(0)
-    gm = GradManager().attach(model.parameters())
-    with gm:
-        gm.backward(paddle.nn.functional.cross_entropy(model(x), labels))
-    paddle.nn.functional.cross_entropy(native(x), labels).backward()
-    for ours, theirs in zip(model.parameters(), native.parameters()):
-        np.testing.assert_array_equal(ours.grad.numpy(), theirs.grad.numpy())
+    seen = []
+    calls = {"ours": 0, "theirs": 0}
+    handles = []
+    for m, side in ((model, "ours"), (native, "theirs")):
+        m[0].weight.register_hook(lambda grad, side=side: calls.__setitem__(side, calls[side] + 1))
+        handles.append(m[0].weight.register_hook(lambda grad: grad * 3))
+    gm = GradManager().attach(model.parameters(),
+                              callbacks=lambda t, g: (seen.append((t, g)), g)[1])
+    for step in range(2):
+        if removed and step == 1:
+            assert all(h.remove() for h in handles)
+        x, labels = _batch(step)
+        with gm:
+            gm.backward(paddle.nn.functional.cross_entropy(model(x), labels))
+        paddle.nn.functional.cross_entropy(native(x), labels).backward()
+        for ours, theirs in zip(model.parameters(), native.parameters()):
+            np.testing.assert_array_equal(ours.grad.numpy(), theirs.grad.numpy())
+        if step == 0:  # .grad held nothing before: it is the hooked gradient
+            hooked = [g for t, g in seen if t is model[0].weight]
+            np.testing.assert_array_equal(hooked[0].numpy(), native[0].weight.grad.numpy())
+    assert calls == {"ours": 2, "theirs": 2} and len(seen) == 8
+    assert all(g.stop_gradient for _, g in seen)
 
 
-@pytest.mark.parametrize("reentrant", [
-    False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "recompute(use_reentrant=True), Paddle's default, writes the recomputed layer's .grad "
-        "in its own backward and gives paddle.grad None: the callbacks never see it")))])
-def test_callbacks_see_the_gradients_of_a_recomputed_layer(reentrant):
+def test_callbacks_see_the_gradients_of_a_recomputed_layer():
     """A callback doubling every gradient, with the second Linear under Paddle's
-    ``fleet.utils.recompute``: twice ``loss.backward()``'s gradients (without recompute)."""
+    ``fleet.utils.recompute(use_reentrant=False)``: twice ``loss.backward()``'s gradients
+    (without recompute)."""
     from paddle.distributed.fleet.utils import recompute
 
     model, native = _mlp(0), _mlp(0)
@@ -331,8 +343,31 @@ def test_callbacks_see_the_gradients_of_a_recomputed_layer(reentrant):
     gm = GradManager().attach(model.parameters(), callbacks=[lambda t, g: g * 2])
     with gm:
         h = model[1](model[0](x))
-        out = recompute(model[2], h, use_reentrant=reentrant)
+        out = recompute(model[2], h, use_reentrant=False)
         gm.backward(paddle.nn.functional.cross_entropy(out, labels))
     paddle.nn.functional.cross_entropy(native(x), labels).backward()
     for ours, theirs in zip(model.parameters(), native.parameters()):
         np.testing.assert_array_equal(ours.grad.numpy(), 2 * theirs.grad.numpy())
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_reentrant_recompute_is_refused_naming_the_parameter(split):
+    """Paddle's default ``recompute`` (``use_reentrant=True``) writes the recomputed layer's
+    ``.grad`` in its own backward and gives ``paddle.grad`` None: the callbacks would never
+    see it, so gm.backward (and a split backward's rest) raises, naming the weight."""
+    from paddle.distributed.fleet.utils import recompute
+
+    model = _mlp(0)
+    x, labels = _batch(0)
+    gm = GradManager().attach(model.parameters(), callbacks=[lambda t, g: g * 2])
+    match = f"wrote the .grad of '{model[2].weight.name}'.*use_reentrant=False"
+    with gm:
+        loss = paddle.nn.functional.cross_entropy(recompute(model[2], model[1](model[0](x))),
+                                                  labels)
+        if not split:
+            with pytest.raises(UnsupportedGraphError, match=match):
+                gm.backward(loss)
+            return
+        rest = gm.backward_split(loss, first=[])
+    with pytest.raises(UnsupportedGraphError, match=match):
+        rest.finish()

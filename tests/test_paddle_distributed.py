@@ -84,28 +84,31 @@ def same_as_paddle(sides: list, case: str) -> None:
                                                       err_msg=f"ranks differ: {where}")
 
 
-HOOK_SKIPPED = ("gradmgr's Paddle backward is one paddle.grad call, which runs no hooks on "
-                "leaves: a parameter's register_hook is skipped, silently (one process too)")
-
-
-REENTRANT_UNREDUCED = (
-    "Paddle's recompute(use_reentrant=True), its default, runs its own backward inside, which "
-    "writes the recomputed layer's .grad itself and gives paddle.grad None for it: gradmgr's "
-    "callbacks never see that gradient, so data_parallel leaves it this rank's own, silently")
-NOT_YET = {"parameter_hook": HOOK_SKIPPED, "recompute_reentrant": REENTRANT_UNREDUCED}
-
-
-@pytest.mark.parametrize("habit", [
-    pytest.param(h, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[h])) if h in NOT_YET
-    else h for h in HABITS])
+@pytest.mark.parametrize("habit", [h for h in HABITS if h != "recompute_reentrant"])
 def test_habits_equal_paddle_data_parallel_bit_for_bit(ranks, habit):
     """Rows of the habit table on a Paddle model (dist_workers/paddle_habits.py): a layer
     unused on every rank and one used on rank 0 at step 0 only, a layer used twice, a
     PyLayer giving a weight no gradient, a layer frozen after a step on every rank, a
-    recomputed layer (``use_reentrant=False``, and Paddle's default ``True``; against the
-    same model without recomputation: Paddle's own reducer refuses recompute), a
-    ``register_hook`` on a parameter."""
+    recomputed layer (``use_reentrant=False``; against the same model without
+    recomputation: Paddle's own reducer refuses recompute), a ``register_hook`` on a
+    parameter, registered after ``data_parallel(model)``."""
+    for out in ranks:
+        assert out["habits"][habit]["ours"]["error"] is None, out["habits"][habit]["ours"]
     same_as_paddle([out["habits"][habit] for out in ranks], habit)
+
+
+def test_a_reentrant_recompute_raises_on_every_rank(ranks):
+    """Paddle's default ``recompute`` (``use_reentrant=True``) writes the recomputed layer's
+    ``.grad`` in its own backward, so data_parallel would leave it this rank's own: each rank
+    raises at the first step (no step's gradients kept), naming fc2's weight and
+    ``use_reentrant=False``."""
+    for rank, out in enumerate(ranks):
+        ours = out["habits"]["recompute_reentrant"]["ours"]
+        assert ours["grads"] == [], rank
+        assert ours["error"] is not None, rank
+        assert ours["error"].startswith("UnsupportedGraphError: Paddle's own backward wrote "
+                                        f"the .grad of '{ours['fc2_weight']}'"), ours["error"]
+        assert "use_reentrant=False" in ours["error"], ours["error"]
 
 
 @pytest.mark.xfail(strict=True, reason="data_parallel puts no forward watch on a Paddle "

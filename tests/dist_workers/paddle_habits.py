@@ -72,7 +72,7 @@ class HabitNet(paddle.nn.Layer):
 
 def train(habit: str, rank: int, world: int, ours: bool) -> dict:
     """The habit on gradmgr (``ours``) or on ``paddle.DataParallel``: each step's gradients
-    and parameters."""
+    and parameters, and what gradmgr's step raised (the steps stop there)."""
     from gradmgr.distributed import data_parallel
 
     model = HabitNet(rank, habit, rank, ours)
@@ -82,7 +82,7 @@ def train(habit: str, rank: int, world: int, ours: bool) -> dict:
     if habit == "parameter_hook":
         model.fc1.weight.register_hook(lambda grad: grad * 3)
     opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
-    out: dict = {"params": [], "grads": []}
+    out: dict = {"params": [], "grads": [], "error": None, "fc2_weight": model.fc2.weight.name}
     for step in range(STEPS):
         model.step = step
         if habit == "freeze_mid_training" and step == 1:
@@ -91,8 +91,12 @@ def train(habit: str, rank: int, world: int, ours: bool) -> dict:
         if gm is None:
             loss.backward()
         else:
-            with gm:
-                gm.backward(loss)
+            try:
+                with gm:
+                    gm.backward(loss)
+            except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+                out["error"] = f"{type(e).__name__}: {e}"
+                break
         out["grads"].append(suite.grads(model))
         opt.step()
         opt.clear_grad()

@@ -11,14 +11,18 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import paddle
 
+from . import written
+
 Deliver = Callable[[List[Any], Sequence[Optional[Any]], List[int]], None]
 
 
 def engine_run(outs: List[Any], seeds: List[Any], tensors: List[Any],
                retain_graph: bool) -> Sequence[Optional[Any]]:
-    """The gradients of ``tensors`` (None where unreached) from ``outs`` seeded with ``seeds``."""
-    return paddle.grad(outs, tensors, grad_outputs=seeds, retain_graph=retain_graph,
-                       create_graph=False, allow_unused=True)
+    """The gradients of ``tensors`` (None where unreached) from ``outs`` seeded with ``seeds``;
+    UnsupportedGraphError if another backward wrote one's ``.grad`` meanwhile (written.py)."""
+    with written.watching(tensors):
+        return paddle.grad(outs, tensors, grad_outputs=seeds, retain_graph=retain_graph,
+                           create_graph=False, allow_unused=True)
 
 
 class Rest:

@@ -17,6 +17,7 @@ from gradmgr.errors import UnsupportedGraphError
 from gradmgr.weak_keys import forgetting_ref
 
 from . import flags
+from .leaf_hooks import HookProbe, run_hooks
 from .order import ready_order
 from .split import Rest, engine_run
 
@@ -43,15 +44,24 @@ def check_main_thread(action: str) -> None:
 class _Watched:
     """One attached tensor of the manager: held weakly, its current sink, whether it is an
     input of the manager (an attach found its flag off: :func:`flags.is_input`), and whether
-    the running recording lifted its ``stop_gradient`` flag."""
+    the running recording lifted its ``stop_gradient`` flag; for a leaf, whether it may have
+    hooks of its own (leaf_hooks.py)."""
 
-    __slots__ = ("tensor", "sink", "input", "lifted")
+    __slots__ = ("tensor", "sink", "input", "lifted", "hooks")
 
     def __init__(self, tensor: weakref.ref, sink: GradSink) -> None:
         self.tensor = tensor
         self.sink = sink
         self.input = False
         self.lifted = False
+        self.hooks = HookProbe()
+
+    def hooked(self, grad: Any) -> Any:
+        """``grad`` after the leaf's own hooks, which ``paddle.grad`` did not run."""
+        tensor = self.tensor()
+        if tensor is None or not tensor.is_leaf or not self.hooks.may_have_hooks(tensor):
+            return grad
+        return run_hooks(tensor, grad)
 
 
 class PaddleTape(Tape):
@@ -76,8 +86,9 @@ class PaddleTape(Tape):
                 entry.lifted = flags.lift(tensor)
 
     def watch(self, tensor: Any, sink: GradSink, eager: bool) -> None:
-        # ``eager`` cannot be honoured: paddle.grad runs no hooks on leaves, so every sink is
-        # called after the engine, in the order it finished the gradients (order.py).
+        # ``eager`` cannot be honoured: paddle.grad runs no hooks on leaves (_deliver runs a
+        # leaf's own afterwards), so every sink is called after the engine, in the order it
+        # finished the gradients (order.py).
         key = id(tensor)
         entry = self._watched.get(key)
         if entry is None or entry.tensor() is not tensor:  # new, or a dead tensor's id reused
@@ -152,7 +163,7 @@ class PaddleTape(Tape):
         for index in order:
             grad = grads[index]
             if grad is not None:
-                entries[index].sink(grad)
+                entries[index].sink(entries[index].hooked(grad))
 
     def stop(self) -> None:
         self._recording = False
