@@ -1,31 +1,33 @@
-"""The plan checks' transport on Paddle ranks: every rank counts itself in at Paddle's TCP
-store before the check's collective, and a rank that the others do not join gives up.
+"""The plan checks' transport on Paddle ranks: a gloo group of their own, and a patience.
 
 The plan check is the first collective of every synced step (``gradmgr.distributed.
-consistency``). A rank with a step more (another skipped a batch with ``continue``) would
-meet, with its check, whatever the others do after their loop: gloo then aborted a process
-(``op.preamble.length <= op.nbytes``). PyTorch ranks run the checks in a gloo group of their
-own whose timeout is the patience; Paddle 3.3 makes a gloo group with gloo's fixed 30 s
-timeout (``ProcessGroupGloo.create`` takes none, measured), past which a collective waiting
-in it fails on both sides, and a collective cannot be left before that. So a check first
-counts this rank in, in the store that ``init_parallel_env()`` made (one counter per group,
-only ever added to: no key per step): the check's collective starts only once every rank
-counted itself in for this check, so it always meets the others' checks; it starts when the
-check is read (before the step's first bucket), the forward running meanwhile. A rank whose count
-is not matched within the patience (half the group's timeout) poisons the counter and raises
-:class:`RanksOutOfStepError`, while the others still wait in their next collective: that
-collective then meets this rank's next one. Its later checks, and the others' next ones,
-raise at once. A check that completes costs one store round trip more than before.
+consistency``). On the user's group, a rank with a step more (another skipped a batch with
+``continue``) met, with its check, whatever the others did after their loop: gloo then aborted
+a process (``op.preamble.length <= op.nbytes``). So, as on PyTorch ranks, the checks run in a
+gloo group of their own (``paddle.distributed.new_group``), made by ``data_parallel()`` where
+every rank is: there a check meets only checks.
+
+Paddle 3.3 makes a gloo group with gloo's fixed 30 s timeout (``ProcessGroupGloo.create`` takes
+none), and a collective cannot be left before it ends; its TCP store answers each ``add`` or
+``get`` in about 44 ms (measured), too slow to count arrivals at every step. So each check
+runs in a thread of its group, and the step waits for it at most the patience, half the
+30 s: a rank whose check nobody joins raises :class:`RanksOutOfStepError` while the ranks
+that left their loop still wait in their next collective of the user's group, which then
+meets this rank's next one. The abandoned check ends in its thread when gloo's timeout
+passes (the process waits for it at exit: a process that exits while a gloo collective runs
+may abort).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import queue
+import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
 import paddle.distributed as pdist
-from paddle.base import core
 
 from gradmgr.distributed.consistency import STEPS, CheckTerms
 from gradmgr.distributed.errors import RanksOutOfStepError
@@ -34,135 +36,142 @@ GLOO_TIMEOUT_S = 30.0
 """How long a Paddle gloo collective waits for its peers (gloo's default, which Paddle 3.3's
 ``ProcessGroupGloo.create`` keeps: measured 30.0 s)."""
 
-_POISON = 2**40  # taken off the counter by a rank that gave up: the others see it below zero
-_FIRST_POLL_S, _LAST_POLL_S = 5e-5, 2e-3  # between reads of the counter, doubling
-
 _OUT_OF_STEP = (
     "data parallel: not every rank started this {terms.checked}: this rank waited {waited:.0f} "
-    "s (half the {timeout:.0f} s that a Paddle collective waits) for the others' plan "
+    "s (of the {timeout:.0f} s that a Paddle collective waits) for the others' plan "
     "check{why}. The ranks ran different numbers of steps: a rank skipped a batch (`continue`) "
     "or ran out of data while the others trained on, and its {terms.unit}s have been paired "
     "with the others' next ones since. Take every step on every rank: a rank with nothing to "
     "contribute records an empty step, `with gm: gm.backward()` (gradmgr has no Join on "
     "Paddle). This rank's later steps on this process group raise at once"
 )
-_LEFT = ", and another rank gave up on the checks meanwhile (see its RanksOutOfStepError)"
+_FAILED = ", and the check failed: {error}"
 _EARLIER = (
-    "data parallel: a rank gave up on an earlier {terms.checked}'s plan check (a "
-    "RanksOutOfStepError), so the checks of this process group would pair with the wrong "
-    "steps: start the ranks again. {cause}"
+    "data parallel: this rank gave up on an earlier {terms.checked}'s plan check (the "
+    "RanksOutOfStepError raised then), so its checks in this process group would pair with "
+    "the wrong steps: start the ranks again. The earlier error: {cause}"
 )
 
 
 def group_timeout_s(group: Any) -> float:
     """How long a collective of ``group`` waits: gloo's 30 s; otherwise ``PADDLE_PG_TIMEOUT``
-    (milliseconds), as ``init_parallel_env()`` reads it."""
+    (milliseconds), as ``init_parallel_env()`` reads it (not tried: nccl)."""
     if pdist.get_backend(group).lower() == "gloo":
         return GLOO_TIMEOUT_S
     return int(os.getenv("PADDLE_PG_TIMEOUT", "1800000")) / 1000
 
 
-class Arrivals:
-    """One group's count of plan checks in the store: ``made`` by this rank, and the error
-    to raise at every later check once a rank gave up (``broken``)."""
+class CheckWork:
+    """A check handed to its group's thread; ``wait()`` gives the summed buffer, or gives up
+    after the patience (:meth:`CheckGroup.give_up`)."""
 
-    def __init__(self, store: Any, key: str, world: int, timeout_s: float) -> None:
-        self._store, self._key, self._world = store, key, world
-        self.timeout_s = timeout_s
-        self.patience_s = max(timeout_s / 2, timeout_s - 60.0)
-        self.made = 0
+    __slots__ = ("flat", "error", "done", "_group", "_terms", "_started")
+
+    def __init__(self, flat: Any, group: CheckGroup, terms: CheckTerms) -> None:
+        self.flat, self._group, self._terms = flat, group, terms
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+        self._started = time.monotonic()
+
+    def wait(self) -> Any:
+        group = self._group
+        left = group.patience_s - (time.monotonic() - self._started)
+        if not self.done.wait(max(left, 0.0)) or self.error is not None:
+            group.give_up(self.error, self._terms, time.monotonic() - self._started)
+        return self.flat
+
+
+class CheckGroup:
+    """The gloo group the checks of one user group run in, the thread that runs them one at
+    a time, and whether this rank gave up (``broken``: the error to raise at every later
+    check)."""
+
+    def __init__(self, parent: Any) -> None:
+        self.timeout_s = group_timeout_s(parent)
+        self.patience_s = max(self.timeout_s / 2, self.timeout_s - 60.0)
+        ranks = list(range(pdist.get_world_size())) if parent is None else parent.ranks
+        self.group = pdist.new_group(ranks, backend="gloo")
         self.broken: Optional[Tuple[type, str]] = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: Optional[CheckWork] = None
+        threading.Thread(target=self._run, name="gradmgr plan checks", daemon=True).start()
 
-    def arrive(self, terms: CheckTerms) -> _Arrival:
-        """Count this rank in at its next check (raises at once where a rank gave up)."""
+    def start_sum(self, flat: Any, terms: CheckTerms) -> CheckWork:
         if self.broken is not None:
             kind, message = self.broken
             raise kind(message)
-        self.made += 1
-        arrival = _Arrival(self, self.made * self._world, terms)
-        arrival.count = self._store.add(self._key, 1)
-        if arrival.count < 0:  # poisoned: another rank gave up
-            self._give_up(arrival, left=True)
-        return arrival
+        work = self._last = CheckWork(flat, self, terms)
+        self._jobs.put(work)
+        return work
 
-    def wait(self, arrival: _Arrival) -> None:
-        """Wait until every rank counted itself in at ``arrival``'s check, or raise
-        :class:`RanksOutOfStepError` once the patience since the arrival ran out."""
-        count, pause = arrival.count, _FIRST_POLL_S
-        while count < arrival.target:
-            if count < 0:
-                self._give_up(arrival, left=True)
-            if time.monotonic() - arrival.started > self.patience_s:
-                if self._store.add(self._key, -_POISON) + _POISON >= arrival.target:
-                    self._store.add(self._key, _POISON)  # the last rank came meanwhile: go on
-                    return
-                self._give_up(arrival, left=False)
-            time.sleep(pause)
-            pause = min(2 * pause, _LAST_POLL_S)
-            count = self._store.add(self._key, 0)
+    def _run(self) -> None:
+        while True:
+            work = self._jobs.get()
+            try:
+                pdist.all_reduce(work.flat, group=self.group)
+            except Exception as error:  # noqa: BLE001 (gloo's timeout: the waiter raises it)
+                work.error = error
+            work.done.set()
 
-    def _give_up(self, arrival: _Arrival, left: bool) -> None:
-        terms = arrival.terms
-        message = _OUT_OF_STEP.format(waited=time.monotonic() - arrival.started,
-                                      timeout=self.timeout_s, terms=terms,
-                                      why=_LEFT if left else "")
+    def give_up(self, error: Optional[BaseException], terms: CheckTerms, waited: float) -> None:
+        """Raise :class:`RanksOutOfStepError` (``error``: the check's own, or None: the
+        patience ran out), now and at every later check."""
+        message = _OUT_OF_STEP.format(waited=waited, timeout=self.timeout_s,
+                                      terms=terms,
+                                      why="" if error is None else _FAILED.format(error=error))
         self.broken = (RanksOutOfStepError, _EARLIER.format(cause=message, terms=terms))
-        raise RanksOutOfStepError(message)
+        raise RanksOutOfStepError(message) from error
+
+    def finish(self) -> None:
+        """Let the last check end (gloo's timeout ends an abandoned one) before the process
+        exits."""
+        last = self._last
+        if last is not None:
+            last.done.wait(self.timeout_s)
 
 
-class _Arrival:
-    """This rank's arrival at one check: when, the count every rank's makes (``target``),
-    and the count last read."""
-
-    __slots__ = ("arrivals", "target", "terms", "started", "count")
-
-    def __init__(self, arrivals: Arrivals, target: int, terms: CheckTerms) -> None:
-        self.arrivals, self.target, self.terms = arrivals, target, terms
-        self.started = time.monotonic()
-        self.count = 0
+_GROUPS: Dict[int, CheckGroup] = {}  # by the user group's id (0: the default group)
+_MAKING = threading.Lock()
 
 
-class _CheckTask:
-    """A check counted in; ``wait()`` waits for every rank's arrival, then runs the check's
-    collective (so it meets only the others' checks) and gives its sum."""
-
-    __slots__ = ("_arrival", "_transport", "_flat")
-
-    def __init__(self, arrival: _Arrival, transport: Any, flat: Any) -> None:
-        self._arrival, self._transport, self._flat = arrival, transport, flat
-
-    def wait(self) -> Any:
-        self._arrival.arrivals.wait(self._arrival)
-        return self._transport.allreduce_async(self._flat).wait()
-
-
-_ARRIVALS: Dict[int, Arrivals] = {}  # by group id: every transport of a group counts alike
-
-
-def arrivals(group: Any) -> Arrivals:
-    """The count of ``group``'s checks (None: the default group)."""
+def check_group(group: Any) -> CheckGroup:
+    """The check group of ``group`` (None: the default group), made where there is none yet
+    (``new_group``: every rank of ``group`` must call it)."""
     gid = 0 if group is None else group.id
-    found = _ARRIVALS.get(gid)
-    if found is None:
-        found = _ARRIVALS[gid] = Arrivals(core.create_or_get_global_tcp_store(),
-                                          f"gradmgr/plan-checks/{gid}",
-                                          pdist.get_world_size(group), group_timeout_s(group))
+    with _MAKING:
+        found = _GROUPS.get(gid)
+        if found is None:
+            found = _GROUPS[gid] = CheckGroup(group)
     return found
 
 
-class CheckTransport:
-    """The plan checks' transport over ``transport`` (a PaddleTransport): each collective
-    waits for every rank's arrival first (:meth:`Arrivals.arrive`), then runs there."""
+@atexit.register
+def _finish_checks() -> None:
+    for found in list(_GROUPS.values()):
+        found.finish()
 
-    def __init__(self, transport: Any, terms: CheckTerms = STEPS) -> None:
-        self._transport, self._terms = transport, terms
+
+class CheckTransport:
+    """The plan checks' transport over ``group`` (None: every rank): sums host buffers in
+    :func:`check_group`'s group, made by :meth:`open` (``data_parallel()``) or at the first
+    check."""
+
+    on_host = True
+
+    def __init__(self, group: Any = None, terms: CheckTerms = STEPS) -> None:
+        self._group, self._terms = group, terms
 
     def world_size(self) -> int:
-        return int(self._transport.world_size())
+        return int(pdist.get_world_size(self._group))
 
     def rank(self) -> int:
-        return int(self._transport.rank())
+        return int(pdist.get_rank(self._group))
 
-    def allreduce_async(self, flat: Any) -> _CheckTask:
-        arrival = arrivals(self._transport.group).arrive(self._terms)
-        return _CheckTask(arrival, self._transport, flat)
+    def open(self) -> None:
+        """Make the check group now, where every rank is: a rank with no batch at all never
+        reaches a first check."""
+        if self.world_size() > 1:
+            check_group(self._group)
+
+    def allreduce_async(self, flat: Any) -> CheckWork:
+        return check_group(self._group).start_sum(flat, self._terms)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 import paddle
+
+from gradmgr.distributed.wrap import ArmedHooks
 
 # The refusal is worded for PyTorch; these are its Paddle names.
 _PADDLE_NAMES = (("torch.no_grad()", "paddle.no_grad()"), ("torch.autograd.grad", "paddle.grad"),
@@ -33,19 +35,15 @@ def _refuse(message: str, grad: Any) -> None:
     raise RuntimeError(message)
 
 
-class ForwardWatch:
+class ForwardWatch(ArmedHooks):
     """One forward post-hook on the layer, and the parameter hooks a forward arms (see the
     module's docstring; ``TensorOps.watch_forwards``). The manager disarms them when a
     recording starts."""
 
     def __init__(self, layer: Any, refusal: Callable[[], Optional[str]]) -> None:
-        self._refusal = weakref.WeakMethod(refusal)
-        self._armed: List[Any] = []  # the parameter hooks' handles
+        super().__init__()  # the parameter hooks' handles, once armed
+        self._refusal: Callable[[], Any] = weakref.WeakMethod(refusal)
         self._handle = layer.register_forward_post_hook(self._after)
-
-    @property
-    def armed(self) -> bool:
-        return bool(self._armed)
 
     def _after(self, layer: Any, inputs: Any, output: Any) -> None:
         if self._armed or not paddle.is_grad_enabled():
@@ -61,14 +59,29 @@ class ForwardWatch:
         """None: a layer replaced after ``data_parallel`` is not looked for on Paddle."""
         return None
 
-    def disarm(self) -> None:
-        armed, self._armed = self._armed, []
-        for handle in armed:
-            handle.remove()
-
     def remove(self) -> None:
         self.disarm()
         self._handle.remove()
+
+    # ``copy.deepcopy(model)`` and pickling copy the layer's hooks, this one's bound method
+    # too: the copy, which no manager watches, gets a watch of nothing.
+    def __deepcopy__(self, memo: Any) -> ForwardWatch:
+        return _unwatched()
+
+    def __reduce__(self) -> Any:
+        return _unwatched, ()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _unwatched() -> ForwardWatch:
+    """A watch whose forwards arm nothing (no manager: no refusal), on no layer."""
+    watch = ForwardWatch.__new__(ForwardWatch)
+    ArmedHooks.__init__(watch)
+    watch._refusal, watch._handle = _nothing, None
+    return watch
 
 
 def watch_forwards(layer: Any, refusal: Callable[[], Optional[str]]) -> Optional[ForwardWatch]:

@@ -69,11 +69,11 @@ class PaddleTransport:
         return _Task(pdist.all_reduce(flat, group=self.group, sync_op=False), flat)
 
     def control(self, terms: CheckTerms = STEPS) -> Any:
-        """The plan checks' transport: this one, each check waiting for every rank's arrival
-        at Paddle's store first (:mod:`.checks`)."""
+        """The plan checks' transport: a gloo group of their own, with a patience
+        (:mod:`.checks`)."""
         from .checks import CheckTransport
 
-        return CheckTransport(self, terms)
+        return CheckTransport(self.group, terms)
 
     def broadcast(self, flat: Any, src: int) -> Any:
         self._check()
