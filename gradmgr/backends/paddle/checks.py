@@ -8,8 +8,8 @@ gloo group of their own (``paddle.distributed.new_group``), made by ``data_paral
 every rank is: there a check meets only checks.
 
 Paddle 3.3 makes a gloo group with gloo's fixed 30 s timeout (``ProcessGroupGloo.create`` takes
-none), and a collective cannot be left before it ends; its TCP store answers each ``add`` or
-``get`` in about 44 ms (measured), too slow to count arrivals at every step. So each check
+none), and a collective cannot be left before it ends; its TCP store answered each ``add`` in
+about 44 ms (measured, 2 local ranks), too slow to count arrivals at every step. So each check
 runs in a thread of its group, and the step waits for it at most the patience, half the
 30 s: a rank whose check nobody joins raises :class:`RanksOutOfStepError` while the ranks
 that left their loop still wait in their next collective of the user's group, which then
