@@ -361,6 +361,24 @@ _CHANGED = (
 )
 
 
+class ArmedHooks:
+    """What every backend's watch of a module's forwards shares (``TensorOps.watch_forwards``):
+    the parameter hooks (each with ``remove()``) a forward armed, until :meth:`disarm`
+    (:class:`_Step` calls it when a recording starts)."""
+
+    def __init__(self) -> None:
+        self._armed: List[Any] = []
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._armed)
+
+    def disarm(self) -> None:
+        armed, self._armed = self._armed, []
+        for hook in armed:
+            hook.remove()
+
+
 class _Step:
     """What ``data_parallel`` adds to each step, as DDP does in its forward.
 
@@ -432,4 +450,4 @@ class _Step:
         return None if gm is None or gm.is_recording else _FORGOTTEN
 
 
-__all__: List[str] = ["data_parallel"]
+__all__: List[str] = ["ArmedHooks", "data_parallel"]

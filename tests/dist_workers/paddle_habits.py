@@ -14,6 +14,9 @@ find_unused_parameters True and False), and recomputing runs the same kernels ag
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import paddle
 from paddle.autograd import PyLayer
 
@@ -106,16 +109,34 @@ def train(habit: str, rank: int, world: int, ours: bool) -> dict:
 
 def forgotten_with(rank: int, world: int) -> dict:
     """``with gm:`` forgotten: a plain ``loss.backward()`` after ``data_parallel(model)``.
-    What each rank raised (or None), and the gradients it was left with."""
+    What each rank raised (or None) and the gradients it was left with; those of a
+    ``copy.deepcopy`` and a pickled copy of the model after ``loss.backward()``; then what
+    ``paddle.grad`` of a forward outside the recording raised (None) and the gradients of
+    the next step inside ``with gm:``."""
     from gradmgr.distributed import data_parallel
 
     model = suite.net(rank)
-    data_parallel(model)
+    gm = data_parallel(model)
+    out: dict = {"error": None, "grad_error": None}
     try:
         suite.loss_of(model, *suite.local(0, rank, world)).backward()
     except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
-        return {"error": f"{type(e).__name__}: {e}", "grads": suite.grads(model)}
-    return {"error": None, "grads": suite.grads(model)}
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["grads"] = suite.grads(model)
+    out["copies"] = []  # a copy of the model (an EMA's, a checkpoint's) trains unwatched
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        suite.loss_of(copied, *suite.local(0, rank, world)).backward()
+        out["copies"].append(suite.grads(copied))
+    try:  # this rank's gradients, as under paddle.DataParallel: no .grad written
+        paddle.grad(suite.loss_of(model, *suite.local(0, rank, world)),
+                    list(model.parameters()))
+    except Exception as e:  # noqa: BLE001
+        out["grad_error"] = f"{type(e).__name__}: {e}"
+    model.clear_gradients(set_to_zero=False)
+    with gm:
+        gm.backward(suite.loss_of(model, *suite.local(0, rank, world)))
+    out["step_grads"] = suite.grads(model)
+    return out
 
 
 def run(rank: int, world: int) -> dict:
@@ -129,10 +150,12 @@ def run(rank: int, world: int) -> dict:
 def skip_a_batch(rank: int, world: int, port: int, outdir: str) -> None:
     """A rank skips a batch before its forward (``continue``): rank 0 has a step more.
     After the loop every rank makes one allreduce; each rank pickles what it raised (None)
-    and that allreduce's result to ``OUTDIR/rank{RANK}.pkl``. A separate spawn: today it
-    aborts a rank inside gloo."""
+    and that allreduce's result to ``OUTDIR/rank{RANK}.pkl``; a rank that raised tries one
+    step more (``again``: what it raised, and after how long). A separate spawn: on the old
+    code it aborts a rank inside gloo."""
     import os
     import pickle
+    import time
 
     import paddle.distributed as dist
 
@@ -153,5 +176,12 @@ def skip_a_batch(rank: int, world: int, port: int, outdir: str) -> None:
     total = paddle.ones([1])
     dist.all_reduce(total)
     out["after"] = float(total.numpy()[0])
+    if out["error"] is not None:  # its later steps raise at once, with no collective
+        started = time.monotonic()
+        try:
+            with gm:
+                gm.backward(suite.loss_of(model, *suite.local(0, rank, world)))
+        except Exception as e:  # noqa: BLE001
+            out["again"] = (f"{type(e).__name__}: {e}", time.monotonic() - started)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)

@@ -119,6 +119,11 @@ class PaddleOps(TensorOps):
     def wrapper_problem(self, module: Any) -> Optional[str]:
         return DATA_PARALLEL_WRAPPER if isinstance(module, paddle.DataParallel) else None
 
+    def watch_forwards(self, module: Any, refusal: Any) -> Optional[Any]:
+        from .forwards import watch_forwards
+
+        return watch_forwards(module, refusal)
+
     def segment(self, param: Any, start: int, stop: int, master_dtype: Optional[str]) -> Any:
         raise NotImplementedError(NO_SHARDING)
 

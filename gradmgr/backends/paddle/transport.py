@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import paddle.distributed as pdist
 
+from gradmgr.distributed.consistency import STEPS, CheckTerms
+
 from .ops import NO_SHARDING
 
 NOT_INITIALISED = (
@@ -65,6 +67,13 @@ class PaddleTransport:
     def allreduce_async(self, flat: Any) -> _Task:
         self._check()
         return _Task(pdist.all_reduce(flat, group=self.group, sync_op=False), flat)
+
+    def control(self, terms: CheckTerms = STEPS) -> Any:
+        """The plan checks' transport: a gloo group of their own, with a patience
+        (:mod:`.checks`)."""
+        from .checks import CheckTransport
+
+        return CheckTransport(self.group, terms)
 
     def broadcast(self, flat: Any, src: int) -> Any:
         self._check()

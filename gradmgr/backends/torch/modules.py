@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
+from gradmgr.distributed.wrap import ArmedHooks
+
 from .full_shard import wrapped_here
 
 _grad_enabled = torch.is_grad_enabled
@@ -113,7 +115,7 @@ class _Refusal:
         self._node = None
 
 
-class ForwardWatch:
+class ForwardWatch(ArmedHooks):
     """The hooks on one module's forward, and the parameter hooks a forward arms.
 
     A forward with gradients enabled for which ``refusal()`` gives a message (outside a
@@ -125,20 +127,16 @@ class ForwardWatch:
     manager disarms them when a recording starts, so its own backwards run without them."""
 
     def __init__(self, module: Any, refusal: Callable[[], Optional[str]]) -> None:
+        super().__init__()  # the parameter hooks a forward armed: _Refusal objects
         self._refusal = weakref.WeakMethod(refusal)
         self._module = weakref.ref(module)
         self._params = [weakref.ref(p) for p in module.parameters()]
         self._seen = _watch_registrations()
-        self._armed: list = []  # the parameter hooks' handles
         # One forward hook, run after the forward (still inside a DDP wrapper's): a pre-hook
         # as well would cost every forward a Python call more (bench/bench_zero.py's
         # `gradmgr` variant times data_parallel's whole step against DDP's).
         self._handle = module.register_forward_hook(self._after)
         _copy_plain(module)
-
-    @property
-    def armed(self) -> bool:
-        return bool(self._armed)
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
         if not _grad_enabled():
@@ -166,11 +164,6 @@ class ForwardWatch:
                 return name
         self._seen = seen
         return None
-
-    def disarm(self) -> None:
-        armed, self._armed = self._armed, []
-        for handle in armed:
-            handle.remove()
 
     def remove(self) -> None:
         self.disarm()

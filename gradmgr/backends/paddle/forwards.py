@@ -1,0 +1,91 @@
+"""What ``data_parallel(model)`` watches on a ``paddle.nn.Layer``: its forwards.
+
+A forward with gradients enabled outside a recording arms a hook on every trainable parameter
+(``Tensor.register_hook``) that raises the manager's refusal: Paddle runs a leaf's hooks only
+in a backward that accumulates into ``.grad`` (``loss.backward()``), before it writes any,
+and never in ``paddle.grad`` (which gradmgr's own backward is, and a gradient penalty's), so
+only the forgotten ``with gm:`` is refused. Paddle hands the hook's error back wrapped, as
+``OSError: (External) RuntimeError: <the refusal>`` (Paddle 3.3, measured): the nearest to
+PyTorch's ``RuntimeError`` that a hook can raise.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, Optional
+
+import paddle
+
+from gradmgr.distributed.wrap import ArmedHooks
+
+# The refusal is worded for PyTorch; these are its Paddle names.
+_PADDLE_NAMES = (("torch.no_grad()", "paddle.no_grad()"), ("torch.autograd.grad", "paddle.grad"),
+                 ("dropping DDP", "dropping paddle.DataParallel"))
+
+
+def paddle_wording(message: str) -> str:
+    """``message`` with PyTorch's names of no_grad, autograd.grad and DDP as Paddle's."""
+    for torch_name, paddle_name in _PADDLE_NAMES:
+        message = message.replace(torch_name, paddle_name)
+    return message
+
+
+def _refuse(message: str, grad: Any) -> None:
+    raise RuntimeError(message)
+
+
+class ForwardWatch(ArmedHooks):
+    """One forward post-hook on the layer, and the parameter hooks a forward arms (see the
+    module's docstring; ``TensorOps.watch_forwards``). The manager disarms them when a
+    recording starts."""
+
+    def __init__(self, layer: Any, refusal: Callable[[], Optional[str]]) -> None:
+        super().__init__()  # the parameter hooks' handles, once armed
+        self._refusal: Callable[[], Any] = weakref.WeakMethod(refusal)
+        self._handle = layer.register_forward_post_hook(self._after)
+
+    def _after(self, layer: Any, inputs: Any, output: Any) -> None:
+        if self._armed or not paddle.is_grad_enabled():
+            return  # armed already, or an evaluation under no_grad: no backward
+        refusal = self._refusal()
+        message = None if refusal is None else refusal()
+        if message is not None:
+            refuse = functools.partial(_refuse, paddle_wording(message))
+            self._armed = [p.register_hook(refuse) for p in layer.parameters()
+                           if not p.stop_gradient]
+
+    def changed(self) -> Optional[str]:
+        """None: a layer replaced after ``data_parallel`` is not looked for on Paddle."""
+        return None
+
+    def remove(self) -> None:
+        self.disarm()
+        self._handle.remove()
+
+    # ``copy.deepcopy(model)`` and pickling copy the layer's hooks, this one's bound method
+    # too: the copy, which no manager watches, gets a watch of nothing.
+    def __deepcopy__(self, memo: Any) -> ForwardWatch:
+        return _unwatched()
+
+    def __reduce__(self) -> Any:
+        return _unwatched, ()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _unwatched() -> ForwardWatch:
+    """A watch whose forwards arm nothing (no manager: no refusal), on no layer."""
+    watch = ForwardWatch.__new__(ForwardWatch)
+    ArmedHooks.__init__(watch)
+    watch._refusal, watch._handle = _nothing, None
+    return watch
+
+
+def watch_forwards(layer: Any, refusal: Callable[[], Optional[str]]) -> Optional[ForwardWatch]:
+    """Hooks on ``layer``'s forward; None: not a ``paddle.nn.Layer``."""
+    if not isinstance(layer, paddle.nn.Layer):
+        return None
+    return ForwardWatch(layer, refusal)
