@@ -188,6 +188,43 @@ def test_callbacks_run_in_the_order_the_engine_finishes_the_gradients():
     assert sorted(order[2:]) == ["0.bias", "0.weight"]
 
 
+class _Branchy(paddle.nn.Layer):
+    """Branches that join, a weight used twice, a chain: an order with more than one
+    topological order to choose from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (paddle.nn.Linear(8, 8) for _ in range(3))
+        self.chain = paddle.nn.Sequential(*(paddle.nn.Linear(8, 8) for _ in range(4)))
+        self.d = paddle.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = paddle.nn.functional.relu(self.a(x))
+        return self.d(self.chain(self.b(h) * self.c(h) + self.a.weight.sum() + h))
+
+
+def test_callbacks_run_in_the_order_paddles_backward_runs_leaf_hooks():
+    """The whole order (order.py), not only its first two, against the engine's own: the
+    order in which ``loss.backward()`` runs a hook on each parameter of the same model."""
+    paddle.seed(0)
+    model = _Branchy()
+    x, _ = _batch(1)
+    native: list = []
+    handles = [p.register_hook(lambda g, i=i: native.append(i))
+               for i, p in enumerate(model.parameters())]
+    model(x).sum().backward()
+    for handle in handles:
+        handle.remove()
+    ours: list = []
+    gm = GradManager()
+    for i, p in enumerate(model.parameters()):
+        gm.attach(p, callbacks=lambda t, g, i=i: (ours.append(i), g)[1])
+    with gm:
+        gm.backward(model(x).sum())
+    assert len(native) == len(list(model.parameters())) == 16
+    assert ours == native
+
+
 def test_a_nonleaf_grad_owns_its_storage():
     x = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
     kept = []
