@@ -188,6 +188,107 @@ def test_callbacks_run_in_the_order_the_engine_finishes_the_gradients():
     assert sorted(order[2:]) == ["0.bias", "0.weight"]
 
 
+class _Branchy(paddle.nn.Layer):
+    """Branches that join, a weight used twice, a chain: an order with more than one
+    topological order to choose from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (paddle.nn.Linear(8, 8) for _ in range(3))
+        self.chain = paddle.nn.Sequential(*(paddle.nn.Linear(8, 8) for _ in range(4)))
+        self.d = paddle.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = paddle.nn.functional.relu(self.a(x))
+        return self.d(self.chain(self.b(h) * self.c(h) + self.a.weight.sum() + h))
+
+
+def test_callbacks_run_in_the_order_paddles_backward_runs_leaf_hooks():
+    """The whole order (order.py), not only its first two, against the engine's own: the
+    order in which ``loss.backward()`` runs a hook on each parameter of the same model."""
+    paddle.seed(0)
+    model = _Branchy()
+    x, _ = _batch(1)
+    native: list = []
+    handles = [p.register_hook(lambda g, i=i: native.append(i))
+               for i, p in enumerate(model.parameters())]
+    model(x).sum().backward()
+    for handle in handles:
+        handle.remove()
+    ours: list = []
+    gm = GradManager()
+    for i, p in enumerate(model.parameters()):
+        gm.attach(p, callbacks=lambda t, g, i=i: (ours.append(i), g)[1])
+    with gm:
+        gm.backward(model(x).sum())
+    assert len(native) == len(list(model.parameters())) == 16
+    assert ours == native
+
+
+def test_leaf_hooks_without_callbacks_run_in_the_order_of_paddles_backward():
+    """No callback, so the order is read from the graph only because the leaves have hooks
+    of their own (tape.py: _order): they run in the engine's order, on the same gradients."""
+    paddle.seed(0)
+    model = _Branchy()
+    x, _ = _batch(1)
+    seen: list = []
+    for i, p in enumerate(model.parameters()):
+        p.register_hook(lambda g, i=i: (seen.append(i), g * 2)[1])
+    model(x).sum().backward()
+    native, native_grads = list(seen), [p.grad.numpy() for p in model.parameters()]
+    model.clear_gradients()
+    seen.clear()
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        gm.backward(model(x).sum())
+    assert seen == native and native != sorted(native)
+    for p, want in zip(model.parameters(), native_grads):
+        np.testing.assert_array_equal(p.grad.numpy(), want)
+
+
+def test_without_callbacks_nor_hooks_the_graph_is_not_read(monkeypatch):
+    """Nothing can see the order then: the tape spares order.py's walk of the graph (about
+    half of the time gradmgr adds in Python at 1,000 tensors, bench/RESULTS.md); .grad is Paddle's
+    own, bit for bit; a callback attached later brings the walk back."""
+    from gradmgr.backends.paddle import tape
+
+    walks: list = []
+    real = tape.ready_order
+    monkeypatch.setattr(tape, "ready_order",
+                        lambda ys, ts: (walks.append(len(ts)), real(ys, ts))[1])
+    model, x, labels = _mlp(0), *_batch(0)
+    twin = _copy(model)
+    paddle.nn.functional.cross_entropy(twin(x), labels).backward()
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        gm.backward(paddle.nn.functional.cross_entropy(model(x), labels))
+    assert walks == []
+    for p, q in zip(model.parameters(), twin.parameters()):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+    gm.attach(model[0].bias, callbacks=lambda t, g: g)
+    with gm:
+        gm.backward(paddle.nn.functional.cross_entropy(model(x), labels))
+    assert walks == [4]
+
+
+@pytest.mark.parametrize("use_gm", [False, True])
+def test_a_leaf_hook_registered_while_the_engine_runs_runs(use_gm):
+    """No callback and no hook when the backward starts (the tape does not read the graph);
+    a non-leaf's hook registers one on the leaf while the engine runs: it runs, as under
+    ``loss.backward()`` (x3 on ``[1, 2]``: exact in float32)."""
+    w = paddle.create_parameter([2], "float32",
+                                default_initializer=paddle.nn.initializer.Constant(1.0))
+    y = paddle.to_tensor([1.0, 2.0]) * w
+    y.register_hook(lambda g: (w.register_hook(lambda gw: gw * 3), g)[1])
+    if use_gm:
+        gm = GradManager().attach(w)
+        with gm:
+            gm.backward(y.sum())
+    else:
+        y.sum().backward()
+    np.testing.assert_array_equal(w.grad.numpy(), [3.0, 6.0])
+
+
 def test_a_nonleaf_grad_owns_its_storage():
     x = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
     kept = []

@@ -5,6 +5,10 @@ the tape runs the callbacks after the engine, in the order the engine made the g
 a tensor's gradient is final when the node that produced it (a leaf's accumulation node) has
 received the gradients of all its consumers, which is its place in a topological order of the
 backward graph from the outputs.
+
+The graph is read once: each ``next_functions`` and ``node_ptr()`` call builds Python objects
+(at 1,000 tensors they were most of this module's time), so the order is computed on the nodes'
+keys alone.
 """
 
 from __future__ import annotations
@@ -17,40 +21,44 @@ def _key(node: Any) -> int:
     return int(node.node_ptr())
 
 
-def ready_order(ys: Sequence[Any], tensors: Sequence[Any]) -> List[int]:
-    """Indices of ``tensors`` in the order a backward from ``ys`` makes their gradients final
-    (ties, and tensors outside the graph, in their given order)."""
-    roots = [y.grad_fn for y in ys if y.grad_fn is not None]
-    nodes: Dict[int, Any] = {}
+def _consumers(roots: List[Any]) -> tuple:
+    """Each node's children's keys (an edge each, ``None`` skipped), and how many edges inside
+    the graph reach each node, by key."""
+    children: Dict[int, List[int]] = {}
     parents: Dict[int, int] = {}
-    stack = list(roots)
-    for root in roots:
-        nodes[_key(root)] = root
-    while stack:  # count each node's consumers inside the graph
-        node = stack.pop()
-        for child in node.next_functions:
-            if child is None:
-                continue
-            key = _key(child)
-            parents[key] = parents.get(key, 0) + 1
-            if key not in nodes:
-                nodes[key] = child
-                stack.append(child)
-    position: Dict[int, int] = {}
-    queue = deque(node for node in roots if parents.get(_key(node), 0) == 0)
-    while queue:  # Kahn's order: a node runs once all its consumers have run
-        node = queue.popleft()
-        key = _key(node)
-        if key in position:
-            continue
-        position[key] = len(position)
+    stack = [(_key(root), root) for root in roots]
+    seen = {key for key, _ in stack}
+    while stack:
+        key, node = stack.pop()
+        kids = children[key] = []
         for child in node.next_functions:
             if child is None:
                 continue
             ckey = _key(child)
+            kids.append(ckey)
+            parents[ckey] = parents.get(ckey, 0) + 1
+            if ckey not in seen:
+                seen.add(ckey)
+                stack.append((ckey, child))
+    return children, parents
+
+
+def ready_order(ys: Sequence[Any], tensors: Sequence[Any]) -> List[int]:
+    """Indices of ``tensors`` in the order a backward from ``ys`` makes their gradients final
+    (ties, and tensors outside the graph, in their given order)."""
+    roots = [y.grad_fn for y in ys if y.grad_fn is not None]
+    children, parents = _consumers(roots)
+    position: Dict[int, int] = {}
+    queue = deque(key for key in map(_key, roots) if parents.get(key, 0) == 0)
+    while queue:  # Kahn's order: a node runs once all its consumers have run
+        key = queue.popleft()
+        if key in position:
+            continue
+        position[key] = len(position)
+        for ckey in children[key]:
             parents[ckey] -= 1
             if parents[ckey] == 0:
-                queue.append(child)
+                queue.append(ckey)
     last = len(position)
 
     def place(index: int) -> tuple:
