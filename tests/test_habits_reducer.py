@@ -129,7 +129,8 @@ def test_an_activation_attached_inside_the_recording_equals_ddp(ranks, request):
     gradmgr's buckets and the sharded path, by every rank on torch's reducer path (which
     takes only leaves: rank 0 alone leaves it for gradmgr's buckets there, and gloo aborts a
     rank, as docs/data-parallel.md says). DDP's gradients, and the activation's DDP's
-    retained one, bit for bit."""
+    retained one, bit for bit; the same where rank 0 alone takes ``torch.autograd.grad`` of
+    the activation inside the recording instead, on every path (the page's other remedy)."""
     path = request.node.callspec.params["ranks"]
     for rank, out in enumerate(ranks.scenario("activation_attached")):
         for step in (0, 1):
@@ -137,3 +138,8 @@ def test_an_activation_attached_inside_the_recording_equals_ddp(ranks, request):
             if rank == 0 or path == "native":
                 assert f"act_gm{step}_h0" in out, "the activation got no gradient"
                 same(out, f"act_gm{step}_h", f"act_ddp{step}_h")
+    for rank, out in enumerate(ranks.scenario("activation_attached")):
+        for step in (0, 1):  # rank 0 alone: torch.autograd.grad of it inside the recording
+            same(out, f"act_grad_gm{step}_", f"act_grad_ddp{step}_")
+            if rank == 0:
+                same(out, f"act_grad_gm{step}_h", f"act_grad_ddp{step}_h")

@@ -332,7 +332,8 @@ def activation_attached(out: dict, rank: int, world: int) -> None:
     steps: by rank 0 alone on gradmgr's buckets and the sharded path, by every rank on torch's
     reducer (there rank 0 alone aborts a rank inside gloo: docs/data-parallel.md says so).
     The parameters' gradients (sharded: the parameters) equal DDP's, and the activation's
-    ``.grad`` the one DDP's backward retains."""
+    ``.grad`` the one DDP's backward retains. Then, on every path, rank 0 alone takes
+    ``torch.autograd.grad`` of the activation inside the recording instead: the same."""
     net = Plain()
     ours = Side(net, gm=wrap(net))
     theirs = Side(Plain(), ddp=True)
@@ -354,6 +355,23 @@ def activation_attached(out: dict, rank: int, world: int) -> None:
             if attaching:
                 save(out, f"{name}h", values([keep[0].grad]))
             side.after_sync(out, name)
+    # The other way, on every path: rank 0 alone takes torch.autograd.grad of the activation
+    # inside the recording (no attach), then the step goes on as the others'.
+    for step in range(2):
+        x, keep = batch(70 + step, rank), []
+        loss = theirs.ddp(x, keep=keep)
+        keep[0].retain_grad()
+        loss.backward()
+        save(out, f"act_grad_ddp{step}_h", values([keep[0].grad]))
+        theirs.after_sync(out, f"act_grad_ddp{step}_")
+        keep = []
+        with ours.gm:
+            loss = net(x, keep=keep)
+            if rank == 0:
+                save(out, f"act_grad_gm{step}_h",
+                     values(torch.autograd.grad(loss, keep[0], retain_graph=True)))
+            ours.gm.backward(loss)
+        ours.after_sync(out, f"act_grad_gm{step}_")
 
 
 SCENARIOS = {f.__name__: f for f in (
