@@ -8,7 +8,7 @@ values: two names of one parameter that hold different values are refused, never
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
@@ -45,23 +45,32 @@ def _difference(x: np.ndarray, y: np.ndarray) -> str:
     return f"largest difference {np.abs(x.astype(np.float64) - y.astype(np.float64)).max():.3g}"
 
 
+def _apart(values: Mapping[str, np.ndarray], written: Mapping[str, Any],
+           side: str) -> List[Tuple[str, str]]:
+    """The pairs of names of one tied parameter of ``side`` (its first name present, another)
+    whose values in ``values`` are not bit for bit the same."""
+    found = []
+    for names in _groups(written, side):
+        present = [n for n in names if n in values]
+        found += [(present[0], name) for name in present[1:]
+                  if not _same(values[present[0]], values[name])]
+    return found
+
+
 def read_tied(source: Dict[str, np.ndarray], written: Mapping[str, Any],
               side: str) -> List[str]:
     """Check the checkpoint ``source`` of the map's ``side``: every tied parameter must hold
     one value under all the names the file has; a name its framework leaves out is filled
     in (in place) from another. Returns the refusals."""
-    refused = []
+    refused = [
+        f"  {a}, {b}: one parameter in the map's {written[side]} model (tied), but the "
+        f"checkpoint holds different values under the two names "
+        f"({_difference(source[a], source[b])}): nothing is picked; write the map again from "
+        f"models that do not tie them, or make the two equal in the checkpoint"
+        for a, b in _apart(source, written, side)]
     unlisted = _unlisted(written, side)
     for names in _groups(written, side):
         present = [n for n in names if n in source]
-        for name in present[1:]:
-            if not _same(source[present[0]], source[name]):
-                refused.append(
-                    f"  {present[0]}, {name}: one parameter in the map's {written[side]} "
-                    f"model (tied), but the checkpoint holds different values under the two "
-                    f"names ({_difference(source[present[0]], source[name])}): nothing is "
-                    f"picked; write the map again from models that do not tie them, or make "
-                    f"the two equal in the checkpoint")
         source.update({n: source[present[0]] for n in names
                        if present and n not in source and n in unlisted})
     return refused
@@ -72,19 +81,12 @@ def write_tied(values: Mapping[str, np.ndarray], origin: Mapping[str, str],
     """Check the converted ``values`` of the map's ``side`` (``origin``: each one's name in
     the checkpoint): a tied parameter must receive one value from all its names. Returns
     the refusals."""
-    refused = []
-    for names in _groups(written, side):
-        present = [n for n in names if n in values]
-        for name in present[1:]:
-            if not _same(values[present[0]], values[name]):
-                a, b = origin[present[0]], origin[name]
-                refused.append(
-                    f"  {present[0]}, {name}: one parameter in the {written[side]} model "
-                    f"(tied), but the checkpoint's {a} and {b}, converted into them, differ "
-                    f"({_difference(values[present[0]], values[name])}): nothing is picked; "
-                    f"convert into a model that does not tie them, or make {a} and {b} equal "
-                    f"in the checkpoint")
-    return refused
+    return [
+        f"  {a}, {b}: one parameter in the {written[side]} model (tied), but the checkpoint's "
+        f"{origin[a]} and {origin[b]}, converted into them, differ "
+        f"({_difference(values[a], values[b])}): nothing is picked; convert into a model that "
+        f"does not tie them, or make {origin[a]} and {origin[b]} equal in the checkpoint"
+        for a, b in _apart(values, written, side)]
 
 
 def listed(values: Dict[str, np.ndarray], written: Mapping[str, Any],

@@ -171,7 +171,7 @@ class Synchronizer:
         if self.epoch == attach_epoch(gm):
             return True
         ops = self.ops
-        tensors = [t for t in gm.attached_tensors(with_callback=self.options) if ops.trainable(t)]
+        tensors = self._trainable(gm.attached_tensors(with_callback=self.options))
         return (self.the_plan().matches(tensors, ops)
                 and reducer_possible(self, gm, tensors) == self.on_reducer
                 and delegable(self, gm, tensors, self.post_path) == self.post_ok)
@@ -227,7 +227,7 @@ class Synchronizer:
     def _plan(self, gm: Any) -> None:
         options, ops = self.options, self.ops
         attached = gm.attached_tensors(with_callback=options)
-        tensors = [t for t in attached if ops.trainable(t)]
+        tensors = self._trainable(attached)
         if self.transport is None:
             self.transport = resolve_transport(options.transport_spec, self.backend,
                                                options.group)
@@ -256,6 +256,10 @@ class Synchronizer:
             choose_path(self, on_reducer)  # drops the old plan's reducer
         self.excluded = [t for t in attached if not ops.trainable(t)]
         self.epoch = attach_epoch(gm)
+
+    def _trainable(self, attached: List[Any]) -> List[Any]:
+        """What a plan holds of the tensors attached with this callback, in attach order."""
+        return [t for t in attached if self.ops.trainable(t)]
 
     def mode(self, on_reducer: bool) -> str:
         """How this rank reduces, compared across ranks with the planned tensors: ranks that
