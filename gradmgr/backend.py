@@ -142,8 +142,8 @@ class Tape(ABC):
                               create_graph: bool, retain_graph: bool) -> None:
         """Like :meth:`backward`, but the engine accumulates every watched tensor's gradient
         into ``.grad`` itself and no sink is called (a backward delegate, see
-        :func:`gradmgr.hooks.set_backward_delegate`, handles them); only for leaf
-        tensors. PyTorch's tape implements it."""
+        :func:`gradmgr.hooks.set_backward_delegate`, handles them; a non-leaf's gradient is
+        taken while the engine runs and accumulated after it). PyTorch's tape implements it."""
         raise NotImplementedError("this backend cannot delegate a backward")
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,

@@ -124,18 +124,16 @@ def test_an_input_attached_on_one_rank_inside_the_recording_equals_ddp(ranks):
                 same(out, f"input_gm{step}_x", f"input_ddp{step}_x")
 
 
-def test_an_activation_attached_inside_the_recording_equals_ddp(ranks, request):
-    """An activation attached inside ``with gm:`` for its own gradient: by rank 0 alone on
-    gradmgr's buckets and the sharded path, by every rank on torch's reducer path (which
-    takes only leaves: rank 0 alone leaves it for gradmgr's buckets there, and gloo aborts a
-    rank, as docs/data-parallel.md says). DDP's gradients, and the activation's DDP's
+def test_an_activation_attached_inside_the_recording_equals_ddp(ranks):
+    """An activation attached inside ``with gm:`` for its own gradient, by rank 0 alone, on
+    every path (on torch's reducer path, rank 0's step used to leave the reducer for
+    gradmgr's buckets, and gloo aborted a rank). DDP's gradients, and the activation's DDP's
     retained one, bit for bit; the same where rank 0 alone takes ``torch.autograd.grad`` of
-    the activation inside the recording instead, on every path (the page's other remedy)."""
-    path = request.node.callspec.params["ranks"]
+    the activation inside the recording instead."""
     for rank, out in enumerate(ranks.scenario("activation_attached")):
         for step in (0, 1):
             same(out, f"act_gm{step}_", f"act_ddp{step}_")
-            if rank == 0 or path == "native":
+            if rank == 0:
                 assert f"act_gm{step}_h0" in out, "the activation got no gradient"
                 same(out, f"act_gm{step}_h", f"act_ddp{step}_h")
     for rank, out in enumerate(ranks.scenario("activation_attached")):
@@ -143,3 +141,17 @@ def test_an_activation_attached_inside_the_recording_equals_ddp(ranks, request):
             same(out, f"act_grad_gm{step}_", f"act_grad_ddp{step}_")
             if rank == 0:
                 same(out, f"act_grad_gm{step}_h", f"act_grad_ddp{step}_h")
+
+
+def test_activations_of_one_node_attached_by_one_rank_equal_ddp(ranks):
+    """Rank 0 alone attaches both outputs of one node (a chunk), one doubled by a hook of the
+    user's registered after the attach, and an activation off the loss's path: DDP's retained
+    gradients (the doubled one, and None) and DDP's parameter gradients, bit for bit, on
+    every path."""
+    for rank, out in enumerate(ranks.scenario("activation_attached")):
+        for step in (0, 1):
+            same(out, f"act_node_gm{step}_", f"act_node_ddp{step}_")
+            if rank == 0:
+                assert f"act_node_gm{step}_h0" in out
+                assert f"act_node_gm{step}_h2" not in out  # off the path
+                same(out, f"act_node_gm{step}_h", f"act_node_ddp{step}_h")

@@ -19,8 +19,7 @@ that breaks the process group on today's code costs only itself and the ones aft
   and once the ranks agree again a step equals DDP's. ``uneven_padded``: rank 1 has one
   micro-batch fewer and records an empty one inside ``no_sync``, as the error advises.
 * ``input_one_rank``: rank 0 alone attaches its input inside the recording.
-* ``activation_attached``: an activation attached inside the recording (rank 0 alone, or, on
-  torch's reducer path, every rank).
+* ``activation_attached``: rank 0 alone attaches an activation inside the recording.
 """
 
 from __future__ import annotations
@@ -328,16 +327,16 @@ def input_one_rank(out: dict, rank: int, world: int) -> None:
 
 
 def activation_attached(out: dict, rank: int, world: int) -> None:
-    """An activation attached inside the recording for its own gradient, at two synced
-    steps: by rank 0 alone on gradmgr's buckets and the sharded path, by every rank on torch's
-    reducer (there rank 0 alone aborts a rank inside gloo: docs/data-parallel.md says so).
-    The parameters' gradients (sharded: the parameters) equal DDP's, and the activation's
-    ``.grad`` the one DDP's backward retains. Then, on every path, rank 0 alone takes
-    ``torch.autograd.grad`` of the activation inside the recording instead: the same."""
+    """An activation attached inside the recording for its own gradient, by rank 0 alone, at
+    two synced steps, on every path (on torch's reducer, rank 0's step used to leave the
+    reducer for gradmgr's buckets, and gloo aborted a rank). The parameters' gradients
+    (sharded: the parameters) equal DDP's, and the activation's ``.grad`` the one DDP's
+    backward retains. Then rank 0 alone takes ``torch.autograd.grad`` of the activation
+    inside the recording instead: the same."""
     net = Plain()
     ours = Side(net, gm=wrap(net))
     theirs = Side(Plain(), ddp=True)
-    attaching = rank == 0 or PATH == "native"
+    attaching = rank == 0
     for step in range(2):
         for side in (ours, theirs):
             name = f"act_{'gm' if side is ours else 'ddp'}{step}_"
@@ -372,6 +371,52 @@ def activation_attached(out: dict, rank: int, world: int) -> None:
                      values(torch.autograd.grad(loss, keep[0], retain_graph=True)))
             ours.gm.backward(loss)
         ours.after_sync(out, f"act_grad_gm{step}_")
+    _activations_of_one_node(out, rank)
+
+
+class Chunked(nn.Module):
+    """Two activations that are outputs of one node (a chunk), and one off the loss's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, keep: list) -> torch.Tensor:
+        hidden = torch.tanh(self.fc1(x))
+        a, b = hidden.chunk(2, dim=1)
+        keep.extend([a, b, hidden * 3])
+        return torch.tanh(self.fc2(torch.cat([a, b * 2], 1))).pow(2).mean()
+
+
+def _activations_of_one_node(out: dict, rank: int) -> None:
+    """Rank 0 alone attaches both outputs of a chunk and an activation the loss does not
+    reach, and doubles one chunk's gradient with a hook of its own registered after the
+    attach: each ``.grad`` the one DDP's backward retains (the hooked one doubled, the
+    unreached one None), the parameters' DDP's."""
+    net = Chunked()
+    ours, theirs = Side(net, gm=wrap(net)), Side(Chunked(), ddp=True)
+    for step in range(2):
+        x = batch(80 + step, rank)
+        for side in (ours, theirs):
+            name, keep = f"act_node_{'gm' if side is ours else 'ddp'}{step}_", []
+            if side is theirs:
+                loss = side.ddp(x, keep=keep)
+                if rank == 0:
+                    keep[0].register_hook(lambda g: g * 2)
+                    for h in keep:
+                        h.retain_grad()
+                loss.backward()
+            else:
+                with ours.gm:
+                    loss = net(x, keep=keep)
+                    if rank == 0:
+                        ours.gm.attach(keep)
+                        keep[0].register_hook(lambda g: g * 2)
+                    ours.gm.backward(loss)
+            if rank == 0:
+                save(out, f"{name}h", values([h.grad for h in keep]))
+            side.after_sync(out, name)
 
 
 SCENARIOS = {f.__name__: f for f in (

@@ -17,7 +17,7 @@ from . import prerecord, split
 from .engine import OWN_SEED, run_engine, run_engine_plain
 from .flags import FLAGS, GRAD_MODE
 from .foreign import ForeignBackwards
-from .grads import zeros_like_cheaply
+from .grads import accumulate, zeros_like_cheaply
 from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
 from .refusals import (
     INPUT_IN_PLACE,
@@ -78,6 +78,13 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     if stand_in is None or stand_in.shape != grad.shape:
         stand_in = stand_ins[key] = zeros_like_cheaply(grad)
     return stand_in
+
+
+def _take(taken: List[Optional[torch.Tensor]], i: int, output_nr: int,
+          grad_outputs: Sequence[Optional[torch.Tensor]]) -> None:
+    """A snapshot edge's node pre-hook for one delegated backward: keep the gradient of
+    ``inputs[i]`` (the node's output ``output_nr``)."""
+    taken[i] = grad_outputs[output_nr]
 
 
 def _register_without_collecting(tensor: torch.Tensor, hook: Any) -> Any:
@@ -306,13 +313,26 @@ class TorchTape(Tape):
         if prepared is None:
             return
         outputs, seeds, entries, inputs = prepared
-        if self.watched.snapshots:
-            raise RuntimeError("a delegated backward cannot take a non-leaf tensor's gradient")
         if not self._hooks_suspended:
             self._hooks_suspended = True
             self.watched.remove_hooks()
-        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
+        retain = retain_graph or create_graph
+        if not self.watched.snapshots:
+            self.run(outputs, seeds, retain, create_graph, inputs, entries, accumulate=True)
+            return
+        # Attached non-leaves (an activation, for its own gradient): the engine accumulates
+        # only into leaves, so each is taken at its snapshot edge while the engine runs (a
+        # pre-hook of the edge's node sees it after the tensor's own hooks, as the tape's
+        # hook would) and accumulated after it, as the sinks' delivery would.
+        taken: List[Optional[torch.Tensor]] = [None] * len(inputs)
+        node_hooks = [(e.edge.node, "register_prehook",
+                       functools.partial(_take, taken, i, e.edge.output_nr))
+                      for i, e in enumerate(entries) if e.edge is not None]
+        self.run(outputs, seeds, retain, create_graph, inputs, entries, node_hooks,
                  accumulate=True)
+        for tensor, grad in zip(inputs, taken):
+            if grad is not None:
+                accumulate(tensor, grad)
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
@@ -359,15 +379,16 @@ class TorchTape(Tape):
         ``accumulate`` (only when no tensor of ``inputs`` is eager and nothing runs between
         computing and accumulating, or when a backward delegate takes the sinks' place): the
         engine accumulates into ``.grad`` itself, which is what a plain ``loss.backward()``
-        costs, and no sink is called (``entries`` is not used then). ``only``: deliver to no
-        watched tensor but ``inputs`` (a part of a split backward)."""
+        costs, and no sink is called (``entries`` gives only the snapshot edges then).
+        ``only``: deliver to no watched tensor but ``inputs`` (a part of a split backward)."""
         handles = [getattr(node, kind)(fn) for node, kind, fn in node_hooks]
         try:
-            if accumulate:
-                run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=True)
-                return
             engine_inputs = inputs if not self.watched.snapshots else [
                 t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
+            if accumulate:
+                run_engine(outputs, seeds, retain, create_graph, engine_inputs,
+                           accumulate=True)
+                return
             if only:
                 self._only = {id(t) for t in inputs}
             grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs,

@@ -147,10 +147,10 @@ class AllreduceCallback:
             C++ ``Reducer``, DDP's) where nothing else needs the per-tensor callbacks:
             ``"mean"`` without compression over the backend's default transport, every
             attached tensor's chain this callback alone (or empty), no other after-backward
-            callback, and what the backend asks (PyTorch: leaves, dense, no
-            post-accumulate-grad hook). Same results, DDP's cost; it holds the planned tensors
-            while bound. None: on unless the environment sets ``GRADMGR_REDUCER=0`` (or its
-            older spelling, ``GRADMGR_NATIVE_REDUCER=0``).
+            callback, and what the backend asks (PyTorch: the reduced tensors leaves, dense,
+            with no post-accumulate-grad hook). Same results, DDP's cost; it holds the
+            planned tensors while bound. None: on unless the environment sets
+            ``GRADMGR_REDUCER=0`` (or its older spelling, ``GRADMGR_NATIVE_REDUCER=0``).
         comm_hook: a DDP communication hook, ``hook(state, bucket) -> Future`` as
             ``DistributedDataParallel.register_comm_hook`` takes it (torch's own:
             ``fp16_compress_hook``, ``powerSGD_hook``, ...; PyTorch only): each bucket goes

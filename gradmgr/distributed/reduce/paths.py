@@ -134,12 +134,11 @@ def delegate(synchronizer: Any, gm: Any) -> Any:
     """The backward delegate: this step is reduced after the backward where its recording
     chose that (:mod:`.post_backward`), else goes to the reducer when the plan says so;
     neither where what was attached since the recording started changes the plan or the path
-    (an input attached for its own gradient does not: the other ranks take the delegate)."""
+    (an input or an activation attached for its own gradient does not: the other ranks take
+    the delegate)."""
     with synchronizer.lock:
-        if not synchronizer.plan_holds(gm):
-            return None
         step = synchronizer.steps.get(gm.step)
-        if step is None:
+        if step is None or not synchronizer.plan_holds(gm, step.after):
             return None
         if step.after:
             return _post_backward_step(synchronizer, gm, step)

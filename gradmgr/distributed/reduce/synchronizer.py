@@ -164,17 +164,20 @@ class Synchronizer:
                 or ops.dtypes(planned) != self.the_plan().dtypes
                 or ops.any_trainable(self.excluded))
 
-    def plan_holds(self, gm: Any) -> bool:
-        """Whether planning now would give this step's plan and path again: true where
-        nothing was attached since planning, or only what this callback does not reduce (an
-        input attached inside the recording for its own gradient, on one rank alone)."""
+    def plan_holds(self, gm: Any, after: bool) -> bool:
+        """Whether this step's plan, and the path it was opened on (``after``: reduced after
+        the backward), hold for what is attached now: true where nothing was attached since
+        planning, or only what this callback does not reduce (an input or an activation
+        attached inside the recording for its own gradient, on one rank alone)."""
         if self.epoch == attach_epoch(gm):
             return True
         ops = self.ops
         tensors = self._trainable(gm.attached_tensors(with_callback=self.options))
-        return (self.the_plan().matches(tensors, ops)
-                and reducer_possible(self, gm, tensors) == self.on_reducer
-                and delegable(self, gm, tensors, self.post_path) == self.post_ok)
+        if not self.the_plan().matches(tensors, ops):
+            return False
+        if after:  # (else the per-tensor path, which reduces alike: ranks may mix them)
+            return delegable(self, gm, tensors, self.post_path)
+        return reducer_possible(self, gm, tensors) == self.on_reducer
 
     def plan_now(self, gm: Any) -> BucketPlan:
         """The plan the next recording will use, made now where there is none yet (the sharded
