@@ -21,7 +21,7 @@ from .consistency import (
     plan_fingerprint,
     verify_mode,
 )
-from .contract import TensorOps
+from .contract import ArmedHooks, ModuleWatch, TensorOps  # ArmedHooks: for backends (its old home)
 from .errors import RankMismatchError, RanksOutOfStepError
 from .join.joinable import DataParallelManager
 from .join.joining import Joining
@@ -361,24 +361,6 @@ _CHANGED = (
 )
 
 
-class ArmedHooks:
-    """What every backend's watch of a module's forwards shares (``TensorOps.watch_forwards``):
-    the parameter hooks (each with ``remove()``) a forward armed, until :meth:`disarm`
-    (:class:`_Step` calls it when a recording starts)."""
-
-    def __init__(self) -> None:
-        self._armed: List[Any] = []
-
-    @property
-    def armed(self) -> bool:
-        return bool(self._armed)
-
-    def disarm(self) -> None:
-        armed, self._armed = self._armed, []
-        for hook in armed:
-            hook.remove()
-
-
 class _Step:
     """What ``data_parallel`` adds to each step, as DDP does in its forward.
 
@@ -403,7 +385,7 @@ class _Step:
         self._synced = False  # the recording started outside no_sync
         self._failed = False  # its backward raised
         self._alone = False  # with RanksOutOfStepError
-        self.watch: Any = None  # the backend's watch of the module's forwards, if any
+        self.watch: Optional[ModuleWatch] = None  # the backend's, where it watches forwards
 
     def record(self) -> None:
         watch = self.watch

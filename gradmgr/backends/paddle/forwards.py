@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import paddle
 
-from gradmgr.distributed.wrap import ArmedHooks
+from gradmgr.distributed.contract import ArmedHooks
 
 # The refusal is worded for PyTorch; these are its Paddle names.
 _PADDLE_NAMES = (("torch.no_grad()", "paddle.no_grad()"), ("torch.autograd.grad", "paddle.grad"),

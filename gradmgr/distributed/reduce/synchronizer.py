@@ -18,8 +18,9 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
 from ...manager import attach_epoch
 from ..broadcasting import broadcast
 from ..consistency import NameOf, PlanCheck
-from ..contract import CommHook, PostBackwardPath, Reducer, ReducerPath, TensorOps, Transport
+from ..contract import TensorOps, Transport
 from ..errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
+from ..reducing import CommHook, PostBackwardPath, Reducer, ReducerPath
 from ..sharded.sharding import GradientShards, ShardReduction, ShardWire
 from ..transport import control_transport, resolve_transport
 from .bucket import BucketPlan
