@@ -6,7 +6,8 @@ The core (planning, buckets, the cross-rank check, the callback's state machine)
 framework only through these, so a new engine, or a test double, plugs in by implementing them.
 Here: :class:`TensorOps` and what it hands out for the model ``data_parallel`` wraps (the watch
 of its forwards, :class:`ModuleWatch`, with :class:`ArmedHooks`, the part every backend's watch
-shares; the context for uneven inputs, :class:`JoinSupport`). What it hands out for reducing
+shares; the context for uneven inputs, :class:`JoinSupport`; the framework's words for the
+core's messages, :class:`Idioms`). What it hands out for reducing
 (:class:`BucketBuffer`, :class:`ReducerPath`, ...) is in :mod:`gradmgr.distributed.reducing`,
 the collectives (:class:`Transport`, :class:`Handle`, :class:`Done`) in
 :mod:`gradmgr.distributed.collectives`; both are importable from here too. None of the three
@@ -17,6 +18,7 @@ imports anything of gradmgr: the backends implement them, the core uses them;
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .collectives import Done, Handle, ShardingTransport, Transport
@@ -30,6 +32,25 @@ from .reducing import (
 )
 
 _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Idioms:
+    """How a framework's users write what the core's messages name (:meth:`TensorOps.idioms`),
+    so that a message speaks their framework (``{idioms.no_grad}`` in its text)."""
+
+    no_grad: str
+    """The context that runs a forward without gradients: ``"torch.no_grad()"``."""
+    grad_call: str
+    """The call that returns gradients without writing ``.grad``: ``"torch.autograd.grad"``."""
+    wrapper: str
+    """The framework's own data-parallel wrapper, as its users call it: ``"DDP"``."""
+
+
+NEUTRAL_IDIOMS = Idioms(no_grad="the framework's no-gradient context",
+                        grad_call="the framework's functional gradient call",
+                        wrapper="the framework's data-parallel wrapper")
+"""What a backend that names no idioms of its own gets: descriptions that fit any framework."""
 
 
 class ModuleWatch(Protocol):
@@ -355,6 +376,12 @@ class TensorOps:
         return value
 
     # ------------------------------------------------------------- the module (data_parallel)
+    def idioms(self) -> Idioms:
+        """This framework's words for what the core's messages name (the refusal of a
+        backward after a forward outside ``with gm:``, see :meth:`watch_forwards`).
+        The default, :data:`NEUTRAL_IDIOMS`, describes them in no framework's words."""
+        return NEUTRAL_IDIOMS
+
     def wrapper_problem(self, module: Any) -> Optional[str]:
         """Why ``data_parallel(module)`` must refuse ``module`` (a phrase saying what to pass
         instead): it is the framework's own data-parallel wrapper, which would reduce every
@@ -368,7 +395,7 @@ class TensorOps:
         run with gradients enabled, ``refusal()`` is called, and where it returns a message,
         a backward that accumulates the gradient of the module's parameters (into ``.grad``)
         raises ``RuntimeError(message)`` before writing any (one that only returns them, as
-        ``torch.autograd.grad``, passes; the watch is then ``armed``), until
+        :attr:`Idioms.grad_call` does, passes; the watch is then ``armed``), until
         ``disarm()``. ``refusal`` is held weakly (a bound method). Returns the watch
         (a :class:`ModuleWatch`), or None (the default: the framework has no forward
         hooks)."""
@@ -427,6 +454,6 @@ class TensorOps:
         return None
 
 
-__all__ = ["ArmedHooks", "BucketBuffer", "CommHook", "Done", "Handle", "JoinSupport",
-           "ModuleWatch", "PostBackwardPath", "RANK_FAILED", "Reducer", "ReducerPath",
-           "ShardingTransport", "TensorOps", "Transport"]
+__all__ = ["ArmedHooks", "BucketBuffer", "CommHook", "Done", "Handle", "Idioms", "JoinSupport",
+           "ModuleWatch", "NEUTRAL_IDIOMS", "PostBackwardPath", "RANK_FAILED", "Reducer",
+           "ReducerPath", "ShardingTransport", "TensorOps", "Transport"]
