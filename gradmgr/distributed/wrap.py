@@ -13,12 +13,12 @@ from ..registry import backend_for
 from .broadcasting import broadcast, broadcast_tensors
 from .consistency import (
     RECORDINGS,
-    STEPS,
     CheckTerms,
     PlanCheck,
     every_rank,
     names_from,
     plan_fingerprint,
+    step_terms,
     verify_mode,
 )
 from .contract import NEUTRAL_IDIOMS, ArmedHooks, ModuleWatch, TensorOps  # ArmedHooks: for backends
@@ -278,7 +278,7 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], backend: Any, g
                           names_from(module))
     # The check group is made here, in the checking path's terms: its errors (a rank that
     # never comes to make it) are the path's, which under full sharding are recordings.
-    _open_checks(chosen, RECORDINGS if shard == "full" else STEPS)
+    _open_checks(chosen, RECORDINGS if shard == "full" else step_terms(ops))
 
 
 _MIXED = (
