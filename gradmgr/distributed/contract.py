@@ -37,19 +37,22 @@ _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 @dataclass(frozen=True)
 class Idioms:
     """How a framework's users write what the core's messages name (:meth:`TensorOps.idioms`),
-    so that a message speaks their framework (``{idioms.no_grad}`` in its text)."""
+    so that a message speaks their framework (``{idioms.no_grad}`` in its text). Each
+    defaults to a description that fits any framework, for what a framework has not (or a
+    backend does not name)."""
 
-    no_grad: str
+    no_grad: str = "the framework's no-gradient context"
     """The context that runs a forward without gradients: ``"torch.no_grad()"``."""
-    grad_call: str
+    grad_call: str = "the framework's functional gradient call"
     """The call that returns gradients without writing ``.grad``: ``"torch.autograd.grad"``."""
-    wrapper: str
+    wrapper: str = "the framework's data-parallel wrapper"
     """The framework's own data-parallel wrapper, as its users call it: ``"DDP"``."""
+    save: str = "save"
+    """The function that writes an object to a file, as in ``save(state, path)``:
+    ``"torch.save"``."""
 
 
-NEUTRAL_IDIOMS = Idioms(no_grad="the framework's no-gradient context",
-                        grad_call="the framework's functional gradient call",
-                        wrapper="the framework's data-parallel wrapper")
+NEUTRAL_IDIOMS = Idioms()
 """What a backend that names no idioms of its own gets: descriptions that fit any framework."""
 
 
@@ -378,8 +381,9 @@ class TensorOps:
     # ------------------------------------------------------------- the module (data_parallel)
     def idioms(self) -> Idioms:
         """This framework's words for what the core's messages name (the refusal of a
-        backward after a forward outside ``with gm:``, see :meth:`watch_forwards`).
-        The default, :data:`NEUTRAL_IDIOMS`, describes them in no framework's words."""
+        backward after a forward outside ``with gm:``, see :meth:`watch_forwards`; a sharded
+        optimizer's checkpoint habits). The default, :data:`NEUTRAL_IDIOMS`, describes them
+        in no framework's words."""
         return NEUTRAL_IDIOMS
 
     def wrapper_problem(self, module: Any) -> Optional[str]:

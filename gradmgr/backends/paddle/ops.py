@@ -24,7 +24,7 @@ FP16_ON_GLOO = (
 
 
 IDIOMS = Idioms(no_grad="paddle.no_grad()", grad_call="paddle.grad",
-                wrapper="paddle.DataParallel")
+                wrapper="paddle.DataParallel", save="paddle.save")
 
 
 def _memory(grad: Any) -> Optional[int]:

@@ -17,7 +17,8 @@ from .shard_grad import ShardedGradient, stand_in_grad
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
-IDIOMS = Idioms(no_grad="torch.no_grad()", grad_call="torch.autograd.grad", wrapper="DDP")
+IDIOMS = Idioms(no_grad="torch.no_grad()", grad_call="torch.autograd.grad", wrapper="DDP",
+                save="torch.save")
 
 
 class TorchOps(TensorOps):
