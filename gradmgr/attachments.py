@@ -167,7 +167,7 @@ def check_tensors(tensors: Any,
             f"attach() expects a tensor of a framework with a gradmgr backend, got a "
             f"{type(tensors).__module__}.{type(tensors).__qualname__} (an array, which has no "
             f"gradients): convert it to a tensor first (torch.from_numpy(a), "
-            f"megengine.tensor(a))"
+            f"megengine.tensor(a), paddle.to_tensor(a))"
         )
     else:
         try:

@@ -42,9 +42,12 @@ def test_the_readme_layout_names_every_top_level_entry():
 # ---------------------------------------------------------------------- the house's rules
 # gradmgr/distributed/ has a room (a package) per job; only these modules lie at its top:
 # what every room shares (the adapter contract, errors, transports, the plan check, the
-# parameters' broadcast) and the entry points (the launcher, data_parallel).
-DISTRIBUTED_TOP = {"__init__.py", "contract.py", "collectives.py", "errors.py", "transport.py",
-                   "consistency.py", "broadcasting.py", "launch.py", "wrap.py"}
+# parameters' broadcast) and the entry points (the launcher, data_parallel). The contract is
+# three modules: contract.py (TensorOps, and what it hands out for the wrapped model: the
+# forward watch with ArmedHooks), reducing.py (its protocols for reducing: reduce/ and sharded/
+# both use them, so neither room is their home) and collectives.py (the transports').
+DISTRIBUTED_TOP = {"__init__.py", "contract.py", "reducing.py", "collectives.py", "errors.py",
+                   "transport.py", "consistency.py", "broadcasting.py", "launch.py", "wrap.py"}
 DISTRIBUTED_ROOMS = {"reduce", "sharded", "join"}
 
 MAX_LINES = 500

@@ -294,3 +294,55 @@ def test_sharded_split_backward_steps_or_refused_on_every_rank(backend):
     if not can_shard(backend, "sharded_split"):
         return
     split_as_wanted(backend, "sharded_split", None)
+
+
+class _Model:
+    """What ``data_parallel`` asks of a module, on the fake framework's tensors."""
+
+    def __init__(self, weight) -> None:
+        self.weight = weight
+
+    def parameters(self) -> list:
+        return [self.weight]
+
+    def named_parameters(self) -> list:
+        return [("weight", self.weight)]
+
+    def buffers(self) -> list:
+        return []
+
+
+def test_a_backend_naming_no_idioms_refuses_a_forgotten_with_gm_in_no_frameworks_words(
+        monkeypatch):
+    """The refusal of a backward after a forward outside ``with gm:`` is the core's, in the
+    words the backend's ``TensorOps.idioms()`` gives. A backend that watches forwards but
+    names no idioms (here the fake one, whose watch only keeps the refusal) gets the
+    contract's neutral words, no PyTorch name (on the old code the core's message named
+    ``torch.no_grad()``, ``torch.autograd.grad`` and DDP to every backend)."""
+    from fake_distributed import FAKE_OPS
+
+    from gradmgr.distributed import data_parallel
+
+    fw = make_framework("fake")
+    refusals: list = []
+    monkeypatch.setattr(FAKE_OPS, "watch_forwards",
+                        lambda module, refusal: refusals.append(refusal))
+
+    def rank_main(rank, world):
+        gm = data_parallel(_Model(fw.tensor([1.0, 2.0])))
+        outside = refusals[0]()
+        with gm:
+            inside = refusals[0]()
+        return outside, inside
+
+    [(outside, inside)] = run_ranks(1, rank_main)
+    assert inside is None  # a forward inside the recording is the manager's
+    assert outside.startswith("data_parallel(): a backward writes the model's .grad after a "
+                              "forward that ran with gradients enabled outside `with gm:`")
+    for word in ("torch", "paddle", "megengine", "DDP", "DataParallel"):
+        assert word not in outside, (word, outside)
+    from gradmgr.distributed.contract import NEUTRAL_IDIOMS
+
+    assert f"typed by habit after dropping {NEUTRAL_IDIOMS.wrapper}?" in outside, outside
+    assert f"under {NEUTRAL_IDIOMS.no_grad}, or simply never backwarded" in outside, outside
+    assert f"so is {NEUTRAL_IDIOMS.grad_call}, which writes no .grad" in outside, outside

@@ -75,6 +75,8 @@ def test_backward_without_recording_is_refused_and_evaluation_works(ranks):
         message = str(out["forgot_error"])
         assert message.startswith("RuntimeError") and "outside `with gm:`" in message, (
             rank, message)
+        for idiom in ("torch.no_grad()", "torch.autograd.grad", "as under DDP"):
+            assert idiom in message, (rank, idiom, message)  # PyTorch's words, on every path
         assert bool(out["forgot_no_grad"]), f"rank {rank}: gradients were written"
         assert np.isfinite(out["forgot_eval"]).all()
         group_still_works(out, "forgot")

@@ -85,6 +85,8 @@ def test_a_checkpoint_saved_from_rank_0_alone_raises_there_and_leaves_the_group_
     [warned] = outs[0]["lone_warned"]
     assert warned.startswith("ShardedOptimizer.state_dict() on rank 0 waits for the other ranks")
     assert "raises RuntimeError in 1 s" in warned and "on every rank" in warned
+    for said in (message, warned):  # in PyTorch's words (TensorOps.idioms)
+        assert "`if rank == 0: torch.save(state, path)`" in said, said
     assert 2.4 <= outs[0]["lone_seconds"] < 5
     assert outs[1]["lone_state_dict"] is None
     for out in outs:

@@ -117,8 +117,9 @@ def test_megengines_scheduler_and_zeros_checkpoint(tmp_path):
     the whole batch: the same learning rates (exactly) and parameters (``rtol=1e-5,
     atol=1e-6``, the tolerance of test_megengine_sharded.py: the batch's sum is split over
     the ranks); ``consolidate_state_dict(to=0)`` then rank 0's ``state_dict()`` is AdamW's own
-    state (moments ``rtol=1e-5``, steps exactly), rank 1's raises. On old code: MegEngine's
-    scheduler raised TypeError (not an Optimizer)."""
+    state (moments ``rtol=1e-5``, steps exactly), rank 1's raises, naming ``megengine.save``.
+    On old code: MegEngine's scheduler raised TypeError (not an Optimizer); later, rank 1's
+    error named ``torch.save``."""
     np = pytest.importorskip("numpy")
     pytest.importorskip("megengine", reason="megengine is not installed in this environment")
     outs = spawn("habits_zero_megengine", tmp_path, 2, timeout=90)
@@ -141,3 +142,6 @@ def test_megengines_scheduler_and_zeros_checkpoint(tmp_path):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     assert outs[1]["state"][0] == "RuntimeError"
     assert "only rank 0 holds" in outs[1]["state"][1]
+    # in MegEngine's words (TensorOps.idioms; on the old code: torch.save)
+    assert "`if rank == 0: megengine.save(opt.state_dict(), path)`" in outs[1]["state"][1]
+    assert "torch" not in outs[1]["state"][1], outs[1]["state"][1]

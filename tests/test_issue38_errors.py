@@ -183,6 +183,9 @@ def test_autograd_grad_outside_the_step_is_allowed_as_under_ddp(gloo_one_rank):
     for ours, theirs in zip(got, expected):
         assert torch.equal(ours, theirs)
     model.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match="outside `with gm:`"):
+    with pytest.raises(RuntimeError, match="outside `with gm:`") as refused:
         model(ones).sum().backward()  # loss.backward() by habit is still refused
     assert all(p.grad is None for p in model.parameters())  # before anything was written
+    for idiom in ("after dropping DDP?", "under torch.no_grad(),", "so is torch.autograd.grad,",
+                  "as under DDP.)"):  # PyTorch's words (TensorOps.idioms)
+        assert idiom in str(refused.value), (idiom, str(refused.value))

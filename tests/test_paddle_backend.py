@@ -40,6 +40,18 @@ def test_parameters_and_tensors_are_paddles():
     assert tuple(model[0].weight.shape) == (8, 16)  # Linear's weight is [in, out] in Paddle
 
 
+def test_an_array_attached_is_refused_naming_paddles_conversion():
+    """A numpy array is no tensor: the error names each built-in framework's conversion,
+    Paddle's too (on the old code only PyTorch's and MegEngine's)."""
+    from gradmgr.errors import AttachError
+
+    gm = GradManager().attach(paddle.ones([3]))
+    with pytest.raises(AttachError, match="an array, which has no gradients") as refused:
+        gm.attach(np.ones(3, dtype="float32"))
+    assert "convert it to a tensor first (" in str(refused.value)
+    assert "paddle.to_tensor(a)" in str(refused.value), str(refused.value)
+
+
 def test_training_equals_native_backward_bit_for_bit():
     """Three SGD steps of an MLP: gradmgr's .grad and the parameters after each step equal
     those of loss.backward() and the same optimizer, exactly (both run the same kernels)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .contract import TensorOps
@@ -71,6 +71,18 @@ STEPS = CheckTerms(
              "Join([gm, opt]) with a ShardedOptimizer), or take every step on every rank: a "
              "rank with nothing to contribute records an empty step, `with gm: gm.backward()`")
 """The allreduce callback's and ``shard=True``'s terms: a check starts every synced step."""
+
+STEPS_WITHOUT_JOIN = replace(
+    STEPS, even_out="Take every step on every rank: a rank with nothing to contribute records "
+                    "an empty step, `with gm: gm.backward()` (this framework has no Join, "
+                    "the context for uneven inputs, in gradmgr)")
+""":data:`STEPS` where the framework has no context for uneven inputs."""
+
+
+def step_terms(ops: TensorOps) -> CheckTerms:
+    """The terms of a synced step's check on ``ops``'s framework: its remedy for ranks out of
+    step names Join only where the framework has one (``TensorOps.join_support``)."""
+    return STEPS if ops.join_support() is not None else STEPS_WITHOUT_JOIN
 
 RECORDINGS = CheckTerms(
     unit="recording", checked="recording", no_sync="no_sync(gm)",

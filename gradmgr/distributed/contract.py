@@ -4,124 +4,94 @@
 bucketing needs) and :meth:`gradmgr.Backend.transport` a :class:`Transport` (the collectives).
 The core (planning, buckets, the cross-rank check, the callback's state machine) talks to a
 framework only through these, so a new engine, or a test double, plugs in by implementing them.
-The collectives' half (:class:`Transport`, :class:`Handle`, :class:`Done`) is in
-:mod:`gradmgr.distributed.collectives` and importable from here too. Neither module imports
-anything of gradmgr: the backends implement them, the core uses them; :class:`Done` is the one
-piece both use as it is.
+Here: :class:`TensorOps` and what it hands out for the model ``data_parallel`` wraps (the watch
+of its forwards, :class:`ModuleWatch`, with :class:`ArmedHooks`, the part every backend's watch
+shares; the context for uneven inputs, :class:`JoinSupport`; the framework's words for the
+core's messages, :class:`Idioms`). What it hands out for reducing
+(:class:`BucketBuffer`, :class:`ReducerPath`, ...) is in :mod:`gradmgr.distributed.reducing`,
+the collectives (:class:`Transport`, :class:`Handle`, :class:`Done`) in
+:mod:`gradmgr.distributed.collectives`; both are importable from here too. None of the three
+imports anything of gradmgr: the backends implement them, the core uses them;
+:class:`Done` and :class:`ArmedHooks` are the pieces both use as they are.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Collection, Dict, List, Optional, Protocol, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .collectives import Done, Handle, ShardingTransport, Transport
+from .reducing import (
+    RANK_FAILED,
+    BucketBuffer,
+    CommHook,
+    PostBackwardPath,
+    Reducer,
+    ReducerPath,
+)
 
 _COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
 
-RANK_FAILED = (
-    "another rank's backward raised during this data-parallel step (its own error says why), "
-    "so the step's reduced gradients are incomplete; no rank uses them, and .grad keeps what "
-    "it held before the step. Skip the step on every rank (catch this error where that rank "
-    "catches its own), or stop all ranks"
-)
-"""What every path raises (``RankFailedError``) on a bucket that came back with some rank's
-failure marker set (:meth:`BucketBuffer.finish`, :meth:`Reducer.finish`)."""
+
+@dataclass(frozen=True)
+class Idioms:
+    """How a framework's users write what the core's messages name (:meth:`TensorOps.idioms`),
+    so that a message speaks their framework (``{idioms.no_grad}`` in its text). Each
+    defaults to a description that fits any framework, for what a framework has not (or a
+    backend does not name)."""
+
+    no_grad: str = "the framework's no-gradient context"
+    """The context that runs a forward without gradients: ``"torch.no_grad()"``."""
+    grad_call: str = "the framework's functional gradient call"
+    """The call that returns gradients without writing ``.grad``: ``"torch.autograd.grad"``."""
+    wrapper: str = "the framework's data-parallel wrapper"
+    """The framework's own data-parallel wrapper, as its users call it: ``"DDP"``."""
+    save: str = "save"
+    """The function that writes an object to a file, as in ``save(state, path)``:
+    ``"torch.save"``."""
 
 
-class BucketBuffer(Protocol):
-    """Assembles one step's flat buffer of one bucket (see :meth:`TensorOps.new_buffer`)."""
-
-    def put(self, slot: int, grad: Any, local: Any) -> None:
-        """Member ``slot``'s new gradient ``grad`` plus its ``.grad`` so far ``local`` (either
-        None: left out; both None: zeros)."""
-
-    def finish(self, unused: Sequence[int], failed: bool = False) -> Any:
-        """The flat buffer: the members' values laid out as ``bucket.layout`` says, one flag per
-        member (1, or 0 for the slots in ``unused``), then the failure marker (1 if
-        ``failed``)."""
+NEUTRAL_IDIOMS = Idioms()
+"""What a backend that names no idioms of its own gets: descriptions that fit any framework."""
 
 
-class Reducer(Protocol):
-    """A framework's own reducer running whole backwards (torch's C++ ``Reducer``)."""
+class ModuleWatch(Protocol):
+    """The watch of one module's forwards that :meth:`TensorOps.watch_forwards` returns, as
+    ``data_parallel``'s steps use it."""
 
-    tensors: List[Any]
-    """The planned tensors in plan order, held strongly (the reducer holds them)."""
-    broken: bool
-    """A backward failed midway, or building it raised: build a new one."""
+    @property
+    def armed(self) -> bool:
+        """A forward with gradients enabled outside a recording armed the refusal of a
+        backward that writes the parameters' ``.grad``."""
 
-    def begin(self, sync: bool) -> None:
-        """Before a backward's engine run."""
+    def disarm(self) -> None:
+        """Drop what a forward armed (a recording starts: its backward is the manager's)."""
 
-    def finish(self, sync: bool, used: Collection[int] = ()) -> None:
-        """After the engine accumulated into ``.grad``: reduce (a synced step); ``used``: ids
-        of tensors that had a local gradient in earlier steps the Python path took. Raises
-        RankFailedError (and puts ``.grad`` back as it was) where another rank failed."""
+    def changed(self) -> Optional[str]:
+        """The name of a parameter the module did not have when watched (a layer replaced
+        since), or None: none, or the framework's watch does not look."""
 
-    def abort(self) -> None:
-        """The backward raised: this reducer's step can never finish."""
-
-    def fail_step(self, used: Collection[int] = ()) -> None:
-        """A synced step with no backward on this rank (its recording ended without one):
-        take part in the step's collectives with the failure marker set, so that the other
-        ranks raise RankFailedError; ``.grad`` stays as it is here."""
-
-    def used_since_window(self) -> List[int]:
-        """Ids of the tensors whose ``.grad`` changed since the accumulation window opened
-        (and close it)."""
-
-    def shadow(self) -> bool:
-        """A joined rank's part of a synced step (uneven inputs): the step's collectives with
-        zero gradients, no tensor used; the sums dropped. Whether no rank failed."""
+    def remove(self) -> None:
+        """Take the watch's hooks off the module (its manager is gone)."""
 
 
-class CommHook(Protocol):
-    """A user's communication hook as the backend runs it (see :meth:`TensorOps.comm_hook`):
-    opaque to the core, which only launches it on a bucket."""
+class ArmedHooks:
+    """What every backend's :class:`ModuleWatch` shares: the parameter hooks (each with
+    ``remove()``) a forward armed, until :meth:`disarm` (``data_parallel``'s step calls it
+    when a recording starts)."""
 
-    def describe(self) -> str:
-        """A name for the hook, compared across ranks with the plan."""
+    def __init__(self) -> None:
+        self._armed: List[Any] = []
 
-    def launch(self, flat: Any, bucket: Any, last: bool, transport: Transport,
-               parameters: Callable[[], List[Any]]) -> Handle:
-        """Start the hook on one step's ``flat`` buffer of ``bucket`` (values, then flags, as
-        :meth:`BucketBuffer.finish` lays them out), undivided; ``wait()`` returns the buffer
-        with the values reduced as the hook says and the flags summed over the ranks.
-        ``parameters()``: the bucket's tensors in slot order."""
+    @property
+    def armed(self) -> bool:
+        return bool(self._armed)
 
-
-class ReducerPath(Protocol):
-    """How a backend's own reducer can take whole backwards over from the Python buckets."""
-
-    def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
-        """Whether it can reduce ``planned`` (checked when planning; ``attached``: every tensor
-        the manager holds, which the engine accumulates into directly on this path)."""
-
-    def still_accepts(self, planned: Sequence[Any]) -> bool:
-        """What may change between recordings without a new plan (checked at each one)."""
-
-    def build(self, plan: Any, bucket_bytes: int, first_bucket_bytes: int,
-              comm_hook: Optional[CommHook] = None) -> Reducer:
-        """A reducer over the plan's tensors (collective: every rank builds one together),
-        reducing each bucket with ``comm_hook`` where given."""
-
-
-class PostBackwardPath(Protocol):
-    """When a data-parallel step runs its backward with no per-tensor hook and gradmgr reduces
-    ``.grad`` after it (see :mod:`gradmgr.distributed.reduce.post_backward`): a backward traced into
-    a graph (PyTorch's compiled autograd), where each Python hook would break the graph."""
-
-    def wanted(self) -> bool:
-        """Whether backwards run now want no per-tensor hook (PyTorch: compiled autograd is
-        on). Asked at every recording of a data-parallel manager, so it must be cheap."""
-
-    def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
-        """Whether the engine can accumulate into ``.grad`` of ``attached`` itself and gradmgr
-        reduce ``planned`` afterwards (checked when planning)."""
-
-    def still_accepts(self, planned: Sequence[Any]) -> bool:
-        """What may change between recordings without a new plan (checked at each step that
-        wants this path)."""
+    def disarm(self) -> None:
+        armed, self._armed = self._armed, []
+        for hook in armed:
+            hook.remove()
 
 
 class JoinSupport(Protocol):
@@ -409,22 +379,30 @@ class TensorOps:
         return value
 
     # ------------------------------------------------------------- the module (data_parallel)
+    def idioms(self) -> Idioms:
+        """This framework's words for what the core's messages name (the refusal of a
+        backward after a forward outside ``with gm:``, see :meth:`watch_forwards`; a sharded
+        optimizer's checkpoint habits). The default, :data:`NEUTRAL_IDIOMS`, describes them
+        in no framework's words."""
+        return NEUTRAL_IDIOMS
+
     def wrapper_problem(self, module: Any) -> Optional[str]:
         """Why ``data_parallel(module)`` must refuse ``module`` (a phrase saying what to pass
         instead): it is the framework's own data-parallel wrapper, which would reduce every
         gradient a second time. None (the default): nothing known against it."""
         return None
 
-    def watch_forwards(self, module: Any, refusal: Callable[[], Optional[str]]) -> Any:
+    def watch_forwards(self, module: Any,
+                       refusal: Callable[[], Optional[str]]) -> Optional[ModuleWatch]:
         """Watch every forward of ``module``: one run with gradients enabled inside the
         framework's own data-parallel wrapper raises at once (a second reducer); after one
         run with gradients enabled, ``refusal()`` is called, and where it returns a message,
         a backward that accumulates the gradient of the module's parameters (into ``.grad``)
         raises ``RuntimeError(message)`` before writing any (one that only returns them, as
-        ``torch.autograd.grad``, passes; the watch is then ``armed``), until
+        :attr:`Idioms.grad_call` does, passes; the watch is then ``armed``), until
         ``disarm()``. ``refusal`` is held weakly (a bound method). Returns the watch
-        (``armed``, ``disarm()``, ``remove()``), or None (the default: the framework has no
-        forward hooks)."""
+        (a :class:`ModuleWatch`), or None (the default: the framework has no forward
+        hooks)."""
         return None
 
     def hook_parameter_reads(self, module: Any, wait_for: Callable[[Sequence[Any]], None],
@@ -480,5 +458,6 @@ class TensorOps:
         return None
 
 
-__all__ = ["BucketBuffer", "CommHook", "Done", "Handle", "JoinSupport", "ReducerPath", "Reducer",
-           "PostBackwardPath", "ShardingTransport", "TensorOps", "Transport"]
+__all__ = ["ArmedHooks", "BucketBuffer", "CommHook", "Done", "Handle", "Idioms", "JoinSupport",
+           "ModuleWatch", "NEUTRAL_IDIOMS", "PostBackwardPath", "RANK_FAILED", "Reducer",
+           "ReducerPath", "ShardingTransport", "TensorOps", "Transport"]

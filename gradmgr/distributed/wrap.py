@@ -13,15 +13,15 @@ from ..registry import backend_for
 from .broadcasting import broadcast, broadcast_tensors
 from .consistency import (
     RECORDINGS,
-    STEPS,
     CheckTerms,
     PlanCheck,
     every_rank,
     names_from,
     plan_fingerprint,
+    step_terms,
     verify_mode,
 )
-from .contract import TensorOps
+from .contract import NEUTRAL_IDIOMS, ArmedHooks, ModuleWatch, TensorOps  # ArmedHooks: for backends
 from .errors import RankMismatchError, RanksOutOfStepError
 from .join.joinable import DataParallelManager
 from .join.joining import Joining
@@ -57,11 +57,13 @@ def data_parallel(
     with an allreduce callback, and (with ``broadcast_buffers``) rank ``src``'s buffers are
     broadcast again when a synced recording ends (not one inside a :func:`no_sync`
     accumulation window): the values DDP broadcasts at the next forward, an evaluation's too.
-    Where the backend watches forwards (PyTorch), a forward inside a DDP wrapper raises
-    ``RuntimeError`` (two reducers), and so does, after a forward run with gradients enabled
-    outside a recording, a backward that writes the module's ``.grad`` (``loss.backward()``
-    without ``with gm:``; ``torch.autograd.grad`` writes none and gives this rank's gradients,
-    as under DDP).
+    Where the backend watches forwards (PyTorch, Paddle), after a forward run with gradients
+    enabled outside a recording, a backward that writes the module's ``.grad`` raises
+    ``RuntimeError`` (``loss.backward()`` without ``with gm:``; the framework's functional
+    gradient call, ``torch.autograd.grad`` or ``paddle.grad``, writes none and gives this
+    rank's gradients, as under DDP), in the framework's words (``TensorOps.idioms``; Paddle
+    hands it back inside its ``OSError``); on PyTorch a forward inside a DDP wrapper raises
+    ``RuntimeError`` too (two reducers).
 
     Before broadcasting, the ranks compare their modules (every parameter and buffer, in
     order, with its shape and dtype) and ``shard=``: where they differ, every rank raises
@@ -130,7 +132,7 @@ def data_parallel(
         broadcast_tensors(shared, backend, src, group, transport)
     gm = DataParallelManager()
     ops = _tensor_ops(params, backend)
-    step = _Step(gm, module, broadcast_buffers, src, group, transport)
+    step = _Step(gm, module, broadcast_buffers, src, group, transport, ops)
     gm.register_record_callback(step.check_module)  # before any collective of the step
     support = ops.join_support() if ops is not None else None
     if support is not None:  # uneven inputs: its record callback comes before the step's
@@ -170,7 +172,7 @@ def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: Verify
     if ops is not None:  # FSDP2's parameters now: wrapping replaced them
         sharding.check = full_shard_check(ops, resolve_transport(None, backend, None), module,
                                           list(module.parameters()), verify)
-    step = _Step(gm, module, broadcast_buffers, src, None, None)
+    step = _Step(gm, module, broadcast_buffers, src, None, None, ops)
     gm.register_record_callback(step.record)
     gm.register_backward_error_callback(step.backward_failed)
     gm.register_release_callback(step.release)
@@ -276,7 +278,7 @@ def _refuse_modules_that_differ(module: Any, tensors: List[Any], backend: Any, g
                           names_from(module))
     # The check group is made here, in the checking path's terms: its errors (a rank that
     # never comes to make it) are the path's, which under full sharding are recordings.
-    _open_checks(chosen, RECORDINGS if shard == "full" else STEPS)
+    _open_checks(chosen, RECORDINGS if shard == "full" else step_terms(ops))
 
 
 _MIXED = (
@@ -343,12 +345,13 @@ def _open_checks(transport: Any, terms: CheckTerms) -> None:
 _FORGOTTEN = (
     "data_parallel(): a backward writes the model's .grad after a forward that ran with "
     "gradients enabled outside `with gm:` (loss.backward(), typed by habit after dropping "
-    "DDP?): it would compute this rank's gradients only, so the ranks' gradients, and then "
-    "their parameters, would differ. Run the forward and gm.backward(loss) inside the recording: "
-    "`with gm: gm.backward(loss_fn(model(x), y))`. (A forward for evaluation: under "
-    "torch.no_grad(), or simply never backwarded, is fine; so is torch.autograd.grad, which "
-    "writes no .grad and gives this rank's gradients, as under DDP.)"
+    "{idioms.wrapper}?): it would compute this rank's gradients only, so the ranks' gradients, "
+    "and then their parameters, would differ. Run the forward and gm.backward(loss) inside the "
+    "recording: `with gm: gm.backward(loss_fn(model(x), y))`. (A forward for evaluation: under "
+    "{idioms.no_grad}, or simply never backwarded, is fine; so is {idioms.grad_call}, which "
+    "writes no .grad and gives this rank's gradients, as under {idioms.wrapper}.)"
 )
+"""In the words of the model's framework (``TensorOps.idioms``)."""
 
 
 _CHANGED = (
@@ -359,24 +362,6 @@ _CHANGED = (
     "(`del gm`), then `gm = data_parallel(model)` on every rank (it broadcasts rank src's "
     "new weights) and a new optimizer over model.parameters()"
 )
-
-
-class ArmedHooks:
-    """What every backend's watch of a module's forwards shares (``TensorOps.watch_forwards``):
-    the parameter hooks (each with ``remove()``) a forward armed, until :meth:`disarm`
-    (:class:`_Step` calls it when a recording starts)."""
-
-    def __init__(self) -> None:
-        self._armed: List[Any] = []
-
-    @property
-    def armed(self) -> bool:
-        return bool(self._armed)
-
-    def disarm(self) -> None:
-        armed, self._armed = self._armed, []
-        for hook in armed:
-            hook.remove()
 
 
 class _Step:
@@ -396,14 +381,15 @@ class _Step:
     (until the next recording starts)."""
 
     def __init__(self, gm: DataParallelManager, module: Any, buffers: bool, src: int,
-                 group: Any, transport: TransportSpec) -> None:
+                 group: Any, transport: TransportSpec, ops: Optional[TensorOps]) -> None:
         self._gm = weakref.ref(gm)
+        self._forgotten = _FORGOTTEN.format(idioms=NEUTRAL_IDIOMS if ops is None else ops.idioms())
         self._module = module if buffers else None
         self._src, self._group, self._transport = src, group, transport
         self._synced = False  # the recording started outside no_sync
         self._failed = False  # its backward raised
         self._alone = False  # with RanksOutOfStepError
-        self.watch: Any = None  # the backend's watch of the module's forwards, if any
+        self.watch: Optional[ModuleWatch] = None  # the backend's, where it watches forwards
 
     def record(self) -> None:
         watch = self.watch
@@ -447,7 +433,7 @@ class _Step:
     def refusal(self) -> Optional[str]:
         """After a forward with gradients enabled: refuse its backward outside a recording."""
         gm = self._gm()
-        return None if gm is None or gm.is_recording else _FORGOTTEN
+        return None if gm is None or gm.is_recording else self._forgotten
 
 
 __all__: List[str] = ["ArmedHooks", "data_parallel"]

@@ -8,7 +8,10 @@ import megengine
 import megengine.functional as F
 import numpy as np
 
-from gradmgr.distributed.contract import TensorOps
+from gradmgr.distributed.contract import Idioms, TensorOps
+
+# MegEngine has no no-gradient context nor data-parallel wrapper: their descriptions stay neutral
+IDIOMS = Idioms(save="megengine.save")
 
 
 class MegEngineOps(TensorOps):
@@ -94,6 +97,9 @@ class MegEngineOps(TensorOps):
         if grad is not None and np.dtype(grad.dtype) != np.dtype(segment.dtype):
             grad = grad.astype(segment.dtype)
         segment.grad = grad
+
+    def idioms(self) -> Idioms:
+        return IDIOMS
 
     def optimizer_base(self) -> Optional[type]:
         from .sharded_base import MegEngineShardedBase

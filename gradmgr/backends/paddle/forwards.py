@@ -17,18 +17,7 @@ from typing import Any, Callable, Optional
 
 import paddle
 
-from gradmgr.distributed.wrap import ArmedHooks
-
-# The refusal is worded for PyTorch; these are its Paddle names.
-_PADDLE_NAMES = (("torch.no_grad()", "paddle.no_grad()"), ("torch.autograd.grad", "paddle.grad"),
-                 ("dropping DDP", "dropping paddle.DataParallel"))
-
-
-def paddle_wording(message: str) -> str:
-    """``message`` with PyTorch's names of no_grad, autograd.grad and DDP as Paddle's."""
-    for torch_name, paddle_name in _PADDLE_NAMES:
-        message = message.replace(torch_name, paddle_name)
-    return message
+from gradmgr.distributed.contract import ArmedHooks
 
 
 def _refuse(message: str, grad: Any) -> None:
@@ -51,7 +40,7 @@ class ForwardWatch(ArmedHooks):
         refusal = self._refusal()
         message = None if refusal is None else refusal()
         if message is not None:
-            refuse = functools.partial(_refuse, paddle_wording(message))
+            refuse = functools.partial(_refuse, message)
             self._armed = [p.register_hook(refuse) for p in layer.parameters()
                            if not p.stop_gradient]
 

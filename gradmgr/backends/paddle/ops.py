@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import paddle
 
-from gradmgr.distributed.contract import TensorOps
+from gradmgr.distributed.contract import Idioms, TensorOps
 
 NO_SHARDING = (
     "gradmgr shards Paddle models in no way yet (ZeRO-2 data_parallel(shard=True), "
@@ -21,6 +21,10 @@ FP16_ON_GLOO = (
     "wrongly (1 + 2 gives inf, measured), so gradmgr refuses it; use compression='bf16' "
     "(summed correctly), or none"
 )
+
+
+IDIOMS = Idioms(no_grad="paddle.no_grad()", grad_call="paddle.grad",
+                wrapper="paddle.DataParallel", save="paddle.save")
 
 
 def _memory(grad: Any) -> Optional[int]:
@@ -115,6 +119,9 @@ class PaddleOps(TensorOps):
 
     def sum_squares(self, tensors: Sequence[Any]) -> float:
         return float(sum(float((t.astype("float32") ** 2).sum()) for t in tensors))
+
+    def idioms(self) -> Idioms:
+        return IDIOMS
 
     def wrapper_problem(self, module: Any) -> Optional[str]:
         return DATA_PARALLEL_WRAPPER if isinstance(module, paddle.DataParallel) else None

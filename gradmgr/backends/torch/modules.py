@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
-from gradmgr.distributed.wrap import ArmedHooks
+from gradmgr.distributed.contract import ArmedHooks
 
 from .full_shard import wrapped_here
 

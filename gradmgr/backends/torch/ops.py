@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from gradmgr.distributed.contract import PostBackwardPath, ReducerPath, TensorOps
+from gradmgr.distributed.contract import Idioms, PostBackwardPath, ReducerPath, TensorOps
 
 from .grads import any_present, storage_unshared
 from .shard_grad import ShardedGradient, stand_in_grad
@@ -17,6 +17,8 @@ from .shard_grad import ShardedGradient, stand_in_grad
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
+IDIOMS = Idioms(no_grad="torch.no_grad()", grad_call="torch.autograd.grad", wrapper="DDP",
+                save="torch.save")
 
 
 class TorchOps(TensorOps):
@@ -201,6 +203,9 @@ class TorchOps(TensorOps):
 
     def scalar_like_state(self, value: float, like: Any) -> Any:
         return torch.tensor(value, dtype=torch.float32)
+
+    def idioms(self) -> Idioms:
+        return IDIOMS
 
     def wrapper_problem(self, module: Any) -> Optional[str]:
         from .modules import wrapper_problem

@@ -9,8 +9,9 @@ import threading
 from typing import Any, List, Optional, Protocol, Sequence, Set, Tuple
 
 from ...future import Future
-from ..contract import RANK_FAILED, CommHook, Handle, TensorOps, Transport
+from ..contract import Handle, TensorOps, Transport
 from ..errors import RankFailedError
+from ..reducing import RANK_FAILED, CommHook
 from .bucket import BucketPlan
 
 

@@ -17,9 +17,10 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
 
 from ...manager import attach_epoch
 from ..broadcasting import broadcast
-from ..consistency import NameOf, PlanCheck
-from ..contract import CommHook, PostBackwardPath, Reducer, ReducerPath, TensorOps, Transport
+from ..consistency import NameOf, PlanCheck, step_terms
+from ..contract import TensorOps, Transport
 from ..errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
+from ..reducing import CommHook, PostBackwardPath, Reducer, ReducerPath
 from ..sharded.sharding import GradientShards, ShardReduction, ShardWire
 from ..transport import control_transport, resolve_transport
 from .bucket import BucketPlan
@@ -234,7 +235,7 @@ class Synchronizer:
         if self.transport is None:
             self.transport = resolve_transport(options.transport_spec, self.backend,
                                                options.group)
-            self.checks = control_transport(self.transport)
+            self.checks = control_transport(self.transport, step_terms(ops))
             if self.comm_hook is not None:
                 self.wire = HookWire(ops, self.transport, self.comm_hook)
             else:

@@ -44,24 +44,26 @@ from .sharding import Segment, own_segments
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 _SERIALS = itertools.count()  # the ranks make their ShardedOptimizers in the same order
+# In the framework's words ({idioms.save}: TensorOps.idioms)
 _ALONE = (
     "ShardedOptimizer.state_dict() gathers every rank's slices of the optimizer state, so every "
     "rank calls it, and rank {rank} called it while not every rank did within half the "
-    "process group's timeout (the `if rank == 0: torch.save(opt.state_dict(), path)` habit of DDP "
-    "scripts?). Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
-    "torch.save(state, path)`. Nothing was communicated: the process group is as it was"
+    "process group's timeout (the `if rank == 0: {idioms.save}(opt.state_dict(), path)` habit "
+    "of data-parallel scripts?). Write `state = opt.state_dict()` on every rank, then `if rank "
+    "== 0: {idioms.save}(state, path)`. Nothing was communicated: the process group is as it was"
 )
-_WAITING = (
+_WAITING = (  # {{seconds}}: the transport's, once it knows how long it waits
     "ShardedOptimizer.state_dict() on rank {rank} waits for the other ranks: it gathers every "
     "rank's slices of the optimizer state, so every rank calls it. Where the others do not "
-    "(the `if rank == 0: torch.save(opt.state_dict(), path)` habit of DDP scripts?), this "
-    "rank raises RuntimeError in {seconds:.0f} s, having communicated nothing. Write `state = "
-    "opt.state_dict()` on every rank, then `if rank == 0: torch.save(state, path)`"
+    "(the `if rank == 0: {idioms.save}(opt.state_dict(), path)` habit of data-parallel "
+    "scripts?), this rank raises RuntimeError in {{seconds:.0f}} s, having communicated "
+    "nothing. Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
+    "{idioms.save}(state, path)`"
 )
 _NOT_TO = (
     "ShardedOptimizer.state_dict() on rank {rank} after consolidate_state_dict(to={to}): as "
     "with ZeroRedundancyOptimizer, only rank {to} holds the consolidated state, until the next "
-    "step. Write `if rank == {to}: torch.save(opt.state_dict(), path)`, or, without "
+    "step. Write `if rank == {to}: {idioms.save}(opt.state_dict(), path)`, or, without "
     "consolidate_state_dict, `state = opt.state_dict()` on every rank"
 )
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
@@ -365,7 +367,8 @@ class ShardedOptimizer:
         if self._consolidated is not None:
             to, full = self._consolidated
             if self._rank != to:
-                raise RuntimeError(_NOT_TO.format(rank=self._rank, to=to))
+                raise RuntimeError(_NOT_TO.format(rank=self._rank, to=to,
+                                                  idioms=self._ops.idioms()))
             return {"state": dict(full), "param_groups": self._groups()}
         self._every_rank_here()
         return {"state": self._full_state(), "param_groups": self._groups()}
@@ -415,8 +418,9 @@ class ShardedOptimizer:
         if arrive is None or self._world < 2:
             return
         key = f"sharded/{self._serial}/state_dict/{self._gathered}"
-        if arrive(key, _WAITING.replace("{rank}", str(self._rank))) is False:
-            raise RuntimeError(_ALONE.format(rank=self._rank))
+        idioms = self._ops.idioms()
+        if arrive(key, _WAITING.format(rank=self._rank, idioms=idioms)) is False:
+            raise RuntimeError(_ALONE.format(rank=self._rank, idioms=idioms))
         self._gathered += 1  # a meeting that failed is tried again under its key
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, List, NamedTuple, Optional, Sequence
 
-from ..contract import RANK_FAILED, Done, Handle, TensorOps, Transport
+from ..contract import Done, Handle, TensorOps, Transport
 from ..errors import RankFailedError
 from ..reduce.bucket import BucketPlan
 from ..reduce.steps import Wire
+from ..reducing import RANK_FAILED
 
 
 class BufferPool:
