@@ -225,6 +225,67 @@ def test_callbacks_run_in_the_order_paddles_backward_runs_leaf_hooks():
     assert ours == native
 
 
+def _split_outputs(model: paddle.nn.Layer, x: paddle.Tensor) -> tuple:
+    """Two outputs of one operation, which share its grad node, and a seed for each."""
+    y1, y2 = paddle.split(model(x), 2, axis=1)
+    return [y1, y2], [paddle.ones_like(y1), paddle.full_like(y2, 2.0)]
+
+
+def test_callbacks_follow_the_engine_when_two_outputs_share_their_node():
+    """``backward([y1, y2], [dy1, dy2])`` of two outputs of one ``paddle.split``: the callbacks
+    run in the order ``paddle.autograd.backward`` of the same outputs runs leaf hooks, on the
+    same gradients, bit for bit. (order.py counted the shared node's edges once per output,
+    so no node below it became ready: every callback ran in the attach order.)"""
+    paddle.seed(0)
+    model = _Branchy()
+    x, _ = _batch(1)
+    params = list(model.parameters())
+    native: list = []
+    handles = [p.register_hook(lambda g, i=i: native.append(i)) for i, p in enumerate(params)]
+    paddle.autograd.backward(*_split_outputs(model, x))
+    for handle in handles:
+        handle.remove()
+    native_grads = [p.grad.numpy() for p in params]
+    model.clear_gradients(set_to_zero=False)
+    ours: list = []
+    gm = GradManager()
+    for i, p in enumerate(params):
+        gm.attach(p, callbacks=lambda t, g, i=i: (ours.append(i), g)[1])
+    with gm:
+        gm.backward(*_split_outputs(model, x))
+    assert len(native) == 16 and native != sorted(native)
+    assert ours == native
+    for p, want in zip(params, native_grads):
+        np.testing.assert_array_equal(p.grad.numpy(), want)
+
+
+def test_the_same_output_twice_is_refused_as_by_paddles_engine():
+    """``backward([y, y], [dy1, dy2])``: Paddle's engine refuses the same output twice
+    (``paddle.autograd.backward`` with an AssertionError, ``paddle.grad`` with "duplicate"),
+    and so does gradmgr's backward, which is one ``paddle.grad``: no callback runs, no
+    ``.grad`` is written, the manager's next backward is whole. (gradmgr on PyTorch sums the
+    two seeds there, as ``torch.autograd.backward`` does.)"""
+    model = _mlp(0)
+    x, _ = _batch(0)
+    y = model(x)
+    with pytest.raises(AssertionError, match="duplicate"):
+        paddle.autograd.backward([y, y], [paddle.ones_like(y), paddle.ones_like(y)])
+    calls: list = []
+    gm = GradManager().attach(model.parameters(), callbacks=lambda t, g: (calls.append(1), g)[1])
+    with gm:
+        y = model(x)
+        with pytest.raises(RuntimeError, match="duplicate tensor"):
+            gm.backward([y, y], [paddle.ones_like(y), paddle.ones_like(y)])
+    assert calls == [] and all(p.grad is None for p in model.parameters())
+    twin = _copy(model)
+    twin(x).sum().backward()
+    with gm:
+        gm.backward(model(x).sum())
+    assert len(calls) == 4
+    for p, q in zip(model.parameters(), twin.parameters()):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
 def test_leaf_hooks_without_callbacks_run_in_the_order_of_paddles_backward():
     """No callback, so the order is read from the graph only because the leaves have hooks
     of their own (tape.py: _order): they run in the engine's order, on the same gradients."""
