@@ -307,6 +307,32 @@ def test_leaf_hooks_without_callbacks_run_in_the_order_of_paddles_backward():
         np.testing.assert_array_equal(p.grad.numpy(), want)
 
 
+def test_leaf_hooks_registered_between_backwards_run_in_the_order_of_paddles_backward():
+    """No callback; a backward without hooks (the tape's probes see none), then a hook on each
+    parameter: the next backward runs them in the engine's order (the tape's one probe of a
+    leaf comes after the engine, and the graph is read then), on ``loss.backward()``'s
+    gradients, bit for bit."""
+    paddle.seed(0)
+    model = _Branchy()
+    x, _ = _batch(1)
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        gm.backward(model(x).sum())
+    model.clear_gradients(set_to_zero=False)
+    seen: list = []
+    for i, p in enumerate(model.parameters()):
+        p.register_hook(lambda g, i=i: (seen.append(i), g * 2)[1])
+    model(x).sum().backward()
+    native, native_grads = list(seen), [p.grad.numpy() for p in model.parameters()]
+    model.clear_gradients(set_to_zero=False)
+    seen.clear()
+    with gm:
+        gm.backward(model(x).sum())
+    assert seen == native and native != sorted(native)
+    for p, want in zip(model.parameters(), native_grads):
+        np.testing.assert_array_equal(p.grad.numpy(), want)
+
+
 def test_without_callbacks_nor_hooks_the_graph_is_not_read(monkeypatch):
     """Nothing can see the order then: the tape spares order.py's walk of the graph (about
     half of the time gradmgr adds in Python at 1,000 tensors, bench/RESULTS.md); .grad is Paddle's
@@ -348,6 +374,30 @@ def test_a_leaf_hook_registered_while_the_engine_runs_runs(use_gm):
     else:
         y.sum().backward()
     np.testing.assert_array_equal(w.grad.numpy(), [3.0, 6.0])
+
+
+@pytest.mark.parametrize("use_gm", [False, True])
+def test_a_leaf_hook_registered_by_an_earlier_leafs_hook_runs(use_gm):
+    """No callback; the last layer's weight has a hook, which registers one (x3) on the first
+    layer's weight, whose gradient the engine finishes later: it runs in this backward, as
+    under ``loss.backward()`` (the tape probes a leaf again once a hook has run), and the
+    first layer's bias, which got no hook, keeps its gradient."""
+    model, x, labels = _mlp(0), *_batch(0)
+    twin = _copy(model)
+    paddle.nn.functional.cross_entropy(twin(x), labels).backward()
+    first = model[0].weight
+    model[2].weight.register_hook(lambda g: (first.register_hook(lambda gw: gw * 3), g)[1])
+    loss = paddle.nn.functional.cross_entropy(model(x), labels)
+    if use_gm:
+        gm = GradManager().attach(model.parameters())
+        with gm:
+            gm.backward(loss)
+    else:
+        loss.backward()
+    want = [q.grad.numpy() for q in twin.parameters()]
+    want[0] = want[0] * 3  # x3 of a float32: the same rounding on both sides
+    for p, w in zip(model.parameters(), want):
+        np.testing.assert_array_equal(p.grad.numpy(), w)
 
 
 def test_a_nonleaf_grad_owns_its_storage():

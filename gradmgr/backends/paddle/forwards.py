@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
+from types import FrameType
 from typing import Any, Callable, Optional
 
 import paddle
@@ -45,7 +46,7 @@ def _inside_data_parallel(layer: Any) -> bool:
     """A ``paddle.DataParallel`` around ``layer`` (or around a layer holding it) is running its
     forward. Paddle marks no running wrapper (torch's DDP does), so its frame on the stack
     tells; looked for once per forward of the watched layer, a walk of the stack's frames."""
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _DATA_PARALLEL_FORWARD:
             inner = getattr(frame.f_locals.get("self"), "_layers", None)
