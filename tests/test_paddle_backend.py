@@ -288,7 +288,7 @@ def test_the_same_output_twice_is_refused_as_by_paddles_engine():
 
 def test_leaf_hooks_without_callbacks_run_in_the_order_of_paddles_backward():
     """No callback, so the order is read from the graph only because the leaves have hooks
-    of their own (tape.py: _order): they run in the engine's order, on the same gradients."""
+    of their own (tape.py: _deliver): they run in the engine's order, on the same gradients."""
     paddle.seed(0)
     model = _Branchy()
     x, _ = _batch(1)
@@ -360,9 +360,9 @@ def test_without_callbacks_nor_hooks_the_graph_is_not_read(monkeypatch):
 
 @pytest.mark.parametrize("use_gm", [False, True])
 def test_a_leaf_hook_registered_while_the_engine_runs_runs(use_gm):
-    """No callback and no hook when the backward starts (the tape does not read the graph);
-    a non-leaf's hook registers one on the leaf while the engine runs: it runs, as under
-    ``loss.backward()`` (x3 on ``[1, 2]``: exact in float32)."""
+    """No callback and no hook when the backward starts; a non-leaf's hook registers one on
+    the leaf while the engine runs: the tape's probe after the engine sees it, and it runs,
+    as under ``loss.backward()`` (x3 on ``[1, 2]``: exact in float32)."""
     w = paddle.create_parameter([2], "float32",
                                 default_initializer=paddle.nn.initializer.Constant(1.0))
     y = paddle.to_tensor([1.0, 2.0]) * w

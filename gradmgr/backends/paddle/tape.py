@@ -87,7 +87,7 @@ class PaddleTape(Tape):
     def watch(self, tensor: Any, sink: GradSink, eager: bool) -> None:
         # ``eager`` cannot be honoured: paddle.grad runs no hooks on leaves (_deliver runs a
         # leaf's own afterwards), so every sink is called after the engine, in the order it
-        # finished the gradients (order.py) where that order can be seen (_order).
+        # finished the gradients (order.py) where that order can be seen (_deliver).
         key = id(tensor)
         entry = self._watched.get(key)
         if entry is None or entry.tensor() is not tensor:  # new, or a dead tensor's id reused
