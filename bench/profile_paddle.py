@@ -37,6 +37,7 @@ from gradmgr import delivery as gm_delivery  # noqa: E402
 from gradmgr.backends.paddle import leaf_hooks, split, tape  # noqa: E402
 
 PHASES: Dict[str, float] = {}
+ALL, ENGINE = "tape.backward, all", "  engine_run: paddle.grad + written.py"
 
 
 def _timed(name: str, fn: Callable) -> Callable:
@@ -52,10 +53,10 @@ def _timed(name: str, fn: Callable) -> Callable:
 def instrument() -> None:
     """Wrap the phases of the Paddle tape (and the core's .grad writes) in timers."""
     cls = tape.PaddleTape
-    cls.backward = _timed("tape.backward, all", cls.backward)  # type: ignore[method-assign]
+    cls.backward = _timed(ALL, cls.backward)  # type: ignore[method-assign]
     cls._live = _timed("  _live: the live attached tensors", cls._live)  # type: ignore
     tape.ready_order = _timed("  order.py: the engine's order", tape.ready_order)
-    tape.engine_run = _timed("  engine_run: paddle.grad + written.py", tape.engine_run)
+    tape.engine_run = _timed(ENGINE, tape.engine_run)
     split.paddle = type("P", (), {"grad": staticmethod(_timed("    paddle.grad", paddle.grad))})
     cls._deliver = staticmethod(_timed("  _deliver: probes + sinks", cls._deliver))  # type: ignore
     writes = gm_delivery.Delivery.accumulate
@@ -90,7 +91,9 @@ def run(name: str, steps: int, callbacks: bool, profile: bool) -> None:
         if step >= 5:
             for key, dt in zip(times, (t1 - t0, t3 - t2, t5 - t4)):
                 times[key].append(dt)
-            phases.append(dict(PHASES))
+            # per step, so that the engine's own swings (a few ms) stay out of it
+            phases.append(dict(PHASES, **{"tape.backward less engine_run": PHASES[ALL]
+                                          - PHASES[ENGINE]}))
     probe = probe_ms(params[0])
     for a, b in zip(params[0], params[2]):
         np.testing.assert_array_equal(a.grad.numpy(), b.grad.numpy())

@@ -237,9 +237,70 @@ def test_callbacks_run_in_the_order_paddles_backward_runs_leaf_hooks():
     assert ours == native
 
 
+def _split_outputs(model: paddle.nn.Layer, x: paddle.Tensor) -> tuple:
+    """Two outputs of one operation, which share its grad node, and a seed for each."""
+    y1, y2 = paddle.split(model(x), 2, axis=1)
+    return [y1, y2], [paddle.ones_like(y1), paddle.full_like(y2, 2.0)]
+
+
+def test_callbacks_follow_the_engine_when_two_outputs_share_their_node():
+    """``backward([y1, y2], [dy1, dy2])`` of two outputs of one ``paddle.split``: the callbacks
+    run in the order ``paddle.autograd.backward`` of the same outputs runs leaf hooks, on the
+    same gradients, bit for bit. (order.py counted the shared node's edges once per output,
+    so no node below it became ready: every callback ran in the attach order.)"""
+    paddle.seed(0)
+    model = _Branchy()
+    x, _ = _batch(1)
+    params = list(model.parameters())
+    native: list = []
+    handles = [p.register_hook(lambda g, i=i: native.append(i)) for i, p in enumerate(params)]
+    paddle.autograd.backward(*_split_outputs(model, x))
+    for handle in handles:
+        handle.remove()
+    native_grads = [p.grad.numpy() for p in params]
+    model.clear_gradients(set_to_zero=False)
+    ours: list = []
+    gm = GradManager()
+    for i, p in enumerate(params):
+        gm.attach(p, callbacks=lambda t, g, i=i: (ours.append(i), g)[1])
+    with gm:
+        gm.backward(*_split_outputs(model, x))
+    assert len(native) == 16 and native != sorted(native)
+    assert ours == native
+    for p, want in zip(params, native_grads):
+        np.testing.assert_array_equal(p.grad.numpy(), want)
+
+
+def test_the_same_output_twice_is_refused_as_by_paddles_engine():
+    """``backward([y, y], [dy1, dy2])``: Paddle's engine refuses the same output twice
+    (``paddle.autograd.backward`` with an AssertionError, ``paddle.grad`` with "duplicate"),
+    and so does gradmgr's backward, which is one ``paddle.grad``: no callback runs, no
+    ``.grad`` is written, the manager's next backward is whole. (gradmgr on PyTorch sums the
+    two seeds there, as ``torch.autograd.backward`` does.)"""
+    model = _mlp(0)
+    x, _ = _batch(0)
+    y = model(x)
+    with pytest.raises(AssertionError, match="duplicate"):
+        paddle.autograd.backward([y, y], [paddle.ones_like(y), paddle.ones_like(y)])
+    calls: list = []
+    gm = GradManager().attach(model.parameters(), callbacks=lambda t, g: (calls.append(1), g)[1])
+    with gm:
+        y = model(x)
+        with pytest.raises(RuntimeError, match="duplicate tensor"):
+            gm.backward([y, y], [paddle.ones_like(y), paddle.ones_like(y)])
+    assert calls == [] and all(p.grad is None for p in model.parameters())
+    twin = _copy(model)
+    twin(x).sum().backward()
+    with gm:
+        gm.backward(model(x).sum())
+    assert len(calls) == 4
+    for p, q in zip(model.parameters(), twin.parameters()):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
 def test_leaf_hooks_without_callbacks_run_in_the_order_of_paddles_backward():
     """No callback, so the order is read from the graph only because the leaves have hooks
-    of their own (tape.py: _order): they run in the engine's order, on the same gradients."""
+    of their own (tape.py: _deliver): they run in the engine's order, on the same gradients."""
     paddle.seed(0)
     model = _Branchy()
     x, _ = _batch(1)
@@ -251,6 +312,32 @@ def test_leaf_hooks_without_callbacks_run_in_the_order_of_paddles_backward():
     model.clear_gradients()
     seen.clear()
     gm = GradManager().attach(model.parameters())
+    with gm:
+        gm.backward(model(x).sum())
+    assert seen == native and native != sorted(native)
+    for p, want in zip(model.parameters(), native_grads):
+        np.testing.assert_array_equal(p.grad.numpy(), want)
+
+
+def test_leaf_hooks_registered_between_backwards_run_in_the_order_of_paddles_backward():
+    """No callback; a backward without hooks (the tape's probes see none), then a hook on each
+    parameter: the next backward runs them in the engine's order (the tape's one probe of a
+    leaf comes after the engine, and the graph is read then), on ``loss.backward()``'s
+    gradients, bit for bit."""
+    paddle.seed(0)
+    model = _Branchy()
+    x, _ = _batch(1)
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        gm.backward(model(x).sum())
+    model.clear_gradients(set_to_zero=False)
+    seen: list = []
+    for i, p in enumerate(model.parameters()):
+        p.register_hook(lambda g, i=i: (seen.append(i), g * 2)[1])
+    model(x).sum().backward()
+    native, native_grads = list(seen), [p.grad.numpy() for p in model.parameters()]
+    model.clear_gradients(set_to_zero=False)
+    seen.clear()
     with gm:
         gm.backward(model(x).sum())
     assert seen == native and native != sorted(native)
@@ -285,9 +372,9 @@ def test_without_callbacks_nor_hooks_the_graph_is_not_read(monkeypatch):
 
 @pytest.mark.parametrize("use_gm", [False, True])
 def test_a_leaf_hook_registered_while_the_engine_runs_runs(use_gm):
-    """No callback and no hook when the backward starts (the tape does not read the graph);
-    a non-leaf's hook registers one on the leaf while the engine runs: it runs, as under
-    ``loss.backward()`` (x3 on ``[1, 2]``: exact in float32)."""
+    """No callback and no hook when the backward starts; a non-leaf's hook registers one on
+    the leaf while the engine runs: the tape's probe after the engine sees it, and it runs,
+    as under ``loss.backward()`` (x3 on ``[1, 2]``: exact in float32)."""
     w = paddle.create_parameter([2], "float32",
                                 default_initializer=paddle.nn.initializer.Constant(1.0))
     y = paddle.to_tensor([1.0, 2.0]) * w
@@ -299,6 +386,30 @@ def test_a_leaf_hook_registered_while_the_engine_runs_runs(use_gm):
     else:
         y.sum().backward()
     np.testing.assert_array_equal(w.grad.numpy(), [3.0, 6.0])
+
+
+@pytest.mark.parametrize("use_gm", [False, True])
+def test_a_leaf_hook_registered_by_an_earlier_leafs_hook_runs(use_gm):
+    """No callback; the last layer's weight has a hook, which registers one (x3) on the first
+    layer's weight, whose gradient the engine finishes later: it runs in this backward, as
+    under ``loss.backward()`` (the tape probes a leaf again once a hook has run), and the
+    first layer's bias, which got no hook, keeps its gradient."""
+    model, x, labels = _mlp(0), *_batch(0)
+    twin = _copy(model)
+    paddle.nn.functional.cross_entropy(twin(x), labels).backward()
+    first = model[0].weight
+    model[2].weight.register_hook(lambda g: (first.register_hook(lambda gw: gw * 3), g)[1])
+    loss = paddle.nn.functional.cross_entropy(model(x), labels)
+    if use_gm:
+        gm = GradManager().attach(model.parameters())
+        with gm:
+            gm.backward(loss)
+    else:
+        loss.backward()
+    want = [q.grad.numpy() for q in twin.parameters()]
+    want[0] = want[0] * 3  # x3 of a float32: the same rounding on both sides
+    for p, w in zip(model.parameters(), want):
+        np.testing.assert_array_equal(p.grad.numpy(), w)
 
 
 def test_a_nonleaf_grad_owns_its_storage():

@@ -225,6 +225,26 @@ def test_what_the_paddle_path_cannot_do_raises_on_every_rank(ranks):
         assert "(net._layers)" in errors["wrapper"], rank
 
 
+def test_a_paddle_data_parallel_built_after_data_parallel_is_refused_at_its_forward(ranks):
+    """``gm = data_parallel(model); wrapper = paddle.DataParallel(model)``, training through
+    the wrapper with a ``register_hook`` on a parameter: on the old code step 0's gradients were
+    right and step 1's forward failed inside Paddle's reducer (PreconditionNotMet, on every
+    rank). Now the first forward through the wrapper raises gradmgr's refusal on every rank,
+    before any ``.grad`` is written, and a step through the model itself is whole: the mean
+    gradient of rank 0's ``sgd`` step 0, the hooked weight's doubled (exact), bit for bit."""
+    for rank, out in enumerate(ranks):
+        got = out["wrapped_after"]
+        for step, error in enumerate(got["errors"]):
+            assert (error or "").startswith(
+                "RuntimeError: data_parallel(): this layer's forward runs inside a "
+                "paddle.DataParallel's forward"), (rank, step, error)
+        assert "call model(x) itself" in got["errors"][0], rank
+        assert got["grads_after"] == [None] * 4, rank
+        want = ranks[0]["sgd"]["ours"]["grads"][0]
+        for i, (a, b) in enumerate(zip(got["grads"], want)):
+            np.testing.assert_array_equal(a, b * 2 if i == 2 else b, err_msg=f"{rank} [{i}]")
+
+
 def test_the_example_of_docs_paddle_md_trains_alike_on_both_ranks(ranks):
     assert [out["example"] for out in ranks] == ["ran", "ran"]  # its fit() asserts the rest
 

@@ -209,6 +209,35 @@ def refusals(rank: int, world: int) -> dict:
     return errors
 
 
+def wrapped_after(rank: int, world: int) -> dict:
+    """``paddle.DataParallel(model)`` built after ``data_parallel(model)``, a ``register_hook``
+    (x2) on ``2.weight``, two steps through the wrapper inside the recording: what each step
+    raised (on the old code step 1's forward failed in Paddle's reducer, step 0 gave the right
+    gradients); then a step through the model itself."""
+    import paddle
+
+    from gradmgr.distributed import data_parallel
+
+    model = net(rank)
+    gm = data_parallel(model)
+    wrapper = paddle.DataParallel(model)
+    model[2].weight.register_hook(lambda grad: grad * 2)
+    out: dict = {"errors": []}
+    for step in range(2):
+        try:
+            with gm:
+                gm.backward(loss_of(wrapper, *local(step, rank, world)))
+            out["errors"].append(None)
+        except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+            out["errors"].append(f"{type(e).__name__}: {e}")
+        out.setdefault("grads_after", grads(model))
+        model.clear_gradients(set_to_zero=False)
+    with gm:
+        gm.backward(loss_of(model, *local(0, rank, world)))
+    out["grads"] = grads(model)
+    return out
+
+
 def one_rank_fails(rank: int, world: int) -> dict:
     """Rank 1's forward raises inside the recording (no backward there); rank 0's backward
     must raise RankFailedError and leave .grad as it was; the next step is a normal one."""
@@ -258,6 +287,7 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
                     "paddle": attached_input(rank, world, False)}
     out["by_hand"] = {"ours": by_hand(rank, world), "paddle": out["sgd"]["paddle"]}
     out["refusals"] = refusals(rank, world)
+    out["wrapped_after"] = wrapped_after(rank, world)
     out["one_fails"] = one_rank_fails(rank, world)
     out["mismatch"] = mismatch(rank, world)
     from . import paddle_habits  # (it imports this module)

@@ -39,6 +39,8 @@ class HookProbe:
         self.hooked = False
 
     def may_have_hooks(self, leaf: Any) -> bool:
+        if self.hooked:
+            return True  # for good: no probe needed (Paddle cannot tell that all were removed)
         count = registrations(leaf)
         if count != (0 if self.next_id is None else self.next_id):
             self.hooked = True  # another registration (or another tape's probe): run them

@@ -26,7 +26,8 @@ def _consumers(roots: List[Any]) -> tuple:
     the graph reach each node, by key."""
     children: Dict[int, List[int]] = {}
     parents: Dict[int, int] = {}
-    stack = [(_key(root), root) for root in roots]
+    # once per node: outputs of one operation share its node, whose edges count once
+    stack = list({_key(root): root for root in roots}.items())
     seen = {key for key, _ in stack}
     while stack:
         key, node = stack.pop()

@@ -13,7 +13,8 @@ import paddle
 
 from . import written
 
-Deliver = Callable[[List[Any], Sequence[Optional[Any]], List[int]], None]
+# (outputs, entries, tensors, their gradients): the tape's delivery after an engine run
+Deliver = Callable[[List[Any], List[Any], List[Any], Sequence[Optional[Any]]], None]
 
 
 def engine_run(outs: List[Any], seeds: List[Any], tensors: List[Any],
@@ -30,9 +31,9 @@ class Rest:
     differentiates and the outputs until then (the recording has ended)."""
 
     def __init__(self, outs: List[Any], seeds: List[Any], entries: List[Any], tensors: List[Any],
-                 order: List[int], deliver: Deliver, retain_graph: bool) -> None:
+                 deliver: Deliver, retain_graph: bool) -> None:
         self._outs, self._seeds, self._entries = outs, seeds, entries
-        self._tensors, self._order, self._deliver = tensors, order, deliver
+        self._tensors, self._deliver = tensors, deliver
         self._retain = retain_graph
 
     def run(self, may_accumulate: bool, retain_graph: bool = False) -> None:
@@ -40,9 +41,9 @@ class Rest:
         ``retain_graph``: keep the graph for another backward."""
         grads = engine_run(self._outs, self._seeds, self._tensors,
                            retain_graph or self._retain)
-        entries, order, deliver = self._entries, self._order, self._deliver
+        outs, entries, tensors, deliver = self._outs, self._entries, self._tensors, self._deliver
         self.release()
-        deliver(entries, grads, order)
+        deliver(outs, entries, tensors, grads)
 
     def release(self) -> None:
         """Let go of the outputs, the seeds and the tensors."""

@@ -57,17 +57,10 @@ class _Watched:
         self.lifted = False
         self.hooks = HookProbe()
 
-    def may_see_order(self, tensor: Any) -> bool:
-        """Whether the order of the deliveries shows here: a callback runs in the sink, or
-        the leaf may have hooks of its own (they run in the sinks' order)."""
-        return self.eager or (tensor.is_leaf and self.hooks.may_have_hooks(tensor))
-
-    def hooked(self, grad: Any) -> Any:
-        """``grad`` after the leaf's own hooks, which ``paddle.grad`` did not run."""
-        tensor = self.tensor()
-        if tensor is None or not tensor.is_leaf or not self.hooks.may_have_hooks(tensor):
-            return grad
-        return run_hooks(tensor, grad)
+    def has_hooks(self, tensor: Any) -> bool:
+        """Whether ``tensor`` is a leaf that may have hooks of its own (leaf_hooks.py: one
+        probe), which ``paddle.grad`` did not run."""
+        return tensor.is_leaf and self.hooks.may_have_hooks(tensor)
 
 
 class PaddleTape(Tape):
@@ -94,7 +87,7 @@ class PaddleTape(Tape):
     def watch(self, tensor: Any, sink: GradSink, eager: bool) -> None:
         # ``eager`` cannot be honoured: paddle.grad runs no hooks on leaves (_deliver runs a
         # leaf's own afterwards), so every sink is called after the engine, in the order it
-        # finished the gradients (order.py) where that order can be seen (_order).
+        # finished the gradients (order.py) where that order can be seen (_deliver).
         key = id(tensor)
         entry = self._watched.get(key)
         if entry is None or entry.tensor() is not tensor:  # new, or a dead tensor's id reused
@@ -126,9 +119,8 @@ class PaddleTape(Tape):
         if not pairs or not tensors:
             return  # constants only, or nothing attached alive: no gradient reaches anything
         outs = [y for y, _ in pairs]
-        order = self._order(outs, entries, tensors)  # before the engine frees the graph
         grads = engine_run(outs, [dy for _, dy in pairs], tensors, retain_graph)
-        self._deliver(entries, grads, order)
+        self._deliver(outs, entries, tensors, grads)
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
@@ -144,14 +136,12 @@ class PaddleTape(Tape):
         later = [(e, t) for e, t in live if id(t) not in wanted]
         if now:
             tensors = [t for _, t in now]
-            order = self._order(outs, [e for e, _ in now], tensors)
             grads = engine_run(outs, seeds, tensors, retain_graph=bool(later) or retain_graph)
-            self._deliver([e for e, _ in now], grads, order)
+            self._deliver(outs, [e for e, _ in now], tensors, grads)
         if not later:
             return None
-        entries, tensors = [e for e, _ in later], [t for _, t in later]
-        return Rest(outs, seeds, entries, tensors, self._order(outs, entries, tensors),
-                    self._deliver, retain_graph)
+        return Rest(outs, seeds, [e for e, _ in later], [t for _, t in later], self._deliver,
+                    retain_graph)
 
     def _live(self) -> List[Tuple[_Watched, Any]]:
         """Each watched tensor still alive, with its entry (held strongly from here on), but
@@ -164,24 +154,31 @@ class PaddleTape(Tape):
                 if tensor is not None and (entry.input or not flags.lifted(tensor))]
 
     @staticmethod
-    def _order(outs: List[Any], entries: List[_Watched], tensors: List[Any]) -> List[int]:
-        """The order to call the sinks in: the engine's (order.py) where a callback or a
-        leaf's hook could see it; else the given one, which spares reading the graph in Python
-        (about half of what gradmgr adds in Python at 1,000 tensors, bench/RESULTS.md): sinks
-        without callbacks only keep the gradient, and ``.grad`` comes out the same in any
-        order. A hook registered while the engine runs still runs (``hooked`` probes again),
-        in the given order."""
-        if any(e.may_see_order(t) for e, t in zip(entries, tensors)):
-            return ready_order(outs, tensors)
-        return list(range(len(tensors)))
+    def _deliver(outs: List[Any], entries: List[_Watched], tensors: List[Any],
+                 grads: Sequence[Optional[Any]]) -> None:
+        """Each gradient to its sink, through the leaf's own hooks if it may have some, in
+        the engine's order (order.py) where a callback or a hook could see it; else in the
+        given one, which spares reading the graph in Python (about half of what gradmgr adds
+        in Python at 1,000 tensors, bench/RESULTS.md): sinks without callbacks only keep the
+        gradient, and ``.grad`` comes out the same in any order.
 
-    @staticmethod
-    def _deliver(entries: List[_Watched], grads: Sequence[Optional[Any]],
-                 order: List[int]) -> None:
-        for index in order:
-            grad = grads[index]
-            if grad is not None:
-                entries[index].sink(entries[index].hooked(grad))
+        The engine has run, and its graph's nodes and edges are still there to read: so one
+        probe of each leaf, made now, tells both whether the order can be seen and which
+        leaves run hooks, a hook registered while the engine ran included. Where a callback or
+        a hook has run since, a leaf is probed when its turn comes instead (they may have
+        registered a hook on it, which ``loss.backward()`` would run)."""
+        got = [i for i, grad in enumerate(grads) if grad is not None]
+        eager = any(entries[i].eager for i in got)
+        hooks = {} if eager else {i: entries[i].has_hooks(tensors[i]) for i in got}
+        order = ready_order(outs, tensors) if eager or any(hooks.values()) else got
+        stale = eager  # user code ran since the probe (callbacks do, in the sinks)
+        for i in order:
+            grad = grads[i]
+            if grad is None:
+                continue
+            hooked = entries[i].has_hooks(tensors[i]) if stale else hooks[i]
+            entries[i].sink(run_hooks(tensors[i], grad) if hooked else grad)
+            stale = stale or hooked
 
     def stop(self) -> None:
         self._recording = False
