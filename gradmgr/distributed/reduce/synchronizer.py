@@ -50,6 +50,16 @@ _HABIT = (
     "without reducing anything, and .grad holds this rank's local gradients"
 )
 
+_OVERTAKEN = (
+    "a split backward's finish() for a micro-batch recorded inside no_sync(gm) came after a "
+    "micro-batch recorded later, outside no_sync, had reduced the gradients: this one's "
+    "weight gradients would miss that reduction and stay on this rank alone, so the ranks' "
+    ".grad would differ. Call finish() on the no_sync micro-batches' deferred backwards "
+    "before the synced one's (its reduction takes what .grad holds then); nothing of this "
+    "finish() was accumulated"
+)
+
+
 class Synchronizer:
     """The allreduce callback's work for one manager (the callback keeps one per manager and
     forwards to it; ``options`` is the callback, read for its settings)."""
@@ -115,6 +125,8 @@ class Synchronizer:
         accumulated = self.unsynced if sync else None
         step = open_step(self, gm, sync, self.unsynced, own=True)
         steps = self.steps
+        if not sync:
+            step.finish_limit = self.finished + sum(s.sync for s in steps.values())
         if len(steps) >= _MAX_OPEN_STEPS:
             del steps[min(steps)]
         steps[gm.step] = step
@@ -347,6 +359,7 @@ class Synchronizer:
             if self.ops.is_sparse(grad):
                 raise SparseGradientError(sparse_message(self.ops.shape(tensor)))
             if not step.sync:
+                self._check_not_overtaken(step)
                 self.used.add(id(tensor))  # for the next synced step (see Step.launch_missing)
                 return grad
             return step.put(self._wire(), tensor, grad, *where)
@@ -360,11 +373,18 @@ class Synchronizer:
                 step = self.prepare(gm, at_record=False)
                 del self.steps[gm.step]
             if not step.sync:
+                self._check_not_overtaken(step)
                 return
             missing = self.close(step)
         self._wire().settle(step)
         for tensor, b, slot in missing:
             gm.add_gradient(tensor, PendingGradient(step.launched, b, slot, True))
+
+    def _check_not_overtaken(self, step: Step) -> None:
+        """Refuse a no_sync step's gradients after a synced step recorded later has reduced
+        (split backwards finished out of order): they would stay on this rank alone."""
+        if self.finished > step.finish_limit:
+            raise RuntimeError(_OVERTAKEN)
 
     def close(self, step: Step) -> List[tuple]:
         """A synced step's gradients are all in its buckets: the others go out (what
