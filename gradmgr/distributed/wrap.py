@@ -7,7 +7,7 @@ import gc
 import sys
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from ..registry import backend_for
 from .broadcasting import broadcast, broadcast_tensors
@@ -56,7 +56,8 @@ def data_parallel(
     now (the buffers only with ``broadcast_buffers``), the trainable parameters are attached
     with an allreduce callback, and (with ``broadcast_buffers``) rank ``src``'s buffers are
     broadcast again when a synced recording ends (not one inside a :func:`no_sync`
-    accumulation window): the values DDP broadcasts at the next forward, an evaluation's too.
+    accumulation window; a split backward's when its ``finish()`` ends): the values DDP
+    broadcasts at the next forward, an evaluation's too.
     Where the backend watches forwards (PyTorch), a forward inside a DDP wrapper raises
     ``RuntimeError`` (two reducers), and so does, after a forward run with gradients enabled
     outside a recording, a backward that writes the module's ``.grad`` (``loss.backward()``
@@ -137,9 +138,7 @@ def data_parallel(
         gm.joining = Joining(gm, module, cb, support, broadcast_buffers)
         gm.register_record_callback(gm.joining.record)
     gm.attach(params, callbacks=[cb])
-    gm.register_record_callback(step.record)
-    gm.register_backward_error_callback(step.backward_failed)
-    gm.register_release_callback(step.release)
+    step.register()
     _remember(module, gm)
     with contextlib.suppress(TypeError):  # a module that takes no weak reference
         gm.module_ref = weakref.ref(module)
@@ -170,10 +169,7 @@ def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: Verify
     if ops is not None:  # FSDP2's parameters now: wrapping replaced them
         sharding.check = full_shard_check(ops, resolve_transport(None, backend, None), module,
                                           list(module.parameters()), verify)
-    step = _Step(gm, module, broadcast_buffers, src, None, None)
-    gm.register_record_callback(step.record)
-    gm.register_backward_error_callback(step.backward_failed)
-    gm.register_release_callback(step.release)
+    _Step(gm, module, broadcast_buffers, src, None, None).register()
     _remember(module, gm)
     return gm
 
@@ -389,7 +385,10 @@ class _Step:
     would have broadcast there (nothing changes buffers between the end of a step and the next
     forward), and a forward on one rank alone (rank 0 evaluating) takes no collective. The
     difference: between steps, the other ranks hold rank ``src``'s buffers, not their own
-    updated ones (which DDP overwrites before they are used).
+    updated ones (which DDP overwrites before they are used). A split backward's recording
+    broadcasts them when its ``finish()`` ends instead: the second part still reads buffers
+    the forward saved (BatchNorm's running statistics), and torch refuses to differentiate
+    through a tensor overwritten since.
 
     Forwards (where the backend can watch them): after one with gradients enabled outside a
     recording, a backward that computes the parameters' gradients raises :data:`_FORGOTTEN`
@@ -403,7 +402,19 @@ class _Step:
         self._synced = False  # the recording started outside no_sync
         self._failed = False  # its backward raised
         self._alone = False  # with RanksOutOfStepError
+        self._recorded = -1  # the recording's step (gm.step)
+        self._whole = False  # its after-backward callbacks ran: not a split's first part
+        self._split: Set[int] = set()  # synced split backwards' steps, broadcast at finish()
         self.watch: Any = None  # the backend's watch of the module's forwards, if any
+
+    def register(self) -> None:
+        gm = self._gm()
+        if gm is None:
+            return
+        gm.register_record_callback(self.record)
+        gm.register_backward_error_callback(self.backward_failed)
+        gm.register_after_backward_callback(self.backward_done)
+        gm.register_release_callback(self.release)
 
     def record(self) -> None:
         watch = self.watch
@@ -411,7 +422,19 @@ class _Step:
             watch.disarm()  # a forward outside a recording armed it; this recording's is fine
         gm = self._gm()
         self._synced = gm is not None and not is_paused(gm)
-        self._failed = self._alone = False
+        self._failed = self._alone = self._whole = False
+        self._recorded = -1 if gm is None else gm.step
+
+    def backward_done(self) -> None:
+        """After a backward's gradients, a split one's at its ``finish()``."""
+        gm = self._gm()
+        if gm is None:
+            return
+        step = gm.step
+        self._whole = self._whole or step == self._recorded
+        if step in self._split:
+            self._split.discard(step)
+            self._broadcast(failed=False)
 
     def check_module(self) -> None:
         """At the start of a recording, before its collectives: refuse a changed module (on
@@ -434,15 +457,24 @@ class _Step:
         gm = self._gm()
         if gm is not None and gm.joining is not None and gm.joining.defer_buffers(gm):
             return  # inside torch's Join: at the next step, from DDP's rank (see .joining)
+        if backward_ran and not self._whole and not self._failed:
+            self._split.add(self._recorded)  # a split backward's first part: at its finish()
+            return
+        self._broadcast(self._failed)
+
+    def _broadcast(self, failed: bool) -> None:
+        """Rank ``src``'s buffers to every rank (``failed``: the backward raised, and its
+        error, a broken group, propagates instead of the broadcast's)."""
+        if self._module is None:
+            return
         buffers = list(self._module.buffers())  # as DDP, again: .to() replaces them
         if not buffers:
             return
         try:
             broadcast(buffers, self._src, group=self._group, transport=self._transport)
         except Exception:
-            if not self._failed:
+            if not failed:
                 raise
-            # the backward's own error (a broken group) propagates instead
 
     def refusal(self) -> Optional[str]:
         """After a forward with gradients enabled: refuse its backward outside a recording."""
