@@ -7,7 +7,7 @@ import gc
 import sys
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..registry import backend_for
 from .broadcasting import broadcast, broadcast_tensors
@@ -131,7 +131,7 @@ def data_parallel(
         broadcast_tensors(shared, backend, src, group, transport)
     gm = DataParallelManager()
     ops = _tensor_ops(params, backend)
-    step = _Step(gm, module, broadcast_buffers, src, group, transport)
+    step = _Step(gm, module, broadcast_buffers, src, group, transport, cb)
     gm.register_record_callback(step.check_module)  # before any collective of the step
     support = ops.join_support() if ops is not None else None
     if support is not None:  # uneven inputs: its record callback comes before the step's
@@ -169,7 +169,7 @@ def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: Verify
     if ops is not None:  # FSDP2's parameters now: wrapping replaced them
         sharding.check = full_shard_check(ops, resolve_transport(None, backend, None), module,
                                           list(module.parameters()), verify)
-    _Step(gm, module, broadcast_buffers, src, None, None).register()
+    _Step(gm, module, broadcast_buffers, src, None, None, None).register()
     _remember(module, gm)
     return gm
 
@@ -395,16 +395,14 @@ class _Step:
     (until the next recording starts)."""
 
     def __init__(self, gm: DataParallelManager, module: Any, buffers: bool, src: int,
-                 group: Any, transport: TransportSpec) -> None:
+                 group: Any, transport: TransportSpec, cb: Optional[AllreduceCallback]) -> None:
         self._gm = weakref.ref(gm)
         self._module = module if buffers else None
         self._src, self._group, self._transport = src, group, transport
         self._synced = False  # the recording started outside no_sync
         self._failed = False  # its backward raised
         self._alone = False  # with RanksOutOfStepError
-        self._recorded = -1  # the recording's step (gm.step)
-        self._whole = False  # its after-backward callbacks ran: not a split's first part
-        self._split: Set[int] = set()  # synced split backwards' steps, broadcast at finish()
+        self._cb = cb  # its synced steps tell when a split backward's finish() ends
         self.watch: Any = None  # the backend's watch of the module's forwards, if any
 
     def register(self) -> None:
@@ -413,7 +411,6 @@ class _Step:
             return
         gm.register_record_callback(self.record)
         gm.register_backward_error_callback(self.backward_failed)
-        gm.register_after_backward_callback(self.backward_done)
         gm.register_release_callback(self.release)
 
     def record(self) -> None:
@@ -422,19 +419,7 @@ class _Step:
             watch.disarm()  # a forward outside a recording armed it; this recording's is fine
         gm = self._gm()
         self._synced = gm is not None and not is_paused(gm)
-        self._failed = self._alone = self._whole = False
-        self._recorded = -1 if gm is None else gm.step
-
-    def backward_done(self) -> None:
-        """After a backward's gradients, a split one's at its ``finish()``."""
-        gm = self._gm()
-        if gm is None:
-            return
-        step = gm.step
-        self._whole = self._whole or step == self._recorded
-        if step in self._split:
-            self._split.discard(step)
-            self._broadcast(failed=False)
+        self._failed = self._alone = False
 
     def check_module(self) -> None:
         """At the start of a recording, before its collectives: refuse a changed module (on
@@ -457,9 +442,11 @@ class _Step:
         gm = self._gm()
         if gm is not None and gm.joining is not None and gm.joining.defer_buffers(gm):
             return  # inside torch's Join: at the next step, from DDP's rank (see .joining)
-        if backward_ran and not self._whole and not self._failed:
-            self._split.add(self._recorded)  # a split backward's first part: at its finish()
-            return
+        if backward_ran and not self._failed and gm is not None and self._cb is not None:
+            synchronizer = self._cb.synchronizer(gm)
+            if synchronizer.step_open(gm.step):  # a split backward's first part ended it
+                synchronizer.when_closed(gm.step, lambda: self._broadcast(failed=False))
+                return
         self._broadcast(self._failed)
 
     def _broadcast(self, failed: bool) -> None:

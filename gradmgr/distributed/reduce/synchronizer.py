@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Set, cast
 
 from ...manager import attach_epoch
 from ..broadcasting import broadcast
@@ -101,6 +101,9 @@ class Synchronizer:
         # Synced steps finished so far: one finishing while another recording is open (a
         # split backward's finish()) writes .grad during that recording.
         self.finished = 0
+        # Work for when a synced step still open closes (data_parallel's buffer broadcast
+        # after a split backward's finish()), by step
+        self.closing: Dict[int, Callable[[], None]] = {}
         self.shadowed = 0  # synced steps taken as a joined rank (uneven inputs: .joining)
 
     # ------------------------------------------------------------------ a step begins
@@ -379,6 +382,21 @@ class Synchronizer:
         self._wire().settle(step)
         for tensor, b, slot in missing:
             gm.add_gradient(tensor, PendingGradient(step.launched, b, slot, True))
+        then = self.closing.pop(gm.step, None)
+        if then is not None:
+            then()
+
+    def step_open(self, step: int) -> bool:
+        """Whether synced step ``step`` (a recording's ``gm.step``) has not closed yet: a split
+        backward's, until its ``finish()``."""
+        with self.lock:
+            open_step = self.steps.get(step)
+            return open_step is not None and open_step.sync
+
+    def when_closed(self, step: int, then: Callable[[], None]) -> None:
+        """Call ``then()`` once the open synced step ``step`` has closed (not if it fails)."""
+        with self.lock:
+            self.closing[step] = then
 
     def _check_not_overtaken(self, step: Step) -> None:
         """Refuse a no_sync step's gradients after a synced step recorded later has reduced
@@ -428,6 +446,7 @@ class Synchronizer:
         """``gm``'s backward raised: this rank still takes part in the step's collectives,
         with the failure marker set (see :meth:`Step.launch_failed`)."""
         with self.lock:
+            self.closing.pop(gm.step, None)
             step = self.steps.pop(gm.step, None)
             if step is None or not step.sync or step.mismatch is not None:
                 return  # nothing launched, or the ranks' plans differ: launch nothing
