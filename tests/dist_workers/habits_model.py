@@ -14,7 +14,18 @@ from torch import nn
 from gradmgr import GradManager
 from gradmgr.distributed import RankFailedError
 
-from .habit_sides import STEPS, Side, batch, loop, loss_fn, make_model, state, train, train_through
+from .habit_sides import (
+    STEPS,
+    Side,
+    batch,
+    loop,
+    loss_fn,
+    make_model,
+    state,
+    train,
+    train_on,
+    train_through,
+)
 
 
 # ---------------------------------------------------------------- the plain script, and views
@@ -223,17 +234,11 @@ def two_forwards(kind, rank, world):
     ``broadcast_buffers=False`` (DDP's broadcast at the second forward would overwrite the
     BatchNorm statistics the first one saved for the backward: torch refuses it)."""
     side = Side(kind, rank, ddp={"broadcast_buffers": False}, dp={"broadcast_buffers": False})
-    opt, out = side.optimizer(), {}
-    for step in range(STEPS):
+
+    def loss_of(step):
         x, y = batch(rank, step)
-        with side.recording():
-            loss = loss_fn(side.net(x[:2]), y[:2]) + loss_fn(side.net(x[2:]), y[2:])
-            side.backward(loss)
-        out[f"loss {step}"] = np.float32(loss.item())
-        opt.step()
-        opt.zero_grad()
-    out.update(state(side))
-    return out
+        return loss_fn(side.net(x[:2]), y[:2]) + loss_fn(side.net(x[2:]), y[2:])
+    return train_on(side, loss_of)
 
 
 def split_1f1b(kind, rank, world):
@@ -271,24 +276,18 @@ def gradient_penalty(kind, rank, world):
     the data-parallel manager records), DDP by ``torch.autograd.grad(create_graph=True)``.
     Two forwards per step: ``broadcast_buffers=False``, as :func:`two_forwards`."""
     side = Side(kind, rank, ddp={"broadcast_buffers": False}, dp={"broadcast_buffers": False})
-    opt, out = side.optimizer(), {}
-    for step in range(STEPS):
+
+    def loss_of(step):
         x, x_hat = batch(rank, step)[0], batch(rank, step, 1)[0].requires_grad_()
-        with side.recording():
-            if side.gm is None:
-                slope, = torch.autograd.grad(side.net(x_hat).sum(), x_hat, create_graph=True)
-            else:
-                inner = GradManager().attach(x_hat)
-                with inner:
-                    inner.backward(side.net(x_hat).sum())
-                slope = x_hat.grad
-            loss = side.net(x).mean() + (slope.norm(2, dim=1) - 1).square().mean()
-            side.backward(loss)
-        out[f"loss {step}"] = np.float32(loss.item())
-        opt.step()
-        opt.zero_grad()
-    out.update(state(side))
-    return out
+        if side.gm is None:
+            slope, = torch.autograd.grad(side.net(x_hat).sum(), x_hat, create_graph=True)
+        else:
+            inner = GradManager().attach(x_hat)
+            with inner:
+                inner.backward(side.net(x_hat).sum())
+            slope = x_hat.grad
+        return side.net(x).mean() + (slope.norm(2, dim=1) - 1).square().mean()
+    return train_on(side, loss_of)
 
 
 def skip_failed_batch(kind, rank, world):
