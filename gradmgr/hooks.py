@@ -25,6 +25,7 @@ class StepHooks:
         self._error_callbacks: List[Callable[[], None]] = []
         self._release_callbacks: List[Callable[[bool], None]] = []
         self._backward_delegate: Optional[Callable[[], Any]] = None
+        self._split_refusal: Optional[str] = None  # why backward_split cannot run (refuse_split)
 
     def register_record_callback(self: Self, callback: Callable[[], None]) -> Self:
         """Call ``callback()`` at the start of every recording (``record()`` / ``with``),
@@ -127,6 +128,27 @@ def after_backward_callbacks(hooks: StepHooks) -> tuple:
 def run_error_callbacks(hooks: StepHooks, error: BaseException) -> None:
     """Run ``hooks``' (a manager's) error callbacks for ``error``, what a backward raised."""
     hooks._run_error_callbacks(error)
+
+
+def refuse_split(hooks: Self, reason: Optional[str]) -> Self:
+    """Make ``backward_split`` of ``hooks`` (a manager) raise ``UnsupportedGraphError(reason)``
+    before anything runs (None: allow it again): full sharding does, whose engine reduces the
+    gradients only in a plain backward over everything.
+
+    Example:
+        >>> import torch
+        >>> from gradmgr import GradManager, UnsupportedGraphError
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> gm = refuse_split(GradManager().attach(w), "not on this path; use backward()")
+        >>> with gm:
+        ...     try:
+        ...         gm.backward_split((w * 2).sum(), first=[w])
+        ...     except UnsupportedGraphError as error:
+        ...         print(error)
+        not on this path; use backward()
+    """
+    hooks._split_refusal = reason
+    return hooks
 
 
 def set_backward_delegate(hooks: Self, delegate: Optional[Callable[[], Any]]) -> Self:

@@ -397,7 +397,7 @@ class GradManager(StepHooks):
         try:
             ys, dys = self._outputs(y, dy)
             first_list = check_first(first, self._attached, recording.backend)
-            check_can_split(recording.backend)
+            check_can_split(recording.backend, self._split_refusal)
             tracked = scope.track(recording.backend)
             tape = recording.started
             if ys and tape is not None:

@@ -53,8 +53,11 @@ def check_first(first: Any, attachments: Any, backend: Optional[Backend]) -> Lis
     return items
 
 
-def check_can_split(backend: Optional[Backend]) -> None:
-    """Refuse a backend whose engine cannot split a backward (its capabilities say so)."""
+def check_can_split(backend: Optional[Backend], refusal: Optional[str] = None) -> None:
+    """Refuse a backend whose engine cannot split a backward (its capabilities say so), or a
+    manager a library set a ``refusal`` on (:func:`gradmgr.hooks.refuse_split`)."""
+    if refusal is not None:
+        raise UnsupportedGraphError(refusal)
     if backend is not None and not backend.capabilities.split_backward:
         raise UnsupportedGraphError(
             f"the {backend.name} backend cannot split a backward (its engine has no way "

@@ -294,9 +294,11 @@ def split_steps(fw: Any, rank: int, world: int) -> Result:
     return out
 
 
-def split_micro_batches(gm: Any, fw: Any, ps: List[Any], rank: int) -> Result:
+def split_micro_batches(gm: Any, fw: Any, ps: List[Any], rank: int,
+                        rests: Any = None) -> Result:
     """:func:`split_steps`' two micro-batches: each input's gradient and what it must be
-    (``got_inputs``, ``want_inputs``), or ``refused``: the first split's error."""
+    (``got_inputs``, ``want_inputs``), or ``refused``: the first split's error. Each
+    ``finish()`` runs right after its first part, or is left in the list ``rests``."""
     inputs = []
     for m in range(2):
         with no_sync(gm) if m == 0 else contextlib.nullcontext(), gm:
@@ -307,8 +309,38 @@ def split_micro_batches(gm: Any, fw: Any, ps: List[Any], rank: int) -> Result:
             except UnsupportedGraphError as error:
                 return {"refused": f"{type(error).__name__}: {error}"}
             inputs.append(fw.grad(x))
+        if rests is None:
             rest.finish()
+        else:
+            rests.append(rest)
     return {"got_inputs": inputs, "want_inputs": [_input_grad(fw, rank, m) for m in range(2)]}
+
+
+def split_out_of_order(fw: Any, rank: int, world: int) -> Result:
+    """:func:`split_steps`' micro-batches, both first parts, then the synced one's
+    ``finish()`` before the no_sync one's (``overtaken``: what that one raised): the
+    parameters keep the synced micro-batch's mean alone, alike on every rank."""
+    ps = params(fw)
+    gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    out = finish_out_of_order(gm, fw, ps, rank)
+    out["got"] = grads(fw, ps)
+    if "refused" not in out:
+        out["want"] = mean_over_ranks(fw, world, micros=(1,), loss_fn=some)
+    return out
+
+
+def finish_out_of_order(gm: Any, fw: Any, ps: List[Any], rank: int) -> Result:
+    """:func:`split_micro_batches`, the synced ``finish()`` first; ``overtaken``: the error
+    the no_sync one's raised."""
+    rests: List[Any] = []
+    out = split_micro_batches(gm, fw, ps, rank, rests)
+    if rests:
+        rests[1].finish()
+        try:
+            rests[0].finish()
+        except RuntimeError as error:
+            out["overtaken"] = str(error)
+    return out
 
 
 def _input_grad(fw: Any, rank: int, micro: int) -> Any:
@@ -321,7 +353,8 @@ def _input_grad(fw: Any, rank: int, micro: int) -> Any:
 
 
 SCENARIOS = [mean_in_buckets, summed, accumulated_without_sync, broadcast_first, unused_tensors,
-             ranks_that_differ, a_failing_rank, used_twice, no_sync_on_one_rank, split_steps]
+             ranks_that_differ, a_failing_rank, used_twice, no_sync_on_one_rank, split_steps,
+             split_out_of_order]
 FREEZING = [frozen_tensors, frozen_on_one_rank]
 
 

@@ -15,6 +15,7 @@ from dp_scenarios import (
     Result,
     data,
     failing_once,
+    finish_out_of_order,
     mean_over_ranks,
     params,
     some,
@@ -176,6 +177,20 @@ def sharded_split(fw: Any, rank: int, world: int) -> Result:
     return out
 
 
+def sharded_split_out_of_order(fw: Any, rank: int, world: int) -> Result:
+    """:func:`split_out_of_order` on the sharded path, then SGD: the synced micro-batch's
+    mean gradient alone."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps)
+    out = finish_out_of_order(gm, fw, ps, rank)
+    out["got"] = sgd_step(opt, fw, ps)
+    out["want"] = sgd_reference(fw, world, steps=0)
+    if "refused" not in out:
+        mean = mean_over_ranks(fw, world, micros=(1,), loss_fn=some)
+        out["want"] = after_sgd(out["want"], mean)
+    return out
+
+
 def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
     """``b`` frozen on every rank before the optimizer is made: left out of the buckets and
     of the optimizer, it keeps its value; ``a`` and ``c`` are stepped."""
@@ -189,4 +204,4 @@ def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
 
 
 SHARDED = [sharded_steps, sharded_without_sync, sharded_unused, sharded_broadcast_first,
-           sharded_failing_rank, sharded_state_dict, sharded_split]
+           sharded_failing_rank, sharded_state_dict, sharded_split, sharded_split_out_of_order]

@@ -167,6 +167,33 @@ def test_split_backward_steps_are_the_mean_or_refused_on_every_rank(backend):
     split_as_wanted(backend, "split_steps", [None, None, None])
 
 
+def test_a_no_sync_split_finished_after_the_synced_one_raises_on_every_rank(backend):
+    """The no_sync micro-batch's ``finish()`` after the synced one's (old code: its local
+    gradients added after the reduction, each rank's .grad its own, no error): it raises on
+    every rank, accumulating nothing, and .grad keeps the synced micro-batch's mean."""
+    split_as_wanted(backend, "split_out_of_order", [None, None, None])
+    overtaken_on_every_rank(backend, "split_out_of_order")
+
+
+def test_the_same_on_the_sharded_path(backend):
+    """There the no_sync one's finish() met the reduced gradients' stand-in (old code:
+    "TensorBase.add_ on the .grad of a parameter that data_parallel(model, shard=True)
+    reduced"); now the same error, and SGD's values on the synced micro-batch's mean."""
+    if not can_shard(backend, "sharded_split_out_of_order"):
+        return
+    split_as_wanted(backend, "sharded_split_out_of_order", None)
+    overtaken_on_every_rank(backend, "sharded_split_out_of_order")
+
+
+def overtaken_on_every_rank(backend, scenario: str) -> None:
+    name, results = backend
+    for rank, out in enumerate(results):
+        if SPLITS[name]:
+            said = out[scenario].get("overtaken", "no error")
+            assert "recorded inside no_sync(gm) came after a micro-batch recorded later" in said \
+                and "nothing of this finish() was accumulated" in said, (name, rank, said)
+
+
 def split_as_wanted(backend, scenario: str, untouched) -> None:
     """``scenario`` (a split backward's) as wanted on every rank, with each input's own
     gradient; or, where the backend cannot split, refused on every rank, the parameters'

@@ -83,6 +83,24 @@ def test_join_says_full_sharding_has_none(two_ranks):
             assert "no such context" not in said, said
 
 
+def test_split_backward_is_refused(two_ranks):
+    """Old code: no error, and every parameter's .grad None after finish() (FSDP2's hooks
+    reduce only in a plain backward)."""
+    for out in two_ranks:
+        said = out["refusals"].get("split", "no error")
+        assert said.startswith("gm.backward_split() under full sharding (shard='full')"), said
+        assert "Use gm.backward(loss), or shard=True" in said, said
+
+
+@pytest.mark.xfail(strict=True, reason="a gradient penalty under full sharding leaves the last "
+                   "Linear's weight without a gradient (plain FSDP2 too); not refused yet")
+def test_gradient_penalty_gradients_are_ddps(two_ranks):
+    """An inner manager's backward (WGAN-GP) inside the recording: each gradient DDP's with
+    ``torch.autograd.grad(create_graph=True)``, bit for bit, or a clear error."""
+    for rank, out in enumerate(two_ranks):
+        assert all(out["gradient_penalty"]["equal"]), (rank, out["gradient_penalty"])
+
+
 def test_four_ranks_bit_for_bit(tmp_path):
     outs = spawn("full_shard_suite", tmp_path, 4, timeout=600,
                  FULL_SHARD_SCENARIOS="reshard_on")

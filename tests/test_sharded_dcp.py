@@ -55,6 +55,15 @@ def test_ddp_checkpoint_loads_into_zero2_and_back_bit_for_bit(dcp_ranks):
         assert out["to_ddp_state_equal"] and out["to_ddp_params_equal"]
 
 
+@pytest.mark.parametrize("name", ["zero", "full"])
+def test_a_save_inside_no_sync_changes_nothing_and_loads_anywhere(dcp_ranks, name):
+    """Saved mid-accumulation: the run goes on bit for bit as the same run unsaved, and the
+    checkpoint loads before any step (ZeRO-2: into a manager of another bucket size) as the
+    saving run held it."""
+    for out in dcp_ranks[2]:
+        assert out[f"{name}_mid_window_goes_on"] and out[f"{name}_mid_window_loads"], name
+
+
 @pytest.mark.parametrize("case, key", [("missing_key", "model.5.weight"),
                                        ("wrong_class", "optim.state.0.weight.momentum_buffer")])
 def test_a_checkpoint_without_a_key_fails_on_every_rank_and_changes_nothing(dcp_ranks, case,

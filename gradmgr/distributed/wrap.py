@@ -56,7 +56,8 @@ def data_parallel(
     now (the buffers only with ``broadcast_buffers``), the trainable parameters are attached
     with an allreduce callback, and (with ``broadcast_buffers``) rank ``src``'s buffers are
     broadcast again when a synced recording ends (not one inside a :func:`no_sync`
-    accumulation window): the values DDP broadcasts at the next forward, an evaluation's too.
+    accumulation window; a split backward's when its ``finish()`` ends): the values DDP
+    broadcasts at the next forward, an evaluation's too.
     Where the backend watches forwards (PyTorch, Paddle), after a forward run with gradients
     enabled outside a recording, a backward that writes the module's ``.grad`` raises
     ``RuntimeError`` (``loss.backward()`` without ``with gm:``; the framework's functional
@@ -132,16 +133,14 @@ def data_parallel(
         broadcast_tensors(shared, backend, src, group, transport)
     gm = DataParallelManager()
     ops = _tensor_ops(params, backend)
-    step = _Step(gm, module, broadcast_buffers, src, group, transport, ops)
+    step = _Step(gm, module, broadcast_buffers, src, group, transport, ops, cb)
     gm.register_record_callback(step.check_module)  # before any collective of the step
     support = ops.join_support() if ops is not None else None
     if support is not None:  # uneven inputs: its record callback comes before the step's
         gm.joining = Joining(gm, module, cb, support, broadcast_buffers)
         gm.register_record_callback(gm.joining.record)
     gm.attach(params, callbacks=[cb])
-    gm.register_record_callback(step.record)
-    gm.register_backward_error_callback(step.backward_failed)
-    gm.register_release_callback(step.release)
+    step.register()
     _remember(module, gm)
     with contextlib.suppress(TypeError):  # a module that takes no weak reference
         gm.module_ref = weakref.ref(module)
@@ -172,10 +171,7 @@ def _fully_sharded(module: Any, tensors: List[Any], backend: Any, verify: Verify
     if ops is not None:  # FSDP2's parameters now: wrapping replaced them
         sharding.check = full_shard_check(ops, resolve_transport(None, backend, None), module,
                                           list(module.parameters()), verify)
-    step = _Step(gm, module, broadcast_buffers, src, None, None, ops)
-    gm.register_record_callback(step.record)
-    gm.register_backward_error_callback(step.backward_failed)
-    gm.register_release_callback(step.release)
+    _Step(gm, module, broadcast_buffers, src, None, None, ops, None).register()
     _remember(module, gm)
     return gm
 
@@ -374,14 +370,18 @@ class _Step:
     would have broadcast there (nothing changes buffers between the end of a step and the next
     forward), and a forward on one rank alone (rank 0 evaluating) takes no collective. The
     difference: between steps, the other ranks hold rank ``src``'s buffers, not their own
-    updated ones (which DDP overwrites before they are used).
+    updated ones (which DDP overwrites before they are used). A split backward's recording
+    broadcasts them when its ``finish()`` ends instead: the second part still reads buffers
+    the forward saved (BatchNorm's running statistics), and torch refuses to differentiate
+    through a tensor overwritten since.
 
     Forwards (where the backend can watch them): after one with gradients enabled outside a
     recording, a backward that computes the parameters' gradients raises :data:`_FORGOTTEN`
     (until the next recording starts)."""
 
     def __init__(self, gm: DataParallelManager, module: Any, buffers: bool, src: int,
-                 group: Any, transport: TransportSpec, ops: Optional[TensorOps]) -> None:
+                 group: Any, transport: TransportSpec, ops: Optional[TensorOps],
+                 cb: Optional[AllreduceCallback]) -> None:
         self._gm = weakref.ref(gm)
         self._forgotten = _FORGOTTEN.format(idioms=NEUTRAL_IDIOMS if ops is None else ops.idioms())
         self._module = module if buffers else None
@@ -389,7 +389,16 @@ class _Step:
         self._synced = False  # the recording started outside no_sync
         self._failed = False  # its backward raised
         self._alone = False  # with RanksOutOfStepError
+        self._cb = cb  # its synced steps tell when a split backward's finish() ends
         self.watch: Optional[ModuleWatch] = None  # the backend's, where it watches forwards
+
+    def register(self) -> None:
+        gm = self._gm()
+        if gm is None:
+            return
+        gm.register_record_callback(self.record)
+        gm.register_backward_error_callback(self.backward_failed)
+        gm.register_release_callback(self.release)
 
     def record(self) -> None:
         watch = self.watch
@@ -420,15 +429,26 @@ class _Step:
         gm = self._gm()
         if gm is not None and gm.joining is not None and gm.joining.defer_buffers(gm):
             return  # inside torch's Join: at the next step, from DDP's rank (see .joining)
+        if backward_ran and not self._failed and gm is not None and self._cb is not None:
+            synchronizer = self._cb.synchronizer(gm)
+            if synchronizer.step_open(gm.step):  # a split backward's first part ended it
+                synchronizer.when_closed(gm.step, lambda: self._broadcast(failed=False))
+                return
+        self._broadcast(self._failed)
+
+    def _broadcast(self, failed: bool) -> None:
+        """Rank ``src``'s buffers to every rank (``failed``: the backward raised, and its
+        error, a broken group, propagates instead of the broadcast's)."""
+        if self._module is None:
+            return
         buffers = list(self._module.buffers())  # as DDP, again: .to() replaces them
         if not buffers:
             return
         try:
             broadcast(buffers, self._src, group=self._group, transport=self._transport)
         except Exception:
-            if not self._failed:
+            if not failed:
                 raise
-            # the backward's own error (a broken group) propagates instead
 
     def refusal(self) -> Optional[str]:
         """After a forward with gradients enabled: refuse its backward outside a recording."""

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from gradmgr.distributed import data_parallel, get_state_dict, set_state_dict
 
-from .zero_dcp import LR, WEIGHT_DECAY, batch, dcp_load, model, zero
+from .zero_dcp import LR, WEIGHT_DECAY, batch, dcp_load, mid_window, model, zero
 
 
 def full():
@@ -154,3 +154,4 @@ def third(out: dict, rank: int, outdir: str) -> None:
     train(*theirs, range(4, 5), rank)
     out["full_restepped_as_plain"] = same(whole(ours[0], ours[2]),
                                           whole(theirs[0], theirs[2]))
+    mid_window(out, rank, outdir, lambda _: full(), whole, same, "full")

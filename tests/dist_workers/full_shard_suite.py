@@ -19,6 +19,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradmgr import UnsupportedGraphError
 from gradmgr.distributed import RankMismatchError, data_parallel, no_sync
 
 STEPS, LR, SCALE = 10, 1e-2, 0.25
@@ -104,6 +105,32 @@ def against_ddp(rank: int) -> dict:
                       for a, b in zip(ours.parameters(), ref.module.parameters())]}
 
 
+def gradient_penalty(rank: int) -> dict:
+    """WGAN-GP's step: an inner manager's backward for the input gradient inside the
+    recording, its norm in the loss; each gradient against DDP's with
+    ``torch.autograd.grad(create_graph=True)`` (False: not equal, or no gradient), or the
+    error (``error``)."""
+    from gradmgr import GradManager
+
+    ours, ref = model(), DDP(model())
+    gm = data_parallel(ours, shard="full", blocks=[nn.Linear])
+    x, x_hat = batch(0, 0, rank), batch(0, 1, rank).requires_grad_()
+    inner = GradManager().attach(x_hat)
+    try:
+        with gm:
+            with inner:
+                inner.backward(ours(x_hat).sum())
+            penalty = (x_hat.grad.norm(2, dim=1) - 1).square().mean()
+            gm.backward(ours(x).mean() + penalty)
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        return {"error": f"{type(error).__name__}: {error}"}
+    x_hat = x_hat.detach().requires_grad_()
+    slope, = torch.autograd.grad(ref(x_hat).sum(), x_hat, create_graph=True)
+    (ref(x).mean() + (slope.norm(2, dim=1) - 1).square().mean()).backward()
+    return {"equal": [a.grad is not None and torch.equal(a.grad.full_tensor(), b.grad)
+                      for a, b in zip(ours.parameters(), ref.module.parameters())]}
+
+
 def optimizer(net: nn.Module, scale: float) -> torch.optim.Optimizer:
     if scale != 1.0:
         return torch.optim.SGD(net.parameters(), lr=LR)
@@ -185,7 +212,7 @@ def scenario(name: str, rank: int) -> dict:
 
 def refusals(rank: int) -> dict:
     """Bad input on every rank: a blocks= list naming nothing, ranks that shard differently,
-    Join (DDP's and ZeRO-2's, not FSDP2's), a model already wrapped."""
+    Join (DDP's and ZeRO-2's, not FSDP2's), a split backward, a model already wrapped."""
     found = {}
     try:
         data_parallel(model(), shard="full", blocks=[nn.Conv2d])
@@ -195,12 +222,20 @@ def refusals(rank: int) -> dict:
         data_parallel(model(), shard="full" if rank == 0 else True)
     except RankMismatchError as error:
         found["mixed"] = str(error)
-    gm = data_parallel(model(), shard="full")
+    net = model()
+    gm = data_parallel(net, shard="full")
     for name, make in (("join", gm.join), ("Join", lambda: Join([gm]))):
         try:
             make()
         except NotImplementedError as error:
             found[name] = str(error)
+    x = batch(0, 0, rank).requires_grad_()
+    with gm:
+        gm.attach(x)
+        try:
+            gm.backward_split(net(x).sum(), first=[x]).finish()
+        except UnsupportedGraphError as error:
+            found["split"] = str(error)
     wrapped = model()
     fully_shard(wrapped)
     try:
@@ -211,8 +246,9 @@ def refusals(rank: int) -> dict:
 
 
 ALL = ["against_ddp", "reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision",
-       "autocast_mixed_precision", "checkpoint_inside", "custom_function", "refusals"]
-SPECIAL = {"refusals": refusals, "against_ddp": against_ddp}
+       "autocast_mixed_precision", "checkpoint_inside", "custom_function", "refusals",
+       "gradient_penalty"]
+SPECIAL = {"refusals": refusals, "against_ddp": against_ddp, "gradient_penalty": gradient_penalty}
 
 
 def main(rank: int, world: int, outdir: str) -> None:

@@ -112,6 +112,12 @@ HABITS = [
           'activation checkpointing, `use_reentrant=False`'),
     Habit("two_forwards",
           'two forwards, one backward of the summed losses (`broadcast_buffers=False`)'),
+    Habit("split_1f1b",
+          "a pipeline stage's `backward_split` in 1F1B order inside `no_sync` accumulation "
+          "(both micro-batches' input halves, then both weight halves)"),
+    Habit("gradient_penalty",
+          "a gradient penalty (WGAN-GP): an inner manager's backward inside `with gm:` "
+          "(`broadcast_buffers=False`)", paths=NOT_FULL),
     Habit("zero_checkpoint",
           "ZeRO's checkpoint: `opt.consolidate_state_dict(to=0)`, then rank 0's `state_dict()`",
           paths=ZERO, risky=True),

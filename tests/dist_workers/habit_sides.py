@@ -189,6 +189,21 @@ def train(side: Side, steps: int = STEPS, opt=None, **step_kw) -> dict:
     return out
 
 
+def train_on(side: Side, loss_of, steps: int = STEPS) -> dict:
+    """The plain loop with ``loss_of(step)``, computed inside the recording, as each step's
+    loss (the forwards and what else the loss needs); the losses and the final state."""
+    opt, out = side.optimizer(), {}
+    for step in range(steps):
+        with side.recording():
+            loss = loss_of(step)
+            side.backward(loss)
+        out[f"loss {step}"] = np.float32(loss.item())
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side))
+    return out
+
+
 def loop(side: Side, opt, zero=None, after_step=None, steps: int = STEPS) -> dict:
     """The plain loop over ``opt``; ``zero`` instead of ``opt.zero_grad``, ``after_step(step,
     out)`` after each step."""

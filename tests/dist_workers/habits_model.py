@@ -11,9 +11,21 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradmgr import GradManager
 from gradmgr.distributed import RankFailedError
 
-from .habit_sides import STEPS, Side, batch, loop, loss_fn, make_model, state, train, train_through
+from .habit_sides import (
+    STEPS,
+    Side,
+    batch,
+    loop,
+    loss_fn,
+    make_model,
+    state,
+    train,
+    train_on,
+    train_through,
+)
 
 
 # ---------------------------------------------------------------- the plain script, and views
@@ -222,17 +234,60 @@ def two_forwards(kind, rank, world):
     ``broadcast_buffers=False`` (DDP's broadcast at the second forward would overwrite the
     BatchNorm statistics the first one saved for the backward: torch refuses it)."""
     side = Side(kind, rank, ddp={"broadcast_buffers": False}, dp={"broadcast_buffers": False})
+
+    def loss_of(step):
+        x, y = batch(rank, step)
+        return loss_fn(side.net(x[:2]), y[:2]) + loss_fn(side.net(x[2:]), y[2:])
+    return train_on(side, loss_of)
+
+
+def split_1f1b(kind, rank, world):
+    """A pipeline stage's split backward in 1F1B order, one accumulation window per step:
+    micro-batch 0 (inside ``no_sync``), then 1, each input's gradient now
+    (``backward_split(loss, first=[x])``), then both weight halves in order. DDP: one
+    ``loss.backward()`` per micro-batch in the same window; the inputs' gradients compared
+    too."""
+    side = Side(kind, rank)
     opt, out = side.optimizer(), {}
     for step in range(STEPS):
-        x, y = batch(rank, step)
-        with side.recording():
-            loss = loss_fn(side.net(x[:2]), y[:2]) + loss_fn(side.net(x[2:]), y[2:])
-            side.backward(loss)
-        out[f"loss {step}"] = np.float32(loss.item())
+        rests = []
+        for micro in range(2):
+            x, y = batch(rank, step, micro)
+            x.requires_grad_()
+            with side.paused(micro == 0), side.recording():
+                loss = loss_fn(side.net(x), y)
+                if side.gm is None:
+                    side.backward(loss)
+                else:
+                    side.gm.attach(x)
+                    rests.append(side.gm.backward_split(loss, first=[x]))
+            out[f"input grad {step} {micro}"] = x.grad.numpy().copy()
+        for rest in rests:
+            rest.finish()
         opt.step()
         opt.zero_grad()
     out.update(state(side))
     return out
+
+
+def gradient_penalty(kind, rank, world):
+    """WGAN-GP's penalty: the input gradient of the model's output inside the recording, its
+    norm in the loss; gradmgr by an inner manager (``with inner: inner.backward(...)``, which
+    the data-parallel manager records), DDP by ``torch.autograd.grad(create_graph=True)``.
+    Two forwards per step: ``broadcast_buffers=False``, as :func:`two_forwards`."""
+    side = Side(kind, rank, ddp={"broadcast_buffers": False}, dp={"broadcast_buffers": False})
+
+    def loss_of(step):
+        x, x_hat = batch(rank, step)[0], batch(rank, step, 1)[0].requires_grad_()
+        if side.gm is None:
+            slope, = torch.autograd.grad(side.net(x_hat).sum(), x_hat, create_graph=True)
+        else:
+            inner = GradManager().attach(x_hat)
+            with inner:
+                inner.backward(side.net(x_hat).sum())
+            slope = x_hat.grad
+        return side.net(x).mean() + (slope.norm(2, dim=1) - 1).square().mean()
+    return train_on(side, loss_of)
 
 
 def skip_failed_batch(kind, rank, world):

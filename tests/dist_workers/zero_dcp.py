@@ -20,7 +20,13 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as torch_state
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradmgr.distributed import ShardedOptimizer, data_parallel, get_state_dict, set_state_dict
+from gradmgr.distributed import (
+    ShardedOptimizer,
+    data_parallel,
+    get_state_dict,
+    no_sync,
+    set_state_dict,
+)
 
 LR, WEIGHT_DECAY = 1e-2, 0.05
 
@@ -38,8 +44,9 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(5, 7, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def zero(net: nn.Module, optimizer: type = torch.optim.AdamW, **options):
-    gm = data_parallel(net, shard=True, bucket_bytes=200)
+def zero(net: nn.Module, optimizer: type = torch.optim.AdamW, bucket_bytes: int = 200,
+         **options):
+    gm = data_parallel(net, shard=True, bucket_bytes=bucket_bytes)
     options = options or {"lr": LR, "weight_decay": WEIGHT_DECAY}
     return gm, ShardedOptimizer(gm, optimizer, **options)
 
@@ -161,7 +168,43 @@ def third(out: dict, rank: int, outdir: str) -> None:
     out["to_ddp_state_equal"] = same_state(adamw.state_dict(), ddp_saved["optimizer"])
     out["to_ddp_params_equal"] = all(torch.equal(a, b) for a, b in
                                      zip(params(ddp.module), ddp_saved["params"].values()))
+    mid_window(out, rank, outdir, zero_run, zero_snapshot, zero_equal, "zero")
     bad_input(out, outdir)
+
+
+def mid_window(out: dict, rank: int, outdir: str, make, snapshot, equal, name: str) -> None:
+    """A DCP save inside a ``no_sync`` window (``.grad`` holds this rank's accumulation): the
+    run goes on as the same run unsaved (``{name}_mid_window_goes_on``), and the checkpoint
+    loads, before any step, into a manager made with another bucket size (``make(None)``;
+    ``{name}_mid_window_loads``: equal to what the saving run held)."""
+    path = os.path.join(outdir, f"{name}_mid_window")
+    saving, unsaved = make(200), make(200)
+    for (net, gm, opt), save in ((saving, True), (unsaved, False)):
+        train(net, gm, opt, range(2), rank)
+        with no_sync(gm), gm:
+            gm.backward(net(batch(2, rank)).square().mean())
+        if save:
+            held = snapshot(net, opt)
+            dcp_save(net, opt, path)
+        train(net, gm, opt, range(3, 4), rank)
+    out[f"{name}_mid_window_goes_on"] = equal(snapshot(saving[0], saving[2]),
+                                              snapshot(unsaved[0], unsaved[2]))
+    net, _, opt = make(None)
+    dcp_load(net, opt, path)
+    out[f"{name}_mid_window_loads"] = equal(snapshot(net, opt), held)
+
+
+def zero_run(bucket_bytes) -> tuple:
+    net = model()
+    return (net, *zero(net, bucket_bytes=bucket_bytes or 2**25))
+
+
+def zero_snapshot(net, opt) -> tuple:
+    return params(net), opt.state_dict()
+
+
+def zero_equal(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and same_state(a[1], b[1])
 
 
 def bad_input(out: dict, outdir: str) -> None:

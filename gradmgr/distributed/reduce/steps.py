@@ -161,7 +161,8 @@ class Step:
     a ``no_sync`` one only notes which tensors got a gradient)."""
 
     __slots__ = ("plan", "sync", "buffers", "filled", "count", "launched", "next_launch",
-                 "check", "mismatch", "grads_at_record", "finished_before", "after")
+                 "check", "mismatch", "grads_at_record", "finished_before", "finish_limit",
+                 "after")
 
     def __init__(self, plan: BucketPlan, sync: bool) -> None:
         self.plan = plan
@@ -175,6 +176,9 @@ class Step:
         self.mismatch: Optional[BaseException] = None  # they differed: launch nothing
         self.grads_at_record: Any = None  # TensorOps.grad_snapshot of the planned tensors
         self.finished_before = 0  # Synchronizer.finished when the step was recorded
+        # no_sync: the Synchronizer.finished its gradients may come at (synced steps recorded
+        # before it may finish first: a split backward's finish() in the next window)
+        self.finish_limit = 0
         self.after = False  # reduced after its backward (see post_backward.py)
 
     def put(self, wire: Wire, tensor: Any, grad: Any, b: int, slot: int) -> PendingGradient:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, Set, cast
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Set, cast
 
 from ...manager import attach_epoch
 from ..broadcasting import broadcast
@@ -50,6 +50,16 @@ _HABIT = (
     "gm.backward(loss) inside `with gm:` instead; this step's collectives were completed "
     "without reducing anything, and .grad holds this rank's local gradients"
 )
+
+_OVERTAKEN = (
+    "a split backward's finish() for a micro-batch recorded inside no_sync(gm) came after a "
+    "micro-batch recorded later, outside no_sync, had reduced the gradients: this one's "
+    "weight gradients would miss that reduction and stay on this rank alone, so the ranks' "
+    ".grad would differ. Call finish() on the no_sync micro-batches' deferred backwards "
+    "before the synced one's (its reduction takes what .grad holds then); nothing of this "
+    "finish() was accumulated"
+)
+
 
 class Synchronizer:
     """The allreduce callback's work for one manager (the callback keeps one per manager and
@@ -92,6 +102,9 @@ class Synchronizer:
         # Synced steps finished so far: one finishing while another recording is open (a
         # split backward's finish()) writes .grad during that recording.
         self.finished = 0
+        # Work for when a synced step still open closes (data_parallel's buffer broadcast
+        # after a split backward's finish()), by step
+        self.closing: Dict[int, Callable[[], None]] = {}
         self.shadowed = 0  # synced steps taken as a joined rank (uneven inputs: .joining)
 
     # ------------------------------------------------------------------ a step begins
@@ -116,6 +129,8 @@ class Synchronizer:
         accumulated = self.unsynced if sync else None
         step = open_step(self, gm, sync, self.unsynced, own=True)
         steps = self.steps
+        if not sync:
+            step.finish_limit = self.finished + sum(s.sync for s in steps.values())
         if len(steps) >= _MAX_OPEN_STEPS:
             del steps[min(steps)]
         steps[gm.step] = step
@@ -351,6 +366,7 @@ class Synchronizer:
             if self.ops.is_sparse(grad):
                 raise SparseGradientError(sparse_message(self.ops.shape(tensor)))
             if not step.sync:
+                self._check_not_overtaken(step)
                 self.used.add(id(tensor))  # for the next synced step (see Step.launch_missing)
                 return grad
             return step.put(self._wire(), tensor, grad, *where)
@@ -364,11 +380,33 @@ class Synchronizer:
                 step = self.prepare(gm, at_record=False)
                 del self.steps[gm.step]
             if not step.sync:
+                self._check_not_overtaken(step)
                 return
             missing = self.close(step)
         self._wire().settle(step)
         for tensor, b, slot in missing:
             gm.add_gradient(tensor, PendingGradient(step.launched, b, slot, True))
+        then = self.closing.pop(gm.step, None)
+        if then is not None:
+            then()
+
+    def step_open(self, step: int) -> bool:
+        """Whether synced step ``step`` (a recording's ``gm.step``) has not closed yet: a split
+        backward's, until its ``finish()``."""
+        with self.lock:
+            open_step = self.steps.get(step)
+            return open_step is not None and open_step.sync
+
+    def when_closed(self, step: int, then: Callable[[], None]) -> None:
+        """Call ``then()`` once the open synced step ``step`` has closed (not if it fails)."""
+        with self.lock:
+            self.closing[step] = then
+
+    def _check_not_overtaken(self, step: Step) -> None:
+        """Refuse a no_sync step's gradients after a synced step recorded later has reduced
+        (split backwards finished out of order): they would stay on this rank alone."""
+        if self.finished > step.finish_limit:
+            raise RuntimeError(_OVERTAKEN)
 
     def close(self, step: Step) -> List[tuple]:
         """A synced step's gradients are all in its buckets: the others go out (what
@@ -412,6 +450,7 @@ class Synchronizer:
         """``gm``'s backward raised: this rank still takes part in the step's collectives,
         with the failure marker set (see :meth:`Step.launch_failed`)."""
         with self.lock:
+            self.closing.pop(gm.step, None)
             step = self.steps.pop(gm.step, None)
             if step is None or not step.sync or step.mismatch is not None:
                 return  # nothing launched, or the ranks' plans differ: launch nothing

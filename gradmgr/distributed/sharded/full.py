@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, List, Sequence
 
-from ...hooks import after_backward_callbacks, set_backward_delegate
+from ...hooks import after_backward_callbacks, refuse_split, set_backward_delegate
 from ...manager import callback_chains
 from ..reduce.no_sync import is_paused
 from .replaced import ReplacedParameters
@@ -52,6 +52,13 @@ _SKIPPED = (
     "reduce the gradients, but the gradient callbacks attached to {count} of them never ran. "
     "Call gm.backward(loss) inside `with gm:` instead; .grad now holds FSDP2's reduced "
     "gradients without the callbacks' changes"
+)
+_NO_SPLIT = (
+    "gm.backward_split() under full sharding (shard='full'): FSDP2 reduce-scatters the "
+    "gradients from hooks that only a plain backward over everything runs (the forward "
+    "computes with gathered copies of the sharded parameters, which a split backward's two "
+    "parts cannot reach), so every parameter would be left without a gradient. Use "
+    "gm.backward(loss), or shard=True (ZeRO-2) or shard=False, which take backward_split"
 )
 _WHY = {
     "reduce": "always as a mean over the ranks (reduce='mean')",
@@ -124,6 +131,7 @@ class FullSharding:
         gm.register_record_callback(sharding.record)
         gm.register_release_callback(sharding.release)
         set_backward_delegate(gm, sharding.delegate)
+        refuse_split(gm, _NO_SPLIT)
         gm.attach([p for p in module.parameters() if p.requires_grad])
         return sharding
 
