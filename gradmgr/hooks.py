@@ -26,6 +26,8 @@ class StepHooks:
         self._release_callbacks: List[Callable[[bool], None]] = []
         self._backward_delegate: Optional[Callable[[], Any]] = None
         self._split_refusal: Optional[str] = None  # why backward_split cannot run (refuse_split)
+        # why a backward this manager would differentiate cannot run (refuse_higher_order)
+        self._higher_order_refusal: Optional[str] = None
 
     def register_record_callback(self: Self, callback: Callable[[], None]) -> Self:
         """Call ``callback()`` at the start of every recording (``record()`` / ``with``),
@@ -148,6 +150,29 @@ def refuse_split(hooks: Self, reason: Optional[str]) -> Self:
         not on this path; use backward()
     """
     hooks._split_refusal = reason
+    return hooks
+
+
+def refuse_higher_order(hooks: Self, reason: Optional[str]) -> Self:
+    """Make another manager's backward that ``hooks`` (a manager) would differentiate (one
+    that began recording later, outside its group: second derivatives, a gradient penalty)
+    raise ``UnsupportedGraphError(reason)`` before its engine runs (None: allow it again):
+    full sharding does, whose engine frees each block's gathered parameters in a backward.
+
+    Example:
+        >>> import torch
+        >>> from gradmgr import GradManager, UnsupportedGraphError
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> outer = refuse_higher_order(GradManager().attach(w), "no second derivatives here")
+        >>> inner = GradManager().attach(w)
+        >>> with outer, inner:
+        ...     try:
+        ...         inner.backward((w * w).sum())
+        ...     except UnsupportedGraphError as error:
+        ...         print(error)
+        no second derivatives here
+    """
+    hooks._higher_order_refusal = reason
     return hooks
 
 

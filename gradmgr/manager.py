@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Sequence, Union
 from . import _state
 from .attachments import Attachments, AttachSpec, Callback, Tensors, check_callbacks, check_tensors
 from .backend import Backend
-from .errors import JOIN_HOOK_NAMES, NOT_JOINABLE
+from .errors import JOIN_HOOK_NAMES, NOT_JOINABLE, UnsupportedGraphError
 from .group import GradManagerGroup
 from .hooks import StepHooks
 from .outputs import as_list, check_outputs
@@ -322,13 +322,13 @@ class GradManager(StepHooks):
         # A manager whose own backward is running (this one runs inside its callback) can no
         # longer differentiate anything recorded now.
         mine = self._recording
-        others = [m._recording for m in live(mine.managers)
-                  if m is not self and m._scope.delivery is None]
-        create_graph = any(
-            r.step < mine.step and (mine.group is None or r.group is not mine.group)
-            for r in others
-        )
-        return create_graph, bool(others)
+        others = [m for m in live(mine.managers) if m is not self and m._scope.delivery is None]
+        earlier = [m for m in others if m._recording.step < mine.step
+                   and (mine.group is None or m._recording.group is not mine.group)]
+        for manager in earlier:
+            if manager._higher_order_refusal is not None:  # (see hooks.refuse_higher_order)
+                raise UnsupportedGraphError(manager._higher_order_refusal)
+        return bool(earlier), bool(others)
 
     def add_gradient(self, tensor: Any, grad: Any) -> None:
         """Deliver ``grad`` (a tensor or a Future) for attached ``tensor`` during a backward.

@@ -92,13 +92,21 @@ def test_split_backward_is_refused(two_ranks):
         assert "Use gm.backward(loss), or shard=True" in said, said
 
 
-@pytest.mark.xfail(strict=True, reason="a gradient penalty under full sharding leaves the last "
-                   "Linear's weight without a gradient (plain FSDP2 too); not refused yet")
-def test_gradient_penalty_gradients_are_ddps(two_ranks):
-    """An inner manager's backward (WGAN-GP) inside the recording: each gradient DDP's with
-    ``torch.autograd.grad(create_graph=True)``, bit for bit, or a clear error."""
+def test_a_gradient_penalty_is_refused_and_the_next_step_is_ddps(two_ranks):
+    """Old code: an inner manager's backward (WGAN-GP) left a Linear's weight without a
+    gradient, silently, and ``torch.autograd.grad(create_graph=True)`` failed inside torch
+    (``setStorage``). Now each is refused before FSDP2 gathers anything, and the next plain
+    step's gradients are DDP's, bit for bit."""
     for rank, out in enumerate(two_ranks):
-        assert all(out["gradient_penalty"]["equal"]), (rank, out["gradient_penalty"])
+        found = out["gradient_penalty"]
+        said = found.get("manager", "no error")
+        assert said.startswith("UnsupportedGraphError: a backward that "
+                               "data_parallel(shard='full')'s manager would differentiate"), said
+        assert "Use data_parallel(model) or shard=True" in said, said
+        said = found.get("autograd", "no error")
+        assert said.startswith("RuntimeError: data_parallel(shard='full'): a backward that "
+                               "keeps its graph (create_graph=True"), said
+        assert all(found["equal"]), (rank, found)
 
 
 def test_four_ranks_bit_for_bit(tmp_path):

@@ -117,7 +117,7 @@ HABITS = [
           "(both micro-batches' input halves, then both weight halves)"),
     Habit("gradient_penalty",
           "a gradient penalty (WGAN-GP): an inner manager's backward inside `with gm:` "
-          "(`broadcast_buffers=False`)", paths=NOT_FULL),
+          "(`broadcast_buffers=False`)", fsdp2=False),
     Habit("zero_checkpoint",
           "ZeRO's checkpoint: `opt.consolidate_state_dict(to=0)`, then rank 0's `state_dict()`",
           paths=ZERO, risky=True),

@@ -13,6 +13,7 @@ import weakref
 from typing import Any, List, Optional, Sequence
 
 import torch
+from torch.utils._pytree import tree_map
 
 _BLOCKS = (
     "data_parallel(shard='full'): blocks= takes a list or tuple of module classes to wrap "
@@ -42,6 +43,15 @@ _HIGHER = (
     "derivatives) is not supported under full sharding: FSDP2 frees each block's gathered "
     "parameters during the backward. Use data_parallel(model) (DDP's path) for higher-order "
     "gradients"
+)
+
+_GRAPH_KEPT = (
+    "data_parallel(shard='full'): a backward that keeps its graph (create_graph=True: "
+    "torch.autograd.grad(..., create_graph=True) for a gradient penalty, second derivatives) "
+    "reached the model's output: FSDP2 frees each block's gathered parameters during a "
+    "backward, so a backward through this one's graph cannot be right (torch then fails "
+    "inside it, or leaves gradients missing). Use data_parallel(model) or shard=True, which "
+    "give DDP's gradients with a gradient penalty"
 )
 
 
@@ -86,6 +96,7 @@ class FullShardPath:
             fully_shard(block, reshard_after_forward=reshard_after_forward,
                         mp_policy=mp_policy)
         fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        module.register_forward_hook(_watch_outputs)
         _WRAPPED.add(module)
         if _gloo():
             # FSDP2 asks gloo's reduce_scatter_tensor for an average, and on torch 2.8 gloo
@@ -175,3 +186,28 @@ def full_shard_path() -> Optional[FullShardPath]:
 
 
 __all__: List[str] = ["FullShardPath", "available", "full_shard_path", "wrapped_here"]
+
+
+def _watch_outputs(module: Any, inputs: Any, output: Any) -> Any:
+    """A forward hook on the wrapped root: the model's outputs that require grad are handed
+    on as views of themselves, each refusing a backward that keeps its graph (a gradient
+    penalty by ``torch.autograd.grad``; a manager's is refused before its engine runs, see
+    ``hooks.refuse_higher_order``). A view's hook runs before any hook on the output itself,
+    so before FSDP2's, which would gather parameters for a backward that then stops. (A
+    module-level function: ``copy.deepcopy`` of the model copies the hook.)"""
+    if not torch.is_grad_enabled():
+        return None
+    return tree_map(_refusing_view, output)
+
+
+def _refusing_view(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:
+        return value
+    view = value.view_as(value)
+    view.register_hook(_refuse_kept_graph)
+    return view
+
+
+def _refuse_kept_graph(grad: torch.Tensor) -> None:
+    if torch.is_grad_enabled():  # (the engine's grad mode in a backward: its create_graph)
+        raise RuntimeError(_GRAPH_KEPT)

@@ -16,7 +16,12 @@ from __future__ import annotations
 import weakref
 from typing import Any, List, Sequence
 
-from ...hooks import after_backward_callbacks, refuse_split, set_backward_delegate
+from ...hooks import (
+    after_backward_callbacks,
+    refuse_higher_order,
+    refuse_split,
+    set_backward_delegate,
+)
 from ...manager import callback_chains
 from ..reduce.no_sync import is_paused
 from .replaced import ReplacedParameters
@@ -59,6 +64,15 @@ _NO_SPLIT = (
     "computes with gathered copies of the sharded parameters, which a split backward's two "
     "parts cannot reach), so every parameter would be left without a gradient. Use "
     "gm.backward(loss), or shard=True (ZeRO-2) or shard=False, which take backward_split"
+)
+_NO_HIGHER = (
+    "a backward that data_parallel(shard='full')'s manager would differentiate (second "
+    "derivatives: this manager began recording inside its recording, so its backward keeps a "
+    "graph for it; a gradient penalty such as WGAN-GP's) is not supported under full "
+    "sharding: FSDP2 frees each block's gathered parameters during a backward, and the "
+    "manager's own backward through this one's graph would then leave gradients missing or "
+    "wrong (measured: a Linear's weight got none, silently). Nothing ran. Use "
+    "data_parallel(model) or shard=True, which give DDP's gradients with a gradient penalty"
 )
 _WHY = {
     "reduce": "always as a mean over the ranks (reduce='mean')",
@@ -132,6 +146,7 @@ class FullSharding:
         gm.register_release_callback(sharding.release)
         set_backward_delegate(gm, sharding.delegate)
         refuse_split(gm, _NO_SPLIT)
+        refuse_higher_order(gm, _NO_HIGHER)
         gm.attach([p for p in module.parameters() if p.requires_grad])
         return sharding
 
