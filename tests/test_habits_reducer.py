@@ -36,7 +36,7 @@ WORLD = 2
 # Those that break the process group on the old code last (see the worker's docstring).
 SCENARIOS = ["none_all", "none_one", "double", "uneven_padded", "double_one_rank",
              "disagree_first", "disagree_later", "disagree_buffers", "input_one_rank",
-             "activation_attached"]
+             "activation_attached", "freeze_in_window"]
 
 
 @pytest.fixture(scope="module", params=["native", "python", "shard"])
@@ -155,3 +155,17 @@ def test_activations_of_one_node_attached_by_one_rank_equal_ddp(ranks):
                 assert f"act_node_gm{step}_h0" in out
                 assert f"act_node_gm{step}_h2" not in out  # off the path
                 same(out, f"act_node_gm{step}_h", f"act_node_ddp{step}_h")
+
+
+# ---------------------------------------------------------------- a freeze inside no_sync
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a layer frozen inside a no_sync window keeps each rank's own "
+                   "accumulated .grad (the documented rule for frozen tensors), where DDP "
+                   "reduces it: the ranks' .grad differ; for the lead to decide")
+def test_a_layer_frozen_inside_a_no_sync_window_equals_ddp(ranks):
+    """Every rank freezes ``fc1`` after a ``no_sync`` micro-batch that gave it a gradient,
+    then takes the synced one: DDP (``find_unused_parameters=True``) reduces what ``fc1``
+    accumulated, so its ``.grad`` (sharded: the parameters after SGD) is the mean on every
+    rank."""
+    for out in ranks.scenario("freeze_in_window"):
+        same(out, "window_gm", "window_ddp")

@@ -20,6 +20,7 @@ that breaks the process group on today's code costs only itself and the ones aft
   micro-batch fewer and records an empty one inside ``no_sync``, as the error advises.
 * ``input_one_rank``: rank 0 alone attaches its input inside the recording.
 * ``activation_attached``: rank 0 alone attaches an activation inside the recording.
+* ``freeze_in_window``: every rank freezes a layer inside a ``no_sync`` window.
 """
 
 from __future__ import annotations
@@ -419,9 +420,28 @@ def _activations_of_one_node(out: dict, rank: int) -> None:
             side.after_sync(out, name)
 
 
+# ---------------------------------------------------------------- a freeze inside no_sync
+def freeze_in_window(out: dict, rank: int, world: int) -> None:
+    """Every rank freezes ``fc1`` between a ``no_sync`` micro-batch and the synced one (found
+    by tests/differential/test_torch_dp_differential.py). DDP (``find_unused_parameters``)
+    reduces the gradient ``fc1`` accumulated in the window: every rank ends with the mean.
+    Sharded, a new ShardedOptimizer after the freeze, as documented."""
+    net = Plain()
+    ours = Side(net, gm=wrap(net))
+    theirs = Side(Plain(), ddp=True, find_unused_parameters=True)
+    for side, label in ((ours, "gm"), (theirs, "ddp")):
+        side.step(batch(90, rank), sync=False)
+        side.net.fc1.requires_grad_(False)
+        if SHARD and side is ours:
+            side.opt = ShardedOptimizer(ours.gm, torch.optim.SGD, lr=LR)
+        side.step(batch(91, rank))
+        side.after_sync(out, f"window_{label}")
+
+
 SCENARIOS = {f.__name__: f for f in (
     none_all, none_one, double, double_one_rank, uneven_padded, disagree_first,
     disagree_later, disagree_buffers, input_one_rank, activation_attached,
+    freeze_in_window,
 )}
 
 
