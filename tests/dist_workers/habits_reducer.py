@@ -21,6 +21,8 @@ that breaks the process group on today's code costs only itself and the ones aft
 * ``input_one_rank``: rank 0 alone attaches its input inside the recording.
 * ``activation_attached``: rank 0 alone attaches an activation inside the recording.
 * ``freeze_in_window``: every rank freezes a layer inside a ``no_sync`` window.
+* ``input_callback_one_rank``: rank 0 alone attaches its input with a callback inside the
+  recording.
 """
 
 from __future__ import annotations
@@ -438,10 +440,38 @@ def freeze_in_window(out: dict, rank: int, world: int) -> None:
         side.after_sync(out, f"window_{label}")
 
 
+# ---------------------------------------------------------------- an input's callback
+def input_callback_one_rank(out: dict, rank: int, world: int) -> None:
+    """Rank 0 alone attaches its input with a callback that doubles its gradient, inside the
+    recording, at two synced steps (DDP's side: ``x.register_hook(lambda g: g * 2)``): the
+    parameters' gradients (sharded: the parameters) equal DDP's, and rank 0's input gets
+    DDP's doubled gradient. On torch's reducer path rank 0's step leaves the reducer (a
+    callback other than the allreduce's) while rank 1's stays: gloo aborts a rank."""
+    net = Plain()
+    ours = Side(net, gm=wrap(net))
+    theirs = Side(Plain(), ddp=True)
+    for step in range(2):
+        for side in (ours, theirs):
+            name = f"input_cb_{'gm' if side is ours else 'ddp'}{step}_"
+            x = batch(95 + step, rank).requires_grad_(True)
+            if side is theirs:
+                if rank == 0:
+                    x.register_hook(lambda g: g * 2)
+                side.step(x)
+            else:
+                with ours.gm:
+                    if rank == 0:
+                        ours.gm.attach(x, callbacks=[lambda t, g: g * 2])
+                    ours.gm.backward(net(x))
+            if rank == 0:
+                save(out, f"{name}x", values([x.grad]))
+            side.after_sync(out, name)
+
+
 SCENARIOS = {f.__name__: f for f in (
     none_all, none_one, double, double_one_rank, uneven_padded, disagree_first,
     disagree_later, disagree_buffers, input_one_rank, activation_attached,
-    freeze_in_window,
+    freeze_in_window, input_callback_one_rank,
 )}
 
 
