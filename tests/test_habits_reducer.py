@@ -116,12 +116,16 @@ def test_an_input_attached_on_one_rank_inside_the_recording_equals_ddp(ranks):
     its own). On torch's reducer path rank 0 used to leave the reducer for gradmgr's buckets
     (something was attached since the recording began) and gloo aborted a rank
     (``op.preamble.length <= op.nbytes``)."""
-    for rank, out in enumerate(ranks.scenario("input_one_rank")):
+    _input_on_rank0_equals_ddp(ranks, "input_one_rank", "input")
+
+
+def _input_on_rank0_equals_ddp(ranks, scenario: str, prefix: str) -> None:
+    for rank, out in enumerate(ranks.scenario(scenario)):
         for step in (0, 1):
-            same(out, f"input_gm{step}_", f"input_ddp{step}_")
+            same(out, f"{prefix}_gm{step}_", f"{prefix}_ddp{step}_")
             if rank == 0:
-                assert f"input_gm{step}_x0" in out, "rank 0's input got no gradient"
-                same(out, f"input_gm{step}_x", f"input_ddp{step}_x")
+                assert f"{prefix}_gm{step}_x0" in out, "rank 0's input got no gradient"
+                same(out, f"{prefix}_gm{step}_x", f"{prefix}_ddp{step}_x")
 
 
 def test_an_activation_attached_inside_the_recording_equals_ddp(ranks):
@@ -183,9 +187,4 @@ def test_an_input_attached_with_a_callback_on_one_rank_equals_ddp(ranks, request
             strict=True, raises=pytest.fail.Exception,
             reason="torch's reducer path: an input attached with a callback on one rank "
                    "sends that rank's step to gradmgr's buckets and gloo aborts"))
-    for rank, out in enumerate(ranks.scenario("input_callback_one_rank")):
-        for step in (0, 1):
-            same(out, f"input_cb_gm{step}_", f"input_cb_ddp{step}_")
-            if rank == 0:
-                assert f"input_cb_gm{step}_x0" in out, "rank 0's input got no gradient"
-                same(out, f"input_cb_gm{step}_x", f"input_cb_ddp{step}_x")
+    _input_on_rank0_equals_ddp(ranks, "input_callback_one_rank", "input_cb")

@@ -310,19 +310,28 @@ def input_one_rank(out: dict, rank: int, world: int) -> None:
     """Rank 0 alone attaches its input (``requires_grad``, no callback: a saliency map)
     inside the recording, at two synced steps: the parameters' gradients (sharded: the
     parameters) equal DDP's, and rank 0's input gets its own gradient, as under DDP."""
+    _input_on_rank0(out, rank, "input", 50, doubled=False)
+
+
+def _input_on_rank0(out: dict, rank: int, prefix: str, seed: int, doubled: bool) -> None:
+    """Rank 0 alone attaches its input inside the recording, at two synced steps (where
+    ``doubled``, with a callback doubling its gradient; DDP's side: a tensor hook)."""
     net = Plain()
     ours = Side(net, gm=wrap(net))
     theirs = Side(Plain(), ddp=True)
+    callbacks = [lambda t, g: g * 2] if doubled else None
     for step in range(2):
         for side in (ours, theirs):
-            name = f"input_{'gm' if side is ours else 'ddp'}{step}_"
-            x = batch(50 + step, rank).requires_grad_(True)
+            name = f"{prefix}_{'gm' if side is ours else 'ddp'}{step}_"
+            x = batch(seed + step, rank).requires_grad_(True)
             if side is theirs:
+                if rank == 0 and doubled:
+                    x.register_hook(lambda g: g * 2)
                 side.step(x)
             else:
                 with ours.gm:
                     if rank == 0:
-                        ours.gm.attach(x)
+                        ours.gm.attach(x, callbacks=callbacks)
                     ours.gm.backward(net(x))
             if rank == 0:  # (under DDP every rank's input gets one; here rank 0 asked)
                 save(out, f"{name}x", values([x.grad]))
@@ -443,29 +452,10 @@ def freeze_in_window(out: dict, rank: int, world: int) -> None:
 # ---------------------------------------------------------------- an input's callback
 def input_callback_one_rank(out: dict, rank: int, world: int) -> None:
     """Rank 0 alone attaches its input with a callback that doubles its gradient, inside the
-    recording, at two synced steps (DDP's side: ``x.register_hook(lambda g: g * 2)``): the
-    parameters' gradients (sharded: the parameters) equal DDP's, and rank 0's input gets
-    DDP's doubled gradient. On torch's reducer path rank 0's step leaves the reducer (a
-    callback other than the allreduce's) while rank 1's stays: gloo aborts a rank."""
-    net = Plain()
-    ours = Side(net, gm=wrap(net))
-    theirs = Side(Plain(), ddp=True)
-    for step in range(2):
-        for side in (ours, theirs):
-            name = f"input_cb_{'gm' if side is ours else 'ddp'}{step}_"
-            x = batch(95 + step, rank).requires_grad_(True)
-            if side is theirs:
-                if rank == 0:
-                    x.register_hook(lambda g: g * 2)
-                side.step(x)
-            else:
-                with ours.gm:
-                    if rank == 0:
-                        ours.gm.attach(x, callbacks=[lambda t, g: g * 2])
-                    ours.gm.backward(net(x))
-            if rank == 0:
-                save(out, f"{name}x", values([x.grad]))
-            side.after_sync(out, name)
+    recording, at two synced steps (DDP's side: ``x.register_hook(lambda g: g * 2)``). On
+    torch's reducer path rank 0's step leaves the reducer (a callback other than the
+    allreduce's) while rank 1's stays: gloo aborts a rank."""
+    _input_on_rank0(out, rank, "input_cb", 95, doubled=True)
 
 
 SCENARIOS = {f.__name__: f for f in (
