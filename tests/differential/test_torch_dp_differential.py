@@ -30,8 +30,9 @@ if not dist.is_available():
 import diff_dp as job  # noqa: E402
 from ranks import TESTS, rank_env, wait_all  # noqa: E402
 
-N_STEPS = int(os.environ.get("GRADMGR_DIFF_EXAMPLES") or 30)
-SEED = int(os.environ.get("GRADMGR_DIFF_SEED") or 13)
+DEFAULT_STEPS, DEFAULT_SEED = 30, 13
+N_STEPS = int(os.environ.get("GRADMGR_DIFF_EXAMPLES") or DEFAULT_STEPS)
+SEED = int(os.environ.get("GRADMGR_DIFF_SEED") or DEFAULT_SEED)
 TIMEOUT = 240
 
 
@@ -82,3 +83,22 @@ def test_generated_steps_equal_ddp(tmp_path, path):
                                 + f"\n{program.pretty()}")
     assert not failures, "\n\n".join(failures[:3])
     assert code == 0, f"the ranks exited {code}:\n{log[-3000:]}"
+
+
+def test_the_programs_draw_every_habit():
+    """The default programs exercise every draw (a generator that stopped drawing one would
+    leave the comparison above passing for nothing)."""
+    programs = job.programs(DEFAULT_STEPS, DEFAULT_SEED)
+    steps = [s for p in programs for s in p.steps]
+    recs = [r for s in steps for per_rank in s.recs for r in per_rank]
+    drawn = {"input": any(r.attach_input for r in recs), "activation": any(r.attach for r in recs),
+             "hook": any(r.hooks for r in recs), "grad": any(r.grad_of is not None for r in recs),
+             "unused": any(r.skip_side for r in recs),
+             "weight hook": any(r.param_hook for r in recs),
+             "batch sizes": len({r.rows for r in recs}) > 1,
+             "differing ranks": any(s.recs[0] != s.recs[1] for s in steps),
+             "no_sync": any(s.micro for s in steps),
+             "freeze": any(a.frozen[0] != b.frozen[0]
+                           for p in programs for a, b in zip(p.steps, p.steps[1:])),
+             "zero styles": {s.zero for s in steps} == set(job.ZERO_STYLES)}
+    assert all(drawn.values()), drawn
