@@ -36,7 +36,8 @@ WORLD = 2
 # Those that break the process group on the old code last (see the worker's docstring).
 SCENARIOS = ["none_all", "none_one", "double", "uneven_padded", "double_one_rank",
              "disagree_first", "disagree_later", "disagree_buffers", "input_one_rank",
-             "activation_attached", "freeze_in_window", "input_callback_one_rank"]
+             "activation_attached", "post_hook_one_rank", "freeze_in_window",
+             "input_callback_one_rank"]
 
 
 @pytest.fixture(scope="module", params=["native", "python", "shard"])
@@ -159,6 +160,25 @@ def test_activations_of_one_node_attached_by_one_rank_equal_ddp(ranks):
                 assert f"act_node_gm{step}_h0" in out
                 assert f"act_node_gm{step}_h2" not in out  # off the path
                 same(out, f"act_node_gm{step}_h", f"act_node_ddp{step}_h")
+
+
+# ---------------------------------------------------------------- a post-accumulate hook
+def test_a_post_accumulate_grad_hook_on_one_rank(ranks, request):
+    """Rank 0 alone registers a post-accumulate-grad hook on a weight after a first step
+    (DDP's side too). On torch's reducer path that rank's steps leave the reducer (the hook
+    would see the local gradient there), so the next step raises RankMismatchError on every
+    rank, which must name the hook (it used to name only callbacks and options); gradmgr's
+    buckets and the sharded path give DDP's gradients (parameters), bit for bit."""
+    for out in ranks.scenario("post_hook_one_rank"):
+        assert str(out["post_hook_error0"]) == "no error"
+        same(out, "post_hook_gm0_", "post_hook_ddp0_")
+        message = str(out["post_hook_error1"])
+        if request.node.callspec.params["ranks"] != "native":
+            assert message == "no error", message
+            same(out, "post_hook_gm1_", "post_hook_ddp1_")
+            continue
+        assert message.startswith("RankMismatchError"), message
+        assert "register_post_accumulate_grad_hook" in message, message
 
 
 # ---------------------------------------------------------------- a freeze inside no_sync

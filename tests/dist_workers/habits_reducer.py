@@ -20,6 +20,7 @@ that breaks the process group on today's code costs only itself and the ones aft
   micro-batch fewer and records an empty one inside ``no_sync``, as the error advises.
 * ``input_one_rank``: rank 0 alone attaches its input inside the recording.
 * ``activation_attached``: rank 0 alone attaches an activation inside the recording.
+* ``post_hook_one_rank``: rank 0 alone registers a post-accumulate-grad hook on a weight.
 * ``freeze_in_window``: every rank freezes a layer inside a ``no_sync`` window.
 * ``input_callback_one_rank``: rank 0 alone attaches its input with a callback inside the
   recording.
@@ -28,6 +29,7 @@ that breaks the process group on today's code costs only itself and the ones aft
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -431,6 +433,27 @@ def _activations_of_one_node(out: dict, rank: int) -> None:
             side.after_sync(out, name)
 
 
+# ---------------------------------------------------------------- a post-accumulate hook
+def post_hook_one_rank(out: dict, rank: int, world: int) -> None:
+    """Rank 0 alone registers a post-accumulate-grad hook on ``fc1.weight`` (a logger) after a
+    first step, on both sides. Saves each step's error (gradmgr's side) and what each side
+    holds after it; the hook is removed at the end."""
+    net = Plain()
+    ours, theirs = Side(net, gm=wrap(net)), Side(Plain(), ddp=True)
+    handles = []
+    for step in range(2):
+        if step == 1 and rank == 0:
+            handles = [side.net.fc1.weight.register_post_accumulate_grad_hook(lambda p: None)
+                       for side in (ours, theirs)]
+        x = batch(100 + step, rank)
+        out[f"post_hook_error{step}"] = error_text(functools.partial(ours.step, x))
+        theirs.step(x)
+        for side, label in ((ours, "gm"), (theirs, "ddp")):
+            side.after_sync(out, f"post_hook_{label}{step}_")
+    for handle in handles:
+        handle.remove()
+
+
 # ---------------------------------------------------------------- a freeze inside no_sync
 def freeze_in_window(out: dict, rank: int, world: int) -> None:
     """Every rank freezes ``fc1`` between a ``no_sync`` micro-batch and the synced one (found
@@ -461,7 +484,7 @@ def input_callback_one_rank(out: dict, rank: int, world: int) -> None:
 SCENARIOS = {f.__name__: f for f in (
     none_all, none_one, double, double_one_rank, uneven_padded, disagree_first,
     disagree_later, disagree_buffers, input_one_rank, activation_attached,
-    freeze_in_window, input_callback_one_rank,
+    post_hook_one_rank, freeze_in_window, input_callback_one_rank,
 )}
 
 
