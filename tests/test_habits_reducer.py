@@ -36,7 +36,8 @@ WORLD = 2
 # Those that break the process group on the old code last (see the worker's docstring).
 SCENARIOS = ["none_all", "none_one", "double", "uneven_padded", "double_one_rank",
              "disagree_first", "disagree_later", "disagree_buffers", "input_one_rank",
-             "activation_attached"]
+             "activation_attached", "post_hook_one_rank", "freeze_in_window",
+             "input_callback_one_rank"]
 
 
 @pytest.fixture(scope="module", params=["native", "python", "shard"])
@@ -116,12 +117,16 @@ def test_an_input_attached_on_one_rank_inside_the_recording_equals_ddp(ranks):
     its own). On torch's reducer path rank 0 used to leave the reducer for gradmgr's buckets
     (something was attached since the recording began) and gloo aborted a rank
     (``op.preamble.length <= op.nbytes``)."""
-    for rank, out in enumerate(ranks.scenario("input_one_rank")):
+    _input_on_rank0_equals_ddp(ranks, "input_one_rank", "input")
+
+
+def _input_on_rank0_equals_ddp(ranks, scenario: str, prefix: str) -> None:
+    for rank, out in enumerate(ranks.scenario(scenario)):
         for step in (0, 1):
-            same(out, f"input_gm{step}_", f"input_ddp{step}_")
+            same(out, f"{prefix}_gm{step}_", f"{prefix}_ddp{step}_")
             if rank == 0:
-                assert f"input_gm{step}_x0" in out, "rank 0's input got no gradient"
-                same(out, f"input_gm{step}_x", f"input_ddp{step}_x")
+                assert f"{prefix}_gm{step}_x0" in out, "rank 0's input got no gradient"
+                same(out, f"{prefix}_gm{step}_x", f"{prefix}_ddp{step}_x")
 
 
 def test_an_activation_attached_inside_the_recording_equals_ddp(ranks):
@@ -155,3 +160,51 @@ def test_activations_of_one_node_attached_by_one_rank_equal_ddp(ranks):
                 assert f"act_node_gm{step}_h0" in out
                 assert f"act_node_gm{step}_h2" not in out  # off the path
                 same(out, f"act_node_gm{step}_h", f"act_node_ddp{step}_h")
+
+
+# ---------------------------------------------------------------- a post-accumulate hook
+def test_a_post_accumulate_grad_hook_on_one_rank(ranks, request):
+    """Rank 0 alone registers a post-accumulate-grad hook on a weight after a first step
+    (DDP's side too). On torch's reducer path that rank's steps leave the reducer (the hook
+    would see the local gradient there), so the next step raises RankMismatchError on every
+    rank, which must name the hook (it used to name only callbacks and options); gradmgr's
+    buckets and the sharded path give DDP's gradients (parameters), bit for bit."""
+    for out in ranks.scenario("post_hook_one_rank"):
+        assert str(out["post_hook_error0"]) == "no error"
+        same(out, "post_hook_gm0_", "post_hook_ddp0_")
+        message = str(out["post_hook_error1"])
+        if request.node.callspec.params["ranks"] != "native":
+            assert message == "no error", message
+            same(out, "post_hook_gm1_", "post_hook_ddp1_")
+            continue
+        assert message.startswith("RankMismatchError"), message
+        assert "register_post_accumulate_grad_hook" in message, message
+
+
+# ---------------------------------------------------------------- a freeze inside no_sync
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a layer frozen inside a no_sync window keeps each rank's own "
+                   "accumulated .grad (the documented rule for frozen tensors), where DDP "
+                   "reduces it: the ranks' .grad differ; for the lead to decide")
+def test_a_layer_frozen_inside_a_no_sync_window_equals_ddp(ranks):
+    """Every rank freezes ``fc1`` after a ``no_sync`` micro-batch that gave it a gradient,
+    then takes the synced one: DDP (``find_unused_parameters=True``) reduces what ``fc1``
+    accumulated, so its ``.grad`` (sharded: the parameters after SGD) is the mean on every
+    rank."""
+    for out in ranks.scenario("freeze_in_window"):
+        same(out, "window_gm", "window_ddp")
+
+
+# ---------------------------------------------------------------- an input's callback
+def test_an_input_attached_with_a_callback_on_one_rank_equals_ddp(ranks, request):
+    """Rank 0 alone attaches its input with a callback (doubling its gradient) inside the
+    recording: DDP's parameter gradients (sharded: parameters), and rank 0's input DDP's
+    gradient under ``x.register_hook(lambda g: g * 2)``, bit for bit. On torch's reducer path
+    gloo aborts a rank (``op.preamble.length <= op.nbytes``): strict xfail there, for the
+    lead (found by tests/differential/test_torch_dp_differential.py's probes)."""
+    if request.node.callspec.params["ranks"] == "native":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, raises=pytest.fail.Exception,
+            reason="torch's reducer path: an input attached with a callback on one rank "
+                   "sends that rank's step to gradmgr's buckets and gloo aborts"))
+    _input_on_rank0_equals_ddp(ranks, "input_callback_one_rank", "input_cb")

@@ -318,9 +318,11 @@ def _mismatch_message(transport: Any, ops: TensorOps, tensors: Sequence[Any], wh
                 f"would reduce them differently (rank {rank}: {mode}; the other ranks' errors "
                 f"show theirs). Every rank must create the allreduce callback with the same "
                 f"reduce=, compression=, bucket_bytes=, native= and comm_hook= options (or set "
-                f"GRADMGR_REDUCER alike), attach the same callbacks to the same tensors "
-                f"and register the same after-backward callbacks: the C++ Reducer serves a "
-                f"step only where nothing else needs the per-tensor callbacks")
+                f"GRADMGR_REDUCER alike), attach the same callbacks to the same tensors, "
+                f"register the same after-backward callbacks, and give the same tensors the "
+                f"same hooks that run after accumulation (on PyTorch, "
+                f"register_post_accumulate_grad_hook): the C++ Reducer serves a step only "
+                f"where nothing else needs the per-tensor callbacks or such hooks")
     shown = tensors[position] if position < len(tensors) else None
     rows = _gather(transport, ops, rank, world, _described(ops, shown, name_of), like)
     per_rank = [f"rank {r} has {_read_description(row)}" if row[0]

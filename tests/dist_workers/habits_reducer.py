@@ -20,11 +20,16 @@ that breaks the process group on today's code costs only itself and the ones aft
   micro-batch fewer and records an empty one inside ``no_sync``, as the error advises.
 * ``input_one_rank``: rank 0 alone attaches its input inside the recording.
 * ``activation_attached``: rank 0 alone attaches an activation inside the recording.
+* ``post_hook_one_rank``: rank 0 alone registers a post-accumulate-grad hook on a weight.
+* ``freeze_in_window``: every rank freezes a layer inside a ``no_sync`` window.
+* ``input_callback_one_rank``: rank 0 alone attaches its input with a callback inside the
+  recording.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -307,19 +312,28 @@ def input_one_rank(out: dict, rank: int, world: int) -> None:
     """Rank 0 alone attaches its input (``requires_grad``, no callback: a saliency map)
     inside the recording, at two synced steps: the parameters' gradients (sharded: the
     parameters) equal DDP's, and rank 0's input gets its own gradient, as under DDP."""
+    _input_on_rank0(out, rank, "input", 50, doubled=False)
+
+
+def _input_on_rank0(out: dict, rank: int, prefix: str, seed: int, doubled: bool) -> None:
+    """Rank 0 alone attaches its input inside the recording, at two synced steps (where
+    ``doubled``, with a callback doubling its gradient; DDP's side: a tensor hook)."""
     net = Plain()
     ours = Side(net, gm=wrap(net))
     theirs = Side(Plain(), ddp=True)
+    callbacks = [lambda t, g: g * 2] if doubled else None
     for step in range(2):
         for side in (ours, theirs):
-            name = f"input_{'gm' if side is ours else 'ddp'}{step}_"
-            x = batch(50 + step, rank).requires_grad_(True)
+            name = f"{prefix}_{'gm' if side is ours else 'ddp'}{step}_"
+            x = batch(seed + step, rank).requires_grad_(True)
             if side is theirs:
+                if rank == 0 and doubled:
+                    x.register_hook(lambda g: g * 2)
                 side.step(x)
             else:
                 with ours.gm:
                     if rank == 0:
-                        ours.gm.attach(x)
+                        ours.gm.attach(x, callbacks=callbacks)
                     ours.gm.backward(net(x))
             if rank == 0:  # (under DDP every rank's input gets one; here rank 0 asked)
                 save(out, f"{name}x", values([x.grad]))
@@ -419,9 +433,58 @@ def _activations_of_one_node(out: dict, rank: int) -> None:
             side.after_sync(out, name)
 
 
+# ---------------------------------------------------------------- a post-accumulate hook
+def post_hook_one_rank(out: dict, rank: int, world: int) -> None:
+    """Rank 0 alone registers a post-accumulate-grad hook on ``fc1.weight`` (a logger) after a
+    first step, on both sides. Saves each step's error (gradmgr's side) and what each side
+    holds after it; the hook is removed at the end."""
+    net = Plain()
+    ours, theirs = Side(net, gm=wrap(net)), Side(Plain(), ddp=True)
+    handles = []
+    for step in range(2):
+        if step == 1 and rank == 0:
+            handles = [side.net.fc1.weight.register_post_accumulate_grad_hook(lambda p: None)
+                       for side in (ours, theirs)]
+        x = batch(100 + step, rank)
+        out[f"post_hook_error{step}"] = error_text(functools.partial(ours.step, x))
+        theirs.step(x)
+        for side, label in ((ours, "gm"), (theirs, "ddp")):
+            side.after_sync(out, f"post_hook_{label}{step}_")
+    for handle in handles:
+        handle.remove()
+
+
+# ---------------------------------------------------------------- a freeze inside no_sync
+def freeze_in_window(out: dict, rank: int, world: int) -> None:
+    """Every rank freezes ``fc1`` between a ``no_sync`` micro-batch and the synced one (found
+    by tests/differential/test_torch_dp_differential.py). DDP (``find_unused_parameters``)
+    reduces the gradient ``fc1`` accumulated in the window: every rank ends with the mean.
+    Sharded, a new ShardedOptimizer after the freeze, as documented."""
+    net = Plain()
+    ours = Side(net, gm=wrap(net))
+    theirs = Side(Plain(), ddp=True, find_unused_parameters=True)
+    for side, label in ((ours, "gm"), (theirs, "ddp")):
+        side.step(batch(90, rank), sync=False)
+        side.net.fc1.requires_grad_(False)
+        if SHARD and side is ours:
+            side.opt = ShardedOptimizer(ours.gm, torch.optim.SGD, lr=LR)
+        side.step(batch(91, rank))
+        side.after_sync(out, f"window_{label}")
+
+
+# ---------------------------------------------------------------- an input's callback
+def input_callback_one_rank(out: dict, rank: int, world: int) -> None:
+    """Rank 0 alone attaches its input with a callback that doubles its gradient, inside the
+    recording, at two synced steps (DDP's side: ``x.register_hook(lambda g: g * 2)``). On
+    torch's reducer path rank 0's step leaves the reducer (a callback other than the
+    allreduce's) while rank 1's stays: gloo aborts a rank."""
+    _input_on_rank0(out, rank, "input_cb", 95, doubled=True)
+
+
 SCENARIOS = {f.__name__: f for f in (
     none_all, none_one, double, double_one_rank, uneven_padded, disagree_first,
     disagree_later, disagree_buffers, input_one_rank, activation_attached,
+    post_hook_one_rank, freeze_in_window, input_callback_one_rank,
 )}
 
 
