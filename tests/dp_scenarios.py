@@ -239,6 +239,26 @@ def frozen_on_one_rank(fw: Any, rank: int, world: int) -> Result:
     return {"errors": errors, "refused": grads(fw, ps)}
 
 
+def frozen_in_window(fw: Any, rank: int, world: int) -> Result:
+    """Every rank freezes a tensor after a no_sync micro-batch gave it a gradient: the synced
+    recording raises on every rank (its window's gradient would stay each rank's own) and
+    records nothing; unfrozen, the synced step reduces both micro-batches."""
+    ps = params(fw)
+    gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    with no_sync(gm):
+        step(gm, fw, ps, data(fw, rank, 0))
+    fw.freeze(ps[1])
+    errors = []
+    try:
+        step(gm, fw, ps, data(fw, rank, 1))
+    except RuntimeError as error:
+        errors.append(str(error))
+    fw.unfreeze(ps[1])
+    step(gm, fw, ps, data(fw, rank, 1))
+    return {"errors": errors, "got": grads(fw, ps),
+            "want": mean_over_ranks(fw, world, micros=(0, 1))}
+
+
 def _twice(fw: Any, ps: List[Any], x: Any, rank: int) -> Any:
     """A loss that uses ``a`` twice (a tied weight): its gradient is the sum of both uses."""
     a, b, c = ps
@@ -355,7 +375,7 @@ def _input_grad(fw: Any, rank: int, micro: int) -> Any:
 SCENARIOS = [mean_in_buckets, summed, accumulated_without_sync, broadcast_first, unused_tensors,
              ranks_that_differ, a_failing_rank, used_twice, no_sync_on_one_rank, split_steps,
              split_out_of_order]
-FREEZING = [frozen_tensors, frozen_on_one_rank]
+FREEZING = [frozen_tensors, frozen_on_one_rank, frozen_in_window]
 
 
 def run_all(fw: Any, rank: int, world: int) -> Dict[str, Result]:

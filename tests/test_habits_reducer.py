@@ -182,16 +182,17 @@ def test_a_post_accumulate_grad_hook_on_one_rank(ranks, request):
 
 
 # ---------------------------------------------------------------- a freeze inside no_sync
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a layer frozen inside a no_sync window keeps each rank's own "
-                   "accumulated .grad (the documented rule for frozen tensors), where DDP "
-                   "reduces it: the ranks' .grad differ; for the lead to decide")
-def test_a_layer_frozen_inside_a_no_sync_window_equals_ddp(ranks):
-    """Every rank freezes ``fc1`` after a ``no_sync`` micro-batch that gave it a gradient,
-    then takes the synced one: DDP (``find_unused_parameters=True``) reduces what ``fc1``
-    accumulated, so its ``.grad`` (sharded: the parameters after SGD) is the mean on every
-    rank."""
+def test_a_layer_frozen_inside_a_no_sync_window_is_refused_on_every_rank(ranks):
+    """Every rank freezes ``fc1`` after a ``no_sync`` micro-batch that gave it a gradient.
+    Old code: the synced step left ``fc1`` out and each rank kept its own accumulated
+    ``.grad`` (DDP with ``find_unused_parameters=True`` reduces it): the ranks differed,
+    silently. Now the synced recording raises on every rank, naming the parameter, and
+    records nothing: unfrozen again, the step is DDP's, bit for bit."""
     for out in ranks.scenario("freeze_in_window"):
+        said = str(out["window_error"])
+        assert "fc1.weight (and 1 more) was frozen (requires_grad=False) inside a no_sync" \
+            in said, said
+        assert "Freeze it after the synced step that closes the window" in said, said
         same(out, "window_gm", "window_ddp")
 
 

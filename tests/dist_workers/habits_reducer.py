@@ -457,17 +457,19 @@ def post_hook_one_rank(out: dict, rank: int, world: int) -> None:
 # ---------------------------------------------------------------- a freeze inside no_sync
 def freeze_in_window(out: dict, rank: int, world: int) -> None:
     """Every rank freezes ``fc1`` between a ``no_sync`` micro-batch and the synced one (found
-    by tests/differential/test_torch_dp_differential.py). DDP (``find_unused_parameters``)
-    reduces the gradient ``fc1`` accumulated in the window: every rank ends with the mean.
-    Sharded, a new ShardedOptimizer after the freeze, as documented."""
+    by tests/differential/test_torch_dp_differential.py; DDP with ``find_unused_parameters``
+    reduces what ``fc1`` accumulated, gradmgr left each rank its own): the synced recording
+    raises on every rank (``window_error``). Then ``fc1`` unfrozen, the synced step gives
+    DDP's window (``window_gm`` against ``window_ddp``, which froze nothing)."""
     net = Plain()
     ours = Side(net, gm=wrap(net))
-    theirs = Side(Plain(), ddp=True, find_unused_parameters=True)
+    theirs = Side(Plain(), ddp=True)
     for side, label in ((ours, "gm"), (theirs, "ddp")):
         side.step(batch(90, rank), sync=False)
-        side.net.fc1.requires_grad_(False)
-        if SHARD and side is ours:
-            side.opt = ShardedOptimizer(ours.gm, torch.optim.SGD, lr=LR)
+        if side is ours:
+            net.fc1.requires_grad_(False)
+            out["window_error"] = error_text(lambda: ours.step(batch(91, rank)))
+            net.fc1.requires_grad_(True)
         side.step(batch(91, rank))
         side.after_sync(out, f"window_{label}")
 

@@ -24,7 +24,7 @@ from ..reducing import CommHook, PostBackwardPath, Reducer, ReducerPath
 from ..sharded.sharding import GradientShards, ShardReduction, ShardWire
 from ..transport import control_transport, resolve_transport
 from .bucket import BucketPlan
-from .no_sync import is_paused
+from .no_sync import OVERTAKEN, is_paused, refuse_frozen_in_window
 from .paths import (
     check_step,
     choose_path,
@@ -50,16 +50,6 @@ _HABIT = (
     "gm.backward(loss) inside `with gm:` instead; this step's collectives were completed "
     "without reducing anything, and .grad holds this rank's local gradients"
 )
-
-_OVERTAKEN = (
-    "a split backward's finish() for a micro-batch recorded inside no_sync(gm) came after a "
-    "micro-batch recorded later, outside no_sync, had reduced the gradients: this one's "
-    "weight gradients would miss that reduction and stay on this rank alone, so the ranks' "
-    ".grad would differ. Call finish() on the no_sync micro-batches' deferred backwards "
-    "before the synced one's (its reduction takes what .grad holds then); nothing of this "
-    "finish() was accumulated"
-)
-
 
 class Synchronizer:
     """The allreduce callback's work for one manager (the callback keeps one per manager and
@@ -161,6 +151,8 @@ class Synchronizer:
     def replan_if_needed(self, gm: Any) -> BucketPlan:
         """The plan for ``gm``'s next recording, made again where it is outdated."""
         if self.plan is None or self._plan_outdated(gm):
+            if self.unsynced and self.plan is not None:
+                refuse_frozen_in_window(self.planned(), self.ops, self.name_of, self.unsynced)
             self._plan(gm)
         reducer = self.reducer
         if self.on_reducer and reducer is not None:
@@ -406,7 +398,7 @@ class Synchronizer:
         """Refuse a no_sync step's gradients after a synced step recorded later has reduced
         (split backwards finished out of order): they would stay on this rank alone."""
         if self.finished > step.finish_limit:
-            raise RuntimeError(_OVERTAKEN)
+            raise RuntimeError(OVERTAKEN)
 
     def close(self, step: Step) -> List[tuple]:
         """A synced step's gradients are all in its buckets: the others go out (what
