@@ -17,6 +17,7 @@ from typing import (
     Any,
     Callable,
     ClassVar,
+    Collection,
     ContextManager,
     Dict,
     Iterable,
@@ -139,11 +140,14 @@ class Tape(ABC):
         """
 
     def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
-                              create_graph: bool, retain_graph: bool) -> None:
-        """Like :meth:`backward`, but the engine accumulates every watched tensor's gradient
-        into ``.grad`` itself and no sink is called (a backward delegate, see
-        :func:`gradmgr.hooks.set_backward_delegate`, handles them; a non-leaf's gradient is
-        taken while the engine runs and accumulated after it). PyTorch's tape implements it."""
+                              create_graph: bool, retain_graph: bool,
+                              taken: Optional[Collection[int]] = None) -> None:
+        """Like :meth:`backward`, but the engine accumulates the watched tensors' gradients
+        into ``.grad`` itself and their sinks are not called (a backward delegate, see
+        :func:`gradmgr.hooks.set_backward_delegate`, handles them), except for those it
+        cannot: a non-leaf's, and, where ``taken`` (ids: what the delegate takes) is given,
+        those of eager tensors it does not take, which go to their sinks as in
+        :meth:`backward`. PyTorch's tape implements it."""
         raise NotImplementedError("this backend cannot delegate a backward")
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,

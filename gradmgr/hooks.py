@@ -1,10 +1,13 @@
 """What a library registers with a manager to build on its steps (the data-parallel callback
 does): work at the start of every recording, after every backward, when a backward raises, when
-a recording ends, and a delegate that may take whole backwards over."""
+a recording ends, a delegate that may take whole backwards over, and what its backwards refuse
+(a split backward; a backward it would differentiate)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Iterable, List, Optional, TypeVar
+
+from .errors import UnsupportedGraphError
 
 Self = TypeVar("Self", bound="StepHooks")
 
@@ -176,6 +179,14 @@ def refuse_higher_order(hooks: Self, reason: Optional[str]) -> Self:
     return hooks
 
 
+def refuse_if_differentiated(earlier: Iterable[StepHooks]) -> None:
+    """Raise the :func:`refuse_higher_order` refusal of the first of ``earlier`` (the
+    managers that would differentiate the backward about to run) that set one."""
+    for hooks in earlier:
+        if hooks._higher_order_refusal is not None:
+            raise UnsupportedGraphError(hooks._higher_order_refusal)
+
+
 def set_backward_delegate(hooks: Self, delegate: Optional[Callable[[], Any]]) -> Self:
     """Let ``delegate`` take over whole backwards of ``hooks`` (a manager; None: stop): the
     data-parallel callback uses it to hand a step to PyTorch's C++ reducer.
@@ -185,9 +196,12 @@ def set_backward_delegate(hooks: Self, delegate: Optional[Callable[[], Any]]) ->
     engine accumulates every attached tensor's gradient straight into ``.grad`` (no callback
     and no after-backward callback runs), after which ``finish()`` is called, or ``abort()``
     if the backward raised. Only a backend whose tape has ``backward_accumulating`` (PyTorch)
-    can be delegated to. A delegate object with ``run_engine(ys, dys, create_graph,
-    retain_graph)`` runs the engine itself instead (full sharding: a plain backward over
-    everything, as FSDP2's hooks need).
+    can be delegated to. An attached non-leaf gets its gradient as in any backward; so does,
+    where the object's ``taken`` is not None (the ids of the tensors it takes), an attached
+    tensor with callbacks that it does not take (its callbacks run as its gradient is ready).
+    A delegate object with ``run_engine(ys, dys, create_graph, retain_graph)`` runs the
+    engine itself instead (full sharding: a plain backward over everything, as FSDP2's hooks
+    need).
 
     Example:
         >>> import torch

@@ -15,9 +15,9 @@ from typing import Any, List, Optional, Sequence, Union
 from . import _state
 from .attachments import Attachments, AttachSpec, Callback, Tensors, check_callbacks, check_tensors
 from .backend import Backend
-from .errors import JOIN_HOOK_NAMES, NOT_JOINABLE, UnsupportedGraphError
+from .errors import JOIN_HOOK_NAMES, NOT_JOINABLE
 from .group import GradManagerGroup
-from .hooks import StepHooks
+from .hooks import StepHooks, refuse_if_differentiated
 from .outputs import as_list, check_outputs
 from .recording import Recording, live
 from .registry import backend_for, resolve_backend
@@ -291,9 +291,10 @@ class GradManager(StepHooks):
         recording.settle(backend)
         return ys, dys
 
-    def _end_backward(self) -> None:
-        """After the engine: after-backward callbacks, then Futures and ``.grad``."""
-        if self._after_backward_callbacks:
+    def _end_backward(self, delegated: bool = False) -> None:
+        """After the engine: after-backward callbacks (not where a delegate took the
+        backward), then Futures and ``.grad`` of what the sinks got."""
+        if self._after_backward_callbacks and not delegated:
             self._run_after_backward_callbacks()
         if self._scope.gradients_came():
             delivery, backend = self._scope.delivering()
@@ -301,7 +302,8 @@ class GradManager(StepHooks):
 
     def _run_delegated(self, ys: List[Any], dys: List[Any], delegated: Any) -> None:
         """The engine accumulates into ``.grad``; ``delegated`` does the rest (see
-        :func:`gradmgr.hooks.set_backward_delegate`)."""
+        :func:`gradmgr.hooks.set_backward_delegate`), and the sinks' delivery what the tape
+        gave them (what the delegate does not take)."""
         try:
             tape = self._recording.started
             own_engine = getattr(delegated, "run_engine", None)
@@ -310,11 +312,13 @@ class GradManager(StepHooks):
             elif ys and tape is not None:
                 create_graph, retain_graph = self._nesting()
                 tape.backward_accumulating(ys, dys, create_graph=create_graph,
-                                           retain_graph=retain_graph)
+                                           retain_graph=retain_graph,
+                                           taken=getattr(delegated, "taken", None))
             delegated.finish()
         except BaseException:
             delegated.abort()
             raise
+        self._end_backward(delegated=True)
 
     def _nesting(self) -> tuple:
         """``(create_graph, retain_graph)`` for this manager's backward while this thread's
@@ -325,9 +329,7 @@ class GradManager(StepHooks):
         others = [m for m in live(mine.managers) if m is not self and m._scope.delivery is None]
         earlier = [m for m in others if m._recording.step < mine.step
                    and (mine.group is None or m._recording.group is not mine.group)]
-        for manager in earlier:
-            if manager._higher_order_refusal is not None:  # (see hooks.refuse_higher_order)
-                raise UnsupportedGraphError(manager._higher_order_refusal)
+        refuse_if_differentiated(earlier)
         return bool(earlier), bool(others)
 
     def add_gradient(self, tensor: Any, grad: Any) -> None:

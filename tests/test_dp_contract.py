@@ -139,19 +139,16 @@ def test_frozen_tensors_are_left_out_and_a_freeze_on_one_rank_is_refused(backend
         assert alone["refused"] == [None, None, None]
 
 
-def test_a_tensor_frozen_inside_a_no_sync_window_is_refused_on_every_rank(backend):
+def test_a_tensor_frozen_inside_a_no_sync_window_is_reduced_at_its_synced_step(backend):
     """Old code: left out of the synced step, the tensor kept each rank's own window gradient
-    (the ranks' .grad differed, silently). Now the synced recording raises on every rank and
-    records nothing; unfrozen, the step gives the mean of both micro-batches."""
+    (the ranks' .grad differed, silently). Now its window gradient is reduced at the synced
+    step, as DDP with find_unused_parameters does."""
     name, results = backend
     if not can_freeze(backend, "frozen_in_window"):
         return
     for out in results:
         window = out["frozen_in_window"]
-        assert len(window["errors"]) == 1, (name, window["errors"])
-        assert "was frozen (requires_grad=False) inside a no_sync accumulation window, after " \
-               "1 micro-batch(es)" in window["errors"][0], window["errors"][0]
-        close(window["got"], window["want"], f"{name} after the refusal")
+        close(window["got"], window["want"], f"{name} frozen inside the window")
 
 
 def test_a_tensor_used_twice_is_reduced_once_with_both_uses(backend):

@@ -89,6 +89,11 @@ class CommHook(Protocol):
 class ReducerPath(Protocol):
     """How a backend's own reducer can take whole backwards over from the Python buckets."""
 
+    delivers_others: bool
+    """The backward's tape delivers the attached tensors the reducer does not take (through
+    their callbacks; non-leaves): a tensor attached with callbacks of its own keeps a step on
+    this path (see ``Tape.backward_accumulating``'s ``taken``)."""
+
     def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
         """Whether it can reduce ``planned`` (checked when planning; ``attached``: every tensor
         the manager holds, which the engine accumulates into directly on this path)."""
@@ -106,6 +111,9 @@ class PostBackwardPath(Protocol):
     """When a data-parallel step runs its backward with no per-tensor hook and gradmgr reduces
     ``.grad`` after it (see :mod:`gradmgr.distributed.reduce.post_backward`): a backward traced into
     a graph (PyTorch's compiled autograd), where each Python hook would break the graph."""
+
+    delivers_others: bool
+    """As :attr:`ReducerPath.delivers_others` (compiled autograd: False, no hook)."""
 
     def wanted(self) -> bool:
         """Whether backwards run now want no per-tensor hook (PyTorch: compiled autograd is

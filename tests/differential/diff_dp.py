@@ -106,7 +106,7 @@ def toggle(rng: np.random.Generator, frozen: Tuple[str, ...]) -> Tuple[str, ...]
 
 
 def programs(n_steps: int, seed: int, zero_styles: Tuple[str, ...] = ZERO_STYLES,
-             window_freeze: float = 0.0) -> List[Program]:
+             window_freeze: float = 0.25) -> List[Program]:
     """Programs of 1-4 steps each, ``n_steps`` steps in all; a layer frozen or unfrozen
     between two recordings of a ``no_sync`` window with probability ``window_freeze``."""
     rng = np.random.default_rng(seed)

@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 import traceback
+from typing import Tuple
 
 import numpy as np
 import torch
@@ -27,15 +28,17 @@ def value(t) -> np.ndarray:
     return NONE if t is None else numpy_of(t)
 
 
-def set_frozen(net, frozen) -> bool:
-    """Freeze exactly the layers ``frozen``; whether a flag changed."""
-    changed = False
+def set_frozen(net, frozen) -> Tuple[bool, bool]:
+    """Freeze exactly the layers ``frozen``; whether a flag changed, and whether one was
+    turned on."""
+    changed = unfrozen = False
     for name, layer in net.named_children():
         for p in layer.parameters():
             want = name not in frozen
             changed |= p.requires_grad != want
+            unfrozen |= want and not p.requires_grad
             p.requires_grad_(want)
-    return changed
+    return changed, unfrozen
 
 
 def extras(rec: Rec, keep: list, attach) -> None:
@@ -60,6 +63,7 @@ class Side:
     def __init__(self, net, path: str, ddp: bool = False) -> None:
         self.net, self.path, self.ddp, self.in_ddp = net, None if ddp else path, None, set()
         self.shard = path == "shard"
+        self.renew = False  # a new ShardedOptimizer after this step's optimizer step
         path = self.path
         if path is None:
             self._rebuild()
@@ -80,12 +84,17 @@ class Side:
         self.ddp = DDP(self.net, find_unused_parameters=True)
         self.in_ddp = {id(p) for p in self.net.parameters() if p.requires_grad}
 
-    def freeze(self, frozen) -> None:
-        changed = set_frozen(self.net, frozen)
+    def freeze(self, frozen, in_window: bool) -> None:
+        changed, unfrozen = set_frozen(self.net, frozen)
         if self.path is None:
             if not {id(p) for p in self.net.parameters() if p.requires_grad} <= self.in_ddp:
                 self._rebuild()
         elif changed and self.shard:  # the parameter set is fixed when it is made
+            if in_window and not unfrozen:
+                # frozen inside a no_sync window: planned until its synced step has reduced
+                # it (docs/data-parallel.md), so the plan changes after that step
+                self.renew = True
+                return
             self.opt = None
             self.opt = self._optimizer()
 
@@ -143,6 +152,9 @@ class Side:
             for name, p in named:
                 out[f"{key}/grad/{name}"] = value(p.grad)
         self.opt.step()
+        if self.renew:
+            self.renew, self.opt = False, None
+            self.opt = self._optimizer()
         for name, p in named:
             out[f"{key}/param/{name}"] = value(p)
         if zero == "none":
@@ -159,7 +171,7 @@ class Side:
 def run_step(index: int, j: int, step: Step, rank: int, sides: dict, out: dict) -> None:
     for m, rec in enumerate(step.recs[rank]):
         for label, side in sides.items():
-            side.freeze(step.frozen[m])
+            side.freeze(step.frozen[m], in_window=m > 0)
             key = f"s{j}/m{m}/{label}"
             side.record(batch(index, j, m, rank, rec.rows), rec, m < step.micro, out, key)
     for label, side in sides.items():

@@ -100,5 +100,6 @@ def test_the_programs_draw_every_habit():
              "no_sync": any(s.micro for s in steps),
              "freeze": any(a.frozen[0] != b.frozen[0]
                            for p in programs for a, b in zip(p.steps, p.steps[1:])),
+             "freeze in a window": any(len(set(s.frozen)) > 1 for s in steps),
              "zero styles": {s.zero for s in steps} == set(job.ZERO_STYLES)}
     assert all(drawn.values()), drawn

@@ -404,10 +404,11 @@ class Chunked(nn.Module):
 
 
 def _activations_of_one_node(out: dict, rank: int) -> None:
-    """Rank 0 alone attaches both outputs of a chunk and an activation the loss does not
-    reach, and doubles one chunk's gradient with a hook of its own registered after the
-    attach: each ``.grad`` the one DDP's backward retains (the hooked one doubled, the
-    unreached one None), the parameters' DDP's."""
+    """Rank 0 alone attaches both outputs of a chunk (the second with a callback that
+    doubles what its ``.grad`` gets) and an activation the loss does not reach, and doubles
+    the first chunk's gradient with a hook of its own registered after the attach: each
+    ``.grad`` the one DDP's backward retains (the hooked one doubled, the second doubled
+    after the backward, the unreached one None), the parameters' DDP's."""
     net = Chunked()
     ours, theirs = Side(net, gm=wrap(net)), Side(Chunked(), ddp=True)
     for step in range(2):
@@ -421,11 +422,14 @@ def _activations_of_one_node(out: dict, rank: int) -> None:
                     for h in keep:
                         h.retain_grad()
                 loss.backward()
+                if rank == 0:
+                    keep[1].grad = keep[1].grad * 2
             else:
                 with ours.gm:
                     loss = net(x, keep=keep)
                     if rank == 0:
-                        ours.gm.attach(keep)
+                        ours.gm.attach([keep[0], keep[2]])
+                        ours.gm.attach(keep[1], callbacks=[lambda t, g: g * 2])
                         keep[0].register_hook(lambda g: g * 2)
                     ours.gm.backward(loss)
             if rank == 0:
@@ -457,21 +461,22 @@ def post_hook_one_rank(out: dict, rank: int, world: int) -> None:
 # ---------------------------------------------------------------- a freeze inside no_sync
 def freeze_in_window(out: dict, rank: int, world: int) -> None:
     """Every rank freezes ``fc1`` between a ``no_sync`` micro-batch and the synced one (found
-    by tests/differential/test_torch_dp_differential.py; DDP with ``find_unused_parameters``
-    reduces what ``fc1`` accumulated, gradmgr left each rank its own): the synced recording
-    raises on every rank (``window_error``). Then ``fc1`` unfrozen, the synced step gives
-    DDP's window (``window_gm`` against ``window_ddp``, which froze nothing)."""
+    by tests/differential/test_torch_dp_differential.py). DDP (``find_unused_parameters``)
+    reduces the gradient ``fc1`` accumulated in the window: every rank ends with the mean
+    (sharded: the parameters after the optimizer made before the freeze steps). Then a
+    synced step with ``fc1`` still frozen: left out, as any frozen tensor."""
     net = Plain()
     ours = Side(net, gm=wrap(net))
-    theirs = Side(Plain(), ddp=True)
+    theirs = Side(Plain(), ddp=True, find_unused_parameters=True)
     for side, label in ((ours, "gm"), (theirs, "ddp")):
         side.step(batch(90, rank), sync=False)
-        if side is ours:
-            net.fc1.requires_grad_(False)
-            out["window_error"] = error_text(lambda: ours.step(batch(91, rank)))
-            net.fc1.requires_grad_(True)
+        side.net.fc1.requires_grad_(False)
         side.step(batch(91, rank))
         side.after_sync(out, f"window_{label}")
+        if SHARD and side is ours:  # (a freeze changes the plan: a new optimizer, as documented)
+            side.opt = ShardedOptimizer(ours.gm, torch.optim.SGD, lr=LR)
+        side.step(batch(92, rank))
+        side.after_sync(out, f"window_after_{label}")
 
 
 # ---------------------------------------------------------------- an input's callback

@@ -107,16 +107,15 @@ class EngineAccumulates:
     """Whether a backward can leave the attached tensors' gradients to the engine, accumulated
     into ``.grad`` as a plain ``loss.backward()`` does, for a reducer to reduce the planned
     ones afterwards (torch's C++ reducer, or gradmgr's buckets after the backward): every
-    attached tensor a leaf (or, where ``takes_non_leaves``, every planned one: the tape
-    takes an attached non-leaf's gradient at its snapshot edge, see
-    ``TorchTape.backward_accumulating``); the planned ones dense and trainable; and none with
-    a post-accumulate-grad hook (it would run before the reduction, and see the local
-    gradient instead of the reduced one)."""
+    attached tensor a leaf (or, where ``delivers_others``, every planned one: the tape
+    delivers the others, see ``TorchTape.backward_accumulating``); the planned ones dense and
+    trainable; and none with a post-accumulate-grad hook (it would run before the reduction,
+    and see the local gradient instead of the reduced one)."""
 
-    takes_non_leaves = False
+    delivers_others = False
 
     def accepts(self, attached: Sequence[Any], planned: Sequence[Any]) -> bool:
-        return (all(t.is_leaf for t in (planned if self.takes_non_leaves else attached))
+        return (all(t.is_leaf for t in (planned if self.delivers_others else attached))
                 and all(t.requires_grad and t.layout == torch.strided for t in planned)
                 and self.still_accepts(planned))
 

@@ -54,11 +54,12 @@ def reducer_path(transport: Any) -> Optional[ReducerPath]:
 class TorchReducerPath(EngineAccumulates):
     """When torch's reducer can take a step over (see :class:`gradmgr.distributed.contract.
     ReducerPath`): where the engine can accumulate into ``.grad`` itself
-    (:class:`.engine.EngineAccumulates`). An activation attached for its own gradient
-    keeps a step here: on one rank alone it must not send that rank's step elsewhere, where
-    its collectives would meet the other ranks' reducer's (gloo aborts)."""
+    (:class:`.engine.EngineAccumulates`). A tensor attached for its own gradient (an
+    activation, or one with callbacks of its own) keeps a step here, the tape delivering it:
+    on one rank alone it must not send that rank's step elsewhere, where its collectives
+    would meet the other ranks' reducer's (gloo aborts)."""
 
-    takes_non_leaves = True
+    delivers_others = True
 
     def __init__(self, group: Any) -> None:
         self.group = group

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Collection, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -14,10 +14,11 @@ from gradmgr.backend import GradSink, Tape
 from gradmgr.errors import UnsupportedGraphError
 
 from . import prerecord, split
+from .delegated import delivery_hooks
 from .engine import OWN_SEED, run_engine, run_engine_plain
 from .flags import FLAGS, GRAD_MODE
 from .foreign import ForeignBackwards
-from .grads import accumulate, zeros_like_cheaply
+from .grads import zeros_like_cheaply
 from .graph import current_sequence_nr, graph_root, reentrant_checkpoints, walk
 from .refusals import (
     INPUT_IN_PLACE,
@@ -78,13 +79,6 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
     if stand_in is None or stand_in.shape != grad.shape:
         stand_in = stand_ins[key] = zeros_like_cheaply(grad)
     return stand_in
-
-
-def _take(taken: List[Optional[torch.Tensor]], i: int, output_nr: int,
-          grad_outputs: Sequence[Optional[torch.Tensor]]) -> None:
-    """A snapshot edge's node pre-hook for one delegated backward: keep the gradient of
-    ``inputs[i]`` (the node's output ``output_nr``)."""
-    taken[i] = grad_outputs[output_nr]
 
 
 def _register_without_collecting(tensor: torch.Tensor, hook: Any) -> Any:
@@ -308,7 +302,8 @@ class TorchTape(Tape):
                                           and not create_graph))
 
     def backward_accumulating(self, ys: Sequence[Any], dys: Sequence[Any], *,
-                              create_graph: bool, retain_graph: bool) -> None:
+                              create_graph: bool, retain_graph: bool,
+                              taken: Optional[Collection[int]] = None) -> None:
         prepared = self._prepare_backward(ys, dys)
         if prepared is None:
             return
@@ -316,23 +311,10 @@ class TorchTape(Tape):
         if not self._hooks_suspended:
             self._hooks_suspended = True
             self.watched.remove_hooks()
-        retain = retain_graph or create_graph
-        if not self.watched.snapshots:
-            self.run(outputs, seeds, retain, create_graph, inputs, entries, accumulate=True)
-            return
-        # Attached non-leaves (an activation, for its own gradient): the engine accumulates
-        # only into leaves, so each is taken at its snapshot edge while the engine runs (a
-        # pre-hook of the edge's node sees it after the tensor's own hooks, as the tape's
-        # hook would) and accumulated after it, as the sinks' delivery would.
-        taken: List[Optional[torch.Tensor]] = [None] * len(inputs)
-        node_hooks = [(e.edge.node, "register_prehook",
-                       functools.partial(_take, taken, i, e.edge.output_nr))
-                      for i, e in enumerate(entries) if e.edge is not None]
-        self.run(outputs, seeds, retain, create_graph, inputs, entries, node_hooks,
-                 accumulate=True)
-        for tensor, grad in zip(inputs, taken):
-            if grad is not None:
-                accumulate(tensor, grad)
+        node_hooks = (delivery_hooks(entries, inputs, taken)
+                      if self.watched.snapshots or taken is not None else ())
+        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
+                 node_hooks, accumulate=True)
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:

@@ -146,10 +146,11 @@ class AllreduceCallback:
         native: let plain backwards go to the framework's own reducer (on PyTorch, torch's
             C++ ``Reducer``, DDP's) where nothing else needs the per-tensor callbacks:
             ``"mean"`` without compression over the backend's default transport, every
-            attached tensor's chain this callback alone (or empty), no other after-backward
-            callback, and what the backend asks (PyTorch: the reduced tensors leaves, dense,
-            with no post-accumulate-grad hook). Same results, DDP's cost; it holds the
-            planned tensors while bound. None: on unless the environment sets
+            reduced tensor's chain this callback alone (the other attached tensors' empty,
+            or, where the backend's tape delivers them, as PyTorch's does, any), no other
+            after-backward callback, and what the backend asks (PyTorch: the reduced tensors
+            leaves, dense, with no post-accumulate-grad hook). Same results, DDP's cost; it
+            holds the planned tensors while bound. None: on unless the environment sets
             ``GRADMGR_REDUCER=0`` (or its older spelling, ``GRADMGR_NATIVE_REDUCER=0``).
         comm_hook: a DDP communication hook, ``hook(state, bucket) -> Future`` as
             ``DistributedDataParallel.register_comm_hook`` takes it (torch's own:

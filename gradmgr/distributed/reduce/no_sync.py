@@ -1,14 +1,14 @@
 """Skipping communication for gradient accumulation: ``no_sync``, DDP's, whether a manager is
-inside it, and what a window refuses (its gradients would stay on one rank)."""
+inside it, and what a window refuses (a split backward's gradients that would stay on one
+rank)."""
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator, List, Sequence
+from typing import Iterator, List
 
 from ...manager import GradManager
-from ..consistency import NameOf, describe
 
 _paused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -20,16 +20,6 @@ OVERTAKEN = (
     "before the synced one's (its reduction takes what .grad holds then); nothing of this "
     "finish() was accumulated"
 )
-
-_FROZEN_IN_WINDOW = (
-    "data parallel: {what} (and {more} more) was frozen (requires_grad=False) inside a "
-    "no_sync accumulation window, after {n} micro-batch(es) of it: frozen tensors are left "
-    "out of the reduction, so the gradient the window accumulated into it would stay this "
-    "rank's own, and the ranks' .grad would differ (DDP with find_unused_parameters=True "
-    "reduces it). Freeze it after the synced step that closes the window, or before the "
-    "window starts. Nothing was recorded"
-)
-
 
 @contextlib.contextmanager
 def no_sync(gm: GradManager) -> Iterator[None]:
@@ -85,17 +75,4 @@ def is_paused(gm: GradManager) -> bool:
     return gm in _paused
 
 
-def refuse_frozen_in_window(planned: Sequence[Any], ops: Any, name_of: NameOf,
-                            micro_batches: int) -> None:
-    """Raise where a planned tensor was frozen inside a window of ``micro_batches`` (every rank
-    alike: the window and the flags are the ranks' to agree on; the plan check compares
-    them): left out of the new plan, the gradient the window accumulated into it would stay
-    each rank's own."""
-    frozen = [t for t in planned if t is not None and not ops.trainable(t)]
-    if frozen:
-        name = name_of(frozen[0]) if name_of is not None else None
-        raise RuntimeError(_FROZEN_IN_WINDOW.format(
-            what=name or describe(ops, frozen[0]), more=len(frozen) - 1, n=micro_batches))
-
-
-__all__: List[str] = ["OVERTAKEN", "is_paused", "no_sync", "refuse_frozen_in_window"]
+__all__: List[str] = ["OVERTAKEN", "is_paused", "no_sync"]

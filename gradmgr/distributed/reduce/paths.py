@@ -14,10 +14,10 @@ The functions work on one :class:`~gradmgr.distributed.reduce.synchronizer.Synch
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
 from ...hooks import after_backward_callbacks
-from ...manager import callback_chains
+from ...manager import attach_epoch, callback_chains
 from ..consistency import plan_fingerprint
 from .post_backward import PostBackwardStep
 from .steps import Step
@@ -80,11 +80,32 @@ def choose_path(synchronizer: Any, on_reducer: bool) -> None:
     :meth:`Synchronizer.build_reducer`)."""
     synchronizer.drop_reducer()
     synchronizer.on_reducer = on_reducer
-    mode = synchronizer.mode(on_reducer)
+    mode = path_mode(synchronizer, on_reducer)
     _log.info("the steps' path: %s", mode)
     tensors = synchronizer.the_plan().tensors()
     synchronizer.fingerprint = plan_fingerprint(synchronizer.ops, tensors, mode)
     synchronizer.bucket_fingerprint = None if on_reducer else synchronizer.fingerprint
+
+
+def path_mode(synchronizer: Any, on_reducer: bool) -> str:
+    """How this rank reduces, compared across ranks with the planned tensors: ranks that
+    differ here would sum mismatched buffers (gradients silently wrong, or a crash in the
+    transport when the sizes differ)."""
+    options, comm_hook = synchronizer.options, synchronizer.comm_hook
+    path = ("the framework's own reducer" if on_reducer else "gradmgr's buckets"
+            if synchronizer.shards is None else "gradmgr's buckets, reduce-scattered")
+    hook = "" if comm_hook is None else f", comm_hook={comm_hook.describe()}"
+    return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
+            f"bucket_bytes={options.bucket_bytes}{hook}")
+
+
+def step_mode(synchronizer: Any, step: Step) -> str:
+    """How this rank reduces ``step``, for an error: a step reduced after its backward says
+    why (ranks that differ in it differ in whether compiled autograd is on)."""
+    if not step.after:
+        return path_mode(synchronizer, synchronizer.on_reducer)
+    return path_mode(synchronizer, False).replace(
+        "gradmgr's buckets", "gradmgr's buckets after the backward (compiled autograd is on)", 1)
 
 
 def fingerprint(synchronizer: Any, on_reducer: bool) -> List[int]:
@@ -94,7 +115,7 @@ def fingerprint(synchronizer: Any, on_reducer: bool) -> List[int]:
         return synchronizer.fingerprint
     if synchronizer.bucket_fingerprint is None:
         synchronizer.bucket_fingerprint = plan_fingerprint(
-            synchronizer.ops, synchronizer.the_plan().tensors(), synchronizer.mode(False))
+            synchronizer.ops, synchronizer.the_plan().tensors(), path_mode(synchronizer, False))
     return synchronizer.bucket_fingerprint
 
 
@@ -109,17 +130,25 @@ def reducer_possible(synchronizer: Any, gm: Any, tensors: List[Any]) -> bool:
 
 def delegable(synchronizer: Any, gm: Any, tensors: List[Any], path: Any) -> bool:
     """Whether whole backwards can go to ``path`` (the engine accumulating into ``.grad``):
-    nothing else needing the per-tensor callbacks (every attached tensor's chain the
-    callback alone, or empty; no other after-backward callback), and what the backend's
-    path asks of the tensors."""
+    nothing else needing the per-tensor callbacks (every reduced tensor's chain the callback
+    alone; every other one's empty, or delivered by the path's tape: ``delivers_others``;
+    no other after-backward callback), and what the backend's path asks of the tensors."""
     if path is None or not tensors:
         return False
     options = synchronizer.options
     chains = callback_chains(gm)
-    if any(callbacks and callbacks != (options,) for _, callbacks in chains):
+    if any(callbacks and callbacks != (options,)
+           and (options in callbacks or not path.delivers_others) for _, callbacks in chains):
         return False
     return (after_backward_callbacks(gm) == (synchronizer.flush_hook,)
             and path.accepts([t for t, _ in chains], tensors))
+
+
+def own_callbacks(synchronizer: Any, gm: Any) -> bool:
+    """Some attached tensor has callbacks and not this one (the reducer path's tape delivers
+    it: its step says what the reducer takes)."""
+    options = synchronizer.options
+    return any(callbacks and options not in callbacks for _, callbacks in callback_chains(gm))
 
 
 def still_delegable(synchronizer: Any, gm: Any, tensors: List[Any], path: Any) -> bool:
@@ -159,7 +188,9 @@ def delegate(synchronizer: Any, gm: Any) -> Any:
         except BaseException:
             reducer.abort()
             raise
-        return ReducerStep(synchronizer, step.sync)
+        delivered = synchronizer.others or synchronizer.epoch != attach_epoch(gm)
+        return ReducerStep(synchronizer, step.sync,
+                           {id(t) for t in reducer.tensors} if delivered else None)
 
 
 def _post_backward_step(synchronizer: Any, gm: Any, step: Step) -> Optional[PostBackwardStep]:
@@ -175,12 +206,15 @@ def _post_backward_step(synchronizer: Any, gm: Any, step: Step) -> Optional[Post
 
 
 class ReducerStep:
-    """A backward handed to the reducer (see ``gradmgr.hooks.set_backward_delegate``)."""
+    """A backward handed to the reducer (see ``gradmgr.hooks.set_backward_delegate``).
+    ``taken``: the ids of the tensors the reducer takes, where something else attached has
+    callbacks of its own or was attached since planning (None: nothing else to deliver but
+    non-leaves)."""
 
-    __slots__ = ("_sync", "_synchronizer")
+    __slots__ = ("_sync", "_synchronizer", "taken")
 
-    def __init__(self, synchronizer: Any, sync: bool) -> None:
-        self._synchronizer, self._sync = synchronizer, sync
+    def __init__(self, synchronizer: Any, sync: bool, taken: Optional[Set[int]] = None) -> None:
+        self._synchronizer, self._sync, self.taken = synchronizer, sync, taken
 
     def finish(self) -> None:
         synchronizer = self._synchronizer
@@ -194,4 +228,5 @@ class ReducerStep:
 
 
 __all__: List[str] = ["ReducerStep", "check_step", "choose_path", "delegate", "fingerprint",
-                      "open_step", "reducer_possible", "still_delegable"]
+                      "open_step", "own_callbacks", "path_mode", "reducer_possible", "step_mode",
+                      "still_delegable"]

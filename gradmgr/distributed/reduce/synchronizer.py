@@ -24,14 +24,16 @@ from ..reducing import CommHook, PostBackwardPath, Reducer, ReducerPath
 from ..sharded.sharding import GradientShards, ShardReduction, ShardWire
 from ..transport import control_transport, resolve_transport
 from .bucket import BucketPlan
-from .no_sync import OVERTAKEN, is_paused, refuse_frozen_in_window
+from .no_sync import OVERTAKEN, is_paused
 from .paths import (
     check_step,
     choose_path,
     delegable,
     fingerprint,
     open_step,
+    own_callbacks,
     reducer_possible,
+    step_mode,
     step_path,
     still_delegable,
 )
@@ -82,6 +84,10 @@ class Synchronizer:
         # it (see post_backward.py) where the plan allows (post_ok, like reducer_possible).
         self.post_path: Optional[PostBackwardPath] = self.ops.post_backward_path()
         self.post_ok = False
+        self.others = False  # a tensor attached with callbacks of its own (paths.own_callbacks)
+        # ids of planned tensors frozen inside the open no_sync window: still planned until its
+        # synced step reduces what they accumulated there (as DDP with find_unused_parameters)
+        self.held: Set[int] = set()
         self.on_reducer = False  # plain backwards go to it (see paths.reducer_possible)
         self.reducer: Optional[Reducer] = None
         self.fingerprint: List[int] = []  # of plan and path, for PlanCheck (paths.choose_path)
@@ -151,8 +157,6 @@ class Synchronizer:
     def replan_if_needed(self, gm: Any) -> BucketPlan:
         """The plan for ``gm``'s next recording, made again where it is outdated."""
         if self.plan is None or self._plan_outdated(gm):
-            if self.unsynced and self.plan is not None:
-                refuse_frozen_in_window(self.planned(), self.ops, self.name_of, self.unsynced)
             self._plan(gm)
         reducer = self.reducer
         if self.on_reducer and reducer is not None:
@@ -168,9 +172,16 @@ class Synchronizer:
         """Whether the trainable attached tensors changed since planning: attached, frozen,
         unfrozen, died, or (``model.double()`` after planning) of another dtype now."""
         ops, planned = self.ops, self.planned()
-        return (self.epoch != attach_epoch(gm) or not ops.all_trainable(planned)
+        return (self.epoch != attach_epoch(gm)
+                or not (ops.all_trainable(planned) or self._held_until_synced(planned))
                 or ops.dtypes(planned) != self.the_plan().dtypes
                 or ops.any_trainable(self.excluded))
+
+    def _held_until_synced(self, planned: List[Any]) -> bool:
+        """Every frozen planned tensor is held for the open no_sync window (see ``held``)."""
+        held = self.held
+        return bool(self.unsynced and held) and all(
+            id(t) in held or self.ops.trainable(t) for t in planned)
 
     def plan_holds(self, gm: Any, after: bool) -> bool:
         """Whether this step's plan, and the path it was opened on (``after``: reduced after
@@ -225,7 +236,7 @@ class Synchronizer:
                 raise
             if not agreed:
                 self.unsynced = 0  # every rank starts counting afresh (see PlanCheck)
-                step.mismatch = check.error(step.plan.tensors(), self._step_mode(step),
+                step.mismatch = check.error(step.plan.tensors(), step_mode(self, step),
                                             "with the allreduce callback, trainable",
                                             self.name_of)
             elif check.requested and self.on_reducer and step.sync:
@@ -237,6 +248,10 @@ class Synchronizer:
 
     def _plan(self, gm: Any) -> None:
         options, ops = self.options, self.ops
+        if not self.unsynced:
+            self.held = set()
+        elif self.plan is not None:  # frozen inside the window: held until it is reduced
+            self.held |= {id(t) for t in self.planned() if t is not None and not ops.trainable(t)}
         attached = gm.attached_tensors(with_callback=options)
         tensors = self._trainable(attached)
         if self.transport is None:
@@ -253,6 +268,7 @@ class Synchronizer:
             self.reducer_path = ops.reducer_path(self.transport) if wants_reducer else None
         on_reducer = reducer_possible(self, gm, tensors)
         self.post_ok = delegable(self, gm, tensors, self.post_path)
+        self.others = own_callbacks(self, gm)
         new_plan = self.plan is None or not self.plan.matches(tensors, ops)
         if new_plan:
             first_bytes = min(options.bucket_bytes, FIRST_BUCKET_BYTES)
@@ -269,28 +285,10 @@ class Synchronizer:
         self.epoch = attach_epoch(gm)
 
     def _trainable(self, attached: List[Any]) -> List[Any]:
-        """What a plan holds of the tensors attached with this callback, in attach order."""
-        return [t for t in attached if self.ops.trainable(t)]
-
-    def mode(self, on_reducer: bool) -> str:
-        """How this rank reduces, compared across ranks with the planned tensors: ranks that
-        differ here would sum mismatched buffers (gradients silently wrong, or a crash in
-        the transport when the sizes differ)."""
-        options = self.options
-        path = ("the framework's own reducer" if on_reducer else "gradmgr's buckets"
-                if self.shards is None else "gradmgr's buckets, reduce-scattered")
-        hook = "" if self.comm_hook is None else f", comm_hook={self.comm_hook.describe()}"
-        return (f"{path}, reduce={options.reduce!r}, compression={options.compression!r}, "
-                f"bucket_bytes={options.bucket_bytes}{hook}")
-
-    def _step_mode(self, step: Step) -> str:
-        """How this rank reduces ``step``, for an error: a step reduced after its backward says
-        why (ranks that differ in it differ in whether compiled autograd is on)."""
-        if not step.after:
-            return self.mode(self.on_reducer)
-        return self.mode(False).replace(
-            "gradmgr's buckets", "gradmgr's buckets after the backward (compiled autograd is on)",
-            1)
+        """What a plan holds of the tensors attached with this callback, in attach order: the
+        trainable ones, and those held for the open no_sync window."""
+        held, trainable = self.held, self.ops.trainable
+        return [t for t in attached if trainable(t) or id(t) in held]
 
     # What the first recording sets up (see _plan), for the steps after it
     def the_plan(self) -> BucketPlan:
