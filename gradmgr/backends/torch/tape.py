@@ -29,7 +29,7 @@ from .refusals import (
     refuse_reentrant_checkpoint,
     run_callbacks,
 )
-from .watched import Entry, Watched, input_without_flag
+from .watched import Entry, Watched, at_snapshots, input_without_flag
 
 # Looked up once: every recording and backward asks them (a global is cheaper than torch.X)
 _graph_task_id = torch._C._current_graph_task_id
@@ -311,8 +311,10 @@ class TorchTape(Tape):
         if not self._hooks_suspended:
             self._hooks_suspended = True
             self.watched.remove_hooks()
-        node_hooks = (delivery_hooks(entries, inputs, taken)
-                      if self.watched.snapshots or taken is not None else ())
+        node_hooks: Sequence[Tuple[Any, str, Any]] = ()
+        if self.watched.snapshots or taken is not None:
+            node_hooks = delivery_hooks(entries, inputs, taken)
+            inputs = at_snapshots(inputs, entries)  # (the engine must not retain their grad)
         self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
                  node_hooks, accumulate=True)
 
@@ -361,16 +363,15 @@ class TorchTape(Tape):
         ``accumulate`` (only when no tensor of ``inputs`` is eager and nothing runs between
         computing and accumulating, or when a backward delegate takes the sinks' place): the
         engine accumulates into ``.grad`` itself, which is what a plain ``loss.backward()``
-        costs, and no sink is called (``entries`` gives only the snapshot edges then).
-        ``only``: deliver to no watched tensor but ``inputs`` (a part of a split backward)."""
+        costs, and no sink is called (``entries`` is not used then: ``inputs`` are handed to
+        the engine as they are). ``only``: deliver to no watched tensor but ``inputs`` (a part
+        of a split backward)."""
         handles = [getattr(node, kind)(fn) for node, kind, fn in node_hooks]
         try:
-            engine_inputs = inputs if not self.watched.snapshots else [
-                t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
             if accumulate:
-                run_engine(outputs, seeds, retain, create_graph, engine_inputs,
-                           accumulate=True)
+                run_engine(outputs, seeds, retain, create_graph, inputs, accumulate=True)
                 return
+            engine_inputs = at_snapshots(inputs, entries) if self.watched.snapshots else inputs
             if only:
                 self._only = {id(t) for t in inputs}
             grads = self._run_capturing(outputs, seeds, retain, create_graph, inputs,

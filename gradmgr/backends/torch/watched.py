@@ -55,6 +55,12 @@ class Entry:
         self.version = None if edge is None else _alive(ref)._version
 
 
+def at_snapshots(inputs: List[torch.Tensor], entries: List[Entry]) -> List[Any]:
+    """``inputs`` as the engine takes them: each non-leaf at its snapshot edge (``entries``:
+    theirs, in the same order)."""
+    return [t if e.edge is None else e.edge for t, e in zip(inputs, entries)]
+
+
 class Watched:
     """What one tape watches, by ``id(tensor)``; an entry and all that hangs on it go when its
     tensor dies. Holds no reference to the tape (the tape holds it)."""
