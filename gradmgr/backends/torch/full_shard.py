@@ -185,9 +185,6 @@ def full_shard_path() -> Optional[FullShardPath]:
     return FullShardPath() if available() else None
 
 
-__all__: List[str] = ["FullShardPath", "available", "full_shard_path", "wrapped_here"]
-
-
 def _watch_outputs(module: Any, inputs: Any, output: Any) -> Any:
     """A forward hook on the wrapped root: the model's outputs that require grad are handed
     on as views of themselves, each refusing a backward that keeps its graph (a gradient
@@ -211,3 +208,6 @@ def _refusing_view(value: Any) -> Any:
 def _refuse_kept_graph(grad: torch.Tensor) -> None:
     if torch.is_grad_enabled():  # (the engine's grad mode in a backward: its create_graph)
         raise RuntimeError(_GRAPH_KEPT)
+
+
+__all__: List[str] = ["FullShardPath", "available", "full_shard_path", "wrapped_here"]
