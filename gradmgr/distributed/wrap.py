@@ -21,7 +21,7 @@ from .consistency import (
     step_terms,
     verify_mode,
 )
-from .contract import NEUTRAL_IDIOMS, ArmedHooks, ModuleWatch, TensorOps  # ArmedHooks: for backends
+from .contract import NEUTRAL_IDIOMS, ModuleWatch, TensorOps
 from .errors import RankMismatchError, RanksOutOfStepError
 from .join.joinable import DataParallelManager
 from .join.joining import Joining
@@ -456,4 +456,4 @@ class _Step:
         return None if gm is None or gm.is_recording else self._forgotten
 
 
-__all__: List[str] = ["ArmedHooks", "data_parallel"]
+__all__: List[str] = ["data_parallel"]
