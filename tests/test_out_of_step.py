@@ -43,7 +43,7 @@ def _skipping() -> list:
 # lag largest where every check must still find the other rank within the patience.
 CASES = (["even:native:-1"] + [f"skip:{p}:1" for p in _skipping()] + ["skip:buckets:0"]
          + [f"idle:{p}:1" for p in TORCH_PATHS] + [f"left:{p}:1" for p in TORCH_PATHS]
-         + ["nosync:full:0"])
+         + ["nosync:full:0", "skip:handbuilt:1"])
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +182,14 @@ def test_a_check_group_that_cannot_be_made(gloo_one_rank, monkeypatch, failure, 
     with pytest.raises(type(first.value)) as later:  # every later check: the same error
         control.check_group(None).start_sum(torch.zeros(1))
     assert ("making it failed" in str(later.value)) != out_of_step
+
+
+def test_a_manager_built_by_hand_is_not_told_to_join(seen):
+    """A manager built with make_allreduce_cb() is no joinable of torch's Join (Join([gm])
+    raises TypeError there): its ranks-out-of-step error says what it can do instead (old
+    code: it advised ``with Join([gm]):``)."""
+    ahead, skipper = seen["skip:handbuilt:1"]
+    _clear(ahead["loop"], _started("handbuilt"), "Take every step on every rank",
+           "with gm: gm.backward()", "gm = data_parallel(model)")
+    assert "Join([gm])" not in ahead["loop"]["message"], ahead["loop"]["message"]
+    assert skipper["loop"]["error"] is None and ahead["in_step"] and skipper["in_step"]

@@ -79,10 +79,21 @@ STEPS_WITHOUT_JOIN = replace(
 """:data:`STEPS` where the framework has no context for uneven inputs."""
 
 
-def step_terms(ops: TensorOps) -> CheckTerms:
+STEPS_BY_HAND = replace(
+    STEPS, even_out="Take every step on every rank: a rank with nothing to contribute records "
+                    "an empty step, `with gm: gm.backward()`; or make the manager with "
+                    "gm = data_parallel(model), which takes part in torch's Join (uneven "
+                    "inputs; a manager built by hand with make_allreduce_cb() does not)")
+""":data:`STEPS` for a manager built by hand, which torch's Join does not take."""
+
+
+def step_terms(ops: TensorOps, joinable: bool = True) -> CheckTerms:
     """The terms of a synced step's check on ``ops``'s framework: its remedy for ranks out of
-    step names Join only where the framework has one (``TensorOps.join_support``)."""
-    return STEPS if ops.join_support() is not None else STEPS_WITHOUT_JOIN
+    step names Join only where the framework has one (``TensorOps.join_support``) and the
+    manager is ``joinable`` (``data_parallel``'s is; one built by hand is not)."""
+    if ops.join_support() is None:
+        return STEPS_WITHOUT_JOIN
+    return STEPS if joinable else STEPS_BY_HAND
 
 RECORDINGS = CheckTerms(
     unit="recording", checked="recording", no_sync="no_sync(gm)",

@@ -42,15 +42,20 @@ def group(outdir: str, name: str, rank: int, world: int, timeout_s: float = TIME
 
 def _torch_side(path: str, out: dict = None):
     """A model, its manager on ``path`` ("cuda": the default path, the model on the GPU,
-    gloo still) and an optimizer: one training step per call; the parameters into ``out``."""
+    gloo still; "handbuilt": a manager with make_allreduce_cb) and an optimizer: one
+    training step per call; the parameters into ``out``."""
     device = "cuda" if path == "cuda" else "cpu"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
                                 torch.nn.Linear(16, 3)).to(device)
-    gm = data_parallel(model, **({"shard": True} if path == "sharded"
-                                 else {"shard": "full", "blocks": [torch.nn.Linear]}
-                                 if path == "full"
-                                 else {"native": path in ("native", "cuda")}))
+    if path == "handbuilt":  # make_allreduce_cb on a plain manager: torch's Join takes none
+        gm = GradManager().attach(list(model.parameters()),
+                                  callbacks=[make_allreduce_cb("mean")])
+    else:
+        gm = data_parallel(model, **({"shard": True} if path == "sharded"
+                                     else {"shard": "full", "blocks": [torch.nn.Linear]}
+                                     if path == "full"
+                                     else {"native": path in ("native", "cuda")}))
     opt = (ShardedOptimizer(gm, torch.optim.SGD, lr=0.1) if path == "sharded"
            else torch.optim.SGD(model.parameters(), lr=0.1))
 

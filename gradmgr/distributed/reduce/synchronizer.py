@@ -257,7 +257,9 @@ class Synchronizer:
         if self.transport is None:
             self.transport = resolve_transport(options.transport_spec, self.backend,
                                                options.group)
-            self.checks = control_transport(self.transport, step_terms(ops))
+            # The remedy for ranks out of step names Join only to a manager Join takes.
+            joinable = hasattr(type(gm), "join_hook")
+            self.checks = control_transport(self.transport, step_terms(ops, joinable))
             if self.comm_hook is not None:
                 self.wire = HookWire(ops, self.transport, self.comm_hook)
             else:
