@@ -67,6 +67,8 @@ class StepHooks:
     def register_backward_error_callback(self: Self, callback: Callable[[], None]) -> Self:
         """Call ``callback()`` when a backward (or a split backward's first part or
         ``finish()``) raises, before the error propagates; ``step`` is still that backward's.
+        Also, at the next ``record()``, once for a split backward collected before its
+        ``finish()`` (at its ``step``).
         For work the after-backward callbacks would have finished: an allreduce callback
         launches the step's remaining collectives there, so other ranks do not wait on them.
         An error the callback raises is chained to the backward's. Registrations persist.

@@ -152,6 +152,7 @@ class GradManager(StepHooks):
             raise RuntimeError(
                 "already recording: call backward() or release() before record() again"
             )
+        self._scope.fail_dropped()  # a split backward collected unfinished fails its step
         starting = _state.state.starting_group  # set while a group starts its members
         recording.begin(self._ref, None if starting is None else starting.group)
         try:
@@ -212,9 +213,7 @@ class GradManager(StepHooks):
         bypassed = None
         if tape is not None:
             tape.stop()
-            bypassed = tape.bypassed
-            if bypassed is not None:
-                tape.bypassed = None
+            bypassed, tape.bypassed = tape.bypassed, None
         backward_ran = recording.backward_ran
         if self._release_callbacks:
             self._run_release_callbacks(backward_ran)
@@ -417,7 +416,7 @@ class GradManager(StepHooks):
             scope.close(stack, tracked, None)
         finally:
             self.release()
-        return DeferredBackward(self._finish_split, rest, step)
+        return DeferredBackward(self._finish_split, rest, step, self._scope.dropped.append)
 
     def _finish_split(self, rest: Any, step: int, retain_graph: bool) -> None:
         """:meth:`DeferredBackward.finish`: the rest of a split backward, in its own scope."""

@@ -27,13 +27,25 @@ from .recording import Recording
 class Scope:
     """One manager's backward scope; ``delivery`` is the running backward's, else None."""
 
-    __slots__ = ("manager", "recording", "delivery", "spare", "__weakref__")
+    __slots__ = ("manager", "recording", "delivery", "spare", "dropped", "__weakref__")
 
     def __init__(self, manager: StepHooks, recording: Recording) -> None:
         self.manager = weakref.ref(manager)
         self.recording = recording
         self.delivery: Optional[Delivery] = None
         self.spare: Optional[Delivery] = None  # the last backward's, left empty: the next one's
+        # Steps of split backwards collected before their finish() (any thread may add one)
+        self.dropped: List[int] = []
+
+    def fail_dropped(self) -> None:
+        """Run the error callbacks once for each split backward collected unfinished, at its
+        step, as if its ``finish()`` had raised: a data-parallel callback then completes that
+        step's collectives as a failed one, so that the other ranks' ``finish()`` raises
+        instead of pairing that step with this rank's next one. Not inside a backward."""
+        while self.dropped and self.delivery is None:
+            step = self.dropped.pop(0)
+            self.close(self.open(step), None, RuntimeError(
+                f"the split backward of recording {step} was collected before its finish()"))
 
     def open(self, step: int) -> List[Any]:
         """Enter; returns this thread's stack of backwarding managers, for :meth:`close`."""

@@ -109,10 +109,12 @@ class DeferredBackward:
         tensor([[3., 4.]])
     """
 
-    __slots__ = ("_finish", "_rest", "_step", "_state", "__weakref__")
+    __slots__ = ("_finish", "_dropped", "_rest", "_step", "_state", "__weakref__")
 
-    def __init__(self, finish: Callable[[Any, int, bool], None], rest: Any, step: int) -> None:
+    def __init__(self, finish: Callable[[Any, int, bool], None], rest: Any, step: int,
+                 dropped: Callable[[int], None] = lambda step: None) -> None:
         self._finish = finish  # the manager's: holding it keeps the manager alive
+        self._dropped = dropped  # told the step of a backward collected before finish()
         self._rest = rest
         self._step = step
         self._state = _PENDING
@@ -163,6 +165,7 @@ class DeferredBackward:
         if self._rest is not None:
             self._rest.release()
         if self._state == _PENDING:
+            self._dropped(self._step)
             warnings.warn(
                 "a split backward was never finished: call finish() on what "
                 "GradManager.backward_split returned, or the tensors it left for later get no "

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any, Dict, List
 
 import numpy as np
 
-from gradmgr import GradManager, UnsupportedGraphError
+from gradmgr import GradManager, UnfinishedBackwardWarning, UnsupportedGraphError
 from gradmgr.distributed import RankFailedError, RankMismatchError, make_allreduce_cb, no_sync
 
 Result = Dict[str, Any]
@@ -358,6 +359,38 @@ def finish_out_of_order(gm: Any, fw: Any, ps: List[Any], rank: int) -> Result:
     return out
 
 
+def split_dropped_on_one_rank(fw: Any, rank: int, world: int) -> Result:
+    """A synced split backward whose handle rank 1 drops unfinished (its schedule raised, say),
+    then a plain step on every rank. Rank 1's next recording completes the dropped step's
+    collectives as a failed one: rank 0's ``finish()`` raises RankFailedError (``raised``),
+    ``.grad`` stays as it was (``kept``), and the next step is the mean. (Old code: rank 0's
+    ``finish()`` waited for buckets rank 1 never sent; rank 1's next check gave up.)"""
+    ps = params(fw)
+    gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    with gm:
+        x = fw.tensor(fw.numpy(data(fw, rank)), requires_grad=True)
+        gm.attach(x)
+        try:
+            rest = gm.backward_split(some(fw, ps, x, rank), first=[x])
+        except UnsupportedGraphError as error:
+            return {"refused": f"{type(error).__name__}: {error}", "got": grads(fw, ps),
+                    "want": [None] * len(ps)}
+    raised = []
+    if rank == 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnfinishedBackwardWarning)
+            del rest  # never finished
+    else:
+        try:
+            rest.finish()
+        except RankFailedError as error:
+            raised.append(type(error).__name__)
+    kept = grads(fw, ps)
+    step(gm, fw, ps, data(fw, rank))
+    return {"raised": raised, "kept": kept, "got": grads(fw, ps),
+            "want": mean_over_ranks(fw, world), "got_inputs": [], "want_inputs": []}
+
+
 def _input_grad(fw: Any, rank: int, micro: int) -> Any:
     """The gradient of :func:`some`'s loss at this rank's input, in one process."""
     x = fw.tensor(fw.numpy(data(fw, rank, micro)), requires_grad=True)
@@ -369,7 +402,7 @@ def _input_grad(fw: Any, rank: int, micro: int) -> Any:
 
 SCENARIOS = [mean_in_buckets, summed, accumulated_without_sync, broadcast_first, unused_tensors,
              ranks_that_differ, a_failing_rank, used_twice, no_sync_on_one_rank, split_steps,
-             split_out_of_order]
+             split_out_of_order, split_dropped_on_one_rank]
 FREEZING = [frozen_tensors, frozen_on_one_rank, frozen_in_window]
 
 

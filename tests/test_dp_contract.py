@@ -187,6 +187,19 @@ def test_a_no_sync_split_finished_after_the_synced_one_raises_on_every_rank(back
     overtaken_on_every_rank(backend, "split_out_of_order")
 
 
+def test_a_split_dropped_on_one_rank_fails_its_step_on_every_rank(backend):
+    """Rank 1 drops a synced split backward unfinished: rank 0's ``finish()`` raises
+    RankFailedError once rank 1 records again (old code: it waited for buckets rank 1 never
+    sent, and rank 1's next plan check gave up, naming a skipped batch), neither rank keeps a
+    gradient of that step, and the next step is the mean on every rank."""
+    split_as_wanted(backend, "split_dropped_on_one_rank", [None, None, None])
+    name, results = backend
+    if SPLITS[name]:
+        dropped = [out["split_dropped_on_one_rank"] for out in results]
+        assert [d["raised"] for d in dropped] == [["RankFailedError"], []], (name, dropped)
+        assert all(k is None for d in dropped for k in d["kept"]), (name, dropped)
+
+
 def test_the_same_on_the_sharded_path(backend):
     """There the no_sync one's finish() met the reduced gradients' stand-in (old code:
     "TensorBase.add_ on the .grad of a parameter that data_parallel(model, shard=True)
