@@ -12,6 +12,10 @@ from .errors import UnsupportedGraphError
 Self = TypeVar("Self", bound="StepHooks")
 
 
+def _nothing() -> None:
+    pass
+
+
 def _callable(callback: Any, what: str) -> None:
     if not callable(callback):
         raise TypeError(f"{what} must be callable, not {type(callback)}")
@@ -31,6 +35,8 @@ class StepHooks:
         self._split_refusal: Optional[str] = None  # why backward_split cannot run (refuse_split)
         # why a backward this manager would differentiate cannot run (refuse_higher_order)
         self._higher_order_refusal: Optional[str] = None
+        # fails the steps of split backwards collected unfinished (the manager's scope's)
+        self._fail_dropped: Callable[[], None] = _nothing
 
     def register_record_callback(self: Self, callback: Callable[[], None]) -> Self:
         """Call ``callback()`` at the start of every recording (``record()`` / ``with``),
@@ -135,6 +141,14 @@ def after_backward_callbacks(hooks: StepHooks) -> tuple:
 def run_error_callbacks(hooks: StepHooks, error: BaseException) -> None:
     """Run ``hooks``' (a manager's) error callbacks for ``error``, what a backward raised."""
     hooks._run_error_callbacks(error)
+
+
+def fail_dropped_splits(hooks: StepHooks) -> None:
+    """What ``hooks``' (a manager's) next ``record()`` does first, now: run its error
+    callbacks once for each split backward collected before its ``finish()``, at that
+    backward's step. For a library whose collectives between steps (a sharded optimizer's
+    step) must not pair with what such a step still owes the other ranks."""
+    hooks._fail_dropped()
 
 
 def refuse_split(hooks: Self, reason: Optional[str]) -> Self:

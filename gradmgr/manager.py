@@ -63,6 +63,7 @@ class GradManager(StepHooks):
         # and its recording ended instead of changing every later backward in the thread.
         self._ref = weakref.ref(self, self._recording.collected)
         self._scope = Scope(self, self._recording)  # every backward's
+        self._fail_dropped = self._scope.fail_dropped  # (hooks.fail_dropped_splits)
         self._leaving_on_error = False  # a `with` block is left by an exception
 
     # ----------------------------------------------------------------- attaching
@@ -152,7 +153,7 @@ class GradManager(StepHooks):
             raise RuntimeError(
                 "already recording: call backward() or release() before record() again"
             )
-        self._scope.fail_dropped()  # a split backward collected unfinished fails its step
+        self._fail_dropped()  # a split backward collected unfinished fails its step
         starting = _state.state.starting_group  # set while a group starts its members
         recording.begin(self._ref, None if starting is None else starting.group)
         try:

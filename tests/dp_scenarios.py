@@ -361,20 +361,32 @@ def finish_out_of_order(gm: Any, fw: Any, ps: List[Any], rank: int) -> Result:
 
 def split_dropped_on_one_rank(fw: Any, rank: int, world: int) -> Result:
     """A synced split backward whose handle rank 1 drops unfinished (its schedule raised, say),
-    then a plain step on every rank. Rank 1's next recording completes the dropped step's
-    collectives as a failed one: rank 0's ``finish()`` raises RankFailedError (``raised``),
-    ``.grad`` stays as it was (``kept``), and the next step is the mean. (Old code: rank 0's
-    ``finish()`` waited for buckets rank 1 never sent; rank 1's next check gave up.)"""
+    then a plain step on every rank (:func:`drop_split_on_rank_1`): ``.grad`` stays as it
+    was (``kept``), and the next step is the mean."""
     ps = params(fw)
     gm = GradManager().attach(ps, callbacks=[make_allreduce_cb("mean")])
+    out = drop_split_on_rank_1(gm, fw, ps, rank)
+    out["kept"] = grads(fw, ps)
+    if "refused" in out:
+        return dict(out, got=out["kept"])
+    step(gm, fw, ps, data(fw, rank))
+    out.update(got=grads(fw, ps), want=mean_over_ranks(fw, world))
+    return out
+
+
+def drop_split_on_rank_1(gm: Any, fw: Any, ps: List[Any], rank: int) -> Result:
+    """A synced split backward, finished on rank 0 and dropped unfinished on rank 1, whose
+    next collective (its next recording's, or its sharded optimizer's) completes the dropped
+    step's as a failed one: rank 0's ``finish()`` raises RankFailedError (``raised``). (Old
+    code: it waited for buckets rank 1 never sent, and rank 1's next collective paired with
+    them.) ``refused``: where the engine cannot split."""
     with gm:
         x = fw.tensor(fw.numpy(data(fw, rank)), requires_grad=True)
         gm.attach(x)
         try:
             rest = gm.backward_split(some(fw, ps, x, rank), first=[x])
         except UnsupportedGraphError as error:
-            return {"refused": f"{type(error).__name__}: {error}", "got": grads(fw, ps),
-                    "want": [None] * len(ps)}
+            return {"refused": f"{type(error).__name__}: {error}"}
     raised = []
     if rank == 1:
         with warnings.catch_warnings():
@@ -385,10 +397,7 @@ def split_dropped_on_one_rank(fw: Any, rank: int, world: int) -> Result:
             rest.finish()
         except RankFailedError as error:
             raised.append(type(error).__name__)
-    kept = grads(fw, ps)
-    step(gm, fw, ps, data(fw, rank))
-    return {"raised": raised, "kept": kept, "got": grads(fw, ps),
-            "want": mean_over_ranks(fw, world), "got_inputs": [], "want_inputs": []}
+    return {"raised": raised, "got_inputs": [], "want_inputs": []}
 
 
 def _input_grad(fw: Any, rank: int, micro: int) -> Any:

@@ -14,6 +14,7 @@ from dp_scenarios import (
     START,
     Result,
     data,
+    drop_split_on_rank_1,
     failing_once,
     finish_out_of_order,
     mean_over_ranks,
@@ -191,6 +192,22 @@ def sharded_split_out_of_order(fw: Any, rank: int, world: int) -> Result:
     return out
 
 
+def sharded_split_dropped(fw: Any, rank: int, world: int) -> Result:
+    """:func:`drop_split_on_rank_1` on the sharded path, then SGD at once (rank 1's next
+    collective is its optimizer's gather), then a plain step and SGD: the first SGD step
+    changes nothing (``kept``), the second is SGD's first."""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps)
+    out = drop_split_on_rank_1(gm, fw, ps, rank)
+    out["kept"] = sgd_step(opt, fw, ps)
+    if "refused" in out:
+        return dict(out, got=out["kept"], want=sgd_reference(fw, world, steps=0))
+    step(gm, fw, ps, data(fw, rank))
+    out.update(got=sgd_step(opt, fw, ps), want=sgd_reference(fw, world),
+               want_kept=sgd_reference(fw, world, steps=0))
+    return out
+
+
 def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
     """``b`` frozen on every rank before the optimizer is made: left out of the buckets and
     of the optimizer, it keeps its value; ``a`` and ``c`` are stepped."""
@@ -204,4 +221,5 @@ def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
 
 
 SHARDED = [sharded_steps, sharded_without_sync, sharded_unused, sharded_broadcast_first,
-           sharded_failing_rank, sharded_state_dict, sharded_split, sharded_split_out_of_order]
+           sharded_failing_rank, sharded_state_dict, sharded_split, sharded_split_out_of_order,
+           sharded_split_dropped]

@@ -192,12 +192,35 @@ def test_a_split_dropped_on_one_rank_fails_its_step_on_every_rank(backend):
     RankFailedError once rank 1 records again (old code: it waited for buckets rank 1 never
     sent, and rank 1's next plan check gave up, naming a skipped batch), neither rank keeps a
     gradient of that step, and the next step is the mean on every rank."""
-    split_as_wanted(backend, "split_dropped_on_one_rank", [None, None, None])
+    dropped_fails_its_step(backend, "split_dropped_on_one_rank", [None, None, None])
     name, results = backend
     if SPLITS[name]:
-        dropped = [out["split_dropped_on_one_rank"] for out in results]
-        assert [d["raised"] for d in dropped] == [["RankFailedError"], []], (name, dropped)
-        assert all(k is None for d in dropped for k in d["kept"]), (name, dropped)
+        kept = [out["split_dropped_on_one_rank"]["kept"] for out in results]
+        assert all(k is None for k_rank in kept for k in k_rank), (name, kept)
+
+
+def dropped_fails_its_step(backend, scenario: str, untouched) -> None:
+    """:func:`split_as_wanted`, and only rank 0 (whose ``finish()`` ran) raised
+    RankFailedError, where the engine can split."""
+    split_as_wanted(backend, scenario, untouched)
+    name, results = backend
+    if SPLITS[name]:
+        raised = [out[scenario]["raised"] for out in results]
+        assert raised == [["RankFailedError"], []], (name, raised)
+
+
+def test_a_split_dropped_on_one_rank_fails_its_step_on_the_sharded_path(backend):
+    """The same with a ShardedOptimizer, whose ``step()`` right after the drop is rank 1's next
+    collective (old code: its parameter gather paired with rank 0's buckets, gloo timed
+    out): that step changes nothing on every rank, the next is SGD's first."""
+    if not can_shard(backend, "sharded_split_dropped"):
+        return
+    dropped_fails_its_step(backend, "sharded_split_dropped", None)
+    name, results = backend
+    if SPLITS[name]:
+        for rank, out in enumerate(results):
+            dropped = out["sharded_split_dropped"]
+            close(dropped["kept"], dropped["want_kept"], f"{name} rank {rank} kept")
 
 
 def test_the_same_on_the_sharded_path(backend):

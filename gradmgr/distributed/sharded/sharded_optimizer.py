@@ -21,6 +21,7 @@ import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from ...hooks import fail_dropped_splits
 from ...manager import GradManager, callback_chains
 from ..errors import RankMismatchError
 from ..reduce.allreduce import ReduceScatterCallback
@@ -226,6 +227,7 @@ class ShardedOptimizer:
 
     def step_slice(self) -> Any:
         """:meth:`step`'s work (a joined rank's too: see :mod:`.sharded_join`)."""
+        fail_dropped_splits(self._gm)  # before the gather, which would pair with their buckets
         self._check_plan()
         self._gathering.finish()  # the last step's parameters, before they are stepped again
         self._consolidated = None  # the state it holds is the state before this step
@@ -282,6 +284,7 @@ class ShardedOptimizer:
         the exact one."""
         if norm_type != 2.0:
             raise ValueError("ShardedOptimizer.clip_grad_norm_ computes the 2-norm only")
+        fail_dropped_splits(self._gm)  # (as step())
         self._gathering.finish()
         if active(self):
             announce(self, CLIP)
