@@ -244,6 +244,39 @@ def test_an_unfinished_split_backward_warns_when_collected():
     assert any(issubclass(c.category, UnfinishedBackwardWarning) for c in caught)
 
 
+def test_a_collected_split_runs_the_error_callbacks_at_its_step_at_the_next_record():
+    """Once, at the next ``record()`` (not at collection, which may come inside another
+    backward), with ``gm.step`` the dropped backward's: what the data-parallel callback
+    completes that step's collectives from. The next step is plain autograd's."""
+    model = mlp()
+    seen = []
+    gm = GradManager().attach(model.parameters())
+    gm.register_backward_error_callback(lambda: seen.append(gm.step))
+    with gm:
+        x = torch.randn(2, 8)
+        gm.attach(x)
+        rest = gm.backward_split(model(x).sum(), first=[x])
+    dropped_step = rest.step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnfinishedBackwardWarning)
+        del rest
+        gc.collect()
+    assert seen == []  # not at collection
+    x = torch.randn(2, 8)
+    with gm:
+        assert seen == [dropped_step] and gm.step != dropped_step
+        gm.backward(model(x).sum())
+    with gm:
+        gm.backward(model(x).sum())
+    assert seen == [dropped_step]  # once
+    got = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    (model(x).sum() * 2).backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=0)
+
+
 def test_graph_is_freed_after_finish():
     model = mlp()
     gm = GradManager().attach(model.parameters())
