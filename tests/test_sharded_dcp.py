@@ -167,3 +167,27 @@ def test_full_sharding_checkpoints_as_plain_fsdp2_bit_for_bit(dcp_ranks, leg):
     failed = [(r, key) for r, out in enumerate(dcp_ranks[leg]) for key in FULL[leg]
               if out[key] is not True]
     assert not failed, f"(rank, check) not bit for bit: {failed}"
+
+
+def test_opt_load_state_dict_of_get_state_dicts_dict_raises_and_changes_nothing(gloo_one_rank):
+    """The DDP habit ``optimizer.load_state_dict(optim_state)`` after ``dcp.load`` (torch's
+    AdamW loads torch's get_state_dict layout by position): ShardedOptimizer.load_state_dict
+    takes whole tensors, and a ShardedTensor of gradmgr's get_state_dict raises ValueError
+    naming set_state_dict, before the groups' options or any state change. (Before: torch's
+    "torch function 'reshape' ... not supported for ShardedTensor!" half-way through.)"""
+    from gradmgr.distributed import data_parallel, get_state_dict
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    gm = data_parallel(net, shard=True)
+    opt = _trained(gm, net)
+    before = opt.state_dict()  # gathered: copies
+    _, optim_state = get_state_dict(net, opt)
+    optim_state["param_groups"][0]["lr"] = 5.0
+    with pytest.raises(ValueError, match=r"a loaded state is a ShardedTensor.*"
+                                         r"gradmgr\.distributed\.set_state_dict\(model, opt"):
+        opt.load_state_dict(optim_state)
+    assert opt.param_groups[0]["lr"] == 0.1
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        assert all(torch.equal(after["state"][index][k], v) for k, v in state.items())
+    del opt, gm
