@@ -64,6 +64,16 @@ def test_a_save_inside_no_sync_changes_nothing_and_loads_anywhere(dcp_ranks, nam
         assert out[f"{name}_mid_window_goes_on"] and out[f"{name}_mid_window_loads"], name
 
 
+@pytest.mark.parametrize("name", ["zero", "full"])
+def test_async_save_in_a_group_of_its_own_holds_the_state_it_was_given(dcp_ranks, name):
+    """dcp.async_save(..., process_group=<a gloo group of its own>,
+    storage_writer=dcp.FileSystemWriter(path)), then a step at once (the optimizer's state
+    changes in place while the checkpoint is written): the checkpoint loads as the state was
+    at the save, bit for bit (ZeRO-2: into a manager of another bucket size)."""
+    for out in dcp_ranks[2]:
+        assert out[f"{name}_async_saved"], name
+
+
 @pytest.mark.parametrize("case, key", [("missing_key", "model.5.weight"),
                                        ("wrong_class", "optim.state.0.weight.momentum_buffer")])
 def test_a_checkpoint_without_a_key_fails_on_every_rank_and_changes_nothing(dcp_ranks, case,
