@@ -10,6 +10,8 @@ op.nbytes``). Now that rank raises ``RanksOutOfStepError`` after half the proces
 timeout (dist_workers/out_of_step.py: 10 s, so 5 s), saying what to write, and launches
 nothing more: the others' next allreduce meets its next one. Its later checks raise at once
 (the message says to start a new process group), and a rank waiting for them gives up alike.
+A rank waiting in a collective the others never call (``if rank == 0: dcp.save(...)``) is
+named by the rank that trains on, and the same save on that rank meets it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ every step the parameters are bit for bit the gathered path's (the same ranks, t
 exact). A DCP checkpoint of DDP with torch's AdamW loads into ZeRO-2, and ZeRO-2's into DDP,
 every tensor bit for bit. A checkpoint without a key the loader asks for (another model,
 another optimizer class) fails on every rank naming the key, the optimizer as it was.
+``dcp.async_save`` (a gloo group of its own, a ``FileSystemWriter``), a step taken as soon as
+it returns: the checkpoint holds the state it was given. ``opt.load_state_dict`` of
+``get_state_dict``'s dict raises ValueError naming ``set_state_dict``, nothing changed.
 """
 
 from __future__ import annotations
