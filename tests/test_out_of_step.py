@@ -10,6 +10,8 @@ op.nbytes``). Now that rank raises ``RanksOutOfStepError`` after half the proces
 timeout (dist_workers/out_of_step.py: 10 s, so 5 s), saying what to write, and launches
 nothing more: the others' next allreduce meets its next one. Its later checks raise at once
 (the message says to start a new process group), and a rank waiting for them gives up alike.
+A rank waiting in a collective the others never call (``if rank == 0: dcp.save(...)``) is
+named by the rank that trains on, and the same save on that rank meets it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _skipping() -> list:
 # lag largest where every check must still find the other rank within the patience.
 CASES = (["even:native:-1"] + [f"skip:{p}:1" for p in _skipping()] + ["skip:buckets:0"]
          + [f"idle:{p}:1" for p in TORCH_PATHS] + [f"left:{p}:1" for p in TORCH_PATHS]
-         + ["nosync:full:0", "skip:handbuilt:1"])
+         + ["nosync:full:0", "skip:handbuilt:1", "save0:sharded:0"])
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +115,20 @@ def test_full_sharding_ranks_that_disagree_about_no_sync(seen):
         assert "Nothing was gathered or reduced at this recording" in loop["message"]
         assert loop["seconds"] < TIMEOUT_S / 2, loop  # told by the check, not a timeout
         assert outcome["in_step"], rank
+
+
+def test_a_dcp_save_on_one_rank_is_named_by_the_rank_that_trains_on(seen):
+    """Rank 0 alone calls dcp.save after a step (a collective: it waits there); rank 1's next
+    step raises after its patience, naming that habit besides a skipped batch, and its own
+    dcp.save then meets rank 0's: both go on, in step. (Plain DDP, probed: both ranks in
+    gloo's timeout, 20 s of 20; plain FSDP2: a gloo abort at once.)"""
+    saver, other = seen["save0:sharded:0"]
+    _clear(other["loop"], "not every rank started this synced step",
+           "another rank waits in a collective that this one never called",
+           "`if rank == 0: dcp.save(...)`")
+    assert TIMEOUT_S / 2 - 0.5 <= other["loop"]["seconds"] < TIMEOUT_S, other["loop"]
+    assert saver["loop"]["error"] is None, saver["loop"]  # its dcp.save returned
+    assert saver["in_step"] and other["in_step"]
 
 
 def test_either_rank_may_be_the_one_ahead(seen):

@@ -8,6 +8,9 @@ every step the parameters are bit for bit the gathered path's (the same ranks, t
 exact). A DCP checkpoint of DDP with torch's AdamW loads into ZeRO-2, and ZeRO-2's into DDP,
 every tensor bit for bit. A checkpoint without a key the loader asks for (another model,
 another optimizer class) fails on every rank naming the key, the optimizer as it was.
+``dcp.async_save`` (a gloo group of its own, a ``FileSystemWriter``), a step taken as soon as
+it returns: the checkpoint holds the state it was given. ``opt.load_state_dict`` of
+``get_state_dict``'s dict raises ValueError naming ``set_state_dict``, nothing changed.
 """
 
 from __future__ import annotations
@@ -62,6 +65,16 @@ def test_a_save_inside_no_sync_changes_nothing_and_loads_anywhere(dcp_ranks, nam
     saving run held it."""
     for out in dcp_ranks[2]:
         assert out[f"{name}_mid_window_goes_on"] and out[f"{name}_mid_window_loads"], name
+
+
+@pytest.mark.parametrize("name", ["zero", "full"])
+def test_async_save_in_a_group_of_its_own_holds_the_state_it_was_given(dcp_ranks, name):
+    """dcp.async_save(..., process_group=<a gloo group of its own>,
+    storage_writer=dcp.FileSystemWriter(path)), then a step at once (the optimizer's state
+    changes in place while the checkpoint is written): the checkpoint loads as the state was
+    at the save, bit for bit (ZeRO-2: into a manager of another bucket size)."""
+    for out in dcp_ranks[2]:
+        assert out[f"{name}_async_saved"], name
 
 
 @pytest.mark.parametrize("case, key", [("missing_key", "model.5.weight"),
@@ -167,3 +180,27 @@ def test_full_sharding_checkpoints_as_plain_fsdp2_bit_for_bit(dcp_ranks, leg):
     failed = [(r, key) for r, out in enumerate(dcp_ranks[leg]) for key in FULL[leg]
               if out[key] is not True]
     assert not failed, f"(rank, check) not bit for bit: {failed}"
+
+
+def test_opt_load_state_dict_of_get_state_dicts_dict_raises_and_changes_nothing(gloo_one_rank):
+    """The DDP habit ``optimizer.load_state_dict(optim_state)`` after ``dcp.load`` (torch's
+    AdamW loads torch's get_state_dict layout by position): ShardedOptimizer.load_state_dict
+    takes whole tensors, and a ShardedTensor of gradmgr's get_state_dict raises ValueError
+    naming set_state_dict, before the groups' options or any state change. (Before: torch's
+    "torch function 'reshape' ... not supported for ShardedTensor!" half-way through.)"""
+    from gradmgr.distributed import data_parallel, get_state_dict
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    gm = data_parallel(net, shard=True)
+    opt = _trained(gm, net)
+    before = opt.state_dict()  # gathered: copies
+    _, optim_state = get_state_dict(net, opt)
+    optim_state["param_groups"][0]["lr"] = 5.0
+    with pytest.raises(ValueError, match=r"a loaded state is a ShardedTensor.*"
+                                         r"gradmgr\.distributed\.set_state_dict\(model, opt"):
+        opt.load_state_dict(optim_state)
+    assert opt.param_groups[0]["lr"] == 0.1
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        assert all(torch.equal(after["state"][index][k], v) for k, v in state.items())
+    del opt, gm

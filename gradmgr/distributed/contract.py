@@ -370,7 +370,8 @@ class TensorOps:
         """One value of a saved optimizer state as the wrapped optimizer keeps it: where the
         framework's optimizers save arrays of another kind (MegEngine's ``state_dict()``
         holds numpy arrays), that array as the framework's tensor; anything else unchanged
-        (the default)."""
+        (the default). ValueError where it is not a whole value (torch: a ShardedTensor of
+        ``get_state_dict``'s), before the optimizer changes."""
         return value
 
     def scalar_like_state(self, value: float, like: Any) -> Any:

@@ -60,7 +60,9 @@ class RanksOutOfStepError(RankMismatchError):
     """Not every rank started this data-parallel step: this rank waited, at the start of its
     step, for the others' plan check until the process group's patience ran out, or a rank
     left the group meanwhile. The ranks ran different numbers of steps: a rank skipped a
-    batch (``continue``) or ran out of data while the others trained on.
+    batch (``continue``) or ran out of data while the others trained on; or another rank waits
+    in a collective this one never called (torch: ``if rank == 0: dcp.save(...)``, DCP's
+    save being a collective of every rank).
 
     Collectives pair by their order alone, so without it the rank with a step more meets
     whatever the others do after their loop (an evaluation's allreduce, a barrier) and

@@ -19,7 +19,16 @@ from torch.distributed.tensor import DTensor
 
 from gradmgr.distributed import data_parallel, get_state_dict, set_state_dict
 
-from .zero_dcp import LR, WEIGHT_DECAY, batch, dcp_load, mid_window, model, zero
+from .zero_dcp import (
+    LR,
+    WEIGHT_DECAY,
+    async_saved,
+    batch,
+    dcp_load,
+    mid_window,
+    model,
+    zero,
+)
 
 
 def full():
@@ -155,3 +164,4 @@ def third(out: dict, rank: int, outdir: str) -> None:
     out["full_restepped_as_plain"] = same(whole(ours[0], ours[2]),
                                           whole(theirs[0], theirs[2]))
     mid_window(out, rank, outdir, lambda _: full(), whole, same, "full")
+    async_saved(out, rank, outdir, lambda _: full(), whole, same, "full")

@@ -168,6 +168,38 @@ def left(outdir: str, rank: int, world: int, path: str, skipper: int) -> dict:
     return seen
 
 
+def save0(outdir: str, rank: int, world: int, path: str, saver: int) -> dict:
+    """Rank ``saver`` alone calls ``dcp.save`` after step 0 (DDP scripts' ``if rank == 0:
+    torch.save(...)`` habit; DCP's save is a collective) and stops; the other trains on, then
+    calls ``dcp.save`` itself, which meets the saver's."""
+    import torch.distributed.checkpoint as dcp
+
+    from gradmgr.distributed import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    gm = data_parallel(model, shard=True)
+    opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=0.1)
+
+    def save() -> None:
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state},
+                 checkpoint_id=os.path.join(outdir, "save0"))
+
+    def step(rank: int, i: int) -> None:
+        with gm:
+            gm.backward(model(torch.full((2, 6), float(rank + i))).square().mean())
+        opt.step()
+        if rank == saver:
+            save()
+
+    seen = {"loop": _train(step, rank, skipper=saver, skipped=range(1, STEPS))}
+    if rank != saver:
+        save()  # the saver waits in its dcp.save since step 0: its group's timeout, not over
+    seen["in_step"] = in_step(rank)
+    return seen
+
+
 def main(rank: int, world: int, outdir: str) -> None:
     results = {}
     for n, case in enumerate(os.environ["OUT_OF_STEP_CASES"].split(",")):

@@ -10,6 +10,7 @@ Each part then runs full sharding's (dist_workers/full_dcp.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 
@@ -169,6 +170,7 @@ def third(out: dict, rank: int, outdir: str) -> None:
     out["to_ddp_params_equal"] = all(torch.equal(a, b) for a, b in
                                      zip(params(ddp.module), ddp_saved["params"].values()))
     mid_window(out, rank, outdir, zero_run, zero_snapshot, zero_equal, "zero")
+    async_saved(out, rank, outdir, zero_run, zero_snapshot, zero_equal, "zero")
     bad_input(out, outdir)
 
 
@@ -192,6 +194,32 @@ def mid_window(out: dict, rank: int, outdir: str, make, snapshot, equal, name: s
     net, _, opt = make(None)
     dcp_load(net, opt, path)
     out[f"{name}_mid_window_loads"] = equal(snapshot(net, opt), held)
+
+
+@functools.cache
+def async_group():
+    """The gloo group of :func:`async_saved`'s saves (made at the first, by every rank)."""
+    return dist.new_group(backend="gloo")
+
+
+def async_saved(out: dict, rank: int, outdir: str, make, snapshot, equal, name: str) -> None:
+    """``dcp.async_save`` in a gloo group of its own (on the default group its collectives
+    met the training's: gloo's timeout, plain DDP too) with a ``FileSystemWriter`` (torch
+    2.13's default stager cannot copy a ShardedTensor), a step right after it returns: the
+    checkpoint holds the state it was given (``{name}_async_saved``)."""
+    path = os.path.join(outdir, f"{name}_async")
+    net, gm, opt = make(200)
+    train(net, gm, opt, range(2), rank)
+    held = snapshot(net, opt)
+    model_state, optim_state = get_state_dict(net, opt)
+    saving = dcp.async_save({"model": model_state, "optim": optim_state},
+                            process_group=async_group(),
+                            storage_writer=dcp.FileSystemWriter(path))
+    train(net, gm, opt, range(2, 3), rank)  # the saved state, stepped in place meanwhile
+    saving.result()
+    net, _, opt = make(None)
+    dcp_load(net, opt, path)
+    out[f"{name}_async_saved"] = equal(snapshot(net, opt), held)
 
 
 def zero_run(bucket_bytes) -> tuple:

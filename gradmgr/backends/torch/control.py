@@ -44,8 +44,10 @@ _OUT_OF_STEP = (
     "s (of the process group's {timeout:.0f} s timeout) for the others' plan check{why}. The "
     "ranks ran different numbers of steps: a rank skipped a batch (`continue`) or ran out of "
     "data while the others trained on, and its {terms.unit}s have been paired with the "
-    "others' next ones since. {terms.even_out}. Then start a new process group (this one's "
-    "plan checks were given up on)"
+    "others' next ones since. {terms.even_out}. Or another rank waits in a collective that "
+    "this one never called, such as `if rank == 0: dcp.save(...)`: "
+    "torch.distributed.checkpoint's save and load are collectives, every rank calls them. "
+    "Then start a new process group (this one's plan checks were given up on)"
 )
 _LEFT = (", and another rank left the checks meanwhile (its process ended, or it gave up on "
          "an earlier step's check: see its RanksOutOfStepError)")

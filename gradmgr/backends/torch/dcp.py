@@ -105,6 +105,21 @@ class TorchCheckpoints:
                 view.ops.set_optimizer_state(view.optimizer, piece.tensor, state)
 
 
+def refuse_sliced(value: Any) -> None:
+    """Raise ValueError where ``value`` is one of :func:`get_state_dict`'s global tensors,
+    handed to ``ShardedOptimizer.load_state_dict``, which takes whole tensors (cut as whole
+    ones, they raised torch's ShardedTensor error half-way through the load, the groups'
+    options already changed)."""
+    if isinstance(value, ShardedTensor):
+        raise ValueError(
+            "ShardedOptimizer.load_state_dict: a loaded state is a ShardedTensor, of which "
+            "this rank holds only its pieces: the dict of gradmgr.distributed.get_state_dict "
+            "(torch.distributed.checkpoint's layout). Load that dict, filled by dcp.load, with "
+            "gradmgr.distributed.set_state_dict(model, opt, model_state_dict=..., "
+            "optim_state_dict=...); opt.load_state_dict takes whole tensors, as "
+            "opt.state_dict() gives them")
+
+
 def _names(model: Any, view: Any) -> Dict[int, str]:
     names = {id(p): name for name, p in model.named_parameters()}
     for group in view.param_groups:

@@ -257,6 +257,13 @@ class TorchOps(TensorOps):
 
         return TorchCheckpoints()
 
+    def state_from_checkpoint(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor:
+            from .dcp import refuse_sliced  # a ShardedTensor is torch.distributed's
+
+            refuse_sliced(value)
+        return value
+
 
 def _same_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
