@@ -5,6 +5,7 @@ Runs only where PaddlePaddle is installed (conftest.py: FRAMEWORK_FILES)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -296,6 +297,74 @@ def test_the_same_output_twice_is_refused_as_by_paddles_engine():
     assert len(calls) == 4
     for p, q in zip(model.parameters(), twin.parameters()):
         np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
+def _kept(forward):
+    @functools.wraps(forward)
+    def decorated(*args):  # no self here: the forward it calls (__wrapped__) has it
+        return forward(*args)
+    return decorated
+
+
+def _bare(forward):
+    def decorated(*args):  # no self, no functools.wraps: nothing leads to the wrapper
+        return forward(*args)
+    return decorated
+
+
+class _OwnForward(paddle.DataParallel):
+    def forward(self, x):
+        return self._layers(x)
+
+
+class _Kept(paddle.DataParallel):
+    @_kept
+    def forward(self, x):
+        return self._layers(x)
+
+
+class _Bare(paddle.DataParallel):
+    @_bare
+    def forward(self, x):
+        return self._layers(x)
+
+
+@pytest.mark.filterwarnings("ignore:The program will return to single-card")
+def test_the_wrapper_checks_find_each_paddle_data_parallel():
+    """What data_parallel's forward watch finds (wrappers.py), in one process, where
+    ``paddle.DataParallel`` only calls the layer (tests/test_paddle_distributed.py has the
+    refusals on 2 ranks): the wrapper around the model, a subclass with a forward of its own,
+    one decorated with ``functools.wraps``, a wrapper around a layer holding the model, one
+    inside the model at sublayer ``2``; not a subclass whose forward a decorator replaced by a
+    function of ``*args`` without ``__wrapped__`` (docs/paddle.md says so)."""
+    from gradmgr.backends.paddle import wrappers
+
+    x, _ = _batch(0)
+    found: list = []
+
+    def run(forward, model) -> str:
+        found.clear()
+        forward(x)
+        return found[0] or "none"
+
+    model = _mlp(0)
+    model.register_forward_post_hook(
+        lambda layer, inputs, output: found.append(wrappers.forward_problem(layer)))
+    around = wrappers.DATA_PARALLEL_AROUND
+    assert run(model, model) == "none"
+    for wrapper in (paddle.DataParallel, _OwnForward, _Kept):
+        assert run(wrapper(model), model) == around, wrapper
+    assert run(paddle.DataParallel(paddle.nn.Sequential(model)), model) == around
+    assert run(_Bare(model), model) == "none"
+    model[2] = paddle.DataParallel(model[2])
+    assert run(model, model).startswith(
+        "data_parallel(): this layer holds a paddle.DataParallel at sublayer '2'")
+    holder = paddle.nn.Sequential(paddle.nn.Sequential(model))
+    assert wrappers.given_problem(holder).startswith(
+        "data_parallel() was given a layer that holds a paddle.DataParallel at sublayer "
+        "'0.0.2'")
+    assert wrappers.given_problem(_OwnForward(_mlp(1))) == wrappers.DATA_PARALLEL_WRAPPER
+    assert wrappers.given_problem(_mlp(1)) is None
 
 
 def test_leaf_hooks_without_callbacks_run_in_the_order_of_paddles_backward():
