@@ -272,29 +272,72 @@ def test_callbacks_follow_the_engine_when_two_outputs_share_their_node():
         np.testing.assert_array_equal(p.grad.numpy(), want)
 
 
-def test_the_same_output_twice_is_refused_as_by_paddles_engine():
-    """``backward([y, y], [dy1, dy2])``: Paddle's engine refuses the same output twice
-    (``paddle.autograd.backward`` with an AssertionError, ``paddle.grad`` with "duplicate"),
-    and so does gradmgr's backward, which is one ``paddle.grad``: no callback runs, no
-    ``.grad`` is written, the manager's next backward is whole. (gradmgr on PyTorch sums the
-    two seeds there, as ``torch.autograd.backward`` does.)"""
+def _seeds(y) -> list:
+    rng = np.random.default_rng(7)
+    return [paddle.to_tensor(rng.standard_normal(y.shape).astype("float32")) for _ in range(2)]
+
+
+def _same(y):
+    return [y, y]
+
+
+def _alias(y):
+    return [y, y[:]]  # a new tensor object over y's autograd record
+
+
+@pytest.mark.parametrize("pick,which,native", [
+    (_same, "the same tensor twice", (AssertionError, "duplicate paddle.Tensor")),
+    (_alias, "two tensors over one autograd record", (SystemError, "already been initialized")),
+])
+def test_one_output_twice_is_refused_saying_what_to_pass(pick, which, native):
+    """``backward([y, y], [dy1, dy2])``, and ``y`` with ``y[:]``: Paddle's engine refuses both
+    (measured here, so a Paddle that starts to add them fails this test): ``paddle.grad`` with
+    "duplicate tensor", ``paddle.autograd.backward`` as ``native`` says. gradmgr's backward,
+    one ``paddle.grad``, raised Paddle's RuntimeError on the old code; now its own
+    ``UnsupportedGraphError`` saying what to pass, before any callback or ``.grad``. What it
+    says, ``gm.backward([y], [dy1 + dy2])``, gives bit for bit what Paddle's own backward gives
+    where it adds two seeds of one value (``y`` and a view of it), and the manager's next
+    backward is whole."""
     model = _mlp(0)
     x, _ = _batch(0)
     y = model(x)
-    with pytest.raises(AssertionError, match="duplicate"):
-        paddle.autograd.backward([y, y], [paddle.ones_like(y), paddle.ones_like(y)])
+    dy1, dy2 = _seeds(y)
+    with pytest.raises(RuntimeError, match="duplicate tensor"):
+        paddle.grad(pick(y), model.parameters(), [dy1, dy2], retain_graph=True)
+    with pytest.raises(native[0], match=native[1]):
+        paddle.autograd.backward(pick(y), [dy1, dy2])
+    model.clear_gradients(set_to_zero=False)
     calls: list = []
     gm = GradManager().attach(model.parameters(), callbacks=lambda t, g: (calls.append(1), g)[1])
-    with gm:
-        y = model(x)
-        with pytest.raises(RuntimeError, match="duplicate tensor"):
-            gm.backward([y, y], [paddle.ones_like(y), paddle.ones_like(y)])
+    with gm, pytest.raises(UnsupportedGraphError, match="got one output twice") as refused:
+        gm.backward(pick(model(x)), [dy1, dy2])
+    message = str(refused.value)
+    assert f"({which}" in message and "gm.backward([y], [dy1 + dy2])" in message, message
+    assert "PyTorch adds the two seeds and MegEngine keeps the last one" in message
     assert calls == [] and all(p.grad is None for p in model.parameters())
     twin = _copy(model)
-    twin(x).sum().backward()
+    y = twin(x)
+    paddle.autograd.backward([y, y.view(y.shape)], [dy1, dy2])
     with gm:
-        gm.backward(model(x).sum())
+        gm.backward([model(x)], [dy1 + dy2])
     assert len(calls) == 4
+    for p, q in zip(model.parameters(), twin.parameters()):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
+def test_an_output_and_a_view_of_it_add_up_as_in_paddles_backward():
+    """``y`` and ``y.view(...)`` are two autograd records: Paddle's engine adds their seeds,
+    and so does gradmgr's backward, bit for bit."""
+    model = _mlp(0)
+    twin = _copy(model)
+    x, _ = _batch(1)
+    y = twin(x)
+    dy1, dy2 = _seeds(y)
+    paddle.autograd.backward([y, y.view([-1])], [dy1, dy2.reshape([-1])])
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        y = model(x)
+        gm.backward([y, y.view([-1])], [dy1, dy2.reshape([-1])])
     for p, q in zip(model.parameters(), twin.parameters()):
         np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
 

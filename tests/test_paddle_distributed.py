@@ -295,6 +295,27 @@ def test_a_paddle_data_parallel_built_before_data_parallel(ranks):
         assert (got["aside_wrapper"] or "").startswith(AROUND), (rank, got["aside_wrapper"])
 
 
+def test_one_output_twice_is_refused_on_every_rank_and_the_next_step_is_whole(ranks):
+    """``gm.backward([y, y], ...)`` and ``gm.backward([y, y[:]], ...)`` under
+    ``data_parallel``: gradmgr's ``UnsupportedGraphError`` saying what to pass instead on
+    every rank (on the old code, Paddle's ``RuntimeError: (AlreadyExists) outputs contain
+    duplicate tensor``), no ``.grad`` written, and the next step is rank 0's ``sgd`` step 0,
+    bit for bit."""
+    want = ranks[0]["sgd"]["ours"]["grads"][0]
+    for rank, out in enumerate(ranks):
+        got = out["wrappers"]["repeated"]
+        same, alias = got["errors"]
+        assert (same or "").startswith("UnsupportedGraphError: backward() got one output twice "
+                                       "(the same tensor twice)"), (rank, same)
+        assert (alias or "").startswith("UnsupportedGraphError: backward() got one output "
+                                        "twice (two tensors over one autograd record, as y "
+                                        "and y[:] are)"), (rank, alias)
+        assert "gm.backward([y], [dy1 + dy2])" in same, rank
+        assert got["grads_after"] == [None] * 4, rank
+        for i, (a, b) in enumerate(zip(got["grads"], want)):
+            np.testing.assert_array_equal(a, b, err_msg=f"{rank} [{i}]")
+
+
 def test_the_example_of_docs_paddle_md_trains_alike_on_both_ranks(ranks):
     assert [out["example"] for out in ranks] == ["ran", "ran"]  # its fit() asserts the rest
 

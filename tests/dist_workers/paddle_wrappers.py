@@ -1,6 +1,7 @@
 """Rank program part: a ``paddle.DataParallel`` next to ``data_parallel(model)`` in the places
 the first check missed (a subclass with a forward of its own, a wrapper around a sublayer,
-before and after ``data_parallel``); run inside paddle_suite.py's spawn (no spawn of its own).
+before and after ``data_parallel``), and ``gm.backward`` given one output twice; run inside
+paddle_suite.py's spawn (no spawn of its own).
 
 Each refused place runs two steps through the wrapper with a ``register_hook`` (x2) on
 ``0.weight`` (the hook that made Paddle's reducer fail the next forward, ``PreconditionNotMet``,
@@ -113,7 +114,29 @@ def wrapped_before(rank: int, world: int) -> dict:
     return out
 
 
+def repeated_outputs(rank: int, world: int) -> dict:
+    """``gm.backward([y, y], ...)`` and ``gm.backward([y, y[:]], ...)`` under
+    ``data_parallel``: what each raised, ``.grad`` after them, then a whole step's gradients."""
+    from gradmgr.distributed import data_parallel
+
+    model = suite.net(rank)
+    gm = data_parallel(model)
+    x, y = suite.local(0, rank, world)
+
+    def twice(pick) -> None:
+        with gm:
+            outs = pick(model(x))
+            gm.backward(outs, [paddle.ones_like(o) for o in outs])
+    out: dict = {"errors": [_error(lambda: twice(lambda o: [o, o])),
+                            _error(lambda: twice(lambda o: [o, o[:]]))]}
+    out["grads_after"] = suite.grads(model)
+    _step(gm, model, rank, world)
+    out["grads"] = suite.grads(model)
+    return out
+
+
 def run(rank: int, world: int) -> dict:
     out: dict = {place: wrapped_after(place, rank, world) for place in AFTER}
     out["before"] = wrapped_before(rank, world)
+    out["repeated"] = repeated_outputs(rank, world)
     return out
