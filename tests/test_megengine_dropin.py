@@ -186,6 +186,26 @@ def test_dy_given_for_several_outputs():
     np.testing.assert_allclose(gx, expected, rtol=1e-6)  # float32 sin/cos vs float64 numpy
 
 
+@pytest.mark.parametrize("alias", [False, True], ids=["same", "slice"])
+def test_one_output_twice_as_native(alias):
+    """``backward([y, y], [dy1, dy2])``: MegEngine's manager keeps the last seed (``dy2``
+    alone); ``[y, y[:]]`` adds both. gradmgr gives the same, bit for bit (docs/paddle.md sets
+    this beside PyTorch, which adds, and Paddle, which refuses both)."""
+    dy1, dy2 = (RNG.standard_normal(3).astype("float32") for _ in range(2))
+
+    def program(impl):
+        x = mge.Tensor([0.5, -1.0, 2.0])
+        gm = impl.GradManager().attach(x)
+        with gm:
+            y = F.sin(x)
+            gm.backward([y, y[:] if alias else y], [mge.Tensor(dy1), mge.Tensor(dy2)])
+        return grad_of(x)
+
+    gx = both(program)
+    seed = dy1 + dy2 if alias else dy2
+    np.testing.assert_allclose(gx, seed * np.cos([0.5, -1.0, 2.0]), rtol=1e-6)
+
+
 def test_attach_inside_with_snapshots_the_tensor():
     def program(impl):
         x = mge.Tensor([1.0, 2.0, 3.0])

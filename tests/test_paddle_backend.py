@@ -5,6 +5,7 @@ Runs only where PaddlePaddle is installed (conftest.py: FRAMEWORK_FILES)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -271,31 +272,142 @@ def test_callbacks_follow_the_engine_when_two_outputs_share_their_node():
         np.testing.assert_array_equal(p.grad.numpy(), want)
 
 
-def test_the_same_output_twice_is_refused_as_by_paddles_engine():
-    """``backward([y, y], [dy1, dy2])``: Paddle's engine refuses the same output twice
-    (``paddle.autograd.backward`` with an AssertionError, ``paddle.grad`` with "duplicate"),
-    and so does gradmgr's backward, which is one ``paddle.grad``: no callback runs, no
-    ``.grad`` is written, the manager's next backward is whole. (gradmgr on PyTorch sums the
-    two seeds there, as ``torch.autograd.backward`` does.)"""
+def _seeds(y) -> list:
+    rng = np.random.default_rng(7)
+    return [paddle.to_tensor(rng.standard_normal(y.shape).astype("float32")) for _ in range(2)]
+
+
+def _same(y):
+    return [y, y]
+
+
+def _alias(y):
+    return [y, y[:]]  # a new tensor object over y's autograd record
+
+
+@pytest.mark.parametrize("pick,which,native", [
+    (_same, "the same tensor twice", (AssertionError, "duplicate paddle.Tensor")),
+    (_alias, "two tensors over one autograd record", (SystemError, "already been initialized")),
+])
+def test_one_output_twice_is_refused_saying_what_to_pass(pick, which, native):
+    """``backward([y, y], [dy1, dy2])``, and ``y`` with ``y[:]``: Paddle's engine refuses both
+    (measured here, so a Paddle that starts to add them fails this test): ``paddle.grad`` with
+    "duplicate tensor", ``paddle.autograd.backward`` as ``native`` says. gradmgr's backward,
+    one ``paddle.grad``, raised Paddle's RuntimeError on the old code; now its own
+    ``UnsupportedGraphError`` saying what to pass, before any callback or ``.grad``. What it
+    says, ``gm.backward([y], [dy1 + dy2])``, gives bit for bit what Paddle's own backward gives
+    where it adds two seeds of one value (``y`` and a view of it), and the manager's next
+    backward is whole."""
     model = _mlp(0)
     x, _ = _batch(0)
     y = model(x)
-    with pytest.raises(AssertionError, match="duplicate"):
-        paddle.autograd.backward([y, y], [paddle.ones_like(y), paddle.ones_like(y)])
+    dy1, dy2 = _seeds(y)
+    with pytest.raises(RuntimeError, match="duplicate tensor"):
+        paddle.grad(pick(y), model.parameters(), [dy1, dy2], retain_graph=True)
+    with pytest.raises(native[0], match=native[1]):
+        paddle.autograd.backward(pick(y), [dy1, dy2])
+    model.clear_gradients(set_to_zero=False)
     calls: list = []
     gm = GradManager().attach(model.parameters(), callbacks=lambda t, g: (calls.append(1), g)[1])
-    with gm:
-        y = model(x)
-        with pytest.raises(RuntimeError, match="duplicate tensor"):
-            gm.backward([y, y], [paddle.ones_like(y), paddle.ones_like(y)])
+    with gm, pytest.raises(UnsupportedGraphError, match="got one output twice") as refused:
+        gm.backward(pick(model(x)), [dy1, dy2])
+    message = str(refused.value)
+    assert f"({which}" in message and "gm.backward([y], [dy1 + dy2])" in message, message
+    assert "PyTorch adds the two seeds and MegEngine keeps the last one" in message
     assert calls == [] and all(p.grad is None for p in model.parameters())
     twin = _copy(model)
-    twin(x).sum().backward()
+    y = twin(x)
+    paddle.autograd.backward([y, y.view(y.shape)], [dy1, dy2])
     with gm:
-        gm.backward(model(x).sum())
+        gm.backward([model(x)], [dy1 + dy2])
     assert len(calls) == 4
     for p, q in zip(model.parameters(), twin.parameters()):
         np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
+def test_an_output_and_a_view_of_it_add_up_as_in_paddles_backward():
+    """``y`` and ``y.view(...)`` are two autograd records: Paddle's engine adds their seeds,
+    and so does gradmgr's backward, bit for bit."""
+    model = _mlp(0)
+    twin = _copy(model)
+    x, _ = _batch(1)
+    y = twin(x)
+    dy1, dy2 = _seeds(y)
+    paddle.autograd.backward([y, y.view([-1])], [dy1, dy2.reshape([-1])])
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        y = model(x)
+        gm.backward([y, y.view([-1])], [dy1, dy2.reshape([-1])])
+    for p, q in zip(model.parameters(), twin.parameters()):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
+def _kept(forward):
+    @functools.wraps(forward)
+    def decorated(*args):  # no self here: the forward it calls (__wrapped__) has it
+        return forward(*args)
+    return decorated
+
+
+def _bare(forward):
+    def decorated(*args):  # no self, no functools.wraps: nothing leads to the wrapper
+        return forward(*args)
+    return decorated
+
+
+class _OwnForward(paddle.DataParallel):
+    def forward(self, x):
+        return self._layers(x)
+
+
+class _Kept(paddle.DataParallel):
+    @_kept
+    def forward(self, x):
+        return self._layers(x)
+
+
+class _Bare(paddle.DataParallel):
+    @_bare
+    def forward(self, x):
+        return self._layers(x)
+
+
+@pytest.mark.filterwarnings("ignore:The program will return to single-card")
+def test_the_wrapper_checks_find_each_paddle_data_parallel():
+    """What data_parallel's forward watch finds (wrappers.py), in one process, where
+    ``paddle.DataParallel`` only calls the layer (tests/test_paddle_distributed.py has the
+    refusals on 2 ranks): the wrapper around the model, a subclass with a forward of its own,
+    one decorated with ``functools.wraps``, a wrapper around a layer holding the model, one
+    inside the model at sublayer ``2``; not a subclass whose forward a decorator replaced by a
+    function of ``*args`` without ``__wrapped__`` (docs/paddle.md says so)."""
+    from gradmgr.backends.paddle import wrappers
+
+    x, _ = _batch(0)
+    found: list = []
+
+    def run(forward, model) -> str:
+        found.clear()
+        forward(x)
+        return found[0] or "none"
+
+    model = _mlp(0)
+    model.register_forward_post_hook(
+        lambda layer, inputs, output: found.append(wrappers.forward_problem(layer)))
+    around = wrappers.DATA_PARALLEL_AROUND
+    assert run(model, model) == "none"
+    for wrapper in (paddle.DataParallel, _OwnForward, _Kept):
+        assert run(wrapper(model), model) == around, wrapper
+    assert run(paddle.DataParallel(paddle.nn.Sequential(model)), model) == around
+    assert run(_Bare(model), model) == "none"
+    model[2] = paddle.DataParallel(model[2])
+    assert run(model, model).startswith(
+        "data_parallel(): this layer holds a paddle.DataParallel at sublayer '2'")
+    holder = paddle.nn.Sequential(paddle.nn.Sequential(model))
+    assert wrappers.given_problem(holder).startswith(
+        "data_parallel() was given a layer that holds a paddle.DataParallel at sublayer "
+        "'0.0.2'")
+    assert wrappers.given_problem(_OwnForward(_mlp(1))) == wrappers.DATA_PARALLEL_WRAPPER
+    assert wrappers.given_problem(_mlp(1)) is None
 
 
 def test_leaf_hooks_without_callbacks_run_in_the_order_of_paddles_backward():

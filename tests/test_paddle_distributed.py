@@ -245,6 +245,77 @@ def test_a_paddle_data_parallel_built_after_data_parallel_is_refused_at_its_forw
             np.testing.assert_array_equal(a, b * 2 if i == 2 else b, err_msg=f"{rank} [{i}]")
 
 
+AROUND = ("RuntimeError: data_parallel(): this layer's forward runs inside a "
+          "paddle.DataParallel's forward")
+INSIDE = "RuntimeError: data_parallel(): this layer holds a paddle.DataParallel at sublayer '0'"
+
+
+@pytest.mark.parametrize("place,refusal", [("subclass_forward", AROUND),
+                                           ("subclass_super", AROUND), ("sublayer", INSIDE),
+                                           ("holder", AROUND)])
+def test_a_paddle_data_parallel_near_the_model_after_data_parallel_is_refused(ranks, place,
+                                                                               refusal):
+    """After ``data_parallel(model)``, with a ``register_hook`` (x2) on ``0.weight``
+    (dist_workers/paddle_wrappers.py): a ``paddle.DataParallel`` subclass whose forward does
+    not call ``DataParallel.forward`` (on the old code step 1's forward failed in Paddle's
+    reducer, PreconditionNotMet), one whose forward calls it, a wrapper put around the
+    sublayer ``0`` (the same failure on the old code), a wrapper around a layer holding the
+    model. Each step through it raises the refusal on every rank before any ``.grad`` is
+    written; with the model put back, a step is whole: rank 0's ``sgd`` step 0, ``0.weight``'s
+    doubled by its hook (exact), bit for bit."""
+    want = ranks[0]["sgd"]["ours"]["grads"][0]
+    for rank, out in enumerate(ranks):
+        got = out["wrappers"][place]
+        for step, error in enumerate(got["errors"]):
+            assert (error or "").startswith(refusal), (rank, step, error)
+            assert "Build no paddle.DataParallel for the model" in error, (rank, step)
+        assert got["grads_after"] == [None] * 4, rank
+        for i, (a, b) in enumerate(zip(got["grads"], want)):
+            np.testing.assert_array_equal(a, b * 2 if i == 0 else b, err_msg=f"{rank} [{i}]")
+
+
+def test_a_paddle_data_parallel_built_before_data_parallel(ranks):
+    """A layer holding a ``paddle.DataParallel`` at sublayer ``0`` given to ``data_parallel``:
+    ``TypeError`` naming it (the old code took it, and with a hook on a wrapped parameter the
+    second step's forward failed in Paddle's reducer); a subclass given to it: the wrapper's
+    ``TypeError``; a ``paddle.DataParallel(model)`` kept aside while ``data_parallel(model)``
+    trains the model itself: the step is whole (``0.weight``'s hook x2, bit for bit against
+    rank 0's ``sgd`` step 0), a step through the wrapper refused."""
+    want = ranks[0]["sgd"]["ours"]["grads"][0]
+    for rank, out in enumerate(ranks):
+        got = out["wrappers"]["before"]
+        assert (got["sublayer"] or "").startswith(
+            "TypeError: data_parallel() was given a layer that holds a paddle.DataParallel at "
+            "sublayer '0'"), (rank, got["sublayer"])
+        assert "its ._layers" in got["sublayer"], rank
+        assert (got["subclass"] or "").startswith(
+            "TypeError: data_parallel() was given a paddle.DataParallel wrapper"), rank
+        for i, (a, b) in enumerate(zip(got["aside_grads"], want)):
+            np.testing.assert_array_equal(a, b * 2 if i == 0 else b, err_msg=f"{rank} [{i}]")
+        assert (got["aside_wrapper"] or "").startswith(AROUND), (rank, got["aside_wrapper"])
+
+
+def test_one_output_twice_is_refused_on_every_rank_and_the_next_step_is_whole(ranks):
+    """``gm.backward([y, y], ...)`` and ``gm.backward([y, y[:]], ...)`` under
+    ``data_parallel``: gradmgr's ``UnsupportedGraphError`` saying what to pass instead on
+    every rank (on the old code, Paddle's ``RuntimeError: (AlreadyExists) outputs contain
+    duplicate tensor``), no ``.grad`` written, and the next step is rank 0's ``sgd`` step 0,
+    bit for bit."""
+    want = ranks[0]["sgd"]["ours"]["grads"][0]
+    for rank, out in enumerate(ranks):
+        got = out["wrappers"]["repeated"]
+        same, alias = got["errors"]
+        assert (same or "").startswith("UnsupportedGraphError: backward() got one output twice "
+                                       "(the same tensor twice)"), (rank, same)
+        assert (alias or "").startswith("UnsupportedGraphError: backward() got one output "
+                                        "twice (two tensors over one autograd record, as y "
+                                        "and y[:] are)"), (rank, alias)
+        assert "gm.backward([y], [dy1 + dy2])" in same, rank
+        assert got["grads_after"] == [None] * 4, rank
+        for i, (a, b) in enumerate(zip(got["grads"], want)):
+            np.testing.assert_array_equal(a, b, err_msg=f"{rank} [{i}]")
+
+
 def test_the_example_of_docs_paddle_md_trains_alike_on_both_ranks(ranks):
     assert [out["example"] for out in ranks] == ["ran", "ran"]  # its fit() asserts the rest
 

@@ -439,6 +439,30 @@ def test_no_seed_outlives_a_backward_that_did_not_reach_the_engine():
     torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
 
 
+@pytest.mark.parametrize("alias", [False, True], ids=["same", "slice"])
+def test_one_output_twice_adds_the_seeds_as_torch_autograd_backward(alias):
+    """``backward([y, y], [dy1, dy2])`` and ``[y, y[:]]``: ``torch.autograd.backward`` adds
+    the two seeds, and so does gradmgr, bit for bit (docs/paddle.md sets this beside MegEngine,
+    which keeps the last seed of ``[y, y]``, and Paddle, which refuses both)."""
+    model = mlp()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    dy1, dy2 = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(2))
+    y = model(x)
+    torch.autograd.backward([y, y[:] if alias else y], [dy1, dy2])
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    gm = GradManager().attach(model.parameters())
+    with gm:
+        y = model(x)
+        gm.backward([y, y[:] if alias else y], [dy1, dy2])
+    for p, w in zip(model.parameters(), want):
+        assert torch.equal(p.grad, w)
+    y = model(x)
+    once = torch.autograd.grad(y, list(model.parameters()), dy1 + dy2)
+    for g, w in zip(once, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
 def test_complex_dy_for_real_y_is_rejected_before_the_engine_runs():
     x = torch.ones(2)
     gm = GradManager().attach(x)

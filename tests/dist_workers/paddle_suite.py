@@ -290,9 +290,10 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     out["wrapped_after"] = wrapped_after(rank, world)
     out["one_fails"] = one_rank_fails(rank, world)
     out["mismatch"] = mismatch(rank, world)
-    from . import paddle_habits  # (it imports this module)
+    from . import paddle_habits, paddle_wrappers  # (they import this module)
 
     out["habits"] = paddle_habits.run(rank, world)
+    out["wrappers"] = paddle_wrappers.run(rank, world)
     example = runpy.run_path(os.path.join(EXAMPLES, "paddle_data_parallel.py"), run_name="ex")
     example["fit"](rank, world, 3)  # docs/paddle.md's example (it asserts the ranks agree)
     out["example"] = "ran"

@@ -8,47 +8,22 @@ only the forgotten ``with gm:`` is refused. Paddle hands the hook's error back w
 ``OSError: (External) RuntimeError: <the refusal>`` (Paddle 3.3, measured): the nearest to
 PyTorch's ``RuntimeError`` that a hook can raise.
 
-A forward through a ``paddle.DataParallel`` kept around the layer raises at once
-(:data:`DATA_PARALLEL_AROUND`): it readies Paddle's own reducer for a backward that gradmgr
-runs instead.
+A forward through a ``paddle.DataParallel`` kept around the layer, or one put around a sublayer
+of it, raises at once (wrappers.py): it readies Paddle's own reducer for a backward that
+gradmgr runs instead.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
-from types import FrameType
 from typing import Any, Callable, Optional
 
 import paddle
 
 from gradmgr.distributed.contract import ArmedHooks
 
-DATA_PARALLEL_AROUND = (
-    "data_parallel(): this layer's forward runs inside a paddle.DataParallel's forward, which "
-    "readies Paddle's own reducer for the backward while gradmgr's data-parallel manager "
-    "reduces the gradients itself: with a register_hook on a parameter, Paddle's reducer is "
-    "left waiting and the next forward fails in it (PreconditionNotMet). Drop the "
-    "paddle.DataParallel wrapper: data_parallel(model) does what it did (broadcast, gradient "
-    "averaging, no_sync); call model(x) itself and gm.backward(loss) inside `with gm:`"
-)
-
-_DATA_PARALLEL_FORWARD = paddle.DataParallel.forward.__code__
-
-
-def _inside_data_parallel(layer: Any) -> bool:
-    """A ``paddle.DataParallel`` around ``layer`` (or around a layer holding it) is running its
-    forward. Paddle marks no running wrapper (torch's DDP does), so its frame on the stack
-    tells; looked for once per forward of the watched layer, a walk of the stack's frames."""
-    frame: Optional[FrameType] = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _DATA_PARALLEL_FORWARD:
-            inner = getattr(frame.f_locals.get("self"), "_layers", None)
-            if inner is not None and any(s is layer for s in inner.sublayers(include_self=True)):
-                return True
-        frame = frame.f_back
-    return False
+from .wrappers import forward_problem
 
 
 def _refuse(message: str, grad: Any) -> None:
@@ -68,8 +43,9 @@ class ForwardWatch(ArmedHooks):
     def _after(self, layer: Any, inputs: Any, output: Any) -> None:
         if not paddle.is_grad_enabled():
             return  # an evaluation under no_grad (through a paddle.DataParallel too): no backward
-        if _inside_data_parallel(layer):
-            raise RuntimeError(DATA_PARALLEL_AROUND)
+        problem = forward_problem(layer)
+        if problem is not None:
+            raise RuntimeError(problem)
         if self._armed:
             return
         refusal = self._refusal()

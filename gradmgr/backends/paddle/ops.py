@@ -10,6 +10,8 @@ import paddle
 
 from gradmgr.distributed.contract import Idioms, TensorOps
 
+from .wrappers import given_problem
+
 NO_SHARDING = (
     "gradmgr shards Paddle models in no way yet (ZeRO-2 data_parallel(shard=True), "
     "ShardedOptimizer, shard='full'): use data_parallel(model) without shard=, or Paddle's own "
@@ -33,15 +35,6 @@ def _memory(grad: Any) -> Optional[int]:
 
 def dtype_name(tensor: Any) -> str:
     return str(tensor.dtype).replace("paddle.", "")
-
-DATA_PARALLEL_WRAPPER = (
-    "data_parallel() was given a paddle.DataParallel wrapper: Paddle's reducer reduces every "
-    "gradient over the ranks, and gradmgr's manager would reduce it again. Drop the wrapper "
-    "and pass the model itself (net._layers): data_parallel(model) does what "
-    "paddle.DataParallel did; then call model(x) itself and gm.backward(loss) inside "
-    "`with gm:`"
-)
-
 
 class PaddleOps(TensorOps):
     """Paddle tensors are frozen by ``stop_gradient=True``; a frozen one is left out of the
@@ -124,7 +117,7 @@ class PaddleOps(TensorOps):
         return IDIOMS
 
     def wrapper_problem(self, module: Any) -> Optional[str]:
-        return DATA_PARALLEL_WRAPPER if isinstance(module, paddle.DataParallel) else None
+        return given_problem(module)
 
     def watch_forwards(self, module: Any, refusal: Any) -> Optional[Any]:
         from .forwards import watch_forwards
