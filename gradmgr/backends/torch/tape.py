@@ -311,12 +311,19 @@ class TorchTape(Tape):
         if not self._hooks_suspended:
             self._hooks_suspended = True
             self.watched.remove_hooks()
-        node_hooks: Sequence[Tuple[Any, str, Any]] = ()
+        node_hooks: List[Tuple[Any, str, Any]] = []
         if self.watched.snapshots or taken is not None:
-            node_hooks = delivery_hooks(entries, inputs, taken)
+            node_hooks = delivery_hooks(entries, inputs, taken, self._in_own_task)
             inputs = at_snapshots(inputs, entries)  # (the engine must not retain their grad)
-        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
-                 node_hooks, accumulate=True)
+        if node_hooks:
+            outputs, claims = self._claiming(outputs)
+            node_hooks += claims
+        self._running = bool(node_hooks)
+        try:
+            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
+                     entries, node_hooks, accumulate=True)
+        finally:
+            self._running, self._task = False, None
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
@@ -411,14 +418,8 @@ class TorchTape(Tape):
         if self.watched.hookless:
             self._add_missing_hooks()
         self.watched.hooks_last(inputs)
-        # Each output seen through a view made now: its node is this backward's alone, so the
-        # task that runs it is this backward's, also when another thread differentiates the
-        # same tensor (a shared parameter as an output) at the same time.
-        with torch.enable_grad():
-            outputs = [y if isinstance(y, GradientEdge) else y.view_as(y) for y in outputs]
-        self._task = None
-        claim = functools.partial(_claim, weakref.ref(self))
-        handles = [_root_node(y).register_prehook(claim) for y in outputs]
+        outputs, claims = self._claiming(outputs)
+        handles = [getattr(node, kind)(fn) for node, kind, fn in claims]
         self._running = True
         self._fired.clear()
         try:
@@ -428,6 +429,24 @@ class TorchTape(Tape):
             self._running = False
             for handle in handles:
                 handle.remove()
+
+    def _claiming(self, outputs: Sequence[Any]) -> Tuple[List[Any], List[Tuple[Any, str, Any]]]:
+        """``outputs`` for a backward whose hooks deliver only in its own graph task, with the
+        ``(node, "register_prehook", fn)`` that tells the task (see :func:`_claim`). Each
+        output is seen through a view made now: its node is this backward's alone, so the
+        task that runs it is this backward's, also when another thread differentiates the
+        same tensor (a shared parameter as an output) at the same time."""
+        with torch.enable_grad():
+            outputs = [y if isinstance(y, GradientEdge) else y.view_as(y) for y in outputs]
+        self._task = None
+        claim = functools.partial(_claim, weakref.ref(self))
+        return outputs, [(_root_node(y), "register_prehook", claim) for y in outputs]
+
+    def _in_own_task(self) -> bool:
+        """The engine runs this tape's backward now (not another one through its nodes).
+        (Task ids are never reused; the task stays claimed if the recording is released
+        from another thread while its backward runs.)"""
+        return _graph_task_id() == self._task
 
     # -- the graph check --------------------------------------------------------------
     def _wants_pre_record_check(self) -> bool:
