@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 import weakref
 from typing import Any, Collection, List, Optional, Sequence, Tuple
 
@@ -36,6 +37,7 @@ _graph_task_id = torch._C._current_graph_task_id
 _inference_mode = torch.is_inference_mode_enabled
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
+_thread_id = threading.get_ident
 
 STAND_IN_BYTES = 2**16
 """Gradients at least this large are freed as soon as a callback replaced them (see _hook)."""
@@ -62,7 +64,7 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
         return None
     if not tape._running or _graph_task_id() != tape._task:
         if tape._recording and not tape._running and leaf:
-            tape.note_foreign(key)
+            tape.note_foreign(key, grad)
         return None
     if grad is None:  # a custom Function's backward gave this input no gradient: as if unused
         return None
@@ -130,6 +132,7 @@ class TorchTape(Tape):
         # The split's other parts run some of the same nodes, whose hooks must not deliver.
         self._only: Optional[set] = None
         self._recording = False
+        self._thread = 0  # the recording's thread (see note_foreign)
         self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._grad_mode_thread = 0
         self._record_seq = 0
@@ -172,11 +175,16 @@ class TorchTape(Tape):
         else:
             watched.eager.pop(key, None)
 
-    def note_foreign(self, key: int) -> None:
+    def note_foreign(self, key: int, grad: Optional[torch.Tensor]) -> None:
         """A backward that is not a manager's reached watched leaf ``key`` while this tape
         records: keep what its ``.grad`` holds before that backward accumulates, so that
         :meth:`stop` can tell whether it wrote ``.grad`` (without the callbacks) in a
-        recording that then ends without ``gm.backward()``."""
+        recording that then ends without ``gm.backward()``. Not another thread's backward
+        (S12): the engine runs a CPU backward in the thread that called it, so a CPU
+        gradient seen in another thread than the recording's is that thread's (on a device,
+        the engine's own threads run every backward, which cannot be told apart)."""
+        if grad is not None and grad.device.type == "cpu" and _thread_id() != self._thread:
+            return
         if self._foreign is None:
             self._foreign = ForeignBackwards()
         entry = self.watched.entries.get(key)
@@ -225,6 +233,7 @@ class TorchTape(Tape):
                 "so backward() would compute no gradient; record outside inference mode"
             )
         self._recording = True
+        self._thread = _thread_id()
         watched = self.watched
         # (the first half of _wants_pre_record_check, asked first: the usual recording,
         # checked already, then makes no call for it)
