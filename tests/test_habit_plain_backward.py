@@ -91,6 +91,36 @@ def test_a_nested_managers_backward_is_not_a_habit():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_another_threads_plain_backward_is_not_this_recordings_habit():
+    """S12: a ``loss.backward()`` in another thread, through a parameter this thread's manager
+    attached with callbacks, while this thread records a step it then leaves without a
+    backward (a skipped batch). Old code: the recording's end raised the habit's RuntimeError
+    ("loss.backward() ... ran inside a recording"), blaming this thread for the other one's
+    legal backward. Now no error, and ``.grad`` is that backward's, as with torch alone."""
+    import threading
+
+    model = _model()
+    gm = GradManager().attach(model.parameters(), callbacks=[lambda t, g: g])
+    reference = _model()
+    _loss(reference).backward()
+    errors = []
+
+    def other():
+        try:
+            _loss(model).backward()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with gm:
+        model(torch.ones(1, 4)).sum()  # this thread's forward, no backward
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join(timeout=60)
+    assert not worker.is_alive() and not errors, errors
+    for mine, ref in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine.grad, ref.grad)
+
+
 def test_a_group_releases_every_member_and_raises():
     model = _model()
     gm1 = GradManager().attach(model[0].weight, callbacks=[lambda t, g: g])

@@ -1003,6 +1003,84 @@ def test_two_threads_two_managers_sharing_parameters(cb):
     assert torch.equal(w.grad, w_ref.grad) and torch.equal(b.grad, b_ref.grad)
 
 
+class _TakesNothing:
+    """A backward delegate (``gradmgr.hooks.set_backward_delegate``) that takes no tensor: the
+    engine accumulates the parameters, the tape delivers the rest from node pre-hooks (the
+    data-parallel reducer path's way, without the process group)."""
+
+    taken = frozenset()
+
+    def finish(self):
+        pass
+
+    def abort(self):
+        pass
+
+
+def _while_held(out, other):
+    """Run ``other()`` in a second thread while the main thread's backward waits at ``out``'s
+    gradient: before the nodes below ``out`` have run in the main backward."""
+    errors = []
+
+    def hold(grad):
+        if threading.current_thread() is threading.main_thread():
+            worker = threading.Thread(target=lambda: _collect(errors, other))
+            worker.start()
+            worker.join(timeout=30)
+            assert not worker.is_alive(), "the second thread hung"
+
+    out.register_hook(hold)
+    return errors
+
+
+def _collect(errors, fn):
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+
+
+def test_a_delegated_backward_delivers_only_its_own_gradients_while_another_thread_runs():
+    """A delegated backward (torch's reducer path) delivers an attached activation and an
+    attached input with callbacks from pre-hooks on their nodes. A second thread's backward
+    through those nodes meanwhile (``torch.autograd.grad`` of another output of the same
+    graph, ``retain_graph=True``; ``.backward()`` of its own graph through the same input)
+    ran them too. Old code: each callback ran twice, once with the other thread's gradient,
+    and the input's accumulator dropped that thread's gradient (``x.grad`` lacked it). Now
+    (S12) each callback runs once with this backward's gradient, and ``.grad`` is the engine's:
+    the activation's ``torch.autograd.grad(loss, h)``, the input's the sum of both threads'
+    backwards, as torch alone gives (exact: small integers)."""
+    from gradmgr.hooks import set_backward_delegate
+
+    w = torch.tensor([[1.0, -2.0], [3.0, 1.0]], requires_grad=True)
+    x = torch.tensor([[2.0, 1.0]])
+    seen = {"x": [], "h": []}
+    gm = set_backward_delegate(GradManager().attach(w), _TakesNothing)
+    with gm:
+        gm.attach(x, callbacks=lambda t, g: seen["x"].append(g.clone()) or g)
+        h = x @ w
+        gm.attach(h, callbacks=lambda t, g: seen["h"].append(g.clone()) or g)
+        out = h * h
+        loss = out.sum()
+
+        def other():
+            torch.autograd.grad(out.sum() * 5, w, retain_graph=True)
+            (x * 7).sum().backward()
+
+        errors = _while_held(out, other)
+        gm.backward(loss)
+    assert not errors, errors
+    # references: torch alone, on fresh tensors with the same values
+    w_r, x_r = w.detach().requires_grad_(), x.detach().requires_grad_()
+    h_r = x_r @ w_r
+    g_h, g_x, g_w = torch.autograd.grad((h_r * h_r).sum(), [h_r, x_r, w_r])
+    assert [len(seen["x"]), len(seen["h"])] == [1, 1], seen
+    assert torch.equal(seen["h"][0], g_h) and torch.equal(h.grad, g_h)
+    assert torch.equal(seen["x"][0], g_x)
+    assert torch.equal(x.grad, g_x + 7)  # the other thread's .backward() adds 7 everywhere
+    assert torch.equal(w.grad, g_w)
+
+
 # ================================================================= 12. the rest of a loop
 def clip_norm(m):
     nn.utils.clip_grad_norm_(m.parameters(), 0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 import weakref
 from typing import Any, Collection, List, Optional, Sequence, Tuple
 
@@ -36,6 +37,7 @@ _graph_task_id = torch._C._current_graph_task_id
 _inference_mode = torch.is_inference_mode_enabled
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
+_thread_id = threading.get_ident
 
 STAND_IN_BYTES = 2**16
 """Gradients at least this large are freed as soon as a callback replaced them (see _hook)."""
@@ -62,7 +64,7 @@ def _hook(tape_ref: weakref.ref, key: int, leaf: bool,
         return None
     if not tape._running or _graph_task_id() != tape._task:
         if tape._recording and not tape._running and leaf:
-            tape.note_foreign(key)
+            tape.note_foreign(key, grad)
         return None
     if grad is None:  # a custom Function's backward gave this input no gradient: as if unused
         return None
@@ -130,6 +132,7 @@ class TorchTape(Tape):
         # The split's other parts run some of the same nodes, whose hooks must not deliver.
         self._only: Optional[set] = None
         self._recording = False
+        self._thread = 0  # the recording's thread (see note_foreign)
         self._late = False  # some tensor was attached mid-recording (needs its own snapshot)
         self._grad_mode_thread = 0
         self._record_seq = 0
@@ -172,11 +175,16 @@ class TorchTape(Tape):
         else:
             watched.eager.pop(key, None)
 
-    def note_foreign(self, key: int) -> None:
+    def note_foreign(self, key: int, grad: Optional[torch.Tensor]) -> None:
         """A backward that is not a manager's reached watched leaf ``key`` while this tape
         records: keep what its ``.grad`` holds before that backward accumulates, so that
         :meth:`stop` can tell whether it wrote ``.grad`` (without the callbacks) in a
-        recording that then ends without ``gm.backward()``."""
+        recording that then ends without ``gm.backward()``. Not another thread's backward
+        (S12): the engine runs a CPU backward in the thread that called it, so a CPU
+        gradient seen in another thread than the recording's is that thread's (on a device,
+        the engine's own threads run every backward, which cannot be told apart)."""
+        if grad is not None and grad.device.type == "cpu" and _thread_id() != self._thread:
+            return
         if self._foreign is None:
             self._foreign = ForeignBackwards()
         entry = self.watched.entries.get(key)
@@ -225,6 +233,7 @@ class TorchTape(Tape):
                 "so backward() would compute no gradient; record outside inference mode"
             )
         self._recording = True
+        self._thread = _thread_id()
         watched = self.watched
         # (the first half of _wants_pre_record_check, asked first: the usual recording,
         # checked already, then makes no call for it)
@@ -311,12 +320,19 @@ class TorchTape(Tape):
         if not self._hooks_suspended:
             self._hooks_suspended = True
             self.watched.remove_hooks()
-        node_hooks: Sequence[Tuple[Any, str, Any]] = ()
+        node_hooks: List[Tuple[Any, str, Any]] = []
         if self.watched.snapshots or taken is not None:
-            node_hooks = delivery_hooks(entries, inputs, taken)
+            node_hooks = delivery_hooks(entries, inputs, taken, self._in_own_task)
             inputs = at_snapshots(inputs, entries)  # (the engine must not retain their grad)
-        self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs, entries,
-                 node_hooks, accumulate=True)
+        if node_hooks:
+            outputs, claims = self._claiming(outputs)
+            node_hooks += claims
+        self._running = bool(node_hooks)
+        try:
+            self.run(outputs, seeds, retain_graph or create_graph, create_graph, inputs,
+                     entries, node_hooks, accumulate=True)
+        finally:
+            self._running, self._task = False, None
 
     def backward_split(self, ys: Sequence[Any], dys: Sequence[Any], first: Sequence[Any], *,
                        retain_graph: bool) -> Any:
@@ -411,14 +427,8 @@ class TorchTape(Tape):
         if self.watched.hookless:
             self._add_missing_hooks()
         self.watched.hooks_last(inputs)
-        # Each output seen through a view made now: its node is this backward's alone, so the
-        # task that runs it is this backward's, also when another thread differentiates the
-        # same tensor (a shared parameter as an output) at the same time.
-        with torch.enable_grad():
-            outputs = [y if isinstance(y, GradientEdge) else y.view_as(y) for y in outputs]
-        self._task = None
-        claim = functools.partial(_claim, weakref.ref(self))
-        handles = [_root_node(y).register_prehook(claim) for y in outputs]
+        outputs, claims = self._claiming(outputs)
+        handles = [getattr(node, kind)(fn) for node, kind, fn in claims]
         self._running = True
         self._fired.clear()
         try:
@@ -428,6 +438,24 @@ class TorchTape(Tape):
             self._running = False
             for handle in handles:
                 handle.remove()
+
+    def _claiming(self, outputs: Sequence[Any]) -> Tuple[List[Any], List[Tuple[Any, str, Any]]]:
+        """``outputs`` for a backward whose hooks deliver only in its own graph task, with the
+        ``(node, "register_prehook", fn)`` that tells the task (see :func:`_claim`). Each
+        output is seen through a view made now: its node is this backward's alone, so the
+        task that runs it is this backward's, also when another thread differentiates the
+        same tensor (a shared parameter as an output) at the same time."""
+        with torch.enable_grad():
+            outputs = [y if isinstance(y, GradientEdge) else y.view_as(y) for y in outputs]
+        self._task = None
+        claim = functools.partial(_claim, weakref.ref(self))
+        return outputs, [(_root_node(y), "register_prehook", claim) for y in outputs]
+
+    def _in_own_task(self) -> bool:
+        """The engine runs this tape's backward now (not another one through its nodes).
+        (Task ids are never reused; the task stays claimed if the recording is released
+        from another thread while its backward runs.)"""
+        return _graph_task_id() == self._task
 
     # -- the graph check --------------------------------------------------------------
     def _wants_pre_record_check(self) -> bool:
