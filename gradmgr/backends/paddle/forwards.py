@@ -38,14 +38,20 @@ class ForwardWatch(ArmedHooks):
     def __init__(self, layer: Any, refusal: Callable[[], Optional[str]]) -> None:
         super().__init__()  # the parameter hooks' handles, once armed
         self._refusal: Callable[[], Any] = weakref.WeakMethod(refusal)
+        # The sublayers are walked for a wrapper until a walk finds none: a walk costs about
+        # 3.5 % of a 100-block model's forward, so later wrappers are left to Paddle's error
+        self._walk = True
         self._handle = layer.register_forward_post_hook(self._after)
 
     def _after(self, layer: Any, inputs: Any, output: Any) -> None:
         if not paddle.is_grad_enabled():
             return  # an evaluation under no_grad (through a paddle.DataParallel too): no backward
-        problem = forward_problem(layer)
+        if self._handle is None:
+            return  # a copy's (see _unwatched): data_parallel reduces nothing of it
+        problem = forward_problem(layer, self._walk)
         if problem is not None:
             raise RuntimeError(problem)
+        self._walk = False
         if self._armed:
             return
         refusal = self._refusal()
@@ -80,7 +86,7 @@ def _unwatched() -> ForwardWatch:
     """A watch whose forwards arm nothing (no manager: no refusal), on no layer."""
     watch = ForwardWatch.__new__(ForwardWatch)
     ArmedHooks.__init__(watch)
-    watch._refusal, watch._handle = _nothing, None
+    watch._refusal, watch._handle, watch._walk = _nothing, None, False
     return watch
 
 

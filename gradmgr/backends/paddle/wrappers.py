@@ -90,10 +90,10 @@ def inside_data_parallel(layer: Any) -> bool:
 
 def wrapped_sublayer(layer: Any) -> Optional[str]:
     """The name of a ``paddle.DataParallel`` among ``layer``'s sublayers (not ``layer``), as
-    ``named_sublayers`` names it; None: none. A walk of the sublayers' dictionaries, once per
-    forward: at 1,250 sublayers 0.3 to 0.5 ms, where ``isinstance`` over ``sublayers()`` took
-    0.75 to 1.2 ms and that model's forward (1,000 tiny layers, CPU) 14 to 27 ms (probes on a
-    loaded machine, not a benchmark).
+    ``named_sublayers`` names it; None: none. A walk of the sublayers' dictionaries (at each
+    forward until one finds none, see forwards.py): at 1,250 sublayers 0.3 to 0.5 ms, where
+    ``isinstance`` over ``sublayers()`` took 0.75 to 1.2 ms and that model's forward (1,000
+    tiny layers, CPU) 14 to 27 ms (probes on a loaded machine, not a benchmark).
     """
     stack = [("", layer)]
     seen = {id(layer)}
@@ -110,12 +110,12 @@ def wrapped_sublayer(layer: Any) -> Optional[str]:
     return None
 
 
-def forward_problem(layer: Any) -> Optional[str]:
+def forward_problem(layer: Any, walk: bool = True) -> Optional[str]:
     """Why a forward of ``layer`` with gradients enabled is refused under ``data_parallel``:
-    a ``paddle.DataParallel`` around it or inside it; None: neither."""
+    a ``paddle.DataParallel`` around it, or (where ``walk``) inside it; None: neither."""
     if inside_data_parallel(layer):
         return DATA_PARALLEL_AROUND
-    name = wrapped_sublayer(layer)
+    name = wrapped_sublayer(layer) if walk else None
     return None if name is None else DATA_PARALLEL_INSIDE.format(who="data_parallel(): this "
                                                                  "layer holds", name=name)
 
