@@ -139,6 +139,35 @@ def gradient_penalty(rank: int) -> dict:
     return found
 
 
+def attached_activations(rank: int) -> dict:
+    """The input and two activations attached inside the recording (one with a callback
+    that doubles its gradient): their ``.grad`` after ``gm.backward`` against plain FSDP2's
+    with ``retain_grad()`` (twice it for the doubled one; exact in binary), and the gradient
+    shards. Old code: the activations' ``.grad`` None, silently (only the leaves' written)."""
+    found: dict = {}
+    for side, net in (("gm", model()), ("fsdp2", plain_fsdp2(True, MixedPrecisionPolicy()))):
+        gm = data_parallel(net, shard="full", blocks=[Block]) if side == "gm" else None
+        kept: list = []
+        for module in (net[0], net[1].fc1):  # not wrapped apart: their outputs flow on as is
+            module.register_forward_hook(lambda m, i, out, kept=kept: kept.append(out))
+        x = batch(0, 0, rank).requires_grad_()
+        with gm if gm is not None else contextlib.nullcontext():
+            loss = net(x).square().mean()
+            if gm is not None:
+                gm.attach([x, kept[0]])
+                gm.attach(kept[1], callbacks=[lambda t, g: g * 2])
+                gm.backward(loss)
+            else:
+                for h in kept:
+                    h.retain_grad()
+                loss.backward()
+        found[side] = [x.grad, *(h.grad for h in kept),
+                       *(p.grad.to_local() for p in net.parameters())]
+    ours, theirs = found["gm"], found["fsdp2"]
+    theirs[2] = theirs[2] * 2
+    return {"equal": [a is not None and torch.equal(a, b) for a, b in zip(ours, theirs)]}
+
+
 def optimizer(net: nn.Module, scale: float) -> torch.optim.Optimizer:
     if scale != 1.0:
         return torch.optim.SGD(net.parameters(), lr=LR)
@@ -255,8 +284,9 @@ def refusals(rank: int) -> dict:
 
 ALL = ["against_ddp", "reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision",
        "autocast_mixed_precision", "checkpoint_inside", "custom_function", "refusals",
-       "gradient_penalty"]
-SPECIAL = {"refusals": refusals, "against_ddp": against_ddp, "gradient_penalty": gradient_penalty}
+       "gradient_penalty", "attached_activations"]
+SPECIAL = {"refusals": refusals, "against_ddp": against_ddp, "gradient_penalty": gradient_penalty,
+           "attached_activations": attached_activations}
 
 
 def main(rank: int, world: int, outdir: str) -> None:

@@ -118,10 +118,16 @@ class FullShardPath:
         module.set_requires_gradient_sync(sync)
 
     def run_engine(self, ys: Sequence[Any], dys: Sequence[Any], create_graph: bool,
-                   retain_graph: bool) -> None:
-        """``loss.backward()``: FSDP2's hooks reduce-scatter into the shards' ``.grad``."""
+                   retain_graph: bool, attached: Sequence[Any] = ()) -> None:
+        """``loss.backward()``: FSDP2's hooks reduce-scatter into the shards' ``.grad``; the
+        ``attached`` tensors that are not leaves (activations) get theirs in ``.grad`` too,
+        after their hooks, as the manager's own backward gives it them (the engine writes
+        only the leaves': ``retain_grad()`` has it write theirs)."""
         if create_graph:
             raise RuntimeError(_HIGHER)
+        for tensor in attached:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad and not tensor.is_leaf:
+                tensor.retain_grad()
         outputs = [y for y in ys if y.requires_grad]
         if outputs:
             seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]

@@ -183,11 +183,13 @@ class FullShardStep:
     set aside first, so that they see this backward's reduced shard alone, as DDP's callbacks
     see this step's gradient; it is added back after them."""
 
-    __slots__ = ("_after", "_chains", "_held", "_path")
+    __slots__ = ("_after", "_attached", "_chains", "_held", "_path")
 
     def __init__(self, gm: Any, path: Any) -> None:
         self._path = path
-        self._chains = [(t, chain) for t, chain in callback_chains(gm) if chain]
+        chains = callback_chains(gm)
+        self._attached = [t for t, _ in chains]
+        self._chains = [(t, chain) for t, chain in chains if chain]
         self._after = after_backward_callbacks(gm)
         self._held = []
         for tensor, _ in self._chains:
@@ -196,7 +198,7 @@ class FullShardStep:
 
     def run_engine(self, ys: Sequence[Any], dys: Sequence[Any], create_graph: bool,
                    retain_graph: bool) -> None:
-        self._path.run_engine(ys, dys, create_graph, retain_graph)
+        self._path.run_engine(ys, dys, create_graph, retain_graph, self._attached)
 
     def finish(self) -> None:
         for (tensor, chain), held in zip(self._chains, self._held):
