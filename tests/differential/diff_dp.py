@@ -163,8 +163,7 @@ def fully(programs: List[Program], seed: int) -> List[Program]:
         wrap = Wrap(bool(rng.random() < 0.5), bool(rng.random() < 0.5))
         steps = []
         for step in program.steps:
-            window = len(set(step.frozen)) > 1
-            recs = tuple(tuple(agreed(rec, first, frozen, window) for rec, first, frozen
+            recs = tuple(tuple(agreed(rec, first, frozen) for rec, first, frozen
                                in zip(per_rank, step.recs[0], step.frozen))
                          for per_rank in step.recs)
             refused = sorted((int(rng.integers(0, step.micro + 1)), str(rng.choice(
@@ -174,17 +173,18 @@ def fully(programs: List[Program], seed: int) -> List[Program]:
     return out
 
 
-def agreed(rec: Rec, first: Rec, frozen: Tuple[str, ...], window: bool) -> Rec:
+def agreed(rec: Rec, first: Rec, frozen: Tuple[str, ...]) -> Rec:
     """``rec`` with rank 0's ``first`` unused branch and ``autograd.grad`` (where it is of an
-    activation that requires grad on every rank), its input attached or not where a layer is
-    frozen inside the step's ``no_sync`` window (``window``), and only the attaches and hooks
-    that still require grad. FSDP2's gathers and reduce-scatters follow each rank's forward
-    and backward: where the ranks differ in those (a backward through a layer frozen after
-    a micro-batch accumulated its gradient, on one rank: its input requires grad there),
-    plain FSDP2 crashes inside gloo or hangs (measured on torch 2.8), and so does full
-    sharding."""
-    rec = replace(rec, skip_side=first.skip_side,
-                  attach_input=first.attach_input if window else rec.attach_input)
+    activation that requires grad on every rank), its input attached or not where that
+    decides which activations require grad (a frozen first layer), and only the attaches and
+    hooks that still require grad. FSDP2's gathers and reduce-scatters follow each rank's
+    forward and backward: where the ranks differ in those (a layer's backward, or one of the
+    shared layer's two, on one rank alone), plain FSDP2 crashes inside gloo or hangs
+    (measured on torch 2.8), and so does full sharding."""
+    rec = replace(rec, skip_side=first.skip_side)
+    if grad_flags(frozen, replace(rec, attach_input=True)) != grad_flags(
+            frozen, replace(rec, attach_input=False)):
+        rec = replace(rec, attach_input=first.attach_input)
     flags = grad_flags(frozen, rec)
     common = grad_flags(frozen, replace(rec, attach_input=False))
     grad_of = first.grad_of if first.grad_of is not None and common[first.grad_of] else None
