@@ -217,7 +217,7 @@ def set_backward_delegate(hooks: Self, delegate: Optional[Callable[[], Any]]) ->
     tensor with callbacks that it does not take (its callbacks run as its gradient is ready).
     A delegate object with ``run_engine(ys, dys, create_graph, retain_graph)`` runs the
     engine itself instead (full sharding: a plain backward over everything, as FSDP2's hooks
-    need).
+    need), and then gives the attached non-leaves their gradients itself.
 
     Example:
         >>> import torch

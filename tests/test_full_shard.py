@@ -109,6 +109,29 @@ def test_a_gradient_penalty_is_refused_and_the_next_step_is_ddps(two_ranks):
         assert all(found["equal"]), (rank, found)
 
 
+def test_attached_activations_get_their_gradients(two_ranks):
+    """An input and activations attached inside ``with gm:`` get ``.grad`` as on every other
+    path, equal to plain FSDP2's with ``retain_grad()`` bit for bit (a callback's doubling
+    included). Old code: the activations' ``.grad`` stayed None, silently (the differential
+    test_torch_dp_differential.py::test_full_sharding_equals_fsdp2 found it)."""
+    for rank, out in enumerate(two_ranks):
+        assert all(out["attached_activations"]["equal"]), (rank, out["attached_activations"])
+
+
+def test_a_refusal_leaves_the_parameters_sharded(two_ranks):
+    """With ``reshard_after_forward=False``, after each refused recording (a split backward,
+    an inner manager's, ``autograd.grad(create_graph=True)``) the modules hold their sharded
+    parameters, and the next step, a hook on a weight registered before it, is plain FSDP2's
+    bit for bit. Old code: the gathered parameters stayed on the modules, the hook landed on
+    one and scaled the step's gradient, silently (the differential
+    test_torch_dp_differential.py::test_full_sharding_equals_fsdp2 found it, 60 steps, seed
+    13)."""
+    for rank, out in enumerate(two_ranks):
+        found = out["after_a_refusal"]
+        assert found["types"] == [["DTensor"]] * 3, (rank, found)
+        assert all(found["equal"]), (rank, found)
+
+
 def test_four_ranks_bit_for_bit(tmp_path):
     outs = spawn("full_shard_suite", tmp_path, 4, timeout=600,
                  FULL_SHARD_SCENARIOS="reshard_on")

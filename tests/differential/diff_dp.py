@@ -22,7 +22,7 @@ SEED`` runs the ranks (from ``tests/``); PATH is ``native`` (torch's reducer, th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -34,6 +34,15 @@ TOGGLED = ("fc1", "shared", "frozen", "side")  # the head stays trainable: a los
 SCALES = (0.5, 2.0, -1.0, 3.0)  # what a tensor hook multiplies by
 ZERO_STYLES = ("none", "zeros", "keep")  # zero_grad(set_to_none=True / False), or no zero_grad
 N_ACTS = 4
+# What full sharding refuses, and how its error begins (gradmgr/distributed/sharded/full.py,
+# gradmgr/backends/torch/full_shard.py): a gradient penalty by torch.autograd.grad(...,
+# create_graph=True), one by an inner manager's backward, and a backward_split.
+REFUSALS = {
+    "autograd": "RuntimeError: data_parallel(shard='full'): a backward that keeps its graph",
+    "manager": "UnsupportedGraphError: a backward that data_parallel(shard='full')'s manager "
+               "would differentiate",
+    "split": "UnsupportedGraphError: gm.backward_split() under full sharding",
+}
 
 
 @dataclass(frozen=True)
@@ -56,18 +65,33 @@ class Step:
     micro: int  # recordings inside no_sync before the synced one
     zero: str  # after the optimizer's step (ZERO_STYLES)
     recs: Tuple[Tuple[Rec, ...], ...]  # [rank][recording]
+    # (m, kind): on every rank, a recording that full sharding refuses (REFUSALS) just before
+    # recording m, inside no_sync where m < micro (the full path only)
+    refused: Tuple[Tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Wrap:
+    """How the full path wraps the model, on both sides: ``fully_shard`` on every Linear
+    first (``blocks=[nn.Linear]``) or on the root alone (``blocks=()``)."""
+
+    blocks: bool
+    reshard_after_forward: bool
 
 
 @dataclass(frozen=True)
 class Program:
     steps: Tuple[Step, ...]
+    wrap: Optional[Wrap] = None  # the full path's
 
     def pretty(self) -> str:
-        lines = []
+        lines = [] if self.wrap is None else [f"wrapped: {self.wrap}"]
         for j, step in enumerate(self.steps):
             lines.append(f"step {j}: {step.micro} no_sync micro-batch(es), then zero_grad "
                          f"style {step.zero!r}; frozen at each recording "
-                         f"{[list(f) for f in step.frozen]}")
+                         f"{[list(f) for f in step.frozen]}"
+                         + "".join(f"; a refused {kind!r} recording before recording {m}"
+                                   for m, kind in step.refused))
             for rank, recs in enumerate(step.recs):
                 for m, rec in enumerate(recs):
                     lines.append(f"  rank {rank} recording {m}: {rec}")
@@ -106,9 +130,10 @@ def toggle(rng: np.random.Generator, frozen: Tuple[str, ...]) -> Tuple[str, ...]
 
 
 def programs(n_steps: int, seed: int, zero_styles: Tuple[str, ...] = ZERO_STYLES,
-             window_freeze: float = 0.25) -> List[Program]:
+             window_freeze: float = 0.25, full: bool = False) -> List[Program]:
     """Programs of 1-4 steps each, ``n_steps`` steps in all; a layer frozen or unfrozen
-    between two recordings of a ``no_sync`` window with probability ``window_freeze``."""
+    between two recordings of a ``no_sync`` window with probability ``window_freeze``; with
+    ``full``, the same programs with a :class:`Wrap` and refused recordings (:func:`fully`)."""
     rng = np.random.default_rng(seed)
     out, total = [], 0
     while total < n_steps:
@@ -126,7 +151,50 @@ def programs(n_steps: int, seed: int, zero_styles: Tuple[str, ...] = ZERO_STYLES
             steps.append(Step(tuple(at), micro, str(rng.choice(zero_styles)), recs))
         total += len(steps)
         out.append(Program(tuple(steps)))
+    return fully(out, seed) if full else out
+
+
+def fully(programs: List[Program], seed: int) -> List[Program]:
+    """``programs`` made fit for FSDP2 (:func:`agreed`) with the full path's draws, from a
+    generator of their own."""
+    rng = np.random.default_rng([seed, 1])
+    out = []
+    for program in programs:
+        wrap = Wrap(bool(rng.random() < 0.5), bool(rng.random() < 0.5))
+        steps = []
+        for step in program.steps:
+            recs = tuple(tuple(agreed(rec, first, frozen) for rec, first, frozen
+                               in zip(per_rank, step.recs[0], step.frozen))
+                         for per_rank in step.recs)
+            refused = sorted((int(rng.integers(0, step.micro + 1)), str(rng.choice(
+                list(REFUSALS)))) for _ in range(int(rng.choice([0, 0, 1, 2]))))
+            steps.append(replace(step, recs=recs, refused=tuple(refused)))
+        out.append(Program(tuple(steps), wrap))
     return out
+
+
+def agreed(rec: Rec, first: Rec, frozen: Tuple[str, ...]) -> Rec:
+    """``rec`` with rank 0's ``first`` unused branch and ``autograd.grad`` (where it is of an
+    activation that requires grad on every rank), its input attached or not where that
+    decides which activations require grad (a frozen first layer), and only the attaches and
+    hooks that still require grad. FSDP2's gathers and reduce-scatters follow each rank's
+    forward and backward: where the ranks differ in those (a layer's backward, or one of the
+    shared layer's two, on one rank alone), plain FSDP2 crashes inside gloo or hangs
+    (measured on torch 2.8), and so does full sharding."""
+    rec = replace(rec, skip_side=first.skip_side)
+    if grad_flags(frozen, replace(rec, attach_input=True)) != grad_flags(
+            frozen, replace(rec, attach_input=False)):
+        rec = replace(rec, attach_input=first.attach_input)
+    flags = grad_flags(frozen, rec)
+    common = grad_flags(frozen, replace(rec, attach_input=False))
+    grad_of = first.grad_of if first.grad_of is not None and common[first.grad_of] else None
+    return replace(rec, grad_of=grad_of, attach=tuple(i for i in rec.attach if flags[i]),
+                   hooks=tuple(h for h in rec.hooks if flags[h[0]]))
+
+
+def programs_of(path: str, n_steps: int, seed: int) -> List[Program]:
+    """The programs the ranks run on ``path``."""
+    return programs(n_steps, seed, zero_styles_of(path), full=path == "full")
 
 
 def zero_styles_of(path: str) -> Tuple[str, ...]:

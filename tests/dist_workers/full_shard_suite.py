@@ -139,6 +139,76 @@ def gradient_penalty(rank: int) -> dict:
     return found
 
 
+def attached_activations(rank: int) -> dict:
+    """The input and two activations attached inside the recording (one with a callback
+    that doubles its gradient): their ``.grad`` after ``gm.backward`` against plain FSDP2's
+    with ``retain_grad()`` (twice it for the doubled one; exact in binary), and the gradient
+    shards. Old code: the activations' ``.grad`` None, silently (only the leaves' written)."""
+    found: dict = {}
+    for side, net in (("gm", model()), ("fsdp2", plain_fsdp2(True, MixedPrecisionPolicy()))):
+        gm = data_parallel(net, shard="full", blocks=[Block]) if side == "gm" else None
+        kept: list = []
+        for module in (net[0], net[1].fc1):  # not wrapped apart: their outputs flow on as is
+            module.register_forward_hook(lambda m, i, out, kept=kept: kept.append(out))
+        x = batch(0, 0, rank).requires_grad_()
+        with gm if gm is not None else contextlib.nullcontext():
+            loss = net(x).square().mean()
+            if gm is not None:
+                gm.attach([x, kept[0]])
+                gm.attach(kept[1], callbacks=[lambda t, g: g * 2])
+                gm.backward(loss)
+            else:
+                for h in kept:
+                    h.retain_grad()
+                loss.backward()
+        found[side] = [x.grad, *(h.grad for h in kept),
+                       *(p.grad.to_local() for p in net.parameters())]
+    ours, theirs = found["gm"], found["fsdp2"]
+    theirs[2] = theirs[2] * 2
+    return {"equal": [a is not None and torch.equal(a, b) for a, b in zip(ours, theirs)]}
+
+
+def after_a_refusal(rank: int) -> dict:
+    """With ``reshard_after_forward=False``, each refusal (the recording's forward gathered
+    the parameters, and no backward resharded them), then a step with a hook on a weight
+    registered before it: the modules hold their sharded parameters again after each refusal
+    (``types``), and the step's gradient shards are plain FSDP2's, which never ran the refused
+    recordings (``equal``; there the hook is on the shard, which the engine never reaches).
+    Old code: the modules held the gathered parameters, the hook landed on one and scaled
+    that step's gradient, silently."""
+    from gradmgr import GradManager
+
+    ours, theirs = model(), plain_fsdp2(False, MixedPrecisionPolicy())
+    gm = data_parallel(ours, shard="full", blocks=[Block], reshard_after_forward=False)
+    found: dict = {"types": []}
+    for way in ("split", "manager", "autograd"):
+        x = batch(0, 0, rank).requires_grad_()
+        try:
+            with gm:
+                if way == "split":
+                    gm.attach(x)
+                    gm.backward_split(ours(x).sum(), first=[x])
+                elif way == "manager":
+                    inner = GradManager().attach(x)
+                    with inner:
+                        inner.backward(ours(x).sum())
+                else:
+                    torch.autograd.grad(ours(x).sum(), x, create_graph=True)
+        except Exception:  # noqa: BLE001 - refused, as test_full_shard.py checks
+            pass
+        found["types"].append(sorted({type(p).__name__ for p in ours.parameters()}))
+    x = batch(1, 0, rank)
+    for net in (ours, theirs):
+        handle = net[0].weight.register_hook(lambda g: g * 3)
+        with gm if net is ours else contextlib.nullcontext():
+            loss = net(x).mean()
+            gm.backward(loss) if net is ours else loss.backward()
+        handle.remove()
+    found["equal"] = [torch.equal(a.grad.to_local(), b.grad.to_local())
+                      for a, b in zip(ours.parameters(), theirs.parameters())]
+    return found
+
+
 def optimizer(net: nn.Module, scale: float) -> torch.optim.Optimizer:
     if scale != 1.0:
         return torch.optim.SGD(net.parameters(), lr=LR)
@@ -255,8 +325,9 @@ def refusals(rank: int) -> dict:
 
 ALL = ["against_ddp", "reshard_on", "reshard_off", "no_sync", "scaled", "mixed_precision",
        "autocast_mixed_precision", "checkpoint_inside", "custom_function", "refusals",
-       "gradient_penalty"]
-SPECIAL = {"refusals": refusals, "against_ddp": against_ddp, "gradient_penalty": gradient_penalty}
+       "gradient_penalty", "attached_activations", "after_a_refusal"]
+SPECIAL = {"refusals": refusals, "against_ddp": against_ddp, "gradient_penalty": gradient_penalty,
+           "attached_activations": attached_activations, "after_a_refusal": after_a_refusal}
 
 
 def main(rank: int, world: int, outdir: str) -> None:

@@ -76,9 +76,9 @@ class FullShardPath:
     """What full sharding needs of torch: wrapping, the sync switch, and the engine call."""
 
     def wrap(self, module: Any, blocks: Sequence[Any], reshard_after_forward: bool,
-             mp_policy: Any) -> None:
+             mp_policy: Any) -> List[Any]:
         """``fully_shard`` each submodule whose class is in ``blocks``, inner ones first (as
-        FSDP2 users write it), then the root."""
+        FSDP2 users write it), then the root; the modules wrapped, in that order."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         classes = _classes(blocks)
@@ -98,12 +98,22 @@ class FullShardPath:
         fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
         module.register_forward_hook(_watch_outputs)
         _WRAPPED.add(module)
+        units = [*reversed(chosen), module]
         if _gloo():
             # FSDP2 asks gloo's reduce_scatter_tensor for an average, and on torch 2.8 gloo
             # returns the sum: every gradient N times too large, silently. A sum divided by
             # N afterwards is the mean on every version (tests/test_full_shard.py, DDP's).
-            for wrapped in [*reversed(chosen), module]:
+            for wrapped in units:
                 wrapped.set_force_sum_reduction_for_comms(True)
+        return units
+
+    def reshard(self, units: Sequence[Any]) -> None:
+        """FSDP2's ``reshard()`` of each wrapped module: the sharded parameters on the modules
+        again where a forward gathered them and no backward followed (with
+        ``reshard_after_forward=False`` they stay gathered for the backward); nothing where
+        they are sharded."""
+        for unit in units:
+            unit.reshard()
 
     def watch_optimizers(self, replaced: Any) -> None:
         """Refuse, at its step, an optimizer holding a parameter ``replaced`` lists (one made
@@ -118,10 +128,16 @@ class FullShardPath:
         module.set_requires_gradient_sync(sync)
 
     def run_engine(self, ys: Sequence[Any], dys: Sequence[Any], create_graph: bool,
-                   retain_graph: bool) -> None:
-        """``loss.backward()``: FSDP2's hooks reduce-scatter into the shards' ``.grad``."""
+                   retain_graph: bool, attached: Sequence[Any] = ()) -> None:
+        """``loss.backward()``: FSDP2's hooks reduce-scatter into the shards' ``.grad``; the
+        ``attached`` tensors that are not leaves (activations) get theirs in ``.grad`` too,
+        after their hooks, as the manager's own backward gives it them (the engine writes
+        only the leaves': ``retain_grad()`` has it write theirs)."""
         if create_graph:
             raise RuntimeError(_HIGHER)
+        for tensor in attached:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad and not tensor.is_leaf:
+                tensor.retain_grad()
         outputs = [y for y in ys if y.requires_grad]
         if outputs:
             seeds = [dy for y, dy in zip(ys, dys) if y.requires_grad]

@@ -119,9 +119,11 @@ class FullSharding:
     engine's gradient sync at each recording, and each backward delegated to the path."""
 
     def __init__(self, gm: Any, module: Any, path: Any, ops: Any,
-                 replaced: ReplacedParameters) -> None:
+                 replaced: ReplacedParameters, units: Sequence[Any]) -> None:
         self._gm = weakref.ref(gm)
         self._module, self._path, self._ops = module, path, ops
+        self._units = list(units)  # the modules the path wrapped, the root last
+        self._engine_ran = False  # in this recording
         self._replaced = replaced  # the parameters wrapping took off the module
         self._watched: List[Any] = []  # the tensors with callbacks, at this recording
         self._grads: Any = None  # their .grad then (ops.grad_snapshot)
@@ -137,10 +139,10 @@ class FullSharding:
             raise NotImplementedError(_NO_PATH)
         replaced = ReplacedParameters(list(module.parameters()),
                                       {id(p): n for n, p in module.named_parameters()})
-        path.wrap(module, blocks, reshard_after_forward, mp_policy)
+        units = path.wrap(module, blocks, reshard_after_forward, mp_policy)
         replaced.keep_only_replaced(list(module.parameters()))
         path.watch_optimizers(replaced)
-        sharding = cls(gm, module, path, ops, replaced)
+        sharding = cls(gm, module, path, ops, replaced, units)
         gm.no_join = _NO_JOIN
         gm.register_record_callback(sharding.record)
         gm.register_release_callback(sharding.release)
@@ -160,13 +162,19 @@ class FullSharding:
         if sync != self._sync:
             self._path.set_sync(self._module, sync)
             self._sync = sync
+        self._engine_ran = False
         if gm is not None:
             self._watched = [t for t, chain in callback_chains(gm) if chain]
             self._grads = self._ops.grad_snapshot(self._watched) if self._watched else None
 
     def release(self, backward_ran: bool) -> None:
-        """Refuse a recording whose ``.grad`` a backward other than ``gm.backward`` wrote
-        (``loss.backward()``): FSDP2 reduced it, but the callbacks were skipped."""
+        """Reshard what a forward without a backward of this manager left gathered (a
+        recording refused before its engine ran, or ended by an error): the modules hold
+        their sharded parameters again, as before the recording. Refuse a recording whose
+        ``.grad`` a backward other than ``gm.backward`` wrote (``loss.backward()``): FSDP2
+        reduced it, but the callbacks were skipped."""
+        if not self._engine_ran:
+            self._path.reshard(self._units)
         watched, self._watched = self._watched, []
         grads, self._grads = self._grads, None
         if not backward_ran and self._ops.grads_changed(watched, grads):
@@ -174,7 +182,10 @@ class FullSharding:
 
     def delegate(self) -> Any:
         gm = self._gm()
-        return None if gm is None else FullShardStep(gm, self._path)
+        return None if gm is None else FullShardStep(gm, self._path, self._ran)
+
+    def _ran(self) -> None:
+        self._engine_ran = True
 
 
 class FullShardStep:
@@ -183,11 +194,13 @@ class FullShardStep:
     set aside first, so that they see this backward's reduced shard alone, as DDP's callbacks
     see this step's gradient; it is added back after them."""
 
-    __slots__ = ("_after", "_chains", "_held", "_path")
+    __slots__ = ("_after", "_attached", "_chains", "_held", "_path", "_ran")
 
-    def __init__(self, gm: Any, path: Any) -> None:
-        self._path = path
-        self._chains = [(t, chain) for t, chain in callback_chains(gm) if chain]
+    def __init__(self, gm: Any, path: Any, ran: Any) -> None:
+        self._path, self._ran = path, ran  # ran(): called as the engine starts
+        chains = callback_chains(gm)
+        self._attached = [t for t, _ in chains]
+        self._chains = [(t, chain) for t, chain in chains if chain]
         self._after = after_backward_callbacks(gm)
         self._held = []
         for tensor, _ in self._chains:
@@ -196,7 +209,8 @@ class FullShardStep:
 
     def run_engine(self, ys: Sequence[Any], dys: Sequence[Any], create_graph: bool,
                    retain_graph: bool) -> None:
-        self._path.run_engine(ys, dys, create_graph, retain_graph)
+        self._ran()
+        self._path.run_engine(ys, dys, create_graph, retain_graph, self._attached)
 
     def finish(self) -> None:
         for (tensor, chain), held in zip(self._chains, self._held):
