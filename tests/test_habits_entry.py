@@ -28,7 +28,7 @@ from ranks import spawn_scenarios  # noqa: E402
 
 WORLD = 2
 
-SCENARIOS = ["ddp_wrapper_given", "ddp_around_after", "ddp_around_before",
+SCENARIOS = ["ddp_wrapper_given", "ddp_around_after", "ddp_around_before", "ddp_inside",
              "forgotten_recording", "another_models_step", "evaluation_after_training"]
 PATHS = {"native": {"GRADMGR_NATIVE_REDUCER": "1"}, "python": {"GRADMGR_NATIVE_REDUCER": "0"},
          "shard": {"HABITS_SHARD": "1"}}
@@ -66,6 +66,25 @@ def test_a_forward_through_a_ddp_wrapper_is_refused(ranks, order):
         assert bool(out[f"around_{order}_no_grad"]), f"rank {rank}: gradients were written"
         assert np.isfinite(out[f"around_{order}_eval"]).all()
         group_still_works(out, f"around_{order}")
+
+
+def test_a_ddp_wrapper_around_a_submodule_is_refused(ranks):
+    """``model.mlp = DDP(model.mlp)`` before ``data_parallel(model)``: TypeError; after it:
+    RuntimeError at the forward, no gradient written (old code: that submodule's gradients
+    were twice DDP's, silently); unwrapped again, the next step is DDP's, bit for bit."""
+    for rank, out in enumerate(ranks.scenario("ddp_inside")):
+        given, after = str(out["inside_given_error"]), str(out["inside_after_error"])
+        assert given.startswith("TypeError") and "at submodule 'mlp'" in given, (rank, given)
+        assert after.startswith("RuntimeError") and (
+            "now holds a DistributedDataParallel at submodule 'mlp'" in after), (rank, after)
+        assert "its .module" in after, (rank, after)
+        assert bool(out["inside_after_no_grad"]), f"rank {rank}: gradients were written"
+        for i in range(8):
+            gm, ddp = out.get(f"inside_next_gm{i}"), out.get(f"inside_next_ddp{i}")
+            assert (gm is None) == (ddp is None), i
+            if gm is not None:
+                np.testing.assert_array_equal(gm, ddp, err_msg=f"param {i}")
+        group_still_works(out, "inside")
 
 
 # ---------------------------------------------------------------- item 2

@@ -90,6 +90,33 @@ def ddp_around_before(out: dict, rank: int, world: int) -> None:
     _through_ddp(out, "around_before", rank, world, ddp_first=True)
 
 
+def ddp_inside(out: dict, rank: int, world: int) -> None:
+    """A DDP wrapper around a submodule (``model.mlp = DDP(model.mlp)``): given to
+    ``data_parallel``, refused at once (``inside_given_error``); put in after it, refused at
+    the forward (``inside_after_error``), no gradient written. (Old code: that submodule's
+    gradients were twice DDP's, silently.) Unwrapped again, a step equals DDP's."""
+    model = Net()
+    model.mlp = DDP(model.mlp)
+    out["inside_given_error"] = error_text(lambda: make_gm(model))
+    model.mlp = model.mlp.module
+    gm = make_gm(model)
+    model.mlp = DDP(model.mlp)
+    x, y = local_batch(0, rank, world)
+
+    def step() -> None:
+        with gm:
+            gm.backward(model(x, y))
+
+    out["inside_after_error"] = error_text(step)
+    out["inside_after_no_grad"] = np.array(all(p.grad is None for p in model.parameters()))
+    model.mlp = model.mlp.module
+    step()
+    if not SHARD:  # (sharded: .grad holds no values after the step)
+        save(out, "inside_next_gm", grads(model))
+        ddp_reference_grads(out, "inside_next", x, y)
+    group_works(out, "inside", rank)
+
+
 # ---------------------------------------------------------------- item 2: `with gm:` forgotten
 def forgotten_recording(out: dict, rank: int, world: int) -> None:
     """``loss = model(x); loss.backward()`` without ``with gm:`` raises on every rank and
@@ -213,7 +240,7 @@ def evaluation_after_training(out: dict, rank: int, world: int) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (
-    ddp_wrapper_given, ddp_around_after, ddp_around_before, forgotten_recording,
+    ddp_wrapper_given, ddp_around_after, ddp_around_before, ddp_inside, forgotten_recording,
     another_models_step, evaluation_after_training,
 )}
 

@@ -2,9 +2,12 @@
 
 DistributedDataParallel does its per-step work in its own forward; gradmgr has no wrapper, so it
 puts forward hooks on the module itself (see ``TensorOps.watch_forwards``). They also refuse the
-two ways a DDP user's habits would reduce every gradient twice: ``data_parallel(DDP(model))``
-(:func:`wrapper_problem`) and a forward through a DDP wrapper kept around the module
-(``net = DDP(model)`` after or before ``data_parallel(model)``, training through ``net``).
+ways a DDP user's habits would reduce gradients twice: ``data_parallel(DDP(model))``
+(:func:`wrapper_problem`), a forward through a DDP wrapper kept around the module
+(``net = DDP(model)`` after or before ``data_parallel(model)``, training through ``net``), and
+a DDP wrapper around a submodule (``model.encoder = DDP(model.encoder)``, before
+``data_parallel(model)`` or after: looked for at a forward only after some module was
+assigned somewhere, so the usual forward pays one comparison).
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ _DDP_AROUND = (
     "sync, no_sync); call model(x) itself and gm.backward(loss) inside `with gm:`"
 )
 
+_DDP_INSIDE = (
+    "{who} a DistributedDataParallel at submodule {name!r}: DDP reduces that submodule's "
+    "gradients over the ranks and gradmgr's data-parallel manager reduces them again, so "
+    "each would be twice DDP's. Put the module it wraps (its .module) there instead: "
+    "data_parallel(model) averages every parameter's gradient, that submodule's too"
+)
 
 _FOUND: list = []  # DistributedDataParallel, once found
 
@@ -72,14 +81,30 @@ def wrapper_problem(module: Any) -> Optional[str]:
     if fsdp is not None and any(isinstance(m, fsdp) for m in module.modules()):
         return _FULL_AGAIN if wrapped_here(module) else _FSDP
     ddp = _ddp_class()
-    if ddp is None or not isinstance(module, ddp):
+    if ddp is None:
         return None
+    if not isinstance(module, ddp):
+        name = ddp_inside(module)
+        return None if name is None else _DDP_INSIDE.format(
+            who="data_parallel() was given a model that holds", name=name)
     return (
         "data_parallel() was given a DistributedDataParallel wrapper: DDP would reduce every "
         "gradient over the ranks and gradmgr again, so each gradient would be twice DDP's. "
         "Drop the DDP wrapper and pass the model itself (net.module): data_parallel(model) "
         "does what DDP did; then call model(x) itself, not the wrapper"
     )
+
+
+def ddp_inside(module: Any) -> Optional[str]:
+    """The name of a DDP wrapper among ``module``'s submodules (not ``module``), as
+    ``named_modules`` names it; None: none (or DDP was never imported)."""
+    ddp = _ddp_class()
+    if ddp is None:
+        return None
+    for name, sub in module.named_modules():
+        if sub is not module and isinstance(sub, ddp):
+            return name
+    return None
 
 
 def _inside_ddp_forward(module: Any) -> bool:
@@ -132,6 +157,7 @@ class ForwardWatch(ArmedHooks):
         self._module = weakref.ref(module)
         self._params = [weakref.ref(p) for p in module.parameters()]
         self._seen = _watch_registrations()
+        self._looked = self._seen  # the registrations when the submodules were last looked at
         # One forward hook, run after the forward (still inside a DDP wrapper's): a pre-hook
         # as well would cost every forward a Python call more (bench/bench_zero.py's
         # `gradmgr` variant times data_parallel's whole step against DDP's).
@@ -143,6 +169,8 @@ class ForwardWatch(ArmedHooks):
             return  # an evaluation under no_grad (also through a DDP wrapper): no backward
         if _inside_ddp_forward(module):
             raise RuntimeError(_DDP_AROUND)
+        if self._looked != _REGISTRATIONS[0]:  # a module was assigned somewhere since
+            self._refuse_ddp_inside(module)
         if self._armed:
             return
         refusal = self._refusal()
@@ -150,6 +178,16 @@ class ForwardWatch(ArmedHooks):
         if message is not None:
             refuse = functools.partial(_refuse_backward, message)
             self._armed = [_Refusal(p, refuse) for p in module.parameters() if p.requires_grad]
+
+    def _refuse_ddp_inside(self, module: Any) -> None:
+        """Refuse a DDP wrapper put around a submodule since data_parallel: its forward,
+        inside this one's, readies DDP's reducer, which reduces that submodule's gradients in
+        the manager's backward too."""
+        name = ddp_inside(module)
+        if name is not None:
+            raise RuntimeError(_DDP_INSIDE.format(who="data_parallel(): the model now holds",
+                                                  name=name))
+        self._looked = _REGISTRATIONS[0]
 
     def changed(self) -> Optional[str]:
         """The name of the first parameter of the module that it did not have when watched
