@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 
 class RankMismatchError(RuntimeError):
@@ -109,8 +109,14 @@ class SparseGradientError(TypeError):
     """
 
 
-def sparse_message(shape: Sequence[int]) -> str:
+def sparse_error(ops: Any, tensor: Any) -> SparseGradientError:
+    """The refusal of ``tensor``'s sparse gradient, in the words of ``ops``'s framework."""
+    return SparseGradientError(sparse_message(ops.shape(tensor), ops.idioms().wrapper))
+
+
+def sparse_message(shape: Sequence[int], wrapper: str = "DDP") -> str:
+    """``wrapper``: the framework's data-parallel wrapper, as its users name it."""
     return (f"the allreduce callback reduces dense gradients only, and a tensor of shape "
             f"{list(shape)} got a sparse one (nn.Embedding(sparse=True) or "
             f"F.embedding(..., sparse=True)?): make it dense (sparse=False), or reduce that "
-            f"tensor with DDP, which handles sparse gradients")
+            f"tensor with {wrapper}, which handles sparse gradients")

@@ -10,6 +10,7 @@ import paddle
 from gradmgr.backend import Backend, Capabilities, Tape
 from gradmgr.errors import AttachError
 
+from . import sparse
 from .tape import PaddleTape, check_main_thread
 
 
@@ -52,7 +53,9 @@ class PaddleBackend(Backend):
         # Paddle copies what is assigned to a leaf's .grad; a non-leaf's gradient (set by
         # _copy_gradient_from) would share ``grad``'s memory, so it gets a copy.
         old = tensor.grad
-        if old is not None:
+        if old is not None and (sparse.is_sparse(old) or sparse.is_sparse(grad)):
+            self.set_grad(tensor, sparse.total(tensor, [old, grad]))  # no ``+`` for them
+        elif old is not None:
             self.set_grad(tensor, old + grad)
         else:
             self.set_grad(tensor, grad if tensor.is_leaf else grad.clone())

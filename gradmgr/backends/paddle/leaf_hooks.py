@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import paddle
 
+from . import sparse
+
 
 def _nothing(grad: Any) -> None:
     return None
@@ -51,14 +53,14 @@ class HookProbe:
 def run_hooks(leaf: Any, grad: Any) -> Any:
     """``grad`` after ``leaf``'s hooks, as Paddle's backward gives it to ``.grad``; ``leaf``'s
     ``.grad`` is left as it was (restored from a copy: clearing it frees its memory)."""
-    kept = _copy(leaf.grad)
+    kept = _copy(leaf, leaf.grad)
     frozen = leaf.stop_gradient
     leaf.clear_gradient(False)
     try:
         leaf.stop_gradient = False  # frozen after the forward: its node still runs the hooks
         with paddle.set_grad_enabled(True):
-            paddle.autograd.backward([paddle.assign(leaf)], [grad])
-        hooked = _copy(leaf.grad)  # the restore below may write into .grad's memory
+            paddle.autograd.backward(*sparse.through(leaf, grad))
+        hooked = _copy(leaf, leaf.grad)  # the restore below may write into .grad's memory
     finally:
         leaf.stop_gradient = frozen
         if kept is None:
@@ -68,10 +70,13 @@ def run_hooks(leaf: Any, grad: Any) -> Any:
     return hooked
 
 
-def _copy(grad: Optional[Any]) -> Optional[Any]:
-    """A copy outside the graph (``.grad`` has ``stop_gradient=False``: a plain ``clone()``
-    would be recorded), as ``paddle.grad`` returns its gradients."""
+def _copy(leaf: Any, grad: Optional[Any]) -> Optional[Any]:
+    """A copy of ``leaf``'s gradient ``grad`` outside the graph (``.grad`` has
+    ``stop_gradient=False``: a plain ``clone()`` would be recorded), as ``paddle.grad`` returns
+    its gradients; a sparse one has no ``clone()``."""
     if grad is None:
         return None
+    if sparse.is_sparse(grad):
+        return sparse.total(leaf, [grad])
     with paddle.no_grad():
         return grad.clone()

@@ -10,6 +10,7 @@ import paddle
 
 from gradmgr.distributed.contract import Idioms, TensorOps
 
+from . import sparse
 from .wrappers import given_problem
 
 NO_SHARDING = (
@@ -51,6 +52,9 @@ class PaddleOps(TensorOps):
 
     def trainable(self, tensor: Any) -> bool:
         return not tensor.stop_gradient
+
+    def is_sparse(self, grad: Any) -> bool:
+        return sparse.is_sparse(grad)
 
     def grad_snapshot(self, tensors: Sequence[Any]) -> Any:
         # Each ``.grad`` read is a new Python object over the same memory, so the default's

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from ..errors import SparseGradientError, sparse_message
+from ..errors import sparse_error
 from .steps import PendingGradient, Step
 
 
@@ -55,7 +55,7 @@ class PostBackwardStep:
                 return
             for grad, tensor in zip(new, tensors):
                 if grad is not None and ops.is_sparse(grad):
-                    raise SparseGradientError(sparse_message(ops.shape(tensor)))
+                    raise sparse_error(ops, tensor)
             pending = self._put(new)
             new = None  # (the buckets hold the sums now)
             self._closed = True  # (where closing raises, its collectives are done)

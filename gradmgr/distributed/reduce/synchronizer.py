@@ -19,7 +19,7 @@ from ...manager import attach_epoch
 from ..broadcasting import broadcast
 from ..consistency import NameOf, PlanCheck, step_terms
 from ..contract import TensorOps, Transport
-from ..errors import RankMismatchError, RanksOutOfStepError, SparseGradientError, sparse_message
+from ..errors import RankMismatchError, RanksOutOfStepError, sparse_error
 from ..reducing import CommHook, PostBackwardPath, Reducer, ReducerPath
 from ..sharded.sharding import GradientShards, ShardReduction, ShardWire
 from ..transport import control_transport, resolve_transport
@@ -356,7 +356,7 @@ class Synchronizer:
                     "reduced by it: reduce it with a callback of your own"
                 )
             if self.ops.is_sparse(grad):
-                raise SparseGradientError(sparse_message(self.ops.shape(tensor)))
+                raise sparse_error(self.ops, tensor)
             if not step.sync:
                 self._check_not_overtaken(step)
                 self.used.add(id(tensor))  # for the next synced step (see Step.launch_missing)
