@@ -707,3 +707,40 @@ def test_a_reentrant_recompute_is_refused_naming_the_parameter(split):
         rest = gm.backward_split(loss, first=[])
     with pytest.raises(UnsupportedGraphError, match=match):
         rest.finish()
+
+
+def _sparse_rows(grad) -> tuple:
+    """A sparse gradient's rows and their values (``SelectedRows``: ``numpy()`` has none)."""
+    assert grad.is_selected_rows()
+    return grad.rows(), grad._get_tensor_from_selected_rows().numpy()
+
+
+def test_a_sparse_gradient_runs_its_leafs_hooks_and_accumulates_as_in_paddles_backward():
+    """``Embedding(sparse=True)`` with a ``register_hook`` (x2) on its weight and a callback
+    (so the tape runs the hooks itself), two backwards accumulated into ``.grad``: the hook
+    sees what it sees in ``loss.backward()`` (the rows, repeated rows kept), and ``.grad``
+    is Paddle's own, sparse, its rows merged, bit for bit. On the old code the hooks' backward
+    read the sparse gradient as dense (``OSError``, a dimension of garbage size), and two
+    sparse gradients could not be added (``Tensor holds no memory``)."""
+    ids = [paddle.to_tensor(np.array([[1, 3, 3]], dtype="int64")),
+           paddle.to_tensor(np.array([[2, 3]], dtype="int64"))]
+    models, seen = [], []
+    for side in range(2):
+        paddle.seed(0)
+        models.append(paddle.nn.Sequential(paddle.nn.Embedding(10, 4, sparse=True),
+                                           paddle.nn.Linear(4, 1)))
+        seen.append([])
+        models[side][0].weight.register_hook(
+            lambda g, rows=seen[side]: (rows.append(g.rows()), g * 2)[1])
+    ours, native = models
+    gm = GradManager().attach(ours.parameters(), callbacks=lambda tensor, grad: grad)
+    for batch in ids:
+        with gm:
+            gm.backward(ours(batch).sum())
+        native(batch).sum().backward()
+    assert seen[0] == seen[1] == [[1, 3, 3], [2, 3]]
+    rows, values = _sparse_rows(ours[0].weight.grad)
+    want_rows, want_values = _sparse_rows(native[0].weight.grad)
+    assert rows == want_rows == [1, 2, 3]
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(ours[1].weight.grad.numpy(), native[1].weight.grad.numpy())

@@ -278,7 +278,8 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     dist.init_parallel_env()
     out: dict = {}
     for case, kwargs in (("sgd", {}), ("adam", {}), ("no_sync", {"micro": 2}),
-                         ("frozen", {"frozen": True}), ("skipped", {"skip": 1})):
+                         ("no_sync_4", {"micro": 4}), ("frozen", {"frozen": True}),
+                         ("skipped", {"skip": 1})):
         kind = "adam" if case == "adam" else "sgd"
         out[case] = {"ours": ours(kind, rank, world, **kwargs),
                      "paddle": paddles(kind, rank, world, **kwargs)}
@@ -290,10 +291,12 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     out["wrapped_after"] = wrapped_after(rank, world)
     out["one_fails"] = one_rank_fails(rank, world)
     out["mismatch"] = mismatch(rank, world)
-    from . import paddle_habits, paddle_wrappers  # (they import this module)
+    from . import paddle_habits, paddle_rank_habits, paddle_steps, paddle_wrappers
 
-    out["habits"] = paddle_habits.run(rank, world)
+    out["habits"] = paddle_habits.run(rank, world)  # (they import this module)
     out["wrappers"] = paddle_wrappers.run(rank, world)
+    out["steps"] = paddle_steps.run(rank, world)
+    out["rank_habits"] = paddle_rank_habits.run(rank, world)
     example = runpy.run_path(os.path.join(EXAMPLES, "paddle_data_parallel.py"), run_name="ex")
     example["fit"](rank, world, 3)  # docs/paddle.md's example (it asserts the ranks agree)
     out["example"] = "ran"
