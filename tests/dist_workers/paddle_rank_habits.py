@@ -20,14 +20,6 @@ from . import paddle_suite as suite
 STEPS = 3
 
 
-def _error(run) -> object:
-    try:
-        run()
-    except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def _before(habit: str, model, step: int, rank: int) -> None:
     """What the habit changes before ``step``'s forward."""
     if habit == "one_freezes" and rank == 1:
@@ -66,7 +58,7 @@ def train(habit: str, rank: int, world: int) -> dict:
     out: dict = {"errors": [], "grads": [], "params": []}
     for step in range(STEPS):
         _before(habit, model, step, rank)
-        error = _error(lambda: _step(habit, gm, model, step, rank, world))  # noqa: B023
+        error = suite.error_of(lambda: _step(habit, gm, model, step, rank, world))  # noqa: B023
         out["errors"].append(error)
         out["grads"].append(suite.grads(model))
         if error is None:
@@ -92,7 +84,7 @@ def sparse(rank: int, world: int, forward_first: bool) -> dict:
         with gm:
             gm.backward(model(ids).sum() if loss is None else loss)
 
-    out: dict = {"error": _error(step), "grads_after": suite.grads(model)}
+    out: dict = {"error": suite.error_of(step), "grads_after": suite.grads(model)}
     with gm:
         dense = paddle.nn.functional.embedding(ids + rank, model[0].weight)  # ranks' own rows
         gm.backward(model[1](dense).sum())

@@ -61,6 +61,15 @@ def grads(model) -> list:
     return [None if p.grad is None else p.grad.numpy().copy() for p in model.parameters()]
 
 
+def error_of(run) -> object:
+    """What ``run()`` raised, as ``"Type: message"``; None if nothing."""
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def local(step: int, rank: int, world: int):
     import paddle
 

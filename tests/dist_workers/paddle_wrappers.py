@@ -35,14 +35,6 @@ class Passing(paddle.DataParallel):
         return super().forward(*inputs, **kwargs)
 
 
-def _error(run) -> object:
-    try:
-        run()
-    except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def _step(gm, forward, rank: int, world: int, step: int = 0) -> None:
     with gm:
         gm.backward(suite.loss_of(forward, *suite.local(step, rank, world)))
@@ -83,7 +75,7 @@ def wrapped_after(place: str, rank: int, world: int) -> dict:
     gm = data_parallel(model)
     model[0].weight.register_hook(lambda grad: grad * 2)
     forward, undo = AFTER[place](model)
-    out: dict = {"errors": [_error(lambda s=s: _step(gm, forward, rank, world, s))
+    out: dict = {"errors": [suite.error_of(lambda s=s: _step(gm, forward, rank, world, s))
                             for s in range(2)]}
     out["grads_after"] = suite.grads(model)
     model.clear_gradients(set_to_zero=False)
@@ -101,8 +93,8 @@ def wrapped_before(rank: int, world: int) -> dict:
 
     model = suite.net(rank)
     model[0] = paddle.DataParallel(model[0])
-    out: dict = {"sublayer": _error(lambda: data_parallel(model)),
-                 "subclass": _error(lambda: data_parallel(OwnForward(suite.net(rank))))}
+    out: dict = {"sublayer": suite.error_of(lambda: data_parallel(model)),
+                 "subclass": suite.error_of(lambda: data_parallel(OwnForward(suite.net(rank))))}
     model = suite.net(rank)
     wrapper = paddle.DataParallel(model)
     gm = data_parallel(model)
@@ -110,7 +102,7 @@ def wrapped_before(rank: int, world: int) -> dict:
     _step(gm, model, rank, world)
     out["aside_grads"] = suite.grads(model)
     model.clear_gradients(set_to_zero=False)
-    out["aside_wrapper"] = _error(lambda: _step(gm, wrapper, rank, world))
+    out["aside_wrapper"] = suite.error_of(lambda: _step(gm, wrapper, rank, world))
     return out
 
 
@@ -127,8 +119,8 @@ def repeated_outputs(rank: int, world: int) -> dict:
         with gm:
             outs = pick(model(x))
             gm.backward(outs, [paddle.ones_like(o) for o in outs])
-    out: dict = {"errors": [_error(lambda: twice(lambda o: [o, o])),
-                            _error(lambda: twice(lambda o: [o, o[:]]))]}
+    out: dict = {"errors": [suite.error_of(lambda: twice(lambda o: [o, o])),
+                            suite.error_of(lambda: twice(lambda o: [o, o[:]]))]}
     out["grads_after"] = suite.grads(model)
     _step(gm, model, rank, world)
     out["grads"] = suite.grads(model)
