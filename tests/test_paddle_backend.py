@@ -744,3 +744,43 @@ def test_a_sparse_gradient_runs_its_leafs_hooks_and_accumulates_as_in_paddles_ba
     assert rows == want_rows == [1, 2, 3]
     np.testing.assert_array_equal(values, want_values)
     np.testing.assert_array_equal(ours[1].weight.grad.numpy(), native[1].weight.grad.numpy())
+
+
+def test_every_way_of_assigning_a_sublayer_or_parameter_into_a_watched_layer_is_counted():
+    """What ``data_parallel``'s watch sees a replaced layer by (registrations.py): each
+    assignment Paddle makes into a watched layer or a sublayer of it moves the count, a
+    sublayer added since is counted once watched again, and a deep or pickled copy of the
+    model gets Paddle's plain dicts back."""
+    import copy
+    import pickle
+    from collections import OrderedDict
+
+    from gradmgr.backends.paddle import registrations
+
+    model = _mlp(0)
+    registrations.count_changes(model)
+    first = model[0]
+    changes = {
+        "Sequential.__setitem__": lambda: model.__setitem__(2, paddle.nn.Linear(16, 4)),
+        "setattr of a layer": lambda: setattr(first, "extra", paddle.nn.Linear(1, 1)),
+        "delattr": lambda: delattr(first, "extra"),
+        "add_parameter": lambda: first.add_parameter(
+            "scale", first.create_parameter([1])),
+        "setattr of a parameter": lambda: setattr(first, "weight", first.create_parameter(
+            [8, 16])),
+        "add_sublayer": lambda: model.add_sublayer("head", paddle.nn.Linear(4, 2)),
+    }
+    for what, change in changes.items():
+        before = registrations.changes()
+        change()
+        assert registrations.changes() > before, what
+    added = model.head
+    assert type(added._parameters) is OrderedDict  # not watched yet
+    registrations.count_changes(model)
+    before = registrations.changes()
+    added.weight = added.create_parameter([4, 2])
+    assert registrations.changes() > before
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        for layer in copied.sublayers(include_self=True):
+            assert type(layer._sub_layers) is OrderedDict
+            assert type(layer._parameters) is OrderedDict

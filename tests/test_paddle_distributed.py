@@ -531,18 +531,29 @@ def test_a_weight_unfrozen_after_data_parallel_is_reduced(ranks):
                 p.set_value(p - 0.1 * paddle.to_tensor(g))
 
 
-@pytest.mark.xfail(strict=True, reason="a layer replaced after data_parallel(model) is not "
-                                       "looked for on Paddle (ForwardWatch.changed): silently "
-                                       "neither reduced nor broadcast")
-def test_a_layer_replaced_after_data_parallel_is_refused_or_reduced(ranks):
+def test_a_layer_replaced_after_data_parallel_is_refused_until_a_new_manager(ranks):
     """``model[2] = paddle.nn.Linear(8, 3)`` on every rank after step 0, each rank's own
-    initial weights: today its weights get no gradient and stay each rank's own (the ranks'
-    models differ, silently); PyTorch's path refuses the changed model at the next
-    recording."""
+    initial weights: every later recording raises on every rank, naming the new parameter,
+    with no ``.grad`` written (as PyTorch's path; ``paddle.DataParallel`` raises too); then a
+    new manager broadcasts rank 0's weights and its step gives every rank the same gradients
+    and parameters. The old code looked for no changed layer on Paddle: the new layer got no
+    gradient and kept each rank's own weights, silently."""
     sides = [out["rank_habits"]["replaced"] for out in ranks]
-    if not all(side["errors"][1] is not None for side in sides):  # not refused: reduced?
-        _rank_habit(ranks, "replaced")
-        assert all(side["grads"][1][2] is not None for side in sides)
+    for rank, side in enumerate(sides):
+        assert side["errors"][0] is None, (rank, side["errors"][0])
+        for step in (1, 2):
+            error = side["errors"][step]
+            assert error is not None and error.startswith("RuntimeError: data_parallel(): the "
+                                                          "model has a parameter it did not "
+                                                          "have"), (rank, step, error)
+            assert "2.weight" in error, error
+            assert all(g is None for g in side["grads"][step]), (rank, step)
+        assert side["rewrapped_error"] is None, (rank, side["rewrapped_error"])
+        assert all(g is not None for g in side["rewrapped_grads"]), rank
+    for a, b in zip(sides[0]["rewrapped_grads"], sides[1]["rewrapped_grads"]):
+        np.testing.assert_array_equal(a, b)  # the mean, the same bits on every rank
+    for a, b in zip(sides[0]["rewrapped_params"], sides[1]["rewrapped_params"]):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("where", ["inside", "before"])

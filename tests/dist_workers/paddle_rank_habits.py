@@ -65,6 +65,13 @@ def train(habit: str, rank: int, world: int) -> dict:
             opt.step()
         opt.clear_grad(set_to_zero=False)
         out["params"].append(suite.values(model))
+    if habit == "replaced":  # as the refusal says: a new manager, a new optimizer
+        del gm
+        gm, opt = data_parallel(model), suite.optimizer("sgd", model)
+        out["rewrapped_error"] = suite.error_of(lambda: _step(habit, gm, model, STEPS, rank, world))
+        out["rewrapped_grads"] = suite.grads(model)
+        opt.step()
+        out["rewrapped_params"] = suite.values(model)
     return out
 
 

@@ -23,6 +23,7 @@ import paddle
 
 from gradmgr.distributed.contract import ArmedHooks
 
+from . import registrations
 from .wrappers import forward_problem
 
 
@@ -41,6 +42,9 @@ class ForwardWatch(ArmedHooks):
         # The sublayers are walked for a wrapper until a walk finds none: a walk costs about
         # 3.5 % of a 100-block model's forward, so later wrappers are left to Paddle's error
         self._walk = True
+        self._layer: Callable[[], Any] = weakref.ref(layer)
+        self._params = [weakref.ref(p) for p in layer.parameters()]
+        self._seen = registrations.count_changes(layer)
         self._handle = layer.register_forward_post_hook(self._after)
 
     def _after(self, layer: Any, inputs: Any, output: Any) -> None:
@@ -62,7 +66,18 @@ class ForwardWatch(ArmedHooks):
                            if not p.stop_gradient]
 
     def changed(self) -> Optional[str]:
-        """None: a layer replaced after ``data_parallel`` is not looked for on Paddle."""
+        """The name of the first parameter of the layer that it did not have when watched (a
+        layer replaced or added since); None: none. The parameters are looked at only after
+        a sublayer or parameter was assigned in a watched layer (registrations.py)."""
+        layer = self._layer()
+        if layer is None or self._seen == registrations.changes():
+            return None
+        seen = registrations.count_changes(layer)  # a new sublayer's assignments count too
+        known = {id(ref()) for ref in self._params}
+        for name, param in layer.named_parameters():
+            if id(param) not in known:
+                return name
+        self._seen = seen
         return None
 
     def remove(self) -> None:
@@ -87,6 +102,7 @@ def _unwatched() -> ForwardWatch:
     watch = ForwardWatch.__new__(ForwardWatch)
     ArmedHooks.__init__(watch)
     watch._refusal, watch._handle, watch._walk = _nothing, None, False
+    watch._layer, watch._params, watch._seen = _nothing, [], 0
     return watch
 
 
