@@ -5,8 +5,7 @@ script in the same processes, bit for bit (the same local kernels, and a sum of 
 then a halving, which no order changes), and against the single-process full-batch gradient
 mean (``rtol=1e-5, atol=1e-6``: float32 summed in another order); rows of the habit table
 (dist_workers/paddle_habits.py, in the same spawn) against ``paddle.DataParallel`` bit for
-bit, ``xfail(strict=True)`` where gradmgr is silently wrong on Paddle today; habits of a
-training step (dist_workers/paddle_steps.py) and habits that change what is reduced
+bit; habits of a training step (dist_workers/paddle_steps.py) and habits that change what is reduced
 (dist_workers/paddle_rank_habits.py), in the same spawn. Plus the frozen
 parameter rule of the Paddle backend, in one process.
 
