@@ -42,31 +42,10 @@ from .optimizer_state import (
 )
 from .sharded_join import CLIP, STEP, OptimizerJoinHook, active, announce, guard
 from .sharding import Segment, own_segments
+from .state_meeting import every_rank_here, not_to
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 _SERIALS = itertools.count()  # the ranks make their ShardedOptimizers in the same order
-# In the framework's words ({idioms.save}: TensorOps.idioms)
-_ALONE = (
-    "ShardedOptimizer.state_dict() gathers every rank's slices of the optimizer state, so every "
-    "rank calls it, and rank {rank} called it while not every rank did within half the "
-    "process group's timeout (the `if rank == 0: {idioms.save}(opt.state_dict(), path)` habit "
-    "of data-parallel scripts?). Write `state = opt.state_dict()` on every rank, then `if rank "
-    "== 0: {idioms.save}(state, path)`. Nothing was communicated: the process group is as it was"
-)
-_WAITING = (  # {{seconds}}: the transport's, once it knows how long it waits
-    "ShardedOptimizer.state_dict() on rank {rank} waits for the other ranks: it gathers every "
-    "rank's slices of the optimizer state, so every rank calls it. Where the others do not "
-    "(the `if rank == 0: {idioms.save}(opt.state_dict(), path)` habit of data-parallel "
-    "scripts?), this rank raises RuntimeError in {{seconds:.0f}} s, having communicated "
-    "nothing. Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
-    "{idioms.save}(state, path)`"
-)
-_NOT_TO = (
-    "ShardedOptimizer.state_dict() on rank {rank} after consolidate_state_dict(to={to}): as "
-    "with ZeroRedundancyOptimizer, only rank {to} holds the consolidated state, until the next "
-    "step. Write `if rank == {to}: {idioms.save}(opt.state_dict(), path)`, or, without "
-    "consolidate_state_dict, `state = opt.state_dict()` on every rank"
-)
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
 _WITH_BASE: Dict[Tuple[type, type], type] = {}  # see ShardedOptimizer.__new__
 
@@ -150,6 +129,7 @@ class ShardedOptimizer:
                  **defaults: Any) -> None:
         self._gm = gm  # the manager lives as long as the optimizer that reads its shards
         callback = _sharded_callback(gm)
+        fail_dropped_splits(gm)  # before the agreement's collective (as step())
         self._synchronizer = sync = callback.synchronizer(gm)
         self._plan = plan = sync.plan_now(gm)
         self._ops, self._shards = sync.ops, sync.shards
@@ -370,8 +350,7 @@ class ShardedOptimizer:
         if self._consolidated is not None:
             to, full = self._consolidated
             if self._rank != to:
-                raise RuntimeError(_NOT_TO.format(rank=self._rank, to=to,
-                                                  idioms=self._ops.idioms()))
+                raise not_to(self._rank, to, self._ops)
             return {"state": dict(full), "param_groups": self._groups()}
         self._every_rank_here()
         return {"state": self._full_state(), "param_groups": self._groups()}
@@ -416,15 +395,11 @@ class ShardedOptimizer:
                       self._world)
 
     def _every_rank_here(self) -> None:
-        """Raise, before any collective, where not every rank calls :meth:`state_dict`."""
-        arrive = getattr(self._transport, "arrive", None)
-        if arrive is None or self._world < 2:
-            return
+        """Raise, before any collective, where not every rank calls :meth:`state_dict`; fail
+        a dropped split's step first (as :meth:`step`)."""
         key = f"sharded/{self._serial}/state_dict/{self._gathered}"
-        idioms = self._ops.idioms()
-        if arrive(key, _WAITING.format(rank=self._rank, idioms=idioms)) is False:
-            raise RuntimeError(_ALONE.format(rank=self._rank, idioms=idioms))
-        self._gathered += 1  # a meeting that failed is tried again under its key
+        if every_rank_here(self._gm, self._transport, self._ops, key, self._rank):
+            self._gathered += 1  # a meeting that failed is tried again under its key
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load what :meth:`state_dict` gave (on this or any other world size), or the
