@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ...hooks import fail_dropped_splits
 from ...manager import GradManager, callback_chains
@@ -46,6 +46,12 @@ from .state_meeting import every_rank_here, not_to
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 _SERIALS = itertools.count()  # the ranks make their ShardedOptimizers in the same order
+_NOT_ELEMENTWISE = (
+    "ShardedOptimizer: {why}, so over each rank's slices of the parameters it would compute "
+    "other values than over the whole parameters, silently. Shard with an elementwise "
+    "optimizer (SGD, Adam, AdamW, ...), or keep this one without sharding: "
+    "data_parallel(model) and the optimizer itself"
+)
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
 _WITH_BASE: Dict[Tuple[type, type], type] = {}  # see ShardedOptimizer.__new__
 
@@ -160,6 +166,9 @@ class ShardedOptimizer:
         """Lay out this rank's segments and make the wrapped optimizer over them; what the
         ranks compare (see :mod:`.optimizer_agreement`)."""
         plan, master_dtype = self._plan, self._master_dtype
+        why = self._ops.not_elementwise(optimizer_class)
+        if why is not None:
+            raise ValueError(_NOT_ELEMENTWISE.format(why=why))
         if params is None:
             params = gm.attached_tensors(with_callback=callback)
         self._numbering = numbering = Numbering(user_groups(params))
@@ -196,14 +205,20 @@ class ShardedOptimizer:
         return self._reduced, self._frozen
 
     # ------------------------------------------------------------------ a step
-    def step(self) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Step this rank's segments with their reduced gradients, then all-gather the
         updated parameters. Returns what the wrapped optimizer's ``step()`` returns (torch's:
         None), this ShardedOptimizer where that is the wrapped optimizer itself
-        (MegEngine's: so that ``opt.step().clear_grad()`` clears the shards too)."""
+        (MegEngine's: so that ``opt.step().clear_grad()`` clears the shards too).
+
+        ``closure`` (``opt.step(closure)``, as torch's optimizers take it) is called first,
+        once: it records the step (``with gm:``, the forward, ``gm.backward(loss)``), whose
+        reduced gradients the step then takes; the step returns what it returned."""
+        loss = None if closure is None else closure()
         if active(self):
             announce(self, STEP)
-        return self.step_slice()
+        result = self.step_slice()
+        return result if closure is None else loss
 
     def step_slice(self) -> Any:
         """:meth:`step`'s work (a joined rank's too: see :mod:`.sharded_join`)."""
