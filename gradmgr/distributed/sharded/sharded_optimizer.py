@@ -57,8 +57,9 @@ _WITH_BASE: Dict[Tuple[type, type], type] = {}  # see ShardedOptimizer.__new__
 
 
 class ShardedOptimizer:
-    """Any optimizer, stepping only this rank's slice of the parameters of a manager whose
-    gradients are reduce-scattered (``data_parallel(model, shard=True)``, or a
+    """Any elementwise optimizer (SGD, Adam, AdamW, ...: torch's Adafactor and LBFGS are
+    refused, with ValueError), stepping only this rank's slice of the parameters of a manager
+    whose gradients are reduce-scattered (``data_parallel(model, shard=True)``, or a
     :class:`ReduceScatterCallback` attached by hand).
 
     ``optimizer_class(param_groups, **defaults)`` is built over this rank's segments: its
@@ -246,8 +247,10 @@ class ShardedOptimizer:
         """Drop the gradient shards (and the segments' ``.grad``).
 
         ``set_to_none`` is taken as ``torch.optim.Optimizer.zero_grad`` takes it; the shards
-        are dropped either way (the next synced backward writes them whole), so
-        ``set_to_none=False`` only costs a later allocation, never a wrong sum."""
+        are dropped either way (the next synced backward writes them whole): the sums are
+        the same, but no zero gradient is kept, so a parameter without a gradient in the next
+        synced step (used on no rank, or frozen since) is not stepped, where torch's optimizer
+        steps a kept zero ``.grad`` (momentum, weight decay: docs/sharded.md, "The rules")."""
         del set_to_none
         self._shards.zero()  # (a deferred gather writes parameters, never these: no wait)
         for tensor in self._reduced.tensors:
