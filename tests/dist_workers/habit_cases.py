@@ -89,7 +89,7 @@ HABITS = [
           "an EMA of the model (`AveragedModel`) updated after each step",
           accept=("AssertionError", "FSDP does not support deepcopy"), fsdp2=False),
     Habit("adafactor",
-          "torch's `Adafactor` (not elementwise)"),
+          "torch's `Adafactor` (not elementwise)", paths=NOT_FULL),
     Habit("clip_torch",
           "torch's `clip_grad_norm_(model.parameters(), ...)` (item 5)"),
     Habit("grad_metadata",
