@@ -208,6 +208,52 @@ def sharded_split_dropped(fw: Any, rank: int, world: int) -> Result:
     return out
 
 
+def sharded_split_dropped_between_steps(fw: Any, rank: int, world: int) -> Result:
+    """:func:`drop_split_on_rank_1` three times after a step of SGD with momentum, each time
+    followed by one of the optimizer's collectives between steps on every rank: state_dict(),
+    consolidate_state_dict(), making a new ShardedOptimizer (loaded with the first). Each
+    time rank 0's ``finish()`` raises RankFailedError (``raised``), the state is the one the
+    first step left (``states``, ``want_state``), and the new optimizer takes SGD-with-momentum's
+    second step (``got``, ``want``). (Old code: rank 1's collective met rank 0 still waiting in
+    ``finish()``; state_dict() raised its "called it while not every rank did" on both ranks
+    and the next step's plan check ran out of step.)"""
+    ps = params(fw)
+    gm, opt = sharded(fw, ps, momentum=0.5)
+    step(gm, fw, ps, data(fw, rank))
+    sgd_step(opt, fw, ps)
+    out: Result = {"raised": [], "states": [], "want_state": _numpy_state(fw, opt.state_dict())}
+    for collective in ("state_dict", "consolidate_state_dict", "a new one"):
+        dropped = drop_split_on_rank_1(gm, fw, ps, rank)
+        if "refused" in dropped:
+            return dropped
+        out["raised"].append(dropped["raised"])
+        if collective == "state_dict":
+            saved = opt.state_dict()
+            out["states"].append(_numpy_state(fw, saved))
+        elif collective == "consolidate_state_dict":
+            opt.consolidate_state_dict(0)
+            if rank == 0:
+                out["states"].append(_numpy_state(fw, opt.state_dict()))
+        else:
+            new = ShardedOptimizer(gm, fw.sgd(), lr=LR, momentum=0.5)
+            new.load_state_dict(saved)
+    step(gm, fw, ps, data(fw, rank))
+    return dict(out, got=sgd_step(new, fw, ps), want=_momentum_reference(fw, world, steps=2))
+
+
+def _momentum_reference(fw: Any, world: int, steps: int) -> List[Any]:
+    """The values after ``steps`` steps of the framework's SGD (momentum 0.5) in one process on
+    the mean over ranks of every rank's gradients, from START."""
+    alone = params(fw)
+    unsharded = fw.sgd()(alone, lr=LR, momentum=0.5)
+    for _ in range(steps):
+        mean = mean_over_ranks(fw, world, start=[fw.numpy(p) for p in alone])
+        for p, g in zip(alone, mean):
+            fw.set_grad(p, fw.tensor(g))
+        unsharded.step()
+    return [fw.numpy(p) for p in alone]
+
+
 def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
     """``b`` frozen on every rank before the optimizer is made: left out of the buckets and
     of the optimizer, it keeps its value; ``a`` and ``c`` are stepped."""
@@ -222,4 +268,4 @@ def sharded_frozen(fw: Any, rank: int, world: int) -> Result:
 
 SHARDED = [sharded_steps, sharded_without_sync, sharded_unused, sharded_broadcast_first,
            sharded_failing_rank, sharded_state_dict, sharded_split, sharded_split_out_of_order,
-           sharded_split_dropped]
+           sharded_split_dropped, sharded_split_dropped_between_steps]

@@ -223,6 +223,35 @@ def test_a_split_dropped_on_one_rank_fails_its_step_on_the_sharded_path(backend)
             close(dropped["kept"], dropped["want_kept"], f"{name} rank {rank} kept")
 
 
+def test_a_split_dropped_on_one_rank_fails_its_step_before_the_optimizers_other_collectives(
+        backend):
+    """The same before state_dict(), consolidate_state_dict() and making a new
+    ShardedOptimizer, each rank 1's next collective after a drop (old code: it met rank 0
+    still waiting in ``finish()``, both ranks' state_dict() raised after half the process
+    group's timeout, and every later step was out of step): each time rank 0 alone raised
+    RankFailedError, the state is the one the step before left (bit for bit), and the new
+    optimizer, loaded with it, takes SGD-with-momentum's second step."""
+    scenario = "sharded_split_dropped_between_steps"
+    if not can_shard(backend, scenario):
+        return
+    name, results = backend
+    if not SPLITS[name]:
+        for out in results:
+            assert out[scenario]["refused"].startswith(
+                f"UnsupportedGraphError: the {name} backend cannot split a backward"), name
+        return
+    for rank, out in enumerate(results):
+        got = out[scenario]
+        assert got["raised"] == [["RankFailedError"] if rank == 0 else []] * 3, (rank, got)
+        assert len(got["states"]) == (2 if rank == 0 else 1), rank
+        for state in got["states"]:
+            assert sorted(state) == sorted(got["want_state"]), rank
+            for index, kept in got["want_state"].items():
+                for key, value in kept.items():
+                    np.testing.assert_array_equal(state[index][key], value, err_msg=key)
+    as_wanted_on_every_rank(results, scenario, f"{name} {scenario}")
+
+
 def test_the_same_on_the_sharded_path(backend):
     """There the no_sync one's finish() met the reduced gradients' stand-in (old code:
     "TensorBase.add_ on the .grad of a parameter that data_parallel(model, shard=True)

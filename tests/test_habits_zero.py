@@ -107,6 +107,30 @@ def test_the_norm_of_a_stand_in_whole_on_one_rank_is_torchs_own(tmp_path):
             same(ours, ddp, f"per-parameter norms, step {step}")
 
 
+def test_a_closure_and_the_optimizers_that_are_not_elementwise(tmp_path):
+    """``loss = opt.step(closure)`` with the closure's forward and backward inside ``with gm:``:
+    the losses it returns, the parameters and Adam's state equal DDP + Adam's with the same
+    closure, bit for bit (old code: TypeError, step() took no closure). torch's Adafactor
+    (per-parameter root mean squares, factored moments) and LBFGS (dot products over every
+    parameter) raise ValueError on every rank when the ShardedOptimizer is made, saying why
+    and what to use (old code: none; over the slices Adafactor's parameters were 4.5e-3 from
+    DDP + Adafactor's after 3 steps of the habit harness's script, silently), and an elementwise
+    optimizer made after them works (the ranks still in step)."""
+    for out in run(tmp_path, "closure"):
+        ddp, ours = out["losses"]
+        same(ours, ddp, "the losses step(closure) returned")
+        same(out["params"][1], out["params"][0], "parameters")
+        same_state(out["opt_state"][1], out["opt_state"][0], "the optimizer's state dict")
+        assert out["opt_state"][1]["state"][0]["step"] == STEPS
+        (kind, adafactor), (kind_lbfgs, lbfgs) = out["refused"]
+        assert kind == kind_lbfgs == "ValueError"
+        assert "torch.optim.Adafactor scales each parameter's step" in adafactor
+        assert "torch.optim.LBFGS steps from dot products" in lbfgs
+        assert "Shard with an elementwise optimizer (SGD, Adam, AdamW, ...)" in adafactor
+        assert out["made_after"] is None
+
+
+STEPS = 3
 LR = 1e-2
 
 

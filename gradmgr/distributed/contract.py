@@ -143,6 +143,12 @@ class TensorOps:
         base, so that the framework's learning-rate schedulers accept it), or None."""
         return None
 
+    def not_elementwise(self, optimizer_class: Any) -> Optional[str]:
+        """Why ``optimizer_class``, one of this framework's known to compute a parameter's
+        step from more than its own elements (a norm over the whole parameter), cannot step
+        slices of parameters; None where it is not one of those (the default)."""
+        return None
+
     def shape(self, tensor: Any) -> Tuple[int, ...]:
         """The tensor's shape as a tuple of ints."""
         return tuple(int(n) for n in tensor.shape)

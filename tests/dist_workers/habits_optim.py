@@ -1,5 +1,6 @@
 """Habits of the optimizer (habit_cases.py runs them): zeroing, Adam, schedulers, torch's
-clipping, checkpoints (DDP's and ZeRO's), parameter groups, mixed precision."""
+clipping, checkpoints (DDP's and ZeRO's), parameter groups, mixed precision, a closure, an
+EMA of the model, an optimizer that is not elementwise."""
 
 from __future__ import annotations
 
@@ -31,6 +32,75 @@ def adam(kind, rank, world):
     """``torch.optim.Adam`` instead of SGD."""
     side = Side(kind, rank)
     return loop(side, side.optimizer(torch.optim.Adam, lr=0.01))
+
+
+def adam_groups(kind, rank, world):
+    """Adam over two parameter groups: the first layer's with its own ``lr``,
+    ``weight_decay`` and ``betas``, the rest with the defaults."""
+    side = Side(kind, rank)
+    first = list(side.model.fc1.parameters())
+    rest = [p for n, p in side.model.named_parameters() if not n.startswith("fc1.")]
+    groups = [{"params": first, "lr": 0.05, "weight_decay": 0.1, "betas": (0.8, 0.95)},
+              {"params": rest}]
+    return loop(side, side.optimizer(torch.optim.Adam, groups, lr=0.01))
+
+
+def plateau(kind, rank, world):
+    """``ReduceLROnPlateau(opt, patience=0, factor=0.5)`` stepped after each step with a
+    validation metric that never improves (1.0): it halves the rate after every step but
+    the first."""
+    side = Side(kind, rank)
+    opt = side.optimizer()
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    out = loop(side, opt, after_step=lambda step, out: sched.step(1.0), steps=4)
+    out["learning rate"] = np.float64(opt.param_groups[0]["lr"])
+    return out
+
+
+def one_cycle(kind, rank, world):
+    """``OneCycleLR`` over Adam: it sets ``lr`` and cycles ``betas`` at every step."""
+    side = Side(kind, rank)
+    opt = side.optimizer(torch.optim.Adam, lr=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10)
+    out = loop(side, opt, after_step=lambda step, out: sched.step(), steps=4)
+    out["betas"] = np.asarray(opt.param_groups[0]["betas"])
+    return out
+
+
+def closure_step(kind, rank, world):
+    """``loss = opt.step(closure)``, the closure zeroing the gradients and running the
+    forward and backward (gradmgr's inside ``with gm:``)."""
+    side = Side(kind, rank)
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            return side.step(x, y)
+        out[f"loss {step}"] = np.float32(opt.step(closure))
+    out.update(state(side))
+    return out
+
+
+def ema_model(kind, rank, world):
+    """An EMA of the model, ``torch.optim.swa_utils.AveragedModel``, updated after each
+    step; its parameters."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    side = Side(kind, rank)
+    average = AveragedModel(side.model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    out = loop(side, side.optimizer(),
+               after_step=lambda step, out: average.update_parameters(side.model))
+    out.update({f"EMA {n}": p.detach().numpy().copy()
+                for n, p in average.module.named_parameters()})
+    return out
+
+
+def adafactor(kind, rank, world):
+    """torch's ``Adafactor`` (its step scaled by each whole parameter's root mean square)."""
+    side = Side(kind, rank)
+    return loop(side, side.optimizer(torch.optim.Adafactor, lr=0.01))
 
 
 def lr_scheduler(kind, rank, world):

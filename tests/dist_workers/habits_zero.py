@@ -1,6 +1,7 @@
 """Rank program: the habits of ZeroRedundancyOptimizer scripts on ``data_parallel(model,
 shard=True)`` + ``ShardedOptimizer``, next to DDP (+ ZeroRedundancyOptimizer where the habit is
-its own): ZeRO's checkpoint, learning-rate schedulers, ``torch.amp.GradScaler``. Every rank
+its own): ZeRO's checkpoint, learning-rate schedulers, ``torch.amp.GradScaler``, a closure
+(``opt.step(closure)``). Every rank
 pickles what the parent checks to ``OUTDIR/rank{RANK}.pkl`` after each scenario.
 
 ``HABITS_ZERO`` names the scenarios to run, in order (comma-separated).
@@ -57,11 +58,15 @@ def sides(rank: int, zero: bool, **kw):
     opt = ShardedOptimizer(gm, torch.optim.Adam, lr=LR, **kw)
 
     def ddp_step(x, scale=lambda loss: loss):
-        scale(loss_of(ddp, x)).backward()
+        loss = loss_of(ddp, x)
+        scale(loss).backward()
+        return loss
 
     def gm_step(x, scale=lambda loss: loss):
         with gm:
-            gm.backward(scale(loss_of(ours, x)))
+            loss = loss_of(ours, x)
+            gm.backward(scale(loss))
+        return loss
     return (theirs, ours), (ref, opt), (ddp_step, gm_step)
 
 
@@ -167,7 +172,31 @@ def scaler(out: dict, rank: int) -> None:
             out["params"][i].append(params_of(nets[i]))
 
 
-SCENARIOS = {"consolidate": consolidate, "scheduler": scheduler, "scaler": scaler}
+def closure(out: dict, rank: int) -> None:
+    """``loss = opt.step(closure)``, the closure zeroing the gradients and running the step's
+    forward and backward (inside ``with gm:`` on ours), next to DDP + Adam: the losses it
+    returned, the parameters, the optimizer's state dicts. Then optimizers whose step is not
+    elementwise, made over a sharded model's manager on every rank (``refused``), and an
+    elementwise one made after them (``made_after``: the ranks still in step)."""
+    nets, opts, steps = sides(rank, zero=False)
+    out["losses"] = [[], []]
+    for step in range(STEPS):
+        x = batch(step, rank)
+        for i, (opt, run) in enumerate(zip(opts, steps)):
+            def closure(opt=opt, run=run, x=x):
+                opt.zero_grad()
+                return run(x)
+            out["losses"][i].append(opt.step(closure).detach().clone())
+    out["params"] = [params_of(net) for net in nets]
+    out["opt_state"] = [plain(opt.state_dict()) for opt in opts]
+    gm = data_parallel(model(), shard=True)
+    out["refused"] = [raised(lambda cls=cls: ShardedOptimizer(gm, cls, lr=LR))
+                      for cls in (torch.optim.Adafactor, torch.optim.LBFGS)]
+    out["made_after"] = raised(lambda: ShardedOptimizer(gm, torch.optim.SGD, lr=LR))
+
+
+SCENARIOS = {"consolidate": consolidate, "scheduler": scheduler, "scaler": scaler,
+             "closure": closure}
 
 
 def main(rank: int, world: int, outdir: str) -> None:

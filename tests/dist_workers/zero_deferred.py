@@ -8,7 +8,8 @@ the deferred run's steps, each read the optimizer must wait for: an evaluation f
 nothing: it reads no parameter), a tied weight read
 by the module it is tied into, a forward that raises half-way; and after the last step
 ``opt.finish_gather()`` then the process group destroyed (the documented end of training).
-And distributed checkpoints (DCP) taken and loaded with a gather in flight (:func:`checkpoints`).
+And distributed checkpoints (DCP) taken and loaded with a gather in flight (:func:`checkpoints`),
+and an EMA of the model updated after each step (:func:`ema`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,33 @@ def reads(out: dict, step: int, net: nn.Module, opt: ShardedOptimizer, rank: int
             out["raised"] = in_flight(opt)
 
 
+def ema(rank: int) -> dict:
+    """An EMA of the model (``AveragedModel.update_parameters(net)`` after each of 3 steps),
+    eager and deferred: it reads ``model.parameters()``, which does not wait, so the deferred
+    run calls ``opt.finish_gather()`` first (``in_flight``: what was pending before it); the
+    EMA's parameters of both runs."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    out: dict = {"in_flight": []}
+    for how in ("eager", "deferred"):
+        net = wide(torch.float32)
+        gm = data_parallel(net, shard=True)
+        opt = ShardedOptimizer(gm, torch.optim.AdamW, lr=LR, gather=how)
+        average = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        for step in range(3):
+            with gm:
+                gm.backward(loss_of(net, batch(step, rank)))
+            opt.step()
+            if how == "deferred":
+                out["in_flight"].append(in_flight(opt))
+                opt.finish_gather()
+            average.update_parameters(net)
+            opt.zero_grad()
+        out[how] = params_of(average.module)
+        del opt, gm
+    return out
+
+
 def tied(rank: int) -> dict:
     """A weight tied into a second module (an embedding and the output layer sharing it):
     the second module's forward alone waits for it."""
@@ -192,7 +220,7 @@ def checkpoints(rank: int, outdir: str) -> dict:
 
 def main(rank: int, world: int, outdir: str) -> None:
     out = {"eager": train(rank, "eager"), "ddp": train(rank, "ddp"),
-           "tied": tied(rank), "checkpoints": checkpoints(rank, outdir)}
+           "tied": tied(rank), "checkpoints": checkpoints(rank, outdir), "ema": ema(rank)}
     group = dist.new_group(list(range(world)))
     out["deferred"] = train(rank, "deferred", group)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:

@@ -17,6 +17,13 @@ from .shard_grad import ShardedGradient, stand_in_grad
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
+# torch's optimizers whose step on a slice of a parameter is not their step on the whole
+_NOT_ELEMENTWISE = {
+    "LBFGS": "torch.optim.LBFGS steps from dot products over all its parameters together",
+    "Adafactor": "torch.optim.Adafactor scales each parameter's step by the root mean square "
+                 "of that whole parameter and of its update, and factors a matrix's second "
+                 "moments over its rows and columns",
+}
 IDIOMS = Idioms(no_grad="torch.no_grad()", grad_call="torch.autograd.grad", wrapper="DDP",
                 save="torch.save")
 
@@ -190,6 +197,14 @@ class TorchOps(TensorOps):
         from .sharded_base import TorchShardedBase
 
         return TorchShardedBase
+
+    def not_elementwise(self, optimizer_class: Any) -> Optional[str]:
+        for name, why in _NOT_ELEMENTWISE.items():
+            known = getattr(torch.optim, name, None)  # (Adafactor: torch 2.5 and later)
+            if known is not None and isinstance(optimizer_class, type) and issubclass(
+                    optimizer_class, known):
+                return why
+        return None
 
     def optimizer_state(self, optimizer: Any, param: Any) -> Dict[str, Any]:
         return dict(optimizer.state.get(param, {}))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ...hooks import fail_dropped_splits
 from ...manager import GradManager, callback_chains
@@ -42,38 +42,24 @@ from .optimizer_state import (
 )
 from .sharded_join import CLIP, STEP, OptimizerJoinHook, active, announce, guard
 from .sharding import Segment, own_segments
+from .state_meeting import every_rank_here, not_to
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 _SERIALS = itertools.count()  # the ranks make their ShardedOptimizers in the same order
-# In the framework's words ({idioms.save}: TensorOps.idioms)
-_ALONE = (
-    "ShardedOptimizer.state_dict() gathers every rank's slices of the optimizer state, so every "
-    "rank calls it, and rank {rank} called it while not every rank did within half the "
-    "process group's timeout (the `if rank == 0: {idioms.save}(opt.state_dict(), path)` habit "
-    "of data-parallel scripts?). Write `state = opt.state_dict()` on every rank, then `if rank "
-    "== 0: {idioms.save}(state, path)`. Nothing was communicated: the process group is as it was"
-)
-_WAITING = (  # {{seconds}}: the transport's, once it knows how long it waits
-    "ShardedOptimizer.state_dict() on rank {rank} waits for the other ranks: it gathers every "
-    "rank's slices of the optimizer state, so every rank calls it. Where the others do not "
-    "(the `if rank == 0: {idioms.save}(opt.state_dict(), path)` habit of data-parallel "
-    "scripts?), this rank raises RuntimeError in {{seconds:.0f}} s, having communicated "
-    "nothing. Write `state = opt.state_dict()` on every rank, then `if rank == 0: "
-    "{idioms.save}(state, path)`"
-)
-_NOT_TO = (
-    "ShardedOptimizer.state_dict() on rank {rank} after consolidate_state_dict(to={to}): as "
-    "with ZeroRedundancyOptimizer, only rank {to} holds the consolidated state, until the next "
-    "step. Write `if rank == {to}: {idioms.save}(opt.state_dict(), path)`, or, without "
-    "consolidate_state_dict, `state = opt.state_dict()` on every rank"
+_NOT_ELEMENTWISE = (
+    "ShardedOptimizer: {why}, so over each rank's slices of the parameters it would compute "
+    "other values than over the whole parameters, silently. Shard with an elementwise "
+    "optimizer (SGD, Adam, AdamW, ...), or keep this one without sharding: "
+    "data_parallel(model) and the optimizer itself"
 )
 _ONE_BUCKET = 2**62  # the frozen parameters' plan: one bucket per dtype and device
 _WITH_BASE: Dict[Tuple[type, type], type] = {}  # see ShardedOptimizer.__new__
 
 
 class ShardedOptimizer:
-    """Any optimizer, stepping only this rank's slice of the parameters of a manager whose
-    gradients are reduce-scattered (``data_parallel(model, shard=True)``, or a
+    """Any elementwise optimizer (SGD, Adam, AdamW, ...: torch's Adafactor and LBFGS are
+    refused, with ValueError), stepping only this rank's slice of the parameters of a manager
+    whose gradients are reduce-scattered (``data_parallel(model, shard=True)``, or a
     :class:`ReduceScatterCallback` attached by hand).
 
     ``optimizer_class(param_groups, **defaults)`` is built over this rank's segments: its
@@ -150,6 +136,7 @@ class ShardedOptimizer:
                  **defaults: Any) -> None:
         self._gm = gm  # the manager lives as long as the optimizer that reads its shards
         callback = _sharded_callback(gm)
+        fail_dropped_splits(gm)  # before the agreement's collective (as step())
         self._synchronizer = sync = callback.synchronizer(gm)
         self._plan = plan = sync.plan_now(gm)
         self._ops, self._shards = sync.ops, sync.shards
@@ -180,6 +167,9 @@ class ShardedOptimizer:
         """Lay out this rank's segments and make the wrapped optimizer over them; what the
         ranks compare (see :mod:`.optimizer_agreement`)."""
         plan, master_dtype = self._plan, self._master_dtype
+        why = self._ops.not_elementwise(optimizer_class)
+        if why is not None:
+            raise ValueError(_NOT_ELEMENTWISE.format(why=why))
         if params is None:
             params = gm.attached_tensors(with_callback=callback)
         self._numbering = numbering = Numbering(user_groups(params))
@@ -216,14 +206,20 @@ class ShardedOptimizer:
         return self._reduced, self._frozen
 
     # ------------------------------------------------------------------ a step
-    def step(self) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Step this rank's segments with their reduced gradients, then all-gather the
         updated parameters. Returns what the wrapped optimizer's ``step()`` returns (torch's:
         None), this ShardedOptimizer where that is the wrapped optimizer itself
-        (MegEngine's: so that ``opt.step().clear_grad()`` clears the shards too)."""
+        (MegEngine's: so that ``opt.step().clear_grad()`` clears the shards too).
+
+        ``closure`` (``opt.step(closure)``, as torch's optimizers take it) is called first,
+        once: it records the step (``with gm:``, the forward, ``gm.backward(loss)``), whose
+        reduced gradients the step then takes; the step returns what it returned."""
+        loss = None if closure is None else closure()
         if active(self):
             announce(self, STEP)
-        return self.step_slice()
+        result = self.step_slice()
+        return result if closure is None else loss
 
     def step_slice(self) -> Any:
         """:meth:`step`'s work (a joined rank's too: see :mod:`.sharded_join`)."""
@@ -251,8 +247,10 @@ class ShardedOptimizer:
         """Drop the gradient shards (and the segments' ``.grad``).
 
         ``set_to_none`` is taken as ``torch.optim.Optimizer.zero_grad`` takes it; the shards
-        are dropped either way (the next synced backward writes them whole), so
-        ``set_to_none=False`` only costs a later allocation, never a wrong sum."""
+        are dropped either way (the next synced backward writes them whole): the sums are
+        the same, but no zero gradient is kept, so a parameter without a gradient in the next
+        synced step (used on no rank, or frozen since) is not stepped, where torch's optimizer
+        steps a kept zero ``.grad`` (momentum, weight decay: docs/sharded.md, "The rules")."""
         del set_to_none
         self._shards.zero()  # (a deferred gather writes parameters, never these: no wait)
         for tensor in self._reduced.tensors:
@@ -370,8 +368,7 @@ class ShardedOptimizer:
         if self._consolidated is not None:
             to, full = self._consolidated
             if self._rank != to:
-                raise RuntimeError(_NOT_TO.format(rank=self._rank, to=to,
-                                                  idioms=self._ops.idioms()))
+                raise not_to(self._rank, to, self._ops)
             return {"state": dict(full), "param_groups": self._groups()}
         self._every_rank_here()
         return {"state": self._full_state(), "param_groups": self._groups()}
@@ -416,15 +413,11 @@ class ShardedOptimizer:
                       self._world)
 
     def _every_rank_here(self) -> None:
-        """Raise, before any collective, where not every rank calls :meth:`state_dict`."""
-        arrive = getattr(self._transport, "arrive", None)
-        if arrive is None or self._world < 2:
-            return
+        """Raise, before any collective, where not every rank calls :meth:`state_dict`; fail
+        a dropped split's step first (as :meth:`step`)."""
         key = f"sharded/{self._serial}/state_dict/{self._gathered}"
-        idioms = self._ops.idioms()
-        if arrive(key, _WAITING.format(rank=self._rank, idioms=idioms)) is False:
-            raise RuntimeError(_ALONE.format(rank=self._rank, idioms=idioms))
-        self._gathered += 1  # a meeting that failed is tried again under its key
+        if every_rank_here(self._gm, self._transport, self._ops, key, self._rank):
+            self._gathered += 1  # a meeting that failed is tried again under its key
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load what :meth:`state_dict` gave (on this or any other world size), or the

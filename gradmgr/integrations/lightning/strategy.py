@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Literal, Optional
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional
 
 import torch
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -415,9 +415,9 @@ def _rebind_schedulers(optimizer: torch.optim.Optimizer, sharded: ShardedOptimiz
     optimizer.param_groups[:] = sharded.param_groups
     step = sharded.step
 
-    def stepped() -> Any:
+    def stepped(closure: Optional[Callable[[], Any]] = None) -> Any:
         optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's mark, set by the wrapper schedulers put
-        return step()
+        return step(closure)
 
     stepped.__doc__ = step.__doc__
     sharded.step = stepped  # type: ignore[method-assign]
