@@ -71,6 +71,8 @@ HABITS = [
           '`broadcast_buffers=False`'),
     Habit("zero_grad_keep",
           '`opt.zero_grad(set_to_none=False)`'),
+    Habit("zero_grad_keep_unused",
+          '`opt.zero_grad(set_to_none=False)`, a layer used at the first step only'),
     Habit("model_zero_grad",
           '`model.zero_grad()` instead of `opt.zero_grad()`'),
     Habit("adam",

@@ -22,6 +22,28 @@ def zero_grad_keep(kind, rank, world):
     return loop(side, opt, zero=lambda: opt.zero_grad(set_to_none=False))
 
 
+def zero_grad_keep_unused(kind, rank, world):
+    """``opt.zero_grad(set_to_none=False)`` with a layer used at the first step only (on every
+    rank): its zeroed ``.grad`` is kept, so SGD's momentum goes on moving it."""
+    from .habit_sides import make_model
+
+    side = Side(kind, rank, model=make_model(rank, extra=True),
+                ddp={"find_unused_parameters": True})
+    model, first = side.model, [True]
+
+    def forward(x):
+        h = model.fc2(torch.tanh(model.bn(model.fc1(x))))
+        return model.extra(h) if first[0] else h
+
+    model.forward = forward
+    opt = side.optimizer()
+
+    def after_step(step, out):
+        first[0] = False
+
+    return loop(side, opt, zero=lambda: opt.zero_grad(set_to_none=False), after_step=after_step)
+
+
 def model_zero_grad(kind, rank, world):
     """``model.zero_grad()`` instead of the optimizer's."""
     side = Side(kind, rank)

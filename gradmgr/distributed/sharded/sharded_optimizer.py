@@ -244,15 +244,15 @@ class ShardedOptimizer:
         return self if result is self.optimizer else result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradient shards (and the segments' ``.grad``).
-
-        ``set_to_none`` is taken as ``torch.optim.Optimizer.zero_grad`` takes it; the shards
-        are dropped either way (the next synced backward writes them whole): the sums are
-        the same, but no zero gradient is kept, so a parameter without a gradient in the next
-        synced step (used on no rank, or frozen since) is not stepped, where torch's optimizer
-        steps a kept zero ``.grad`` (momentum, weight decay: docs/sharded.md, "The rules")."""
-        del set_to_none
-        self._shards.zero()  # (a deferred gather writes parameters, never these: no wait)
+        """Drop the gradient shards (and the segments' ``.grad``), as
+        ``torch.optim.Optimizer.zero_grad`` drops ``.grad``; ``set_to_none=False`` zeroes
+        them instead, so that a parameter that gets no gradient in the next synced step (used
+        on no rank there) is stepped with zeros, as torch's optimizer steps a zeroed ``.grad``
+        under DDP (momentum and weight decay go on moving it)."""
+        if set_to_none:
+            self._shards.zero()  # (a deferred gather writes parameters, never these: no wait)
+        else:
+            self._shards.keep_zeros()
         for tensor in self._reduced.tensors:
             self._ops.set_segment_grad(tensor, None)
 

@@ -206,6 +206,7 @@ class GradientShards:
         self.plan: Optional[BucketPlan] = None
         self.chunks: List[Any] = []
         self.present: List[List[bool]] = []
+        self.kept_zeros: List[bool] = []  # a chunk of zeros that the next step replaces
         self.version = 0  # changes whenever the chunks' values do
         # The planned tensors' .grad after a synced step: stand_ins is shard_grads.StandIns
         # (passed in: that module builds on this one).
@@ -222,6 +223,17 @@ class GradientShards:
         buckets = self.plan.buckets if self.plan is not None else []
         self.chunks = [None] * len(buckets)
         self.present = [[False] * len(b.members) for b in buckets]
+        self.kept_zeros = [False] * len(buckets)
+        self.changed()
+        self.stand_ins.drop()
+
+    def keep_zeros(self) -> None:
+        """Zero the chunks, keeping which members have a gradient (``zero_grad(set_to_none=
+        False)``): as a zeroed ``.grad`` under DDP, a member that gets no gradient in the next
+        step still has one, zeros, which the optimizer steps (momentum, weight decay)."""
+        ops = self.ops
+        self.chunks = [None if c is None else ops.zeros(ops.numel(c), c) for c in self.chunks]
+        self.kept_zeros = [c is not None for c in self.chunks]
         self.changed()
         self.stand_ins.drop()
 
@@ -262,8 +274,9 @@ class GradientShards:
             flags = summed_flags[start:start + len(bucket.members)]
             start += len(bucket.members) + 1
             chunk = reduction.chunk()
-            if self.chunks[b] is None:
-                self.chunks[b] = chunk
+            if self.chunks[b] is None or self.kept_zeros[b]:
+                self.chunks[b] = chunk  # (as DDP copies a bucket into a zeroed .grad)
+                self.kept_zeros[b] = False
             else:
                 self.chunks[b] = self.ops.add(self.chunks[b], chunk)
             self.present[b] = [was or used != 0 for was, used in zip(self.present[b], flags)]
