@@ -168,3 +168,81 @@ def test_a_correct_ports_drift_is_its_rounding_baseline_a_broken_ones_is_not():
     assert max(ratios) < 4.0, good.text()
     broken = _train(G.ResNet(maskless_relu=True), steps=3, baseline=True)
     assert broken.rel_l2[-1] > 1000 * broken.baseline_rel_l2[-1], broken.text()
+
+
+class _TorchGate(torch.nn.Module):
+    """Two square Linears of one input, a tanh branch and a sigmoid gate, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.head(torch.tanh(self.fc1(x)) * torch.sigmoid(self.fc2(x)))
+
+
+class _MgeGate(mge.module.Module):
+    """Its MegEngine port, the same names: ``order`` calls the gate's Linear first (a correct
+    port), ``swap`` uses fc2 for the branch and fc1 for the gate (a wrong one)."""
+
+    def __init__(self, order: bool = False, swap: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = mge.module.Linear(4, 4), mge.module.Linear(4, 4)
+        self.head = mge.module.Linear(4, 2)
+        self.order, self.swap = order, swap
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        branch, gate = (self.fc2, self.fc1) if self.swap else (self.fc1, self.fc2)
+        if self.order:
+            g = mge.functional.sigmoid(gate(x))
+            return self.head(mge.functional.tanh(branch(x)) * g)
+        return self.head(mge.functional.tanh(branch(x)) * mge.functional.sigmoid(gate(x)))
+
+
+GATE_X = RS.randn(6, 4).astype(np.float32)
+BY_NAME = {f"{layer}.{role}": f"{layer}.{role}" for layer in ("fc1", "fc2")
+           for role in ("weight", "bias")}
+
+
+@pytest.mark.parametrize("port", ["wrong", "reordered"])
+def test_square_layers_the_call_order_pairs_against_their_names_are_not_paired(port):
+    """Both models have fc1 and fc2 of one kind and shape, the port calling them the other
+    way round. The map used to pair them by call order alone, fc1 with fc2: the port using
+    fc2 where the reference uses fc1 was PARITY OK (its weights copied crosswise, so that
+    a checkpoint loaded by name computes another function), and the correct port that only
+    calls its gate first was PARITY BROKEN. Now neither is paired on a guess; by name, the
+    wrong port is BROKEN (at the head, where the two meet) and the reordered one OK."""
+    torch.manual_seed(0)
+    a, b = _TorchGate(), _MgeGate(swap=port == "wrong", order=port == "reordered")
+    with pytest.raises(MappingError, match="the call order pairs layer fc1 with the other "
+                                           "model's fc2.*say which with name_map"):
+        transfer_weights(a, b, probe=GATE_X)
+    report = transfer_weights(a, b, probe=GATE_X, strict=False)
+    assert {u.name for u in report.unmapped} == set(BY_NAME)
+    assert [(p.src, p.dst) for p in report.pairs] == [("head.weight", "head.weight"),
+                                                      ("head.bias", "head.bias")]
+    assert not compare_step(a, b, GATE_X).ok
+    assert transfer_weights(a, b, BY_NAME, probe=GATE_X).ok
+    report = compare_step(a, b, GATE_X, name_map=BY_NAME)
+    if port == "wrong":
+        # fc1 and fc2 both read x (their rows agree); their outputs meet in unwatched code
+        assert not report.ok and report.first_forward.layer == "head", report.text()
+    else:
+        assert report.ok, report.text()
+
+
+def test_train_drift_refuses_a_map_with_tensors_it_cannot_measure():
+    """train_drift used to measure the mapped tensors only, silently: the crossed layers
+    above (or any unmapped layer) were left out of its distances."""
+    torch.manual_seed(0)
+    a, b = _TorchGate(), _MgeGate(swap=True)
+    transfer_weights(a, b, BY_NAME, probe=GATE_X)
+    sgd = torch.optim.SGD(a.parameters(), lr=0.1)
+    with pytest.raises(MappingError, match=r"(?s)train_drift measures mapped tensors only:.*"
+                                           r"unmapped \(src\) fc1.weight"):
+        train_drift(a, b, sgd, mge_optim.SGD(b.parameters(), lr=0.1), [GATE_X] * 2)
+    report = train_drift(a, b, sgd, mge_optim.SGD(b.parameters(), lr=0.1), [GATE_X] * 2,
+                         name_map=BY_NAME)
+    assert report.steps == 2 and report.rel_l2[0] > 0
+
