@@ -246,3 +246,20 @@ def test_train_drift_refuses_a_map_with_tensors_it_cannot_measure():
                          name_map=BY_NAME)
     assert report.steps == 2 and report.rel_l2[0] > 0
 
+
+def test_a_torch_embeddings_padding_row_against_megengines_none_is_a_finding():
+    """MegEngine 1.13 refuses a padding_idx (its padding row trains like any other): a
+    torch reference with one was PARITY OK against its MegEngine port on a batch without
+    the padding id, the weight map ok."""
+    ids = np.array([[1, 2, 3], [3, 2, 1]], dtype=np.int64)
+    a = torch.nn.Sequential(torch.nn.Embedding(5, 4, padding_idx=0), torch.nn.Linear(4, 2))
+    b = mge.module.Sequential(mge.module.Embedding(5, 4), mge.module.Linear(4, 2))
+    with pytest.raises(MappingError, match="0 / 0: padding_idx is 0 on one side, None on the "
+                                           "other"):
+        transfer_weights(a, b, probe=ids)
+    transfer_weights(a, b, probe=ids, strict=False)
+    report = compare_step(a, b, ids)
+    assert not report.ok and [(f.layer_src, f.key) for f in report.findings] == [
+        ("0", "padding_idx")], report.text()
+    a[0].padding_idx = None  # the same model without a padding row: parity
+    assert transfer_weights(a, b, probe=ids).ok and compare_step(a, b, ids).ok

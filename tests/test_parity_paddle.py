@@ -610,3 +610,51 @@ def test_a_block_called_twice_on_one_side_only_is_refused_with_paddle(shared_sid
     a = block_model(src, "called", shared_side == "src", 0)
     b = block_model(dst, "called", shared_side == "dst", 1)
     check_block_called_twice_on_one_side(a, b, TIED_BATCHES["shared"])
+
+
+class _TorchEmb(torch.nn.Module):
+    def __init__(self, pad) -> None:  # noqa: ANN001
+        super().__init__()
+        self.emb, self.fc = torch.nn.Embedding(5, 4, padding_idx=pad), torch.nn.Linear(4, 2)
+
+    def forward(self, ids):  # noqa: ANN001, ANN201
+        return self.fc(self.emb(ids))
+
+
+class _PaddleEmb(paddle.nn.Layer):
+    def __init__(self, pad) -> None:  # noqa: ANN001
+        super().__init__()
+        self.emb, self.fc = paddle.nn.Embedding(5, 4, padding_idx=pad), paddle.nn.Linear(4, 2)
+
+    def forward(self, ids):  # noqa: ANN001, ANN201
+        return self.fc(self.emb(ids))
+
+
+IDS_NO_PAD = np.array([[1, 2, 3], [3, 2, 1]], dtype=np.int64)
+
+
+@pytest.mark.parametrize("pads", [(0, None), (None, 0), (0, 4), (-1, 0)])
+def test_an_embedding_padding_idx_dropped_or_moved_in_the_paddle_port_is_a_finding(pads):
+    """The padding row gets no gradient (in PyTorch and Paddle alike): a port without it, or
+    with another, trains that row differently, which a batch without the padding id does not
+    show. That port used to be PARITY OK on such a batch, the weight map ok."""
+    torch.manual_seed(0)
+    a, b = _TorchEmb(pads[0]), _PaddleEmb(pads[1])
+    want = [4 if p == -1 else p for p in pads]  # -1: the last row, on both sides
+    with pytest.raises(MappingError, match=f"emb / emb: padding_idx is {want[0]} on one side, "
+                                           f"{want[1]} on the other"):
+        transfer_weights(a, b, probe=IDS_NO_PAD)
+    transfer_weights(a, b, probe=IDS_NO_PAD, strict=False)
+    report = compare_step(a, b, IDS_NO_PAD)
+    assert not report.ok and [(f.layer_src, f.key) for f in report.findings] == [
+        ("emb", "padding_idx")], report.text()
+    assert report.first_forward is None and report.first_grad is None  # the batch: alike
+
+
+@pytest.mark.parametrize("pads", [(0, 0), (-1, -1), (-1, 4), (None, None)])
+def test_an_embedding_with_the_same_padding_row_in_the_paddle_port_is_parity(pads):
+    torch.manual_seed(0)
+    a, b = _TorchEmb(pads[0]), _PaddleEmb(pads[1])
+    assert transfer_weights(a, b, probe=IDS_NO_PAD).ok
+    ids = np.array([[0, 1, 4], [4, 2, 0]], dtype=np.int64)  # padding ids too
+    assert compare_step(a, b, ids).ok

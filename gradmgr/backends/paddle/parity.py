@@ -63,6 +63,9 @@ def _config(m: Any) -> Dict[str, Any]:
         return config
     if isinstance(m, nn.Dropout):
         return {"p": m.p}
+    if isinstance(m, nn.Embedding):  # kept as given; its forward reads -1 as the last row
+        pad = m._padding_idx
+        return {"padding_idx": pad if pad is None or pad >= 0 else int(m.weight.shape[0]) + pad}
     return {}
 
 
