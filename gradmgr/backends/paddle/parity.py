@@ -12,6 +12,7 @@ biased batch variance.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -71,10 +72,11 @@ def _config(m: Any) -> Dict[str, Any]:
 
 def _kind(module: Any) -> str:
     """The lower-cased name of the nearest ``paddle.nn`` class (``BatchNorm2D`` ->
-    ``batchnorm2d``, torch's name for it), or of the module's own class."""
+    ``batchnorm2d``, torch's name for it; ``Conv2DTranspose`` -> torch's ``convtranspose2d``),
+    or of the module's own class."""
     for cls in type(module).__mro__:
         if cls.__module__.startswith("paddle.nn.") and cls.__name__ != "Layer":
-            return cls.__name__.lower()
+            return re.sub(r"^conv(\dd)transpose$", r"convtranspose\1", cls.__name__.lower())
     return type(module).__name__.lower()
 
 
