@@ -693,3 +693,84 @@ def test_a_paddle_conv2dtranspose_weight_with_its_channel_dims_exchanged_is_brok
     report = compare_step(a, b, x)
     assert not report.ok and report.first_forward.layer == "0", report.text()
     assert report.weights == ["0.weight / 0.weight"]  # and said: not the weights transferred
+
+
+def _rnns(kind, direction):  # noqa: ANN001, ANN202
+    """torch's and Paddle's GRU or LSTM, two layers both ways, then a Linear."""
+    class TorchRNN(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = getattr(torch.nn, kind)(3, 4, num_layers=2, batch_first=True,
+                                               bidirectional=True)
+            self.fc = torch.nn.Linear(8, 2)
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return self.fc(self.rnn(x)[0])
+
+    class PaddleRNN(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = getattr(paddle.nn, kind)(3, 4, num_layers=2, direction="bidirect")
+            self.fc = paddle.nn.Linear(8, 2)
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return self.fc(self.rnn(x)[0])
+
+    torch.manual_seed(0)
+    paddle.seed(0)
+    models = (TorchRNN(), PaddleRNN())
+    return models if direction == "torch->paddle" else models[::-1]
+
+
+XRNN = RS.randn(2, 5, 3).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+@pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
+def test_a_paddle_gru_or_lstm_maps_to_torchs_and_a_gate_swap_is_broken_at_it(kind, direction):
+    """Paddle's GRU and LSTM keep torch's names, layouts and gate order (weight_ih_l0 of
+    [gates * hidden, in]; measured here: every forward and gradient within the tool's
+    tolerance). Their cells hold the same parameters again under other names, and an empty
+    _dropout_state buffer could not be written back: the weight map raised ValueError
+    ("cannot reshape array of size 0"). A gate pair swapped in one weight is BROKEN at it."""
+    a, b = _rnns(kind, direction)
+    report = transfer_weights(a, b, probe=XRNN)
+    assert report.ok and len(report.pairs) == 18, report.text()
+    report = compare_step(a, b, XRNN)
+    assert report.ok and len([e for e in report.entries if e.what == "grad"]) == 18, report.text()
+    weight = raw(b)["rnn.weight_hh_l1"]  # its first two gates (r, z; i, f) exchanged
+    swapped = np.concatenate([weight[4:8], weight[:4], weight[8:]])
+    if isinstance(b, torch.nn.Module):
+        with torch.no_grad():
+            b.rnn.weight_hh_l1.copy_(torch.from_numpy(swapped))
+    else:
+        b.rnn.weight_hh_l1.set_value(swapped)
+    report = compare_step(a, b, XRNN)
+    assert not report.ok and report.first_forward.layer == "rnn", report.text()
+
+
+def test_a_paddle_gru_checkpoint_converts_with_its_cells_names_and_back(tmp_path):
+    """Paddle's state dict lists an RNN's parameters twice (rnn.weight_ih_l0 and
+    rnn.0.cell_fw.weight_ih): the converted file holds both (set_state_dict finds no key
+    missing or unexpected), and converting it back reads the one value, refusing two."""
+    ref, port = _rnns("GRU", "torch->paddle")
+    save_map(ref, port, str(tmp_path / "map.json"), probe=XRNN)
+    torch.save(ref.state_dict(), tmp_path / "ref.pth")
+    convert_checkpoint(str(tmp_path / "ref.pth"), str(tmp_path / "port.pdparams"),
+                       str(tmp_path / "map.json"))
+    state = paddle.load(str(tmp_path / "port.pdparams"))
+    assert set(state) == set(port.state_dict())
+    assert port.set_state_dict(state) == ([], [])
+    np.testing.assert_array_equal(port.rnn.weight_ih_l0.numpy(), ref.rnn.weight_ih_l0.detach())
+    convert_checkpoint(str(tmp_path / "port.pdparams"), str(tmp_path / "back.pth"),
+                       str(tmp_path / "map.json"), reverse=True)
+    back = torch.load(tmp_path / "back.pth")
+    assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
+    state = paddle.load(str(tmp_path / "port.pdparams"))  # (set_state_dict emptied it)
+    assert "rnn.0.cell_fw.weight_ih" in state  # the forward cell of the first layer
+    state["rnn.0.cell_fw.weight_ih"] = state["rnn.0.cell_fw.weight_ih"] + 1  # one name edited
+    paddle.save(state, str(tmp_path / "edited.pdparams"))
+    with pytest.raises(MappingError, match="rnn.weight_ih_l0, rnn.0.cell_fw.weight_ih: one "
+                                           "parameter"):
+        convert_checkpoint(str(tmp_path / "edited.pdparams"), str(tmp_path / "no.pth"),
+                           str(tmp_path / "map.json"), reverse=True)
