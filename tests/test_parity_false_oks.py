@@ -232,6 +232,20 @@ def test_square_layers_the_call_order_pairs_against_their_names_are_not_paired(p
         assert report.ok, report.text()
 
 
+def test_square_layers_whose_names_are_shifted_by_one_pair_by_call_order():
+    """A port with an Identity first: its Linears are 1, 2, 3 where the reference's are 0,
+    1, 2. The names 1 and 2 are on both sides, but the chain 0 -> 1 -> 2 -> 3 does not
+    close: no crossing, the call order pairs them, and the port is parity."""
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    b = mge.module.Sequential(mge.module.Identity(),
+                              *[mge.module.Linear(4, 4) for _ in range(3)])
+    report = transfer_weights(a, b, probe=GATE_X)
+    assert [(p.src, p.dst) for p in report.pairs if p.src.endswith("weight")] == [
+        ("0.weight", "1.weight"), ("1.weight", "2.weight"), ("2.weight", "3.weight")]
+    assert compare_step(a, b, GATE_X).ok
+
+
 def test_train_drift_refuses_a_map_with_tensors_it_cannot_measure():
     """train_drift used to measure the mapped tensors only, silently: the crossed layers
     above (or any unmapped layer) were left out of its distances."""

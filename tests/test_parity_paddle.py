@@ -695,14 +695,14 @@ def test_a_paddle_conv2dtranspose_weight_with_its_channel_dims_exchanged_is_brok
     assert report.weights == ["0.weight / 0.weight"]  # and said: not the weights transferred
 
 
-def _rnns(kind, direction):  # noqa: ANN001, ANN202
-    """torch's and Paddle's GRU or LSTM, two layers both ways, then a Linear."""
+def _rnns(kind, direction, deep=True):  # noqa: ANN001, ANN202
+    """torch's and Paddle's GRU or LSTM (``deep``: two layers, both ways), then a Linear."""
     class TorchRNN(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.rnn = getattr(torch.nn, kind)(3, 4, num_layers=2, batch_first=True,
-                                               bidirectional=True)
-            self.fc = torch.nn.Linear(8, 2)
+            self.rnn = getattr(torch.nn, kind)(3, 4, num_layers=1 + deep, batch_first=True,
+                                               bidirectional=deep)
+            self.fc = torch.nn.Linear(4 + 4 * deep, 2)
 
         def forward(self, x):  # noqa: ANN001, ANN202
             return self.fc(self.rnn(x)[0])
@@ -710,8 +710,9 @@ def _rnns(kind, direction):  # noqa: ANN001, ANN202
     class PaddleRNN(paddle.nn.Layer):
         def __init__(self) -> None:
             super().__init__()
-            self.rnn = getattr(paddle.nn, kind)(3, 4, num_layers=2, direction="bidirect")
-            self.fc = paddle.nn.Linear(8, 2)
+            self.rnn = getattr(paddle.nn, kind)(3, 4, num_layers=1 + deep,
+                                                direction="bidirect" if deep else "forward")
+            self.fc = paddle.nn.Linear(4 + 4 * deep, 2)
 
         def forward(self, x):  # noqa: ANN001, ANN202
             return self.fc(self.rnn(x)[0])
@@ -725,26 +726,31 @@ def _rnns(kind, direction):  # noqa: ANN001, ANN202
 XRNN = RS.randn(2, 5, 3).astype(np.float32)
 
 
+@pytest.mark.parametrize("deep", [False, True])
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])
 @pytest.mark.parametrize("direction", ["torch->paddle", "paddle->torch"])
-def test_a_paddle_gru_or_lstm_maps_to_torchs_and_a_gate_swap_is_broken_at_it(kind, direction):
+def test_a_paddle_gru_or_lstm_maps_to_torchs_and_a_gate_swap_is_broken_at_it(kind, direction,
+                                                                            deep):
     """Paddle's GRU and LSTM keep torch's names, layouts and gate order (weight_ih_l0 of
     [gates * hidden, in]; measured here: every forward and gradient within the tool's
     tolerance). Their cells hold the same parameters again under other names, and an empty
     _dropout_state buffer could not be written back: the weight map raised ValueError
     ("cannot reshape array of size 0"). A gate pair swapped in one weight is BROKEN at it."""
-    a, b = _rnns(kind, direction)
+    a, b = _rnns(kind, direction, deep)
+    count = 2 + 16 if deep else 2 + 4  # the Linear's and the RNN's
     report = transfer_weights(a, b, probe=XRNN)
-    assert report.ok and len(report.pairs) == 18, report.text()
+    assert report.ok and len(report.pairs) == count, report.text()
     report = compare_step(a, b, XRNN)
-    assert report.ok and len([e for e in report.entries if e.what == "grad"]) == 18, report.text()
-    weight = raw(b)["rnn.weight_hh_l1"]  # its first two gates (r, z; i, f) exchanged
+    assert report.ok and len([e for e in report.entries if e.what == "grad"]) == count, (
+        report.text())
+    name = "weight_hh_l1" if deep else "weight_hh_l0"
+    weight = raw(b)[f"rnn.{name}"]  # its first two gates (r, z; i, f) exchanged
     swapped = np.concatenate([weight[4:8], weight[:4], weight[8:]])
     if isinstance(b, torch.nn.Module):
         with torch.no_grad():
-            b.rnn.weight_hh_l1.copy_(torch.from_numpy(swapped))
+            getattr(b.rnn, name).copy_(torch.from_numpy(swapped))
     else:
-        b.rnn.weight_hh_l1.set_value(swapped)
+        getattr(b.rnn, name).set_value(swapped)
     report = compare_step(a, b, XRNN)
     assert not report.ok and report.first_forward.layer == "rnn", report.text()
 
