@@ -277,3 +277,73 @@ def test_a_torch_embeddings_padding_row_against_megengines_none_is_a_finding():
         ("0", "padding_idx")], report.text()
     a[0].padding_idx = None  # the same model without a padding row: parity
     assert transfer_weights(a, b, probe=ids).ok and compare_step(a, b, ids).ok
+
+
+class _OwnBatchNorm1d(mge.module.Module):
+    """A port's hand-written BatchNorm: it normalizes as MegEngine's does; ``update=False``
+    forgets to update its running statistics (what eval mode reads)."""
+
+    def __init__(self, n: int, update: bool) -> None:
+        super().__init__()
+        self.weight = mge.Parameter(np.ones(n, np.float32))
+        self.bias = mge.Parameter(np.zeros(n, np.float32))
+        self.running_mean = mge.Tensor(np.zeros(n, np.float32))
+        self.running_var = mge.Tensor(np.ones(n, np.float32))
+        self.eps, self.update = 1e-5, update
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        if not self.training:
+            mean, var = self.running_mean, self.running_var
+        else:
+            mean, var = x.mean(0), ((x - x.mean(0)) ** 2).mean(0)
+            if self.update:  # PyTorch's momentum 0.1, the unbiased variance
+                n = x.shape[0]
+                self.running_mean._reset(0.9 * self.running_mean + 0.1 * mean.detach())
+                self.running_var._reset(0.9 * self.running_var
+                                        + 0.1 * var.detach() * n / (n - 1))
+        return (x - mean) / mge.functional.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class _TorchBN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = (torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+                                      torch.nn.Linear(4, 1))
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.out(torch.tanh(self.bn(self.fc(x))))
+
+
+class _MgeBN(mge.module.Module):
+    def __init__(self, update: bool) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = (mge.module.Linear(4, 4), _OwnBatchNorm1d(4, update),
+                                      mge.module.Linear(4, 1))
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.out(mge.functional.tanh(self.bn(self.fc(x))))
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_a_port_whose_batchnorm_never_updates_its_statistics_is_broken_at_its_buffers(update):
+    """Every output and gradient of a training step agrees, but the running statistics the
+    step leaves do not (here running_mean 0.048 apart, 7,900 times its tolerance; running_var
+    16,000 times), and eval
+    mode reads them: that port used to be PARITY OK. Then in eval mode, both models in it,
+    the BatchNorm's output was blamed on a mode ('a in eval mode, b in eval mode')."""
+    torch.manual_seed(0)
+    a, b = _TorchBN(), _MgeBN(update)
+    transfer_weights(a, b, probe=GATE_X)
+    report = compare_step(a, b, GATE_X)
+    assert all(e.ok for e in report.entries if e.what != "buffer"), report.text()
+    buffers = {e.name: e.verdict for e in report.entries if e.what == "buffer"}
+    assert set(buffers) == {"bn.running_mean / bn.running_mean",
+                            "bn.running_var / bn.running_var"}
+    if update:
+        assert report.ok and set(buffers.values()) == {"ok"}, report.text()
+        return
+    assert not report.ok and set(buffers.values()) == {"DIFFERS"}, report.text()
+    assert "buffers after the step: 2 differ (bn.running_mean / bn.running_mean" in report.text()
+    a.eval(), b.eval()
+    report = compare_step(a, b, GATE_X)  # the statistics the step left: bn differs
+    assert report.first_forward.layer == "bn" and "mode" not in report.first_forward.note
