@@ -176,7 +176,8 @@ def buffer_entries(sides: Tuple[ModelAdapter, ModelAdapter], ta: Trace,
     step, and parts at the next step or in eval mode. Not a buffer one framework updates
     otherwise by design (its slot's note: Paddle's biased running variance), which the
     weight map says. Compared like a gradient, at its layer's largest buffer's scale."""
-    (ad_a, ad_b), first_call = sides, {}
+    ad_a, ad_b = sides
+    first_call: Dict[str, int] = {}
     kinds = {y.name: y.kind for y in ad_a.layers()}
     for index, call in enumerate(ta.calls):
         first_call.setdefault(call.layer, index)

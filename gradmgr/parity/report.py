@@ -50,8 +50,8 @@ def _shown(value: Any) -> str:
 @dataclass
 class Entry:
     """One compared tensor: ``what`` is ``forward`` (a layer's output), ``loss``, ``grad``
-    (a parameter's gradient) or ``buffer`` (one as the step left it); ``verdict`` is ``ok``, ``DIFFERS``, or ``unverified`` (a flip
-    that could not be pinned lies behind it)."""
+    (a parameter's gradient) or ``buffer`` (one as the step left it); ``verdict`` is ``ok``,
+    ``DIFFERS``, or ``unverified`` (a flip that could not be pinned lies behind it)."""
 
     what: str
     name: str
