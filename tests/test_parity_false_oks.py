@@ -168,3 +168,182 @@ def test_a_correct_ports_drift_is_its_rounding_baseline_a_broken_ones_is_not():
     assert max(ratios) < 4.0, good.text()
     broken = _train(G.ResNet(maskless_relu=True), steps=3, baseline=True)
     assert broken.rel_l2[-1] > 1000 * broken.baseline_rel_l2[-1], broken.text()
+
+
+class _TorchGate(torch.nn.Module):
+    """Two square Linears of one input, a tanh branch and a sigmoid gate, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.head(torch.tanh(self.fc1(x)) * torch.sigmoid(self.fc2(x)))
+
+
+class _MgeGate(mge.module.Module):
+    """Its MegEngine port, the same names: ``order`` calls the gate's Linear first (a correct
+    port), ``swap`` uses fc2 for the branch and fc1 for the gate (a wrong one)."""
+
+    def __init__(self, order: bool = False, swap: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = mge.module.Linear(4, 4), mge.module.Linear(4, 4)
+        self.head = mge.module.Linear(4, 2)
+        self.order, self.swap = order, swap
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        branch, gate = (self.fc2, self.fc1) if self.swap else (self.fc1, self.fc2)
+        if self.order:
+            g = mge.functional.sigmoid(gate(x))
+            return self.head(mge.functional.tanh(branch(x)) * g)
+        return self.head(mge.functional.tanh(branch(x)) * mge.functional.sigmoid(gate(x)))
+
+
+GATE_X = RS.randn(6, 4).astype(np.float32)
+BY_NAME = {f"{layer}.{role}": f"{layer}.{role}" for layer in ("fc1", "fc2")
+           for role in ("weight", "bias")}
+
+
+@pytest.mark.parametrize("port", ["wrong", "reordered"])
+def test_square_layers_the_call_order_pairs_against_their_names_are_not_paired(port):
+    """Both models have fc1 and fc2 of one kind and shape, the port calling them the other
+    way round. The map used to pair them by call order alone, fc1 with fc2: the port using
+    fc2 where the reference uses fc1 was PARITY OK (its weights copied crosswise, so that
+    a checkpoint loaded by name computes another function), and the correct port that only
+    calls its gate first was PARITY BROKEN. Now neither is paired on a guess; by name, the
+    wrong port is BROKEN (at the head, where the two meet) and the reordered one OK."""
+    torch.manual_seed(0)
+    a, b = _TorchGate(), _MgeGate(swap=port == "wrong", order=port == "reordered")
+    with pytest.raises(MappingError, match="the call order pairs layer fc1 with the other "
+                                           "model's fc2.*say which with name_map"):
+        transfer_weights(a, b, probe=GATE_X)
+    report = transfer_weights(a, b, probe=GATE_X, strict=False)
+    assert {u.name for u in report.unmapped} == set(BY_NAME)
+    assert [(p.src, p.dst) for p in report.pairs] == [("head.weight", "head.weight"),
+                                                      ("head.bias", "head.bias")]
+    assert not compare_step(a, b, GATE_X).ok
+    assert transfer_weights(a, b, BY_NAME, probe=GATE_X).ok
+    report = compare_step(a, b, GATE_X, name_map=BY_NAME)
+    if port == "wrong":
+        # fc1 and fc2 both read x (their rows agree); their outputs meet in unwatched code
+        assert not report.ok and report.first_forward.layer == "head", report.text()
+    else:
+        assert report.ok, report.text()
+
+
+def test_square_layers_whose_names_are_shifted_by_one_pair_by_call_order():
+    """A port with an Identity first: its Linears are 1, 2, 3 where the reference's are 0,
+    1, 2. The names 1 and 2 are on both sides, but the chain 0 -> 1 -> 2 -> 3 does not
+    close: no crossing, the call order pairs them, and the port is parity."""
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    b = mge.module.Sequential(mge.module.Identity(),
+                              *[mge.module.Linear(4, 4) for _ in range(3)])
+    report = transfer_weights(a, b, probe=GATE_X)
+    assert [(p.src, p.dst) for p in report.pairs if p.src.endswith("weight")] == [
+        ("0.weight", "1.weight"), ("1.weight", "2.weight"), ("2.weight", "3.weight")]
+    assert compare_step(a, b, GATE_X).ok
+
+
+def test_train_drift_refuses_a_map_with_tensors_it_cannot_measure():
+    """train_drift used to measure the mapped tensors only, silently: the crossed layers
+    above (or any unmapped layer) were left out of its distances."""
+    torch.manual_seed(0)
+    a, b = _TorchGate(), _MgeGate(swap=True)
+    transfer_weights(a, b, BY_NAME, probe=GATE_X)
+    sgd = torch.optim.SGD(a.parameters(), lr=0.1)
+    with pytest.raises(MappingError, match=r"(?s)train_drift measures mapped tensors only:.*"
+                                           r"unmapped \(src\) fc1.weight"):
+        train_drift(a, b, sgd, mge_optim.SGD(b.parameters(), lr=0.1), [GATE_X] * 2)
+    report = train_drift(a, b, sgd, mge_optim.SGD(b.parameters(), lr=0.1), [GATE_X] * 2,
+                         name_map=BY_NAME)
+    assert report.steps == 2 and report.rel_l2[0] > 0
+
+
+def test_a_torch_embeddings_padding_row_against_megengines_none_is_a_finding():
+    """MegEngine 1.13 refuses a padding_idx (its padding row trains like any other): a
+    torch reference with one was PARITY OK against its MegEngine port on a batch without
+    the padding id, the weight map ok."""
+    ids = np.array([[1, 2, 3], [3, 2, 1]], dtype=np.int64)
+    a = torch.nn.Sequential(torch.nn.Embedding(5, 4, padding_idx=0), torch.nn.Linear(4, 2))
+    b = mge.module.Sequential(mge.module.Embedding(5, 4), mge.module.Linear(4, 2))
+    with pytest.raises(MappingError, match="0 / 0: padding_idx is 0 on one side, None on the "
+                                           "other"):
+        transfer_weights(a, b, probe=ids)
+    transfer_weights(a, b, probe=ids, strict=False)
+    report = compare_step(a, b, ids)
+    assert not report.ok and [(f.layer_src, f.key) for f in report.findings] == [
+        ("0", "padding_idx")], report.text()
+    a[0].padding_idx = None  # the same model without a padding row: parity
+    assert transfer_weights(a, b, probe=ids).ok and compare_step(a, b, ids).ok
+
+
+class _OwnBatchNorm1d(mge.module.Module):
+    """A port's hand-written BatchNorm: it normalizes as MegEngine's does; ``update=False``
+    forgets to update its running statistics (what eval mode reads)."""
+
+    def __init__(self, n: int, update: bool) -> None:
+        super().__init__()
+        self.weight = mge.Parameter(np.ones(n, np.float32))
+        self.bias = mge.Parameter(np.zeros(n, np.float32))
+        self.running_mean = mge.Tensor(np.zeros(n, np.float32))
+        self.running_var = mge.Tensor(np.ones(n, np.float32))
+        self.eps, self.update = 1e-5, update
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        if not self.training:
+            mean, var = self.running_mean, self.running_var
+        else:
+            mean, var = x.mean(0), ((x - x.mean(0)) ** 2).mean(0)
+            if self.update:  # PyTorch's momentum 0.1, the unbiased variance
+                n = x.shape[0]
+                self.running_mean._reset(0.9 * self.running_mean + 0.1 * mean.detach())
+                self.running_var._reset(0.9 * self.running_var
+                                        + 0.1 * var.detach() * n / (n - 1))
+        return (x - mean) / mge.functional.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class _TorchBN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = (torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+                                      torch.nn.Linear(4, 1))
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.out(torch.tanh(self.bn(self.fc(x))))
+
+
+class _MgeBN(mge.module.Module):
+    def __init__(self, update: bool) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = (mge.module.Linear(4, 4), _OwnBatchNorm1d(4, update),
+                                      mge.module.Linear(4, 1))
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.out(mge.functional.tanh(self.bn(self.fc(x))))
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_a_port_whose_batchnorm_never_updates_its_statistics_is_broken_at_its_buffers(update):
+    """Every output and gradient of a training step agrees, but the running statistics the
+    step leaves do not (here running_mean 0.048 apart, 7,900 times its tolerance; running_var
+    16,000 times), and eval
+    mode reads them: that port used to be PARITY OK. Then in eval mode, both models in it,
+    the BatchNorm's output was blamed on a mode ('a in eval mode, b in eval mode')."""
+    torch.manual_seed(0)
+    a, b = _TorchBN(), _MgeBN(update)
+    transfer_weights(a, b, probe=GATE_X)
+    report = compare_step(a, b, GATE_X)
+    assert all(e.ok for e in report.entries if e.what != "buffer"), report.text()
+    buffers = {e.name: e.verdict for e in report.entries if e.what == "buffer"}
+    assert set(buffers) == {"bn.running_mean / bn.running_mean",
+                            "bn.running_var / bn.running_var"}
+    if update:
+        assert report.ok and set(buffers.values()) == {"ok"}, report.text()
+        return
+    assert not report.ok and set(buffers.values()) == {"DIFFERS"}, report.text()
+    assert "buffers after the step: 2 differ (bn.running_mean / bn.running_mean" in report.text()
+    a.eval(), b.eval()
+    report = compare_step(a, b, GATE_X)  # the statistics the step left: bn differs
+    assert report.first_forward.layer == "bn" and "mode" not in report.first_forward.note

@@ -323,9 +323,8 @@ def test_a_tensor_as_the_batch_is_one_item_and_a_nested_tuple_a_clear_error():
     a tuple inside the batch was stacked into one array (the model saw shape (2, 6, 4))."""
     torch.manual_seed(0)
     a = _bn_net()
-    b, b2 = copy.deepcopy(a), copy.deepcopy(a)
-    from_numpy, from_tensor = compare_step(a, b, X), compare_step(copy.deepcopy(a), b2,
-                                                                  torch.from_numpy(X))
+    a2, b, b2 = copy.deepcopy(a), copy.deepcopy(a), copy.deepcopy(a)  # (a steps: its stats)
+    from_numpy, from_tensor = compare_step(a, b, X), compare_step(a2, b2, torch.from_numpy(X))
     assert from_tensor.ok, from_tensor.text()
     assert [(e.name, e.max_abs) for e in from_tensor.entries] == \
         [(e.name, e.max_abs) for e in from_numpy.entries]

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import BackendNotFoundError
 from ..registry import get_backend
-from .checkpoint_ties import listed, read_tied, recorded, write_tied
+from .checkpoint_ties import also_named, listed, read_tied, recorded, write_tied
 from .contract import adapter_for, squeezed
 from .errors import MappingError, ParityError
 from .mapping import Pair, Transform, build_map, convert
@@ -166,7 +166,8 @@ def convert_checkpoint(src_path: str, dst_path: str, map_path: str, *,
                           f"file: {error}") from error
     skipped = written["ignored"][sides[0]]
     tied = read_tied(source, written, sides[0])
-    extra = sorted(set(source) - {p.src for p in pairs} - set(skipped))
+    extra = sorted(set(source) - {p.src for p in pairs} - set(skipped)
+                   - set(also_named(written, sides[0], {p.src for p in pairs})))
     missing = [p.src for p in pairs if p.src not in source]
     wrong = [f"{p.src} {source[p.src].shape} (the map says {p.src_shape})" for p in pairs
              if p.src in source and squeezed(source[p.src].shape) != squeezed(p.src_shape)]
@@ -175,6 +176,8 @@ def convert_checkpoint(src_path: str, dst_path: str, map_path: str, *,
     # "transpose" is its own inverse: a reversed map applies it as is (a framework may save
     # a tensor without its size-1 dims: MegEngine's BatchNorm)
     values = {p.dst: convert(p, source[p.src].reshape(p.src_shape)) for p in pairs}
+    for other, first in also_named(written, sides[1], set(values)).items():
+        values[other], dtypes[other] = values[first], dtypes[first]
     tied = write_tied(values, {p.dst: p.src for p in pairs}, written, sides[1])
     if tied:
         raise MappingError(_refusal(src_path, map_path, [], [], [], tied))

@@ -8,7 +8,7 @@ values: two names of one parameter that hold different values are refused, never
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Set, Tuple
 
 import numpy as np
 
@@ -87,6 +87,16 @@ def write_tied(values: Mapping[str, np.ndarray], origin: Mapping[str, str],
         f"({_difference(values[a], values[b])}): nothing is picked; convert into a model that "
         f"does not tie them, or make {origin[a]} and {origin[b]} equal in the checkpoint"
         for a, b in _apart(values, written, side)]
+
+
+def also_named(written: Mapping[str, Any], side: str, mapped: Set[str]) -> Dict[str, str]:
+    """The tied names of ``side`` the map pairs with nothing, ``{name: first name}``, where
+    the first name is ``mapped``: names a state dict lists for a parameter it lists under
+    its first name too (Paddle's RNN cells: ``rnn.0.cell.weight_ih`` for
+    ``rnn.weight_ih_l0``). Read, they are checked like any tie (:func:`read_tied`) and
+    converted under the first name; written, each gets the first name's value."""
+    return {other: first for other, first in written["tied"][side].items()
+            if first in mapped and other not in mapped}
 
 
 def listed(values: Dict[str, np.ndarray], written: Mapping[str, Any],

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._extra import require
 from .contract import ModelAdapter, adapter_for
-from .errors import ParityError
+from .errors import MappingError, ParityError
 from .mapping import Pair, Transform, build_map, convert
 from .progress import bar
 from .trace import Loss, as_batch, train_step
@@ -141,6 +141,10 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
         progress: a progress bar on stderr (tqdm); default: when stderr is a terminal and
             tqdm is installed.
 
+    Raises:
+        MappingError: a tensor of either model is not mapped (its report the message): its
+            drift could not be measured.
+
     Example:
         >>> import numpy as np, torch
         >>> from gradmgr.parity import train_drift
@@ -165,6 +169,9 @@ def train_drift(a: Any, b: Any, opt_a: Any, opt_b: Any, batches: Batches, *,
     count = steps if steps is not None else len(batches)  # type: ignore[arg-type]
     mapping = build_map(ad_a, ad_b, name_map, transforms=transforms, inputs=inputs,
                         probe=batches(0) if callable(batches) else batches[0])
+    if mapping.unmapped:  # a distance over the mapped tensors only would hide the others'
+        raise MappingError(f"train_drift measures mapped tensors only:\n{mapping.text()}",
+                           mapping)
     trainable = {s.name for s in ad_a.slots() if s.trainable}
     trained = [p for p in mapping.pairs if p.src in trainable]
     buffers = [p for p in mapping.pairs if p.src not in trainable]

@@ -59,7 +59,8 @@ def forward_entries(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]],
             kinks[(i, j)] = kink
             if kink.beyond:
                 note = f"{kink.beyond} element(s) on different sides of the kink"
-        if ca.config.get("training") != cb.config.get("training") and diff > tol:
+        modes = [c.config.get("training") for c in (ca, cb)]
+        if None not in modes and modes[0] != modes[1] and diff > tol:
             modes = ["training" if c.config.get("training") else "eval" for c in (ca, cb)]
             note = (f"a in {modes[0]} mode, b in {modes[1]} mode: call .train() or .eval() "
                     f"on both models")
@@ -164,6 +165,44 @@ def _grad_entry(pair: Any, ta: Trace, tb: Trace, layer: str, kind: str, index: i
                                     C_GRAD)
     return Entry("grad", name, layer, kind, diff, rel, tol,
                  "ok" if diff <= tol and not note else "DIFFERS", note, index=index)
+
+
+def buffer_entries(sides: Tuple[ModelAdapter, ModelAdapter], ta: Trace,
+                   before: Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]],
+                   mapping: MappingReport, depth: List[float], factor: float,
+                   report: StepReport) -> None:
+    """A row per mapped buffer as the step left it (BatchNorm's running statistics): a port
+    that normalizes right but updates them wrong agrees on every output and gradient of the
+    step, and parts at the next step or in eval mode. Not a buffer one framework updates
+    otherwise by design (its slot's note: Paddle's biased running variance), which the
+    weight map says. Compared like a gradient, at its layer's largest buffer's scale."""
+    ad_a, ad_b = sides
+    first_call: Dict[str, int] = {}
+    kinds = {y.name: y.kind for y in ad_a.layers()}
+    for index, call in enumerate(ta.calls):
+        first_call.setdefault(call.layer, index)
+    slots_a, slots_b = {s.name: s for s in ad_a.slots()}, {s.name: s for s in ad_b.slots()}
+    pairs = [p for p in mapping.pairs if not slots_a[p.src].trainable
+             and not (slots_a[p.src].note or slots_b[p.dst].note)]
+    after = {p.src: (convert(p, ad_a.read(p.src)), ad_b.read(p.dst)) for p in pairs}
+    floors: Dict[str, float] = {}
+    for p in pairs:
+        layer = slots_a[p.src].layer
+        floors[layer] = max([floors.get(layer, 0.0)] + [float(np.abs(v).max(initial=0.0))
+                                                        for v in after[p.src]])
+    for p in pairs:
+        layer, (x, y) = slots_a[p.src].layer, after[p.src]
+        index = first_call.get(layer, -1)
+        diff, rel, tol, note = _compare(x, y, ta.dtype, depth[index] if index >= 0 else 1.0,
+                                        factor, floors[layer], C_GRAD)
+        if diff > tol and not np.array_equal(convert(p, before[0][p.src]).reshape(-1),
+                                             before[1][p.dst].reshape(-1)):
+            note = "it differed before the step too: transfer the weights first"
+        report.entries.append(Entry(
+            "buffer", f"{p.src} / {p.dst}", layer, kinds.get(layer, ""), diff, rel, tol,
+            "ok" if diff <= tol and not note else "DIFFERS",
+            note or ("" if diff <= tol else "its update differs (a momentum, a statistic), "
+                     "which the next step and eval mode read"), index=index))
 
 
 def input_grad_entries(ta: Trace, tb: Trace, aligned: List[Tuple[int, int]],

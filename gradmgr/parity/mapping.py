@@ -256,7 +256,9 @@ def _auto_pairs(a: ModelAdapter, b: ModelAdapter, order_a: Optional[Sequence[str
     for side, by_layer, names in (("src", by_layer_a, ambiguous), ("dst", by_layer_b,
                                                                    ambiguous.values())):
         for name in names:  # no tensor is copied on a guess
-            report.unmapped.extend(Unmapped(side, s.name, _ambiguous(len(ambiguous)))
+            why = (_crossing(ambiguous, name, side) if order_a is not None
+                   else _ambiguous(len(ambiguous)))
+            report.unmapped.extend(Unmapped(side, s.name, why)
                                    for s in by_layer[name] if s.role not in _IGNORED)
     matched_a = {x for x, _ in report.layers} | set(ambiguous)
     matched_b = {y for _, y in report.layers} | set(ambiguous.values())
@@ -310,14 +312,50 @@ def match_layers(la: List[Layer], lb: List[Layer], slots_a: Dict[str, List[Slot]
                 found[i] = j
                 free_b.remove(j)
     result, ambiguous = [], {}
+    crossed = _crossed(la, lb, ka, kb, found) if executed else set()
     for i, j in sorted(found.items()):
         twins_a = sum(ka[k] == ka[i] for k in rest_a)
         twins_b = sum(kb[k] == kb[j] for k in rest_b)
-        if executed or la[i].name == lb[j].name or (twins_a <= 1 and twins_b <= 1):
+        if i in crossed:
+            ambiguous[la[i].name] = lb[j].name
+        elif executed or la[i].name == lb[j].name or (twins_a <= 1 and twins_b <= 1):
             result.append((la[i], lb[j]))
         else:
             ambiguous[la[i].name] = lb[j].name
     return result, ambiguous
+
+
+def _crossed(la: List[Layer], lb: List[Layer], ka: List[tuple], kb: List[tuple],
+             found: Dict[int, int]) -> Set[int]:
+    """The pairs (``a``'s indices) the call order makes against the names: layers of one kind
+    and shapes that both models name alike, the order pairing them round a cycle (``fc1``
+    with ``fc2`` and ``fc2`` with ``fc1``). Either the port calls them in another order (the
+    names are right) or uses one where the other model uses another (the order is right and
+    a checkpoint loaded by name is wrong): which, only the user knows. A chain that does not
+    close (a port's names shifted by one) leaves the order the only evidence: not crossed."""
+    index_a = {x.name: i for i, x in enumerate(la)}
+    crossed: Set[int] = set()
+    for start in found:
+        cycle, i = [start], start
+        while lb[found[i]].name != la[start].name:
+            i = index_a.get(lb[found[i]].name, -1)
+            if i not in found or i in cycle or ka[i] != ka[start]:
+                break
+            cycle.append(i)
+        else:
+            if len(cycle) > 1 and all(kb[found[k]] == ka[k] for k in cycle):
+                crossed.update(cycle)
+    return crossed
+
+
+def _crossing(ambiguous: Dict[str, str], name: str, side: str) -> str:
+    other = (ambiguous[name] if side == "src"
+             else next(a for a, b in ambiguous.items() if b == name))
+    return (f"the call order pairs layer {name} with the other model's {other}, but both "
+            f"models have layers named {name} and {other} of this kind and shapes: the port "
+            f"calls them in another order, or uses one where the reference uses the other "
+            f"(then a checkpoint loaded by name is wrong); say which with name_map (e.g. "
+            f"{{'{name}.weight': '{name}.weight'}}, each tensor of these layers)")
 
 
 def _ambiguous(count: int) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .contract import MODAL, Layer, Post, Pre, Slot
+from .contract import MODAL, Layer, Post, Pre, Slot, family
 
 
 def hooked_too(remove_first: Callable[[], None],
@@ -125,7 +125,7 @@ class NamedModules:
         found = []
         for name, m in self.leaves.items():
             kind, config = self.kind(m), dict(self.config(m) or attribute_config(m))
-            if kind.startswith(MODAL):
+            if family(kind).startswith(MODAL):  # a port's own BatchNorm too
                 config["training"] = bool(m.training)
             found.append(Layer(name, kind, config))
         first = {layer.name: layer for layer in found}

@@ -49,9 +49,9 @@ def _shown(value: Any) -> str:
 
 @dataclass
 class Entry:
-    """One compared tensor: ``what`` is ``forward`` (a layer's output), ``loss`` or ``grad``
-    (a parameter's gradient); ``verdict`` is ``ok``, ``DIFFERS``, or ``unverified`` (a flip
-    that could not be pinned lies behind it)."""
+    """One compared tensor: ``what`` is ``forward`` (a layer's output), ``loss``, ``grad``
+    (a parameter's gradient) or ``buffer`` (one as the step left it); ``verdict`` is ``ok``,
+    ``DIFFERS``, or ``unverified`` (a flip that could not be pinned lies behind it)."""
 
     what: str
     name: str
@@ -196,6 +196,11 @@ def step_text(report: StepReport, all_rows: bool = True) -> str:
         lines.append(f"first gradient divergence (backward order): {e.name} of layer "
                      f"{e.layer} ({e.kind}): "
                      + (e.note or f"max abs {e.max_abs:.3g} > tol {e.tol:.3g}"))
+    moved = [e for e in report.entries if e.what == "buffer" and e.verdict == "DIFFERS"]
+    if moved:
+        lines.append(f"buffers after the step: {len(moved)} differ ("
+                     f"{', '.join(e.name for e in moved[:3])}"
+                     f"{', ...' if len(moved) > 3 else ''}): {moved[0].note}")
     if report.weights:
         shown = ", ".join(report.weights[:3]) + (", ..." if len(report.weights) > 3 else "")
         lines.append(f"weights: {len(report.weights)} mapped parameter(s) differ before the "

@@ -11,7 +11,14 @@ import numpy as np
 from .align import align_calls
 from .contract import ModelAdapter, adapter_for
 from .dump import recorded_loss
-from .entries import depths, forward_entries, grad_entries, input_grad_entries, loss_entry
+from .entries import (
+    buffer_entries,
+    depths,
+    forward_entries,
+    grad_entries,
+    input_grad_entries,
+    loss_entry,
+)
 from .errors import ParityError
 from .flips import Sides, explain, flip_row, unseen_calls
 from .mapping import TIED, MappingReport, Transform, build_map, convert
@@ -111,6 +118,9 @@ def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name
     report.flips += [u.flip for u in unseen]
     unpinned = [i for (i, j), k in kinks.items() if k.flipped and not (pin and k.pinnable)]
     grad_entries(ad_a, ta, tb, mapping, depth, tol_factor, report)
+    if recorded_loss(ad_a) is None and recorded_loss(ad_b) is None:  # a dump's are before it
+        buffer_entries((ad_a, ad_b), ta, (before_a, before_b), mapping, depth, tol_factor,
+                       report)
     input_grad_entries(ta, tb, same_kind, depth, tol_factor, report)
     behind = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"
               and 0 <= e.index <= max(unpinned + [u.at for u in unseen], default=-1)]

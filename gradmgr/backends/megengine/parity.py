@@ -49,6 +49,8 @@ def _config(m: M.Module) -> Dict[str, Any]:
         return config
     if isinstance(m, M.Dropout):
         return {"p": m.drop_prob}
+    if isinstance(m, M.Embedding):  # MegEngine 1.13 refuses a padding_idx: every row trains
+        return {"padding_idx": getattr(m, "padding_idx", None)}
     return {}
 
 

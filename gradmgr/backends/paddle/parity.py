@@ -12,6 +12,7 @@ biased batch variance.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -26,6 +27,7 @@ from .parity_functions import watch_functions
 # Paddle's names of BatchNorm's running statistics, and the contract's roles for them.
 _STATS = {"_mean": "running_mean", "_variance": "running_var"}
 _NORMS = (nn.layer.norm._BatchNormBase, nn.BatchNorm)
+_RNNS = (nn.layer.rnn.RNNBase,)
 # Measured (tests/test_parity_paddle.py): Paddle's kernel, not a setting; nothing translates it.
 _BIASED = ("updated with the biased batch variance (divided by N; PyTorch and MegEngine divide "
            "by N - 1): the running variances part as training goes on")
@@ -63,15 +65,19 @@ def _config(m: Any) -> Dict[str, Any]:
         return config
     if isinstance(m, nn.Dropout):
         return {"p": m.p}
+    if isinstance(m, nn.Embedding):  # kept as given; its forward reads -1 as the last row
+        pad = m._padding_idx
+        return {"padding_idx": pad if pad is None or pad >= 0 else int(m.weight.shape[0]) + pad}
     return {}
 
 
 def _kind(module: Any) -> str:
     """The lower-cased name of the nearest ``paddle.nn`` class (``BatchNorm2D`` ->
-    ``batchnorm2d``, torch's name for it), or of the module's own class."""
+    ``batchnorm2d``, torch's name for it; ``Conv2DTranspose`` -> torch's ``convtranspose2d``),
+    or of the module's own class."""
     for cls in type(module).__mro__:
         if cls.__module__.startswith("paddle.nn.") and cls.__name__ != "Layer":
-            return cls.__name__.lower()
+            return re.sub(r"^conv(\dd)transpose$", r"convtranspose\1", cls.__name__.lower())
     return type(module).__name__.lower()
 
 
@@ -85,17 +91,27 @@ class PaddleParity(NamedModules):
     framework = "paddle"
 
     def __init__(self, model: Any) -> None:
+        rnns = {name: m for name, m in model.named_sublayers(include_self=True)
+                if isinstance(m, _RNNS)}
+        # an RNN's cells hold its parameters again (its state dict lists both names) and are
+        # not called: its kernel runs on the RNN's own (weight_ih_l0, as torch's GRU and LSTM)
+        cells = {f"{name}.{sub}".lstrip(".") for name, m in rnns.items()
+                 for sub, _ in m.named_sublayers()}
         leaves = {name: m for name, m in model.named_sublayers(include_self=True)
-                  if not list(m.children()) or _owns(m)}
+                  if (not list(m.children()) or _owns(m)) and name not in cells}
         stats = {f"{name}.{role}".lstrip(".") for name, m in leaves.items()
                  if isinstance(m, _NORMS) for role in _STATS}
         named = dict(model.named_parameters())
         params = {n: p for n, p in named.items() if n not in stats}
         buffers = {n: p for n, p in named.items() if n in stats}
-        buffers.update(dict(model.named_buffers()))
+        # not an RNN's _dropout_state: cuDNN's, no weight (empty on a CPU), no state dict's
+        buffers.update({n: b for n, b in model.named_buffers()
+                        if n.rpartition(".")[::2] not in {(r, "_dropout_state") for r in rnns}})
         # a tied parameter's other names (head.weight -> emb.weight); a statistic has none
         aliases = tied_names(params, model.named_parameters(remove_duplicate=False))
         super().__init__(model, leaves, params, buffers, aliases)
+        # the cells' names: the map file's ties (each a name of the file), no slot of a layer
+        self.in_cells = {n for n in aliases if n.rpartition(".")[0] in cells}
         self.place = next(iter(params.values())).place
         # Linear weights, stored [in, out]: read, written and differentiated as [out, in].
         # By name: a Linear's weight tied to an Embedding's ([vocab, dim]) is transposed as
@@ -114,6 +130,8 @@ class PaddleParity(NamedModules):
     def slots(self) -> List[Slot]:
         found = []
         for slot in super().slots():
+            if slot.name in self.in_cells:
+                continue
             if slot.name in self.transposed:
                 slot = Slot(slot.name, slot.layer, slot.role, tuple(reversed(slot.shape)),
                             slot.trainable, transposed=True)

@@ -50,6 +50,8 @@ def _config(module: torch.nn.Module) -> Dict[str, Any]:
         return config
     if isinstance(m, torch.nn.Dropout):
         return {"p": m.p}
+    if isinstance(m, torch.nn.Embedding):  # the padding row gets no gradient
+        return {"padding_idx": m.padding_idx}
     return {}
 
 
