@@ -2,7 +2,8 @@
 python of one project environment: ``dump PATH`` (.venv: MegEngine's CNN of
 tests/parity_small_mge.py, one step with cross-entropy, written by gradmgr.parity.dump) and
 ``compare PATH`` (.venv-latest: the dump against tests/parity_small_torch.py's port, correct
-and with BatchNorm's eps wrong), which prints its findings as one JSON line."""
+with BatchNorm's eps wrong, and with MegEngine's momentum
+0.9 copied as PyTorch's), which prints its findings as one JSON line."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _compare(path: str) -> dict:
     recorded = load(path)
     found = {"python": platform.python_version(), "torch": torch.__version__,
              "header": recorded.header}
-    for name, port in (("good", T.CNN()), ("eps", T.CNN(bn_eps=1e-3))):
+    ports = (("good", T.CNN()), ("eps", T.CNN(bn_eps=1e-3)), ("momentum", T.CNN(momentum=0.9)))
+    for name, port in ports:
         mapping = transfer_weights(recorded, port, probe=recorded.batch, strict=False)
         report = compare_step(recorded, port, recorded.batch, loss_b=T.cross_entropy)
         found[name] = {

@@ -49,8 +49,8 @@ def test_a_dump_replays_the_step_its_model_ran_bit_for_bit(tmp_path):
     # the same weights, the same kernels: every compared value equal, not only within tol
     assert [e.max_abs for e in report.entries] == [0.0] * len(report.entries)
     assert len([e for e in report.entries if e.what == "grad"]) == 9
-    # a dump holds its buffers as before its step: not compared after it
-    assert [e for e in report.entries if e.what == "buffer"] == []
+    # a dump holds its buffers before and after its step: compared after it, as live
+    assert len([e for e in report.entries if e.what == "buffer"]) == 6
     for name, param in model.named_parameters():
         np.testing.assert_array_equal(recorded.grad(name), param.grad.numpy())
     header = recorded.header
@@ -120,6 +120,72 @@ def test_a_dump_is_compared_only_as_recorded(tmp_path):
         train_drift(recorded, live, None, None, [ROWS])
 
 
+class _Average(torch.nn.Module):
+    """A Linear that keeps a running average of its output in a buffer, updated at
+    ``rate`` (an EMA a port can get wrong with every output and gradient right)."""
+
+    def __init__(self, rate: float = 0.1) -> None:
+        super().__init__()
+        self.fc, self.rate = torch.nn.Linear(16, 4), rate
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        with torch.no_grad():
+            self.avg.mul_(1 - self.rate).add_(self.rate * y.mean(0))
+        return y
+
+
+def test_a_buffer_the_port_updates_wrong_differs_through_a_dump_as_live(tmp_path):
+    """A dump keeps its buffers after its step: a port whose update of one is wrong (no
+    configuration tells it) is no OK offline, as it is none live."""
+    def model(seed: int, rate: float = 0.1) -> _Average:
+        torch.manual_seed(seed)
+        return _Average(rate)
+
+    live = compare_step(model(0), model(0, rate=0.2), ROWS)
+    recorded = dump(model(0), ROWS, str(tmp_path / "run.npz"))
+    for port, ok in ((model(1), True), (model(1, rate=0.2), False)):
+        transfer_weights(recorded, port, probe=recorded.batch)
+        report = compare_step(recorded, port, recorded.batch)
+        rows = [(e.name, e.verdict) for e in report.entries if e.what == "buffer"]
+        assert report.ok == ok, report.text()
+        assert rows == [("avg / avg", "ok" if ok else "DIFFERS")], report.text()
+    assert report.text().splitlines()[:2] == live.text().splitlines()[:2]
+    assert report.text().startswith("PARITY BROKEN") and "buffers after the step: 1" in (
+        report.text())
+    # exactly the live buffer: 0.1 * (mean output) against 0.2 * it
+    np.testing.assert_array_equal(recorded.read_after("avg"), model(0)(
+        torch.from_numpy(ROWS)).mean(0).detach().numpy() * np.float32(0.1))
+
+
+def test_a_dump_cut_short_or_with_a_tensor_left_out_is_a_clear_error(tmp_path):
+    path = tmp_path / "run.npz"
+    dump(_cnn(), IMAGES, str(path), loss=T.cross_entropy)
+    data = path.read_bytes()
+    (tmp_path / "cut.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ParityError, match="cannot read .*cut.npz as a gradmgr parity dump"):
+        load(str(tmp_path / "cut.npz"))
+    with np.load(path) as npz:
+        members = {k: npz[k] for k in npz.files}
+    header = json.loads(members["header"].tobytes())
+    grads = dict(header["grads"])
+    # a gradient left out would be no row of the report, and the step read OK
+    del header["grads"]["fc.weight"]
+    members["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(str(tmp_path / "no_grad.npz"), **members)
+    with pytest.raises(ParityError, match=r"incomplete parity dump: grads\['fc.weight'\] "
+                                          r"missing .*dump the run again"):
+        load(str(tmp_path / "no_grad.npz"))
+    header["grads"] = grads
+    members["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    del members[grads["fc.bias"]]
+    np.savez(str(tmp_path / "no_member.npz"), **members)
+    with pytest.raises(ParityError, match=rf"incomplete parity dump: member {grads['fc.bias']} "
+                                          rf"missing"):
+        load(str(tmp_path / "no_member.npz"))
+
+
 def _python(env: str) -> str:
     """The python of the project environment ``env`` (``.venv``, ``.venv-latest``): in this
     checkout, or in the main checkout of a git worktree (its environments are shared)."""
@@ -160,7 +226,8 @@ def test_megengine_dumped_in_python_3_10_compares_against_torch_2_13_in_the_othe
     good = found["good"]
     assert good["ok"], good["text"]
     assert good["mapped"] == 13  # 9 trained tensors + 4 BatchNorm running statistics
-    assert len(good["verdicts"]) == 9 + 1 + 9  # the layers' outputs, the loss, the grads
+    # the layers' outputs, the loss, the grads, the running statistics after the step
+    assert len(good["verdicts"]) == 9 + 1 + 9 + 4
     assert set(good["verdicts"].values()) == {"ok"}
     # two kernels' float32 rounding, each compared value: far below the 1e-3 of a real bug
     assert good["max_rel"] < 1e-5, good["text"]
@@ -168,3 +235,8 @@ def test_megengine_dumped_in_python_3_10_compares_against_torch_2_13_in_the_othe
     assert not eps["ok"] and eps["text"].startswith("PARITY BROKEN")
     assert eps["first_forward"] == "bn2" and eps["verdicts"]["bn2 / bn2"] == "DIFFERS"
     assert eps["findings"] == [["bn2", "eps"]]
+    # MegEngine's momentum 0.9 copied as PyTorch's: the running statistics after the step
+    # differ, compared from the file (the dump keeps them after its step)
+    moved = found["momentum"]["verdicts"]
+    assert [k for k, v in moved.items() if v != "ok"] == [
+        "bn1.running_mean / bn1.running_mean", "bn1.running_var / bn1.running_var"]

@@ -7,7 +7,7 @@ The file is a numpy ``.npz`` (no pickle) whose ``header`` member is UTF-8 JSON:
 ``framework_version``, ``device``, ``gradmgr``, ``python``, then what :func:`compare_step`
 reads of a side: the layers (kind, configuration), the tensors (role, shape, trainable,
 ``transposed`` and ``note``: :class:`~gradmgr.parity.contract.Slot`), their values before the
-step, the batch, every watched call (its output; its input for a piecewise layer; a
+step (the buffers', BatchNorm's running statistics, after it too), the batch, every watched call (its output; its input for a piecewise layer; a
 functional call, ``F.relu``, its ``kind`` and ``config`` too), the loss and the gradients.
 Each array is a member ``a<n>`` the header names.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import platform
+import zipfile
 from importlib import metadata
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -27,11 +28,13 @@ from .modules import second_names
 from .trace import Call, Loss, Trace, as_batch, run_step
 
 FORMAT = "gradmgr.parity.dump"
-VERSION = 2
+VERSION = 3
 """The dump format this gradmgr writes and the only one it reads (docs/porting.md). Version
 2 keeps each tensor's ``transposed`` and ``note`` (Paddle's Linear weight, its running
 variance): a version 1 dump lacks them, and read as untransposed a square Linear weight would
-be mapped, and its checkpoint converted, without its transpose."""
+be mapped, and its checkpoint converted, without its transpose. Version 3 keeps the buffers'
+values after the step (``after``): without them a port that updates a buffer wrong (a
+momentum, an EMA) could not be compared offline, and read OK."""
 
 _DISTRIBUTIONS = {"torch": "torch", "megengine": "MegEngine", "paddle": "paddlepaddle"}
 
@@ -54,13 +57,14 @@ def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
         >>> path = os.path.join(tempfile.mkdtemp(), "run.npz")
         >>> _ = dump(torch.nn.Linear(4, 2), np.ones((3, 4), np.float32), path)
         >>> load(path).header["framework"], load(path).header["version"]
-        ('torch', 2)
+        ('torch', 3)
     """
     adapter = adapter_for(model)
     arrays = as_batch(batch)
     values = {s.name: adapter.read(s.name) for s in adapter.slots()}
     layers, slots = adapter.layers(), adapter.slots()
     trace = run_step(adapter, arrays, inputs, loss, {})
+    after = {s.name: adapter.read(s.name) for s in slots if not s.trainable}
     store: List[np.ndarray] = []
 
     def key(array: Optional[np.ndarray]) -> Optional[str]:
@@ -87,6 +91,7 @@ def dump(model: Any, batch: Any, path: str, *, loss: Optional[Loss] = None,
         "batch": [key(a) for a in arrays],
         "values": {name: key(v) for name, v in values.items()},
         "grads": {name: key(g) for name, g in trace.grads.items()},
+        "after": {name: key(v) for name, v in after.items()},
         "calls": [dict({"layer": c.layer, "in_shape": list(c.in_shape), "done": c.done,
                         "output": key(c.output), "input": key(c.input)},
                        # a functional call (F.relu) is no layer: it keeps its kind with it
@@ -119,7 +124,7 @@ def load(path: str) -> Dump:
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # (cut short, edited)
         raise ParityError(f"cannot read {path} as a gradmgr parity dump (an .npz written by "
                           f"gradmgr.parity.dump): {error}") from error
     if "header" not in arrays:
@@ -135,7 +140,27 @@ def load(path: str) -> Dump:
             f"by gradmgr {header.get('gradmgr')}); this gradmgr ({_version('gradmgr')}) reads "
             f"version {VERSION} only: compare it with the gradmgr that wrote it, or dump the "
             f"run again with this one")
+    _check_complete(path, header, arrays)
     return Dump(header, arrays)
+
+
+def _check_complete(path: str, header: Dict[str, Any], arrays: Dict[str, np.ndarray]) -> None:
+    """Every tensor the header names is in the file, and every tensor's value, gradient (a
+    trainable one's) and value after the step (a buffer's) is named: a gradient left out
+    would be no row of the report, not a difference."""
+    aliases = header["aliases"]
+    tables = {"values": [s["name"] for s in header["slots"]],
+              "grads": [s["name"] for s in header["slots"] if s["trainable"]],
+              "after": [s["name"] for s in header["slots"] if not s["trainable"]]}
+    missing = [f"{table}[{name!r}]" for table, names in tables.items() for name in names
+               if name not in header[table] and aliases.get(name) not in header[table]]
+    keys = (list(header["batch"]) + [c[k] for c in header["calls"] for k in ("output", "input")]
+            + [k for table in tables for k in header[table].values()])
+    missing += [f"member {k}" for k in keys if k is not None and k not in arrays]
+    if missing:
+        raise ParityError(f"{path} is an incomplete parity dump: {', '.join(missing[:5])}"
+                          f"{' ...' if len(missing) > 5 else ''} missing (the file was edited "
+                          f"or cut short): dump the run again")
 
 
 class Dump:
@@ -196,6 +221,13 @@ class Dump:
             raise ParityError(f"a parity dump is read-only: cannot write {name} into it; "
                               f"transfer the weights from the dump into the live model")
 
+    def read_after(self, name: str) -> np.ndarray:
+        """A buffer's value as the recorded step left it (:meth:`read`: before the step)."""
+        after = self.header["after"]
+        value = self._array(after[self._own(after, name)])
+        assert value is not None  # (every buffer's is written)
+        return value
+
     def grad(self, name: str) -> Optional[np.ndarray]:
         grads = self.header["grads"]
         return self._array(grads.get(self._own(grads, name)))
@@ -240,6 +272,12 @@ class Dump:
                               f"compare_step and transfer_weights take it, train_drift needs "
                               f"live models")
         raise AttributeError(name)
+
+
+def after_step(adapter: Any, name: str) -> np.ndarray:
+    """A tensor's value as the compared step left it: a live model's now, a dump's as
+    recorded after its step."""
+    return adapter.read_after(name) if isinstance(adapter, Dump) else adapter.read(name)
 
 
 def recorded_loss(adapter: Any) -> Optional[str]:

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from .contract import Layer, ModelAdapter, family, squeezed
+from .dump import after_step
 from .kinks import Kink, find_kink
 from .mapping import MappingReport, config_findings, convert
 from .report import Entry, StepReport
@@ -184,7 +185,8 @@ def buffer_entries(sides: Tuple[ModelAdapter, ModelAdapter], ta: Trace,
     slots_a, slots_b = {s.name: s for s in ad_a.slots()}, {s.name: s for s in ad_b.slots()}
     pairs = [p for p in mapping.pairs if not slots_a[p.src].trainable
              and not (slots_a[p.src].note or slots_b[p.dst].note)]
-    after = {p.src: (convert(p, ad_a.read(p.src)), ad_b.read(p.dst)) for p in pairs}
+    after = {p.src: (convert(p, after_step(ad_a, p.src)), after_step(ad_b, p.dst))
+             for p in pairs}
     floors: Dict[str, float] = {}
     for p in pairs:
         layer = slots_a[p.src].layer

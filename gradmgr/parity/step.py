@@ -118,9 +118,7 @@ def _step(a: Any, b: Any, batch: Any, losses: Tuple[Any, Any], inputs: int, name
     report.flips += [u.flip for u in unseen]
     unpinned = [i for (i, j), k in kinks.items() if k.flipped and not (pin and k.pinnable)]
     grad_entries(ad_a, ta, tb, mapping, depth, tol_factor, report)
-    if recorded_loss(ad_a) is None and recorded_loss(ad_b) is None:  # a dump's are before it
-        buffer_entries((ad_a, ad_b), ta, (before_a, before_b), mapping, depth, tol_factor,
-                       report)
+    buffer_entries((ad_a, ad_b), ta, (before_a, before_b), mapping, depth, tol_factor, report)
     input_grad_entries(ta, tb, same_kind, depth, tol_factor, report)
     behind = [e for e in report.entries if e.what == "grad" and e.verdict == "DIFFERS"
               and 0 <= e.index <= max(unpinned + [u.at for u in unseen], default=-1)]
