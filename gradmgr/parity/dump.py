@@ -2,14 +2,15 @@
 (:func:`load`): the reference runs where its framework installs (MegEngine needs Python
 3.10 or older), the port where its own does, or on another device or framework version.
 
-The file is a numpy ``.npz`` (no pickle) whose ``header`` member is UTF-8 JSON:
-``format`` (:data:`FORMAT`), ``version`` (:data:`VERSION`), ``framework`` and
-``framework_version``, ``device``, ``gradmgr``, ``python``, then what :func:`compare_step`
-reads of a side: the layers (kind, configuration), the tensors (role, shape, trainable,
-``transposed`` and ``note``: :class:`~gradmgr.parity.contract.Slot`), their values before the
-step (the buffers', BatchNorm's running statistics, after it too), the batch, every watched call (its output; its input for a piecewise layer; a
-functional call, ``F.relu``, its ``kind`` and ``config`` too), the loss and the gradients.
-Each array is a member ``a<n>`` the header names.
+The file is a numpy ``.npz`` (no pickle) whose ``header`` member is UTF-8 JSON: ``format``
+(:data:`FORMAT`), ``version`` (:data:`VERSION`), ``framework`` and ``framework_version``,
+``device``, ``gradmgr``, ``python``, then what :func:`compare_step` reads of a side: the
+layers (kind, configuration), the tensors (role, shape, trainable, ``transposed`` and
+``note``: :class:`~gradmgr.parity.contract.Slot`), their values before the step (the
+buffers', BatchNorm's running statistics, after it too), the batch, every watched call (its
+output; its input for a piecewise layer; a functional call, ``F.relu``, its ``kind`` and
+``config`` too), the loss and the gradients. Each array is a member ``a<n>`` the header
+names.
 """
 
 from __future__ import annotations
