@@ -186,6 +186,18 @@ def test_a_dump_cut_short_or_with_a_tensor_left_out_is_a_clear_error(tmp_path):
         load(str(tmp_path / "no_member.npz"))
 
 
+def test_a_bfloat16_model_is_a_clear_error_live_and_dumped(tmp_path):
+    """numpy has no bfloat16: torch's .numpy() raised a bare TypeError ("Got unsupported
+    ScalarType BFloat16"), from compare_step and from dump alike."""
+    message = r"numpy has no bfloat16 .*compare the models in float32 \(model.float\(\)"
+    with pytest.raises(ParityError, match=message):
+        dump(torch.nn.Linear(16, 2).bfloat16(), ROWS, str(tmp_path / "run.npz"))
+    with pytest.raises(ParityError, match=message):
+        compare_step(_cnn().bfloat16(), _cnn().bfloat16(), IMAGES, loss_a=T.cross_entropy,
+                     loss_b=T.cross_entropy)
+    assert not (tmp_path / "run.npz").exists()
+
+
 def _python(env: str) -> str:
     """The python of the project environment ``env`` (``.venv``, ``.venv-latest``): in this
     checkout, or in the main checkout of a git worktree (its environments are shared)."""

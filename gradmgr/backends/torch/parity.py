@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from gradmgr.parity.contract import Post, Pre
+from gradmgr.parity.errors import ParityError
 from gradmgr.parity.modules import (
     NamedModules,
     as_tuple,
@@ -121,6 +122,11 @@ class TorchParity(NamedModules):
         return tensor
 
     def numpy(self, tensor: Any) -> np.ndarray:
+        if tensor.dtype == torch.bfloat16:  # (torch's .numpy() raises a bare TypeError)
+            raise ParityError(
+                f"the parity tool reads tensors as numpy arrays, and numpy has no bfloat16 "
+                f"(a {tuple(tensor.shape)} tensor of the {type(self.model).__name__} model): "
+                f"compare the models in float32 (model.float(), without autocast to bfloat16)")
         return tensor.detach().cpu().numpy().copy()
 
     def is_tensor(self, obj: Any) -> bool:
