@@ -154,6 +154,20 @@ def test_a_buffer_the_port_updates_wrong_differs_through_a_dump_as_live(tmp_path
     assert report.text().splitlines()[:2] == live.text().splitlines()[:2]
     assert report.text().startswith("PARITY BROKEN") and "buffers after the step: 1" in (
         report.text())
+    # the step moved the live port's buffer and not the dump's: compared again, it starts
+    # from another state, and is told so; transferred again, it is parity again
+    port = model(1)
+    transfer_weights(recorded, port, probe=recorded.batch)
+    assert compare_step(recorded, port, ROWS).ok
+    again = compare_step(recorded, port, ROWS)
+    assert [e.note for e in again.entries if not e.ok] == [
+        "it differed before the step too: transfer the weights first"]
+    transfer_weights(recorded, port, probe=recorded.batch)
+    assert compare_step(recorded, port, ROWS).ok
+    # a port dumped too (each side in its own environment): the same verdicts
+    for rate, ok in ((0.1, True), (0.2, False)):
+        port = dump(model(0, rate), ROWS, str(tmp_path / f"port{rate}.npz"))
+        assert compare_step(recorded, port, ROWS).ok == ok
     # exactly the live buffer: 0.1 * (mean output) against 0.2 * it
     np.testing.assert_array_equal(recorded.read_after("avg"), model(0)(
         torch.from_numpy(ROWS)).mean(0).detach().numpy() * np.float32(0.1))
