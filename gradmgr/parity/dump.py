@@ -153,10 +153,11 @@ def _check_complete(path: str, header: Dict[str, Any], arrays: Dict[str, np.ndar
     tables = {"values": [s["name"] for s in header["slots"]],
               "grads": [s["name"] for s in header["slots"] if s["trainable"]],
               "after": [s["name"] for s in header["slots"] if not s["trainable"]]}
+    named = {table: header.get(table, {}) for table in tables}
     missing = [f"{table}[{name!r}]" for table, names in tables.items() for name in names
-               if name not in header[table] and aliases.get(name) not in header[table]]
+               if name not in named[table] and aliases.get(name) not in named[table]]
     keys = (list(header["batch"]) + [c[k] for c in header["calls"] for k in ("output", "input")]
-            + [k for table in tables for k in header[table].values()])
+            + [k for table in named.values() for k in table.values()])
     missing += [f"member {k}" for k in keys if k is not None and k not in arrays]
     if missing:
         raise ParityError(f"{path} is an incomplete parity dump: {', '.join(missing[:5])}"
