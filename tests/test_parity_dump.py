@@ -180,10 +180,10 @@ def test_a_dump_cut_short_or_with_a_tensor_left_out_is_a_clear_error(tmp_path):
     (tmp_path / "cut.npz").write_bytes(data[: len(data) // 2])
     (tmp_path / "empty.npz").write_bytes(b"")
     flipped = bytearray(data)  # one bit of a stored tensor: the zip's checksum tells it
-    flipped[data.find(b"a1.npy") + 200] ^= 1
+    flipped[data.find(b"a0.npy") + 1000] ^= 1  # (a0: the images, 3072 bytes)
     (tmp_path / "flipped.npz").write_bytes(bytes(flipped))
     for name, why in (("cut", "File is not a zip file"), ("empty", "No data left"),
-                      ("flipped", "Bad CRC-32 for file 'a1.npy'")):
+                      ("flipped", "Bad CRC-32 for file 'a0.npy'")):
         with pytest.raises(ParityError, match=f"cannot read .*{name}.npz as a gradmgr parity "
                                               f"dump .*: {why}"):
             load(str(tmp_path / f"{name}.npz"))
