@@ -53,7 +53,7 @@ REFUSED = {
     "cpu()": lambda g: g.cpu(),
     "numpy()": lambda g: g.numpy(),
     "clone()": lambda g: g.clone(),
-    "add_(1)": lambda g: g.add_(1),
+    "abs_()": lambda g: g.abs_(),
     "float()": lambda g: g.float(),
     "to(float64)": lambda g: g.to(torch.float64),
     "type(float64)": lambda g: g.type(torch.float64),

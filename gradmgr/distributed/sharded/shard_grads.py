@@ -41,6 +41,11 @@ class MemberGrad:
         backend scales or zeroes in place (then :meth:`changed`)."""
         return self._stand_ins.parts(self.position)
 
+    def pieces(self) -> List[tuple]:
+        """``(start, stop, slice)`` for each of :meth:`parts`: the slice holds the elements
+        ``start`` to ``stop`` of the tensor's flattened gradient."""
+        return self._stand_ins.pieces(self.position)
+
     def span(self) -> tuple:
         """``(start, stop)`` of this rank's part of the tensor's flattened gradient (start ==
         stop where it holds none)."""
@@ -190,6 +195,10 @@ class StandIns:
         return shards.ops.part(chunk, 0, 0)
 
     def parts(self, position: int) -> List[Any]:
+        return [part for _, _, part in self.pieces(position)]
+
+    def pieces(self, position: int) -> List[tuple]:
         shards = self.shards
-        grads = [shards.grad_of(s) for s in self._own() if s.position == position]
-        return [g for g in grads if g is not None]
+        found = [(s.start, s.stop, shards.grad_of(s)) for s in self._own()
+                 if s.position == position]
+        return [piece for piece in found if piece[2] is not None]

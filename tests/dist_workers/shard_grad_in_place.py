@@ -1,0 +1,132 @@
+"""Rank program: the in-place habits of DDP scripts on ``.grad`` after a sharded backward
+(``data_parallel(model, shard=True)``): each rank applies them to its slices of the stand-in
+``.grad``; next to DDP doing the same to its ``.grad`` in the same ranks. Each rank pickles,
+per habit, the parameters after two SGD steps (ours and DDP's) or the error, and the errors of
+the calls that must still raise, to ``OUTDIR/rank{RANK}.pkl``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradmgr.distributed import ShardedOptimizer, data_parallel
+
+from .outcomes import raised
+from .shard_grad_metadata import loss_of, model
+
+VALUE = 0.02  # clips part of the gradients: the parent checks that DDP's clamps change some
+
+
+def same_noise(grad: torch.Tensor, step: int, i: int) -> torch.Tensor:
+    """The same noise of the gradient's shape on every rank (a shared seed), as DP-SGD adds."""
+    g = torch.Generator().manual_seed(100 * step + i)
+    return torch.randn(grad.shape, generator=g, dtype=torch.float64).to(grad.dtype) * 0.01
+
+
+def poisoned(grad: torch.Tensor, step: int, i: int) -> torch.Tensor:
+    noise = same_noise(grad, step, i).flatten()
+    noise[::3], noise[1::7], noise[2::11] = float("nan"), float("inf"), float("-inf")
+    return noise.reshape(grad.shape)
+
+
+def each(change):
+    """A habit that calls ``change(grad, step, i)`` on every parameter's ``.grad``."""
+    def habit(params, step):
+        for i, p in enumerate(params):
+            change(p.grad, step, i)
+    return habit
+
+
+def divide_in_place(grad, step, i):
+    grad /= torch.tensor(3.0)
+
+
+def foreach_add_noise(params, step):
+    grads = [p.grad for p in params]
+    torch._foreach_add_(grads, [same_noise(g, step, i) for i, g in enumerate(grads)])
+
+
+# Habit name -> fn(params, step), applied after the synced backward, before the step.
+HABITS = {
+    "div_(3)": each(lambda g, step, i: g.div_(3)),
+    "/= 0-dim tensor": each(divide_in_place),
+    "clip_grad_value_": lambda params, step: nn.utils.clip_grad_value_(params, VALUE),
+    "clip_grad_value_ foreach": lambda params, step: nn.utils.clip_grad_value_(
+        params, VALUE, foreach=True),
+    "clamp_min_ clamp_max_": each(lambda g, step, i: g.clamp_min_(-VALUE).clamp_max_(VALUE)),
+    "clip_": each(lambda g, step, i: g.clip_(-VALUE, VALUE)),
+    "add_ noise": each(lambda g, step, i: g.add_(same_noise(g, step, i))),
+    "sub_ noise alpha": each(lambda g, step, i: g.sub_(same_noise(g, step, i), alpha=0.5)),
+    "_foreach_add_ noise": foreach_add_noise,
+    "_foreach_div_": lambda params, step: torch._foreach_div_([p.grad for p in params], 4.0),
+    "mul_ mask": each(lambda g, step, i: g.mul_(same_noise(g, step, i) > 0)),
+    "nan_to_num_": each(lambda g, step, i: g.add_(poisoned(g, step, i)).nan_to_num_(
+        nan=0.0, posinf=1.0, neginf=-1.0)),
+}
+
+
+def clipped(params) -> int:
+    """How many elements of DDP's gradients clip_grad_value_ at VALUE changes."""
+    return int(sum((p.grad.abs() > VALUE).sum() for p in params))
+
+
+def run(habit, rank: int) -> dict:
+    net, theirs = model(), model()
+    gm = data_parallel(net, shard=True, bucket_bytes=300)
+    opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ddp = DDP(theirs)
+    ref = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
+    out: dict = {"clipped": []}
+    for step in range(2):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        with gm:
+            gm.backward(loss_of(net, x))
+        loss_of(ddp, x).backward()
+        out["clipped"].append(clipped(list(theirs.parameters())))
+        habit(list(theirs.parameters()), step)
+        error = raised(lambda step=step: habit(list(net.parameters()), step))
+        if error is not None:
+            out["error"] = error
+            break
+        for o in (opt, ref):
+            o.step()
+            o.zero_grad()
+    out["params"] = ([p.detach().clone() for p in net.parameters()],
+                     [p.detach().clone() for p in theirs.parameters()])
+    del opt, gm
+    return out
+
+
+def refused(rank: int) -> dict:
+    """Calls a slice cannot answer as DDP's .grad would: still a clear error on every rank."""
+    net = model()
+    gm = data_parallel(net, shard=True, bucket_bytes=300)
+    opt = ShardedOptimizer(gm, torch.optim.SGD, lr=0.1)
+    with gm:
+        gm.backward(loss_of(net, torch.randn(5, 8)))
+    first, second = (p.grad for p in list(net.parameters())[:2])
+    out = {
+        "another .grad": raised(lambda: first.add_(first)),
+        "into a plain tensor": raised(lambda: torch.zeros(16, 8).add_(first)),
+        "wrong shape": raised(lambda: first.add_(torch.ones(5))),
+        "foreach wrong shape": raised(lambda: torch._foreach_add_([first, second],
+                                                                  [torch.ones(5)] * 2)),
+        "abs_()": raised(lambda: first.abs_()),
+    }
+    opt.zero_grad()
+    del opt, gm
+    return out
+
+
+def main(rank: int, world: int, outdir: str) -> None:
+    out = {name: run(habit, rank) for name, habit in HABITS.items()}
+    out["refused"] = refused(rank)
+    dist.barrier()
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
