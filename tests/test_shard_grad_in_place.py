@@ -3,7 +3,8 @@
 (``p.grad.div_(n)``, ``p.grad /= n``), ``clip_grad_value_`` (its per-tensor ``clamp_`` and its
 ``foreach=True`` kernels), ``clamp_min_``/``clamp_max_``/``clip_``, DP-SGD's noise
 (``add_``/``sub_`` of the same full-shape noise on every rank, ``torch._foreach_add_``),
-``torch._foreach_div_``, a full-shape mask through ``mul_``, ``nan_to_num_``. Each rank applies
+``torch._foreach_div_``, a full-shape mask through ``mul_``, ``nan_to_num_``, ``*=``,
+``+=``, ``-=``, ``torch._foreach_mul_``/``_sub_``/``_clamp_max_``/``_zero_``. Each rank applies
 the call to its slices of the stand-in ``.grad``; on old code each raised ``RuntimeError``.
 
 Tolerance: none. Each of these is elementwise, so each slice holds DDP's values and the
@@ -48,7 +49,16 @@ def test_the_clipping_habits_clip(outs):
         assert all(n > 0 for n in out["clip_grad_value_"]["clipped"])
 
 
-@pytest.mark.parametrize("what", ["another .grad", "into a plain tensor", "abs_()"])
+def test_noise_that_differs_between_ranks_gives_each_slice_its_ranks_noise(outs):
+    """Each rank adds noise from its own seed: DDP's ranks drift apart; here every rank ends
+    with the same parameters (each slice stepped with the noise of the rank that holds it)."""
+    ours, ddp = zip(*(out["own noise"]["params"] for out in outs))
+    assert "error" not in outs[0]["own noise"]
+    assert all(torch.equal(a, b) for a, b in zip(*ours))
+    assert not all(torch.equal(a, b) for a, b in zip(*ddp))
+
+
+@pytest.mark.parametrize("what", ["another .grad", "into a plain tensor", "abs_()", "copy_()"])
 def test_what_a_slice_cannot_do_still_raises_saying_where_the_gradient_is(outs, what):
     """An operand that is another stand-in (its slices need not line up), a stand-in added
     into a plain tensor, an in-place op not known to be elementwise."""

@@ -47,6 +47,24 @@ def divide_in_place(grad, step, i):
     grad /= torch.tensor(3.0)
 
 
+def augmented(grad, step, i):
+    grad *= 3
+    grad += same_noise(grad, step, i)
+    grad -= 0.001
+
+
+def foreach_forms(params, step):
+    grads = [p.grad for p in params]
+    torch._foreach_mul_(grads, [0.5 + i for i in range(len(grads))])
+    torch._foreach_sub_(grads, [same_noise(g, step, i) for i, g in enumerate(grads)], alpha=0.5)
+    torch._foreach_clamp_max_(grads, VALUE)
+
+
+def own_noise(grad, step, i):
+    """Noise drawn from each rank's own seed: DDP's ranks then drift apart."""
+    grad.add_(same_noise(grad, step + 10 * dist.get_rank(), i))
+
+
 def foreach_add_noise(params, step):
     grads = [p.grad for p in params]
     torch._foreach_add_(grads, [same_noise(g, step, i) for i, g in enumerate(grads)])
@@ -65,6 +83,9 @@ HABITS = {
     "sub_ noise alpha": each(lambda g, step, i: g.sub_(same_noise(g, step, i), alpha=0.5)),
     "_foreach_add_ noise": foreach_add_noise,
     "_foreach_div_": lambda params, step: torch._foreach_div_([p.grad for p in params], 4.0),
+    "*= += -=": each(augmented),
+    "_foreach_mul_ _sub_ _clamp_max_": foreach_forms,
+    "_foreach_zero_": lambda params, step: torch._foreach_zero_([p.grad for p in params]),
     "mul_ mask": each(lambda g, step, i: g.mul_(same_noise(g, step, i) > 0)),
     "nan_to_num_": each(lambda g, step, i: g.add_(poisoned(g, step, i)).nan_to_num_(
         nan=0.0, posinf=1.0, neginf=-1.0)),
@@ -118,6 +139,7 @@ def refused(rank: int) -> dict:
         "foreach wrong shape": raised(lambda: torch._foreach_add_([first, second],
                                                                   [torch.ones(5)] * 2)),
         "abs_()": raised(lambda: first.abs_()),
+        "copy_()": raised(lambda: first.copy_(torch.zeros(16, 8))),
     }
     opt.zero_grad()
     del opt, gm
@@ -126,6 +148,7 @@ def refused(rank: int) -> dict:
 
 def main(rank: int, world: int, outdir: str) -> None:
     out = {name: run(habit, rank) for name, habit in HABITS.items()}
+    out["own noise"] = run(each(own_noise), rank)
     out["refused"] = refused(rank)
     dist.barrier()
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:

@@ -9,8 +9,14 @@ by the clipped factor (``Tensor.mul_``, or ``torch._foreach_mul_``): the stand-i
 norm of the whole gradient and multiplies this rank's slices by the same factor, so the result
 is DDP's + ``clip_grad_norm_``'s. ``torch.amp.GradScaler.unscale_``'s kernel
 (``torch._amp_foreach_non_finite_check_and_unscale_``) unscales the slices and finds a
-non-finite value in any rank's slices, on every rank. ``Tensor.zero_``
-(``model.zero_grad(set_to_none=False)``) zeroes the slices.
+non-finite value in any rank's slices, on every rank.
+
+Elementwise in-place calls (``zero_`` of ``model.zero_grad(set_to_none=False)``, ``div_`` and
+``/=`` of manual averaging, the clamps of ``clip_grad_value_``, ``add_`` of DP-SGD's noise,
+``nan_to_num_``, and torch's ``_foreach_`` forms) act on this rank's slices: each element of a
+slice is what it is in DDP's ``.grad`` after the same call. A number or a 0-dim tensor applies
+as it is; a tensor of the gradient's shape (or one that broadcasts to it) is flattened as the
+shards flatten the gradient, and each slice takes its own elements of it.
 
 Metadata is the whole gradient's, as DDP's ``.grad`` and FSDP2's DTensor ``.grad`` (whose
 metadata is the global tensor's) answer it: shape, dtype, device, layout, strides (the
@@ -36,9 +42,11 @@ _REFUSED = (
     "p.grad.to_local() is this rank's slice (a 1-D view of the flattened gradient's elements "
     "p.grad.local_range()); "
     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (2-norm, on every rank) "
-    "works on it, or opt.clip_grad_norm_(max_norm); opt.step() steps the slices and "
-    "opt.zero_grad() drops them, and the stand-ins. Inside no_sync(gm), .grad holds this "
-    "rank's own whole gradient"
+    "works on it, or opt.clip_grad_norm_(max_norm); so do in-place elementwise calls with a "
+    "number or a tensor of the gradient's shape (mul_, div_, /=, add_, sub_, clamp_, "
+    "clip_grad_value_, nan_to_num_, zero_), each rank on its slice; opt.step() steps the "
+    "slices and opt.zero_grad() drops them, and the stand-ins. Inside no_sync(gm), .grad "
+    "holds this rank's own whole gradient"
 )
 
 _GONE = (

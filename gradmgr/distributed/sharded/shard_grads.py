@@ -7,7 +7,8 @@ them (``ops.stand_in_grad(tensor, member)``; PyTorch does), each tensor with a g
 shards gets a stand-in ``.grad`` that holds no memory and answers what clipping asks: the norm
 of the tensor's whole gradient (every rank's slices: one small allreduce for all the tensors,
 the first time one is asked after the shards changed, so every rank must ask, as every rank
-clips under DDP) and its slices, to scale or zero in place (each rank its own). Anything else
+clips under DDP) and its slices, to change in place elementwise (scale, zero, clamp, add the
+same noise on every rank: each rank its own slices). Anything else
 done with it raises an error that says where the gradient is. The stand-ins go at
 ``opt.zero_grad()`` and when the next recording begins, before autograd could accumulate into
 one; where the program took them away itself (``model.zero_grad()`` sets ``.grad`` None, the
