@@ -7,6 +7,7 @@ the calls that must still raise, to ``OUTDIR/rank{RANK}.pkl``.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 
@@ -18,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradmgr.distributed import ShardedOptimizer, data_parallel
 
 from .outcomes import raised
-from .shard_grad_metadata import loss_of, model
+from .shard_grad_metadata import backward_both, loss_of, model
 
 VALUE = 0.02  # clips part of the gradients: the parent checks that DDP's clamps change some
 
@@ -105,10 +106,7 @@ def run(habit, rank: int) -> dict:
     ref = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
     out: dict = {"clipped": []}
     for step in range(2):
-        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        with gm:
-            gm.backward(loss_of(net, x))
-        loss_of(ddp, x).backward()
+        backward_both(gm, net, ddp, step, rank)
         out["clipped"].append(clipped(list(theirs.parameters())))
         habit(list(theirs.parameters()), step)
         error = raised(lambda step=step: habit(list(net.parameters()), step))
@@ -146,10 +144,40 @@ def refused(rank: int) -> dict:
     return out
 
 
+SIXTEEN_BIT = ("div_(3)", "/= 0-dim tensor", "clip_grad_value_", "add_ noise", "mul_ mask",
+               "nan_to_num_", "_foreach_div_", "_foreach_add_ noise")
+
+
+def sixteen_bit(rank: int) -> dict:
+    """bfloat16 gradients: each rank's slices (``to_local()``) after each habit of SIXTEEN_BIT,
+    next to DDP's ``.grad``'s elements there; then what stays refused (an ``alpha``)."""
+    out: dict = {}
+    for name in SIXTEEN_BIT:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).to(torch.bfloat16)
+        theirs = DDP(copy.deepcopy(net))
+        gm = data_parallel(net, shard=True, bucket_bytes=300)
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        with gm:
+            gm.backward(loss_of(net, x))
+        loss_of(theirs, x).backward()
+        HABITS[name](list(theirs.parameters()), 0)
+        out[name] = raised(lambda name=name, net=net: HABITS[name](list(net.parameters()), 0)) or [
+            (p.grad.to_local().clone(), q.grad.flatten()[slice(*p.grad.local_range())].clone())
+            for p, q in zip(net.parameters(), theirs.parameters())]
+    grads = [p.grad for p in net.parameters()]
+    noise = [same_noise(g, 0, i) for i, g in enumerate(grads)]
+    out["alpha"] = raised(lambda: grads[0].add_(noise[0], alpha=0.5))
+    out["foreach alpha"] = raised(lambda: torch._foreach_sub_(grads, noise, alpha=0.5))
+    del gm
+    return out
+
+
 def main(rank: int, world: int, outdir: str) -> None:
     out = {name: run(habit, rank) for name, habit in HABITS.items()}
     out["own noise"] = run(each(own_noise), rank)
     out["refused"] = refused(rank)
+    out["16-bit"] = sixteen_bit(rank)
     dist.barrier()
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)

@@ -174,9 +174,21 @@ def _cut(value: Any, start: int, stop: int) -> Any:
     return value.values[start:stop] if isinstance(value, _Flat) else value
 
 
+def _check_alpha(grad: Any, alpha: Any, what: str) -> None:
+    # torch's CPU kernel of a + alpha * b rounds a 16-bit tensor's last elements (past its
+    # last full vector) otherwise than the rest: a slice's last ones would not be DDP's
+    if alpha != 1 and grad.dtype in (torch.bfloat16, torch.float16):
+        raise RuntimeError(
+            f"{what} with alpha={alpha} on a stand-in .grad of dtype {grad.dtype}: each rank "
+            f"would round its slice's last elements otherwise than DDP's whole .grad. Scale "
+            f"the operand first (p.grad.add_(other * alpha)): each slice then holds what "
+            f"DDP's .grad holds after that same call")
+
+
 def _slices(grad: Any, args: tuple, kwargs: dict, what: str) -> list:
     """``(slice, args, kwargs)`` for each of this rank's slices of the stand-in's gradient,
     each tensor operand of the gradient's shape cut to the slice's elements."""
+    _check_alpha(grad, kwargs.get("alpha", 1), what)
     args = tuple(_operand(grad, a, what) for a in args)
     kwargs = {k: _operand(grad, v, what) for k, v in kwargs.items()}
     return [(part, tuple(_cut(a, start, stop) for a in args),
@@ -212,7 +224,7 @@ def _foreach(kernel: Callable[..., Any]) -> Callable[..., Any]:
             mine = tuple(o[i] if isinstance(o, (list, tuple)) else o for o in operands)
             if is_stand_in(tensor):
                 stand_ins.append(tensor)
-                for part, part_args, _ in _slices(tensor, mine, {}, what):
+                for part, part_args, _ in _slices(tensor, mine, kwargs, what):
                     targets.append(part)
                     given.append(part_args)
             else:
