@@ -303,3 +303,94 @@ def zero_checkpoint(kind, rank, world):
     return out
 
 
+
+
+# ---------------------------------------------------------------- in place on .grad
+CLIP_VALUE = 0.05  # below the largest gradients of the habit script: some elements clip
+
+
+def on_grads(side: Side, change, micro_batches: int = 1) -> dict:
+    """The plain loop (``micro_batches`` per step, all but the last under ``no_sync``) with
+    ``change(params, step)`` after each synced backward, before the step."""
+    opt, out = side.optimizer(), {}
+    for step in range(STEPS):
+        for micro in range(micro_batches):
+            x, y = batch(rank=side.rank, step=step, micro=micro)
+            out[f"loss {step}.{micro}"] = np.float32(
+                side.step(x, y, pause=micro < micro_batches - 1))
+        change([p for p in side.model.parameters() if p.grad is not None], step)
+        opt.step()
+        opt.zero_grad()
+    out.update(state(side))
+    return out
+
+
+def grad_div_(kind, rank, world):
+    """Manual averaging over accumulation: 2 micro-batches (the first under ``no_sync``),
+    then ``p.grad.div_(2)`` on each parameter."""
+    def change(params, step):
+        for p in params:
+            p.grad.div_(2)
+    return on_grads(Side(kind, rank), change, micro_batches=2)
+
+
+def grad_itruediv(kind, rank, world):
+    """The same averaging written ``p.grad /= n``, ``n`` a 0-dim tensor."""
+    def change(params, step):
+        n = torch.tensor(2.0)
+        for p in params:
+            grad = p.grad
+            grad /= n
+    return on_grads(Side(kind, rank), change, micro_batches=2)
+
+
+def clip_value(kind, rank, world):
+    """torch's ``clip_grad_value_(model.parameters(), 0.05)``, its default at even steps and
+    ``foreach=True`` at odd ones; how many elements of each step's gradients it changes."""
+    counts = {}
+
+    def change(params, step):
+        if kind in ("ddp", "fsdp2"):  # counted on the reference side, which holds values
+            counts[step] = sum(int((whole(p.grad).abs() > CLIP_VALUE).sum()) for p in params)
+        nn.utils.clip_grad_value_(params, CLIP_VALUE, foreach=True if step % 2 else None)
+    out = on_grads(Side(kind, rank), change)
+    out["clipped"] = np.array([c > 0 for c in counts.values()] or [True] * STEPS)
+    return out
+
+
+def dp_noise(kind, rank, world):
+    """DP-SGD's noise: ``p.grad.add_(noise)``, the noise of each gradient's shape drawn from a
+    seed all ranks share (under full sharding the noise is a DTensor laid out as the
+    gradient, as FSDP2 requires)."""
+    def change(params, step):
+        for i, p in enumerate(params):
+            g = torch.Generator().manual_seed(100 * step + i)
+            noise = torch.randn(p.shape, generator=g) * 0.01
+            p.grad.add_(as_grad(noise, p.grad))
+    return on_grads(Side(kind, rank), change)
+
+
+def as_grad(tensor: torch.Tensor, grad) -> torch.Tensor:
+    """``tensor`` (the same on every rank) laid out as ``grad``: a DTensor's shard of it."""
+    if not hasattr(grad, "device_mesh"):
+        return tensor
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(tensor, grad.device_mesh, grad.placements)
+
+
+def nan_to_num(kind, rank, world):
+    """``p.grad.nan_to_num_(nan=0.0, posinf=1.0, neginf=-1.0)`` on each parameter's ``.grad``
+    (a no-op on these finite gradients: the row checks that it runs and changes nothing)."""
+    def change(params, step):
+        for p in params:
+            p.grad.nan_to_num_(nan=0.0, posinf=1.0, neginf=-1.0)
+    return on_grads(Side(kind, rank), change)
+
+
+def clamp_min_max(kind, rank, world):
+    """``p.grad.clamp_min_(-0.05).clamp_max_(0.05)`` on each parameter's ``.grad``."""
+    def change(params, step):
+        for p in params:
+            p.grad.clamp_min_(-CLIP_VALUE).clamp_max_(CLIP_VALUE)
+    return on_grads(Side(kind, rank), change)

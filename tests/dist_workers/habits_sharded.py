@@ -197,7 +197,7 @@ def torch_clipping(out: dict, rank: int) -> None:
         "sum": raised(lambda: grad.sum()),
         "norm": raised(lambda: grad.norm()),
         "sgd": raised(lambda: torch.optim.SGD(net.parameters(), lr=0.1).step()),
-        "value": raised(lambda: nn.utils.clip_grad_value_(net.parameters(), 0.1)),
+        "1-norm": raised(lambda: nn.utils.clip_grad_norm_(net.parameters(), 0.1, 1.0)),
         "repr": repr(grad),
         "shape": list(grad.shape),
     }

@@ -53,7 +53,7 @@ REFUSED = {
     "cpu()": lambda g: g.cpu(),
     "numpy()": lambda g: g.numpy(),
     "clone()": lambda g: g.clone(),
-    "add_(1)": lambda g: g.add_(1),
+    "abs_()": lambda g: g.abs_(),
     "float()": lambda g: g.float(),
     "to(float64)": lambda g: g.to(torch.float64),
     "type(float64)": lambda g: g.type(torch.float64),
@@ -87,6 +87,14 @@ def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net(x).square().mean()
 
 
+def backward_both(gm, net: nn.Module, ddp: nn.Module, step: int, rank: int) -> None:
+    """A synced backward of this rank's batch of ``step``, gradmgr's and DDP's."""
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+    with gm:
+        gm.backward(loss_of(net, x))
+    loss_of(ddp, x).backward()
+
+
 
 def result(fn) -> object:
     """What ``fn()`` returns, or ``("raised", type name, message)`` (so that old code, where
@@ -115,10 +123,7 @@ def main(rank: int, world: int, outdir: str) -> None:
     ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
     out: dict = {"steps": []}
     for step in range(2):
-        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        with gm:
-            gm.backward(loss_of(net, x))
-        loss_of(ddp, x).backward()
+        backward_both(gm, net, ddp, step, rank)
         grads = [p.grad for p in net.parameters()]
         out["steps"].append({
             "ours": [read(g) for g in grads],

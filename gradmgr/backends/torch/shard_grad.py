@@ -9,8 +9,14 @@ by the clipped factor (``Tensor.mul_``, or ``torch._foreach_mul_``): the stand-i
 norm of the whole gradient and multiplies this rank's slices by the same factor, so the result
 is DDP's + ``clip_grad_norm_``'s. ``torch.amp.GradScaler.unscale_``'s kernel
 (``torch._amp_foreach_non_finite_check_and_unscale_``) unscales the slices and finds a
-non-finite value in any rank's slices, on every rank. ``Tensor.zero_``
-(``model.zero_grad(set_to_none=False)``) zeroes the slices.
+non-finite value in any rank's slices, on every rank.
+
+Elementwise in-place calls (``zero_`` of ``model.zero_grad(set_to_none=False)``, ``div_`` and
+``/=`` of manual averaging, the clamps of ``clip_grad_value_``, ``add_`` of DP-SGD's noise,
+``nan_to_num_``, and torch's ``_foreach_`` forms) act on this rank's slices: each element of a
+slice is what it is in DDP's ``.grad`` after the same call. A number or a 0-dim tensor applies
+as it is; a tensor of the gradient's shape (or one that broadcasts to it) is flattened as the
+shards flatten the gradient, and each slice takes its own elements of it.
 
 Metadata is the whole gradient's, as DDP's ``.grad`` and FSDP2's DTensor ``.grad`` (whose
 metadata is the global tensor's) answer it: shape, dtype, device, layout, strides (the
@@ -36,9 +42,11 @@ _REFUSED = (
     "p.grad.to_local() is this rank's slice (a 1-D view of the flattened gradient's elements "
     "p.grad.local_range()); "
     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (2-norm, on every rank) "
-    "works on it, or opt.clip_grad_norm_(max_norm); opt.step() steps the slices and "
-    "opt.zero_grad() drops them, and the stand-ins. Inside no_sync(gm), .grad holds this "
-    "rank's own whole gradient"
+    "works on it, or opt.clip_grad_norm_(max_norm); so do in-place elementwise calls with a "
+    "number or a tensor of the gradient's shape (mul_, div_, /=, add_, sub_, clamp_, "
+    "clip_grad_value_, nan_to_num_, zero_), each rank on its slice; opt.step() steps the "
+    "slices and opt.zero_grad() drops them, and the stand-ins. Inside no_sync(gm), .grad "
+    "holds this rank's own whole gradient"
 )
 
 _GONE = (
@@ -134,31 +142,102 @@ def _foreach_norm(grads: Any, ord: Any = 2, dtype: Any = None) -> list:
     return [_norm_of(g, ord, dtype=dtype) for g in grads]
 
 
-def _in_place(grad: Any, change: Callable[[torch.Tensor], Any]) -> Any:
-    """``change`` each of this rank's slices of the stand-in's gradient, in place."""
-    with torch.no_grad():
-        for part in grad._member.parts():
-            change(part)
-    grad._member.changed()
-    return grad
+class _Flat:
+    """A tensor operand of the gradient's shape (or broadcast to it), flattened as the
+    shards flatten the gradient: each slice takes its own elements of it."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
 
 
-def _mul_(grad: Any, factor: Any) -> Any:
-    return _in_place(grad, lambda part: part.mul_(factor))
+def _operand(grad: Any, value: Any, what: str) -> Any:
+    """``value`` ready to apply to ``grad``'s slices; checked on every rank, those holding
+    none of the gradient too, so that every rank raises alike."""
+    if is_stand_in(value):  # another gradient's slices need not line up with this one's
+        raise RuntimeError(_REFUSED.format(what=f"{what} with a stand-in .grad as its operand"))
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value  # a number, or a 0-dim tensor: the same for every element
+    try:
+        whole = value.broadcast_to(grad.shape)
+    except RuntimeError:
+        raise RuntimeError(
+            f"{what} on a stand-in .grad of shape {list(grad.shape)} with a tensor of shape "
+            f"{list(value.shape)}, which does not broadcast to it: give a number, a 0-dim "
+            f"tensor or a tensor of the gradient's shape (each rank applies its slice of it)"
+        ) from None
+    return _Flat(whole.reshape(-1))
 
 
-def _foreach_mul_(grads: Any, factors: Any) -> None:
-    many = isinstance(factors, (list, tuple))
-    for i, grad in enumerate(grads):
-        factor = factors[i] if many else factors
-        if is_stand_in(grad):
-            _mul_(grad, factor)
-        else:
-            grad.mul_(factor)
+def _cut(value: Any, start: int, stop: int) -> Any:
+    return value.values[start:stop] if isinstance(value, _Flat) else value
 
 
-def _zero_(grad: Any) -> Any:
-    return _in_place(grad, torch.Tensor.zero_)
+def _check_alpha(grad: Any, alpha: Any, what: str) -> None:
+    # torch's CPU kernel of a + alpha * b rounds a 16-bit tensor's last elements (past its
+    # last full vector) otherwise than the rest: a slice's last ones would not be DDP's
+    if alpha != 1 and grad.dtype in (torch.bfloat16, torch.float16):
+        raise RuntimeError(
+            f"{what} with alpha={alpha} on a stand-in .grad of dtype {grad.dtype}: each rank "
+            f"would round its slice's last elements otherwise than DDP's whole .grad. Scale "
+            f"the operand first (p.grad.add_(other * alpha)): each slice then holds what "
+            f"DDP's .grad holds after that same call")
+
+
+def _slices(grad: Any, args: tuple, kwargs: dict, what: str) -> list:
+    """``(slice, args, kwargs)`` for each of this rank's slices of the stand-in's gradient,
+    each tensor operand of the gradient's shape cut to the slice's elements."""
+    _check_alpha(grad, kwargs.get("alpha", 1), what)
+    args = tuple(_operand(grad, a, what) for a in args)
+    kwargs = {k: _operand(grad, v, what) for k, v in kwargs.items()}
+    return [(part, tuple(_cut(a, start, stop) for a in args),
+             {k: _cut(v, start, stop) for k, v in kwargs.items()})
+            for start, stop, part in grad._member.pieces()]
+
+
+def _elementwise(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, an in-place elementwise ``Tensor`` method, applied to each of this rank's
+    slices of the stand-in's gradient: DDP's ``.grad`` after the same call, slice by slice."""
+    what = f"Tensor.{method.__name__}"
+
+    def apply(grad: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_stand_in(grad):  # a plain tensor, with a stand-in as its operand
+            raise RuntimeError(_REFUSED.format(what=f"{what} with a stand-in .grad as its operand"))
+        with torch.no_grad():
+            for part, part_args, part_kwargs in _slices(grad, args, kwargs, what):
+                method(part, *part_args, **part_kwargs)
+        grad._member.changed()
+        return grad
+    return apply
+
+
+def _foreach(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch._foreach_*_(tensors, *operands)``: one call of torch's kernel on the plain
+    tensors and this rank's slices of the stand-ins (an operand given per tensor cut to each
+    slice's elements)."""
+    what = f"torch.{kernel.__name__}"
+
+    def apply(tensors: Any, *operands: Any, **kwargs: Any) -> None:
+        targets, given, stand_ins = [], [], []
+        for i, tensor in enumerate(tensors):
+            mine = tuple(o[i] if isinstance(o, (list, tuple)) else o for o in operands)
+            if is_stand_in(tensor):
+                stand_ins.append(tensor)
+                for part, part_args, _ in _slices(tensor, mine, kwargs, what):
+                    targets.append(part)
+                    given.append(part_args)
+            else:
+                targets.append(tensor)
+                given.append(mine)
+        args = [[g[j] for g in given] if isinstance(o, (list, tuple)) else o
+                for j, o in enumerate(operands)]
+        if targets:
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                kernel(targets, *args, **kwargs)
+        for grad in stand_ins:
+            grad._member.changed()
+    return apply
 
 
 def _unscale_(grads: Any, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
@@ -195,10 +274,17 @@ _HANDLERS: Dict[Any, Callable[..., Any]] = {
     torch._amp_foreach_non_finite_check_and_unscale_: _unscale_,
     torch.linalg.vector_norm: _norm_of,
     torch._foreach_norm: _foreach_norm,
-    torch.Tensor.mul_: _mul_,
-    torch._foreach_mul_: _foreach_mul_,
-    torch.Tensor.zero_: _zero_,
 }
+# In place and elementwise: each rank applies them to its slices, which then hold DDP's values
+# there (clipping's mul_, zero_grad(set_to_none=False)'s zero_, clip_grad_value_'s clamps,
+# averaging's div_ and /=, noise's add_, nan_to_num_).
+_HANDLERS.update({method: _elementwise(method) for method in (
+    torch.Tensor.mul_, torch.Tensor.div_, torch.Tensor.add_, torch.Tensor.sub_,
+    torch.Tensor.clamp_, torch.Tensor.clip_, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_,
+    torch.Tensor.nan_to_num_, torch.Tensor.zero_)})
+_HANDLERS.update({kernel: _foreach(kernel) for kernel in (
+    torch._foreach_mul_, torch._foreach_div_, torch._foreach_add_, torch._foreach_sub_,
+    torch._foreach_clamp_min_, torch._foreach_clamp_max_, torch._foreach_zero_)})
 # Metadata that needs no values, the whole gradient's (model.zero_grad(set_to_none=False) asks
 # requires_grad_(False)); attributes (.shape, .dtype, .nbytes...) pass as __get__.
 _PASSED = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.requires_grad_,

@@ -7,7 +7,8 @@ them (``ops.stand_in_grad(tensor, member)``; PyTorch does), each tensor with a g
 shards gets a stand-in ``.grad`` that holds no memory and answers what clipping asks: the norm
 of the tensor's whole gradient (every rank's slices: one small allreduce for all the tensors,
 the first time one is asked after the shards changed, so every rank must ask, as every rank
-clips under DDP) and its slices, to scale or zero in place (each rank its own). Anything else
+clips under DDP) and its slices, to change in place elementwise (scale, zero, clamp, add the
+same noise on every rank: each rank its own slices). Anything else
 done with it raises an error that says where the gradient is. The stand-ins go at
 ``opt.zero_grad()`` and when the next recording begins, before autograd could accumulate into
 one; where the program took them away itself (``model.zero_grad()`` sets ``.grad`` None, the
@@ -40,6 +41,11 @@ class MemberGrad:
         """This rank's slices of the tensor's gradient: views into the shards, which the
         backend scales or zeroes in place (then :meth:`changed`)."""
         return self._stand_ins.parts(self.position)
+
+    def pieces(self) -> List[tuple]:
+        """``(start, stop, slice)`` for each of :meth:`parts`: the slice holds the elements
+        ``start`` to ``stop`` of the tensor's flattened gradient."""
+        return self._stand_ins.pieces(self.position)
 
     def span(self) -> tuple:
         """``(start, stop)`` of this rank's part of the tensor's flattened gradient (start ==
@@ -190,6 +196,10 @@ class StandIns:
         return shards.ops.part(chunk, 0, 0)
 
     def parts(self, position: int) -> List[Any]:
+        return [part for _, _, part in self.pieces(position)]
+
+    def pieces(self, position: int) -> List[tuple]:
         shards = self.shards
-        grads = [shards.grad_of(s) for s in self._own() if s.position == position]
-        return [g for g in grads if g is not None]
+        found = [(s.start, s.stop, shards.grad_of(s)) for s in self._own()
+                 if s.position == position]
+        return [piece for piece in found if piece[2] is not None]
