@@ -784,3 +784,20 @@ def test_a_paddle_gru_checkpoint_converts_with_its_cells_names_and_back(tmp_path
                                            "parameter"):
         convert_checkpoint(str(tmp_path / "edited.pdparams"), str(tmp_path / "no.pth"),
                            str(tmp_path / "map.json"), reverse=True)
+
+
+@pytest.mark.parametrize("direction", ["paddle->megengine", "megengine->paddle"])
+def test_a_grouped_paddle_conv_maps_to_megengines_and_is_parity(direction):
+    """Paddle's grouped Conv2D weight is torch's [out, in / groups, k, k], MegEngine's
+    (groups, out / groups, in / groups, k, k): the same order, reshaped (old code: unmapped,
+    "not a layout-only change")."""
+    paddle.seed(0)
+    mge.random.seed(0)
+    models = [paddle.nn.Sequential(paddle.nn.Conv2D(4, 4, 3, groups=2)),
+              mge.module.Sequential(mge.module.Conv2d(4, 4, 3, groups=2))]
+    a, b = models if direction == "paddle->megengine" else models[::-1]
+    x = RS.randn(2, 4, 6, 6).astype(np.float32)
+    report = transfer_weights(a, b, probe=x)
+    assert "grouped convolution" in {p.src: p.how for p in report.pairs}["0.weight"]
+    report = compare_step(a, b, x)
+    assert report.ok, report.text()
