@@ -33,38 +33,33 @@ DIRECTIONS = ["torch->megengine", "megengine->torch"]
 GROUPED = ("grouped.weight", "expand.weight", "up.weight")
 
 
-class TorchNeXt(nn.Module):
-    """A ResNeXt-style block: a 1x1 reduction, a 3x3 grouped convolution (4 channels in 2
-    groups: its groups and its channels per group both 2), a grouped 1x1 expansion, a
-    grouped transposed convolution up, a head."""
+def _next(lib):
+    """A ResNeXt-style block in ``lib`` (torch.nn or megengine.module): a 1x1 reduction, a
+    3x3 grouped convolution (4 channels in 2 groups: its groups and its channels per group
+    both 2), a grouped 1x1 expansion, a grouped transposed convolution up, a head."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.reduce = nn.Conv2d(3, 4, 1)
-        self.grouped = nn.Conv2d(4, 4, 3, padding=1, groups=2)
-        self.relu = nn.ReLU()
-        self.expand = nn.Conv2d(4, 8, 1, groups=4)
-        self.up = nn.ConvTranspose2d(8, 8, 2, stride=2, groups=2)
-        self.fc = nn.Linear(8, 5)
+    class NeXt(lib.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reduce = lib.Conv2d(3, 4, 1)
+            self.grouped = lib.Conv2d(4, 4, 3, padding=1, groups=2)
+            self.relu = lib.ReLU()
+            self.expand = lib.Conv2d(4, 8, 1, groups=4)
+            self.up = lib.ConvTranspose2d(8, 8, 2, stride=2, groups=2)
+            self.fc = lib.Linear(8, 5)
 
-    def forward(self, x):
-        x = self.up(self.expand(self.relu(self.grouped(self.reduce(x)))))
-        return self.fc(x.mean(dim=(2, 3)))
+        def forward(self, x):
+            x = self.up(self.expand(self.relu(self.grouped(self.reduce(x)))))
+            return self.fc(x.mean((2, 3)))
+    return NeXt()
 
 
-class MgeNeXt(M.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reduce = M.Conv2d(3, 4, 1)
-        self.grouped = M.Conv2d(4, 4, 3, padding=1, groups=2)
-        self.relu = M.ReLU()
-        self.expand = M.Conv2d(4, 8, 1, groups=4)
-        self.up = M.ConvTranspose2d(8, 8, 2, stride=2, groups=2)
-        self.fc = M.Linear(8, 5)
+def TorchNeXt():  # noqa: N802 (a model's name)
+    return _next(nn)
 
-    def forward(self, x):
-        x = self.up(self.expand(self.relu(self.grouped(self.reduce(x)))))
-        return self.fc(x.mean(axis=(2, 3)))
+
+def MgeNeXt():  # noqa: N802
+    return _next(M)
 
 
 def _models(direction: str):
