@@ -1,5 +1,6 @@
 """The weight map between two models: which tensor of one is which tensor of the other, with
-the layout changes allowed (size-1 dims only), and the copy itself (:func:`transfer_weights`).
+the layout changes allowed (size-1 dims; a grouped convolution's weight split by group), and
+the copy itself (:func:`transfer_weights`).
 
 The automatic map pairs layers that own tensors in the order a forward calls them (MegEngine
 lists parameters by name, so registration order is not enough), aligning their kinds as a
@@ -155,8 +156,11 @@ def build_map(a: ModelAdapter, b: ModelAdapter, name_map: Optional[Mapping[str, 
         if (sa.layer, sb.layer) not in report.layers:
             report.layers.append((sa.layer, sb.layer))
     pairs += _auto_pairs(a, b, order_a, order_b, report, named_a, named_b)
+    conv_a, conv_b = ({y.name for y in side.layers() if family(y.kind).startswith("conv")}
+                      for side in (a, b))
     for sa, sb in pairs:
-        _pair(sa, sb, dict(transforms or {}), report)
+        _pair(sa, sb, dict(transforms or {}), report,
+              grouped_convs=sa.layer in conv_a and sb.layer in conv_b)
     report.findings.extend(tie_findings(report.pairs, a.aliases, b.aliases))
     used_a, used_b = {p[0].name for p in pairs}, {p[1].name for p in pairs}
     for side, slots, used, named in (("src", slots_a, used_a, named_a),
@@ -389,7 +393,21 @@ def _pair_roles(sa: List[Slot], sb: List[Slot], report: MappingReport) -> List[T
     return pairs
 
 
-def _pair(sa: Slot, sb: Slot, transforms: Dict[str, Transform], report: MappingReport) -> None:
+def grouped(shape: Sequence[int], other: Sequence[int]) -> bool:
+    """``shape`` is ``other`` with its first dim split in two: a grouped convolution's weight
+    as MegEngine stores it, ``(groups, out/groups, in/groups, *kernel)``, against PyTorch's
+    and Paddle's ``(out, in/groups, *kernel)`` (a transposed convolution's: ``in`` first),
+    the same elements in the same order. tests/test_parity_grouped.py checks the reshape
+    against MegEngine's own Conv2d, ConvTranspose2d and Conv3d."""
+    shape, other = tuple(shape), tuple(other)
+    return (len(shape) == len(other) + 1 and len(other) >= 3
+            and shape[0] * shape[1] == other[0] and shape[2:] == other[1:])
+
+
+def _pair(sa: Slot, sb: Slot, transforms: Dict[str, Transform], report: MappingReport,
+          grouped_convs: bool = False) -> None:
+    """``grouped_convs``: both tensors belong to convolutions, whose weights may differ by a
+    grouped layout (:func:`grouped`); elsewhere that reshape would be a guess."""
     transform = transforms.get(sa.name)
     shape = sa.shape
     if transform is not None:
@@ -399,6 +417,9 @@ def _pair(sa: Slot, sb: Slot, transforms: Dict[str, Transform], report: MappingR
         how = "transform" if transform is not None else "copy"
     elif squeezed(shape) == squeezed(sb.shape):
         how = f"reshape {shape} -> {sb.shape}"
+    elif grouped_convs and (grouped(shape, sb.shape) or grouped(sb.shape, shape)):
+        how = (f"reshape {shape} -> {sb.shape} (a grouped convolution's weight: (groups, "
+               f"C/groups, ...) holds (C, ...) in the same order)")
     else:
         report.unmapped.append(Unmapped("src", sa.name, _shape_reason(sa, sb)))
         report.unmapped.append(Unmapped("dst", sb.name, f"{sa.name} does not fit it (above)"))

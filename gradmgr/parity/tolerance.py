@@ -16,12 +16,21 @@ against the tensor, not against elements that cancel to nearly zero), ``K``:
 * the forward output of layer ``L``: the sum of the reduction lengths of every layer called up
   to and including ``L`` (a Conv's fan-in ``C_in/groups * prod(kernel)``, a Linear's
   ``in_features``, a BatchNorm's ``N*H*W``, a LayerNorm's normalized size, an average
-  pooling's window, 1 for elementwise layers);
+  pooling's window, a GRU's or LSTM's one time step through all its layers (below), 1 for
+  elementwise layers);
 * the loss: the whole forward's ``K`` plus the loss's own reduction (the output's size), its
   scale at least the mean magnitude of the output (a mean of outputs cancels);
 * a parameter's gradient: the whole forward's ``K`` (the backward crosses every layer again,
   with reductions of the same lengths) plus the batch reduction of that gradient (the layer's
   output size over its output channels).
+
+A GRU or LSTM counts the gate matmuls of one time step of each of its layers, ``sum over
+layers of (layer input + hidden)`` (above a two-way layer, the input is ``2 * hidden``), not
+of every step an output element depends on: between PyTorch and Paddle its output's
+difference grew with the layers and little with the sequence (1.5-7.4 ``eps * scale`` over 5
+to 1,280 steps; its ratio to that ``sqrt(K)`` at most 1.16, at 3 -> 4, and 0.35 from 32 ->
+64 up: the recurrence damps older steps' rounding; ``bench/parity_tolerance_rnn.py``). Its
+gradients need nothing more: their batch reduction already counts every time step.
 
 ``C`` (forward outputs) and ``C_GRAD`` (the loss, gradients) were measured (docs/porting.md,
 "How tolerances are chosen"; ``bench/parity_tolerance.py``): the largest
@@ -88,7 +97,30 @@ def layer_reduction(kind: str, config: Dict[str, Any], in_shape: Sequence[int],
         return int(np.prod(config.get("normalized_shape", (1,))))
     if kind.startswith(("avgpool", "adaptiveavgpool")):
         return max(1, int(np.prod(in_shape)) // max(1, int(np.prod(out_shape))))
+    if kind in RECURRENT:
+        return recurrent_reduction(config, in_shape, out_shape)
     return 1
+
+
+RECURRENT = ("gru", "lstm")
+"""The recurrent kinds whose forward difference was measured (module docstring)."""
+
+
+def recurrent_reduction(config: Dict[str, Any], in_shape: Sequence[int],
+                        out_shape: Sequence[int]) -> int:
+    """One time step of every layer of a GRU or LSTM: ``sum of (layer input + hidden)``.
+    Without its configuration (a port's own class): one layer, the sizes from the shapes.
+
+    Example:
+        >>> from gradmgr.parity.tolerance import recurrent_reduction
+        >>> recurrent_reduction({"input_size": 32, "hidden_size": 64, "num_layers": 2,
+        ...                      "bidirectional": False}, (4, 20, 32), (4, 20, 64))
+        224
+    """
+    inp = int(config.get("input_size", in_shape[-1] if len(in_shape) else 1))
+    hidden = int(config.get("hidden_size", out_shape[-1] if len(out_shape) else 1))
+    above = (2 if config.get("bidirectional") else 1) * hidden  # a deeper layer's input
+    return inp + hidden + (int(config.get("num_layers", 1)) - 1) * (above + hidden)
 
 
 def grad_reduction(param_shape: Sequence[int], out_shape: Sequence[int]) -> int:

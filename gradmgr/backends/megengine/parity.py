@@ -51,6 +51,9 @@ def _config(m: M.Module) -> Dict[str, Any]:
         return {"p": m.drop_prob}
     if isinstance(m, M.Embedding):  # MegEngine 1.13 refuses a padding_idx: every row trains
         return {"padding_idx": getattr(m, "padding_idx", None)}
+    if isinstance(m, M.rnn.RNNBase):  # its tolerance's reduction (tolerance.py) reads them
+        return {"input_size": m.input_size, "hidden_size": m.hidden_size,
+                "num_layers": m.num_layers, "bidirectional": m.bidirectional}
     return {}
 
 

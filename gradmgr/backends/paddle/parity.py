@@ -68,6 +68,9 @@ def _config(m: Any) -> Dict[str, Any]:
     if isinstance(m, nn.Embedding):  # kept as given; its forward reads -1 as the last row
         pad = m._padding_idx
         return {"padding_idx": pad if pad is None or pad >= 0 else int(m.weight.shape[0]) + pad}
+    if isinstance(m, _RNNS):  # its tolerance's reduction (tolerance.py) reads them
+        return {"input_size": m.input_size, "hidden_size": m.hidden_size,
+                "num_layers": m.num_layers, "bidirectional": m.num_directions == 2}
     return {}
 
 

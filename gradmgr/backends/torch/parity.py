@@ -53,6 +53,9 @@ def _config(module: torch.nn.Module) -> Dict[str, Any]:
         return {"p": m.p}
     if isinstance(m, torch.nn.Embedding):  # the padding row gets no gradient
         return {"padding_idx": m.padding_idx}
+    if isinstance(m, torch.nn.RNNBase):  # its tolerance's reduction (tolerance.py) reads them
+        return {"input_size": m.input_size, "hidden_size": m.hidden_size,
+                "num_layers": m.num_layers, "bidirectional": m.bidirectional}
     return {}
 
 
