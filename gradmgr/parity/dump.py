@@ -212,10 +212,7 @@ class Dump:
         return list(self._slots)
 
     def read(self, name: str) -> np.ndarray:
-        values = self.header["values"]
-        value = self._array(values[self._own(values, name)])
-        assert value is not None  # (every slot's value is written)
-        return value
+        return self._required("values", name, "value before its step")
 
     def write(self, name: str, value: np.ndarray) -> None:
         # restoring the values it was recorded with is fine; anything else would be a guess
@@ -225,9 +222,13 @@ class Dump:
 
     def read_after(self, name: str) -> np.ndarray:
         """A buffer's value as the recorded step left it (:meth:`read`: before the step)."""
-        after = self.header["after"]
-        value = self._array(after[self._own(after, name)])
-        assert value is not None  # (every buffer's is written)
+        return self._required("after", name, "value after its step")
+
+    def _required(self, table: str, name: str, what: str) -> np.ndarray:
+        entries = self.header[table]
+        value = self._array(entries[self._own(entries, name)])
+        if value is None:  # (load() checked that every tensor's is there)
+            raise ParityError(f"the parity dump holds no {what} of {name}: dump the run again")
         return value
 
     def grad(self, name: str) -> Optional[np.ndarray]:
