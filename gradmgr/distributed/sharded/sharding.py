@@ -231,9 +231,11 @@ class GradientShards:
         """Zero the chunks, keeping which members have a gradient (``zero_grad(set_to_none=
         False)``): as a zeroed ``.grad`` under DDP, a member that gets no gradient in the next
         step still has one, zeros, which the optimizer steps (momentum, weight decay)."""
-        ops = self.ops
-        self.chunks = [None if c is None else ops.zeros(ops.numel(c), c) for c in self.chunks]
-        self.kept_zeros = [c is not None for c in self.chunks]
+        ops, chunks = self.ops, self.chunks
+        for b, chunk in enumerate(chunks):  # one at a time: each old chunk freed as replaced
+            if chunk is not None:
+                chunks[b] = ops.zeros(ops.numel(chunk), chunk)
+        self.kept_zeros = [c is not None for c in chunks]
         self.changed()
         self.stand_ins.drop()
 
