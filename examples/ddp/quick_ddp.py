@@ -21,4 +21,5 @@ for _ in range(5):
     opt.zero_grad()
 print(f"rank {rank}: loss {loss.item()!r} weight {model.weight.tolist()}")
 del ddp  # before its process group goes
+dist.barrier()  # every rank done communicating: torch 2.13's gloo may abort at exit
 dist.destroy_process_group()

@@ -23,4 +23,5 @@ for _ in range(5):
     opt.zero_grad()
 print(f"rank {rank}: loss {loss.item()!r} weight {model.weight.tolist()}")
 del gm  # before its process group goes
+dist.barrier()  # every rank done communicating: torch 2.13's gloo may abort at exit
 dist.destroy_process_group()
